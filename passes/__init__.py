@@ -1,0 +1,25 @@
+"""Graph rewrites of the twell backend, installed as ``twell_compile.passes``.
+
+Every pass is a ``(graph_module, config) -> graph_module`` function that cleans up after itself
+(dead nodes removed, graph linted, code recompiled). ``PASSES`` is the one ordered list the
+backend applies; each pass records what it did in ``report_of(gm)``.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from twell_compile.config import TwellConfig
+from twell_compile.passes.fuse_ffn import fuse_ffn, report_of
+from twell_compile.passes.scale_l1 import scale_l1
+
+PASSES = (fuse_ffn, scale_l1)
+
+
+def run_passes(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
+    for p in PASSES:
+        gm = p(gm, config)
+    return gm
+
+
+__all__ = ["PASSES", "run_passes", "report_of", "fuse_ffn", "scale_l1"]

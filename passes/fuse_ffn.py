@@ -1,0 +1,134 @@
+"""Rewrites every matched ReLU FFN into one ``twell`` op, in the graph and all its subgraphs.
+
+The op is ``twell::ffn`` where the block's output needs no gradient (grad mode off at trace
+time or nothing requiring grad), else ``twell::ffn_train``, whose backward is ours. Inputs
+are cast to the dtype the projections produced, so autocast regions keep their numerics.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+from torch import fx
+
+from twell_compile.config import TwellConfig
+from twell_compile.passes.match_ffn import Match, Projection, Rejection, example, find_ffns
+from twell_compile.report import RejectionEntry, Report, RewriteEntry
+
+import twell_compile.ops  # noqa: F401  (registers torch.ops.twell)
+
+
+def report_of(gm: fx.GraphModule) -> Report:
+    """The report the passes write into, kept on the root graph module."""
+    return gm.meta.setdefault("twell_report", Report())
+
+
+def graph_modules(gm: fx.GraphModule) -> list[tuple[str, fx.GraphModule]]:
+    """The graph and every subgraph (higher-order ops such as activation checkpointing)."""
+    return [(name, m) for name, m in gm.named_modules() if isinstance(m, fx.GraphModule)]
+
+
+def _cast(graph: fx.Graph, node: Optional[fx.Node], dtype: torch.dtype) -> Optional[fx.Node]:
+    if node is None:
+        return None
+    ev = example(node)
+    if ev is not None and ev.dtype == dtype:
+        return node
+    return graph.call_method("to", (node, dtype))
+
+
+def _weight(graph: fx.Graph, p: Projection, dtype: torch.dtype) -> tuple[fx.Node, Optional[fx.Node]]:
+    """p's weight as an [N, K] view and its bias, both cast to ``dtype``."""
+    w = p.weight
+    if p.transposed:
+        w = graph.call_function(torch.t, (w,))
+    b = p.bias
+    if p.rows is not None:
+        rows = slice(*p.rows)
+        w = graph.call_function(operator.getitem, (w, rows))
+        if b is not None:
+            b = graph.call_function(operator.getitem, (b, rows))
+    return _cast(graph, w, dtype), _cast(graph, b, dtype)
+
+
+def _tokens(shape: Any) -> str:
+    return "[" + ", ".join(str(d) for d in shape[:-1]) + "]"
+
+
+def _rewrite(graph: fx.Graph, m: Match, config: TwellConfig, layer: str) -> tuple[str, fx.Node]:
+    down_node = m.down.out
+    out = example(down_node)
+    dtype = out.dtype
+    training = out.requires_grad
+    with graph.inserting_before(down_node):
+        x = _cast(graph, m.x, dtype)
+        wg, bg = _weight(graph, m.gate, dtype)
+        wu, bu = _weight(graph, m.up, dtype) if m.up is not None else (None, None)
+        wd, bd = _weight(graph, m.down, dtype)
+        if training:
+            op = torch.ops.twell.ffn_train.default
+            # l1_scale (arg 9) is filled in by the scale_l1 pass once all FFNs are known.
+            call = graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, config.ell_width,
+                                            config.backup_rows, 0.0, layer, config.stats))
+            y = graph.call_function(operator.getitem, (call, 0))
+        else:
+            op = torch.ops.twell.ffn.default
+            y = graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, config.tile_n, config.slots,
+                                         layer, config.stats))
+        if example(m.x).dim() != example(m.down.x).dim():
+            y = graph.call_method("reshape", (y, -1, out.shape[-1]))
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in down_node.meta:
+            y.meta[key] = down_node.meta[key]
+    y.meta["example_value"] = out
+    down_node.replace_all_uses_with(y)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in sorted(m.internal, key=order.__getitem__, reverse=True):
+        if not node.users:
+            graph.erase_node(node)
+    return str(op.name()), y
+
+
+def _unique(name: str, used: set[str]) -> str:
+    base = name or "ffn"
+    out, i = base, 1
+    while out in used:
+        i += 1
+        out = f"{base}#{i}"
+    used.add(out)
+    return out
+
+
+def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
+    """Replace every ReLU FFN with a twell op; record rewrites and rejections."""
+    report = report_of(gm)
+    used = {r.layer for r in report.rewrites}
+    for sub_name, sub in graph_modules(gm):
+        changed = False
+        for found in find_ffns(sub.graph):
+            if isinstance(found, Rejection):
+                report.add_rejection(RejectionEntry(found.layer, found.reason, sub_name))
+                continue
+            out = example(found.down.out)
+            if not config.enabled:
+                report.add_rejection(RejectionEntry(found.layer, "twell.enabled is False", sub_name))
+                continue
+            if out.requires_grad and not config.rewrite_training:
+                report.add_rejection(RejectionEntry(found.layer, "needs a gradient and twell.rewrite_training is False", sub_name))
+                continue
+            if not out.requires_grad and not config.rewrite_inference:
+                report.add_rejection(RejectionEntry(found.layer, "inference and twell.rewrite_inference is False", sub_name))
+                continue
+            layer = _unique(found.layer, used)
+            xe = example(found.x)
+            n = found.gate.rows[1] - found.gate.rows[0] if found.gate.rows else int(example(found.down.x).shape[-1])
+            op_name, _ = _rewrite(sub.graph, found, config, layer)
+            changed = True
+            report.add_rewrite(RewriteEntry(layer, found.gated, op_name, _tokens(xe.shape), int(xe.shape[-1]),
+                                            n, int(out.shape[-1]), str(out.dtype).replace("torch.", ""), sub_name))
+        if changed:
+            sub.graph.lint()
+            sub.recompile()
+    return gm

@@ -1,0 +1,478 @@
+"""Finds ReLU feed-forward blocks in a Dynamo (torch-level) FX graph. Analysis only.
+
+A match is ``down(relu(gate(x)) * up(x))`` or ``down(relu(up(x)))`` where each projection is
+any spelling of a linear map (``F.linear``, ``x @ w.t()``, ``torch.matmul``, ``addmm``, matmul
+plus bias add), the gate and up may come from one fused projection split by ``chunk``,
+``split`` or slicing, and identity-like nodes (eval-mode dropout, ``contiguous``, same-dtype
+casts, reshapes that keep the last dimension) may sit in between.
+
+FFN-shaped blocks that are *not* rewritten come back as rejections with a plain reason.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+# ------------------------------------------------------------------------------ node kinds
+_LINEAR_FNS = {torch._C._nn.linear, F.linear}
+_MATMUL_FNS = {operator.matmul, torch.matmul, torch.mm}
+_MATMUL_METHODS = {"matmul", "mm", "__matmul__"}
+_ADD_FNS = {operator.add, torch.add, operator.iadd}
+_ADD_METHODS = {"add", "add_", "__add__"}
+_MUL_FNS = {operator.mul, torch.mul, operator.imul}
+_MUL_METHODS = {"mul", "mul_", "__mul__"}
+_RELU_FNS = {torch.relu, torch.relu_, F.relu, F.relu_, torch.nn.functional.relu}
+_RELU_METHODS = {"relu", "relu_"}
+_DROPOUT_FNS = {F.dropout, torch.dropout, torch.nn.functional.dropout}
+_VIEW_METHODS = {"view", "reshape", "flatten", "unflatten", "contiguous"}
+_VIEW_FNS = {torch.reshape, torch.flatten, torch.unflatten}
+_CAST_METHODS = {"to", "type", "float", "half", "bfloat16", "double", "type_as"}
+_CHUNK_FNS = {torch.chunk, torch.split, torch.tensor_split}
+
+# Known activations, named in rejections (function objects and method names).
+_ACTIVATIONS: dict[Any, str] = {
+    F.silu: "SiLU", torch.nn.functional.silu: "SiLU", F.gelu: "GELU", torch.tanh: "tanh",
+    torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid", F.tanh: "tanh", F.relu6: "ReLU6",
+    F.leaky_relu: "LeakyReLU", F.elu: "ELU", F.selu: "SELU", F.celu: "CELU", F.mish: "Mish",
+    F.softplus: "Softplus", F.hardswish: "Hardswish", F.hardtanh: "Hardtanh",
+    F.hardsigmoid: "Hardsigmoid", torch.clamp: "clamp", torch.clamp_min: "clamp_min",
+    torch.square: "square", torch.pow: "pow", F.glu: "GLU", torch.exp: "exp", torch.abs: "abs",
+    F.threshold: "threshold", F.prelu: "PReLU", F.rrelu: "RReLU", torch.erf: "erf",
+}
+_ACTIVATION_METHODS = {"sigmoid": "sigmoid", "tanh": "tanh", "clamp": "clamp", "clamp_min": "clamp_min",
+                       "pow": "pow", "square": "square", "abs": "abs", "exp": "exp"}
+
+
+def _is_fn(node: fx.Node, fns: set) -> bool:
+    return node.op == "call_function" and node.target in fns
+
+
+def _is_method(node: fx.Node, names: set) -> bool:
+    return node.op == "call_method" and node.target in names
+
+
+def _arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def example(node: Any) -> Optional[torch.Tensor]:
+    """The fake tensor Dynamo recorded for a node, if it is a tensor."""
+    if not isinstance(node, fx.Node):
+        return None
+    ev = node.meta.get("example_value", node.meta.get("val"))
+    return ev if isinstance(ev, torch.Tensor) else None
+
+
+def _shape_key(t: torch.Tensor) -> tuple[str, ...]:
+    # Compare symbolic sizes by their expression, without adding guards.
+    return tuple(str(d) for d in t.shape)
+
+
+def is_relu(node: fx.Node) -> bool:
+    return _is_fn(node, _RELU_FNS) or _is_method(node, _RELU_METHODS)
+
+
+def activation_name(node: fx.Node) -> Optional[str]:
+    """Name of a known non-ReLU activation, else None."""
+    if node.op == "call_function":
+        name = _ACTIVATIONS.get(node.target)
+        if name is None and node.target in (torch.nn.functional.gelu,):
+            name = "GELU"
+        return name
+    if node.op == "call_method":
+        return _ACTIVATION_METHODS.get(node.target)
+    if node.op == "call_module":
+        return str(node.target)
+    return None
+
+
+def _is_transparent(node: fx.Node) -> bool:
+    """Identity-like on values: eval dropout, contiguous, same-dtype casts, last-dim-keeping views."""
+    if node.op not in ("call_function", "call_method") or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    src, out = example(node.args[0]), example(node)
+    if src is None or out is None:
+        return False
+    if _is_fn(node, _DROPOUT_FNS):
+        p = _arg(node, 1, "p", 0.5)
+        training = _arg(node, 2, "training" if node.target is not torch.dropout else "train", True)
+        return training is False or p == 0
+    if _is_method(node, _CAST_METHODS):
+        return out.dtype == src.dtype and out.device == src.device
+    if _is_method(node, _VIEW_METHODS) or _is_fn(node, _VIEW_FNS):
+        return out.dim() >= 1 and src.dim() >= 1 and str(out.shape[-1]) == str(src.shape[-1])
+    return False
+
+
+def skip(node: Any) -> Any:
+    """Follow identity-like nodes up to the node that produced the value."""
+    while isinstance(node, fx.Node) and _is_transparent(node):
+        node = node.args[0]
+    return node
+
+
+def _chain(start: fx.Node, end: Any) -> list[fx.Node]:
+    """The transparent nodes from ``start`` (inclusive) up to, excluding, ``end``."""
+    out = []
+    node = start
+    while node is not end:
+        out.append(node)
+        node = node.args[0]
+    return out
+
+
+# ------------------------------------------------------------------------------ projections
+@dataclass
+class Projection:
+    """A linear map out = x W^T + b found in the graph, with W in nn.Linear layout [N, K].
+
+    ``weight`` is the graph node holding the weight; ``transposed`` says it is stored [K, N]
+    (e.g. ``x @ W`` or GPT-2's Conv1D) and needs a ``.t()``. ``rows`` selects a row range of
+    the [N, K] weight (a fused gate+up projection split in two).
+    """
+
+    out: fx.Node                     # the node whose value is x W^T + b
+    x: fx.Node
+    weight: fx.Node
+    bias: Optional[fx.Node]
+    transposed: bool
+    nodes: list[fx.Node]            # graph nodes making up this projection (besides x, W, b)
+    rows: Optional[tuple[int, int]] = None
+
+
+def _transpose_source(w: Any) -> Optional[fx.Node]:
+    """If w is the transpose of a 2-D tensor, that tensor."""
+    if not isinstance(w, fx.Node):
+        return None
+    if w.op == "call_function" and w.target is getattr and w.args[1] in ("T", "mT"):
+        return w.args[0]
+    if _is_method(w, {"t"}) or _is_fn(w, {torch.t}):
+        return w.args[0]
+    if _is_method(w, {"transpose"}) or _is_fn(w, {torch.transpose}):
+        dims = {d % 2 for d in w.args[1:3] if isinstance(d, int)}
+        return w.args[0] if dims == {0, 1} else None
+    if _is_method(w, {"permute"}) or _is_fn(w, {torch.permute}):
+        dims = w.args[1:] if not isinstance(w.args[1], (tuple, list)) else w.args[1]
+        return w.args[0] if tuple(dims) in ((1, 0), (-1, -2)) else None
+    return None
+
+
+def _bias_add(node: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
+    """If ``node``'s only user adds a 1-D bias to it: (add node, bias node)."""
+    if len(node.users) != 1:
+        return None
+    add = next(iter(node.users))
+    if not (_is_fn(add, _ADD_FNS) or _is_method(add, _ADD_METHODS)) or len(add.args) != 2 or add.kwargs:
+        return None
+    a, b = add.args
+    other = b if a is node else a
+    t, out = example(other), example(node)
+    if t is None or out is None or t.dim() != 1 or str(t.shape[0]) != str(out.shape[-1]):
+        return None
+    return add, other
+
+
+def as_projection(node: Any) -> Optional[Projection]:
+    """Recognise ``node`` as the output of a linear map (its bias add included), else None."""
+    if not isinstance(node, fx.Node):
+        return None
+    # A bias add on top of a matmul: look through it.
+    if (_is_fn(node, _ADD_FNS) or _is_method(node, _ADD_METHODS)) and len(node.args) == 2:
+        for inner in node.args:
+            if isinstance(inner, fx.Node):
+                p = as_projection(inner)
+                if p is not None and p.bias is None and p.out is inner:
+                    hit = _bias_add(inner)
+                    if hit is not None and hit[0] is node:
+                        p.bias, p.out = hit[1], node
+                        p.nodes.append(node)
+                        return p
+        return None
+    if _is_fn(node, _LINEAR_FNS):
+        x, w, b = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
+        if example(w) is None or example(w).dim() != 2:
+            return None
+        return Projection(node, x, w, b, False, [node])
+    if _is_fn(node, _MATMUL_FNS) or _is_method(node, _MATMUL_METHODS):
+        x, w = node.args[0], node.args[1]
+        if example(w) is None or example(w).dim() != 2 or example(x) is None or example(x).dim() < 1:
+            return None
+        src = _transpose_source(w)
+        if src is not None and example(src) is not None and example(src).dim() == 2 and len(w.users) == 1:
+            return Projection(node, x, src, None, False, [node, w])
+        return Projection(node, x, w, None, True, [node])
+    if _is_fn(node, {torch.addmm}):
+        b, x, w = node.args[:3]
+        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+            return None
+        bt = example(b)
+        if bt is None or bt.dim() != 1 or example(w) is None or example(w).dim() != 2:
+            return None
+        src = _transpose_source(w)
+        if src is not None and example(src) is not None and len(w.users) == 1:
+            return Projection(node, x, src, b, False, [node, w])
+        return Projection(node, x, w, b, True, [node])
+    return None
+
+
+def _split_part(node: fx.Node) -> Optional[tuple[fx.Node, int, int]]:
+    """If node is a last-dim slice of another tensor: (source, start, stop) in columns."""
+    if not (node.op == "call_function" and node.target is operator.getitem):
+        return None
+    src, idx = node.args
+    ev = example(node)
+    if ev is None:
+        return None
+    # chunk / split / tensor_split along the last dim, then getitem(i)
+    if isinstance(idx, int) and isinstance(src, fx.Node) and (
+            _is_fn(src, _CHUNK_FNS) or _is_method(src, {"chunk", "split", "tensor_split"})):
+        base = src.args[0]
+        bt = example(base)
+        if bt is None:
+            return None
+        dim = _arg(src, 2, "dim", 0)
+        if not isinstance(dim, int) or dim % bt.dim() != bt.dim() - 1:
+            return None
+        parts = src.meta.get("example_value")
+        if not isinstance(parts, (tuple, list)):
+            return None
+        widths = [int(p.shape[-1]) for p in parts]
+        start = sum(widths[:idx])
+        return base, start, start + widths[idx]
+    # slicing x[..., a:b] or x[:, :, a:b]
+    if isinstance(src, fx.Node) and isinstance(idx, (tuple, slice)):
+        st = example(src)
+        if st is None:
+            return None
+        items = idx if isinstance(idx, tuple) else (idx,)
+        if Ellipsis in items:
+            if items[:-1] != (Ellipsis,):
+                return None
+        elif len(items) != st.dim() or any(s != slice(None) for s in items[:-1]):
+            return None
+        last = items[-1]
+        if not isinstance(last, slice) or last.step not in (None, 1):
+            return None
+        width = int(st.shape[-1])
+        start, stop, _ = last.indices(width)
+        return src, start, stop
+    return None
+
+
+def _split_nodes(node: fx.Node) -> list[fx.Node]:
+    nodes = [node]
+    src = node.args[0]
+    if _is_fn(src, _CHUNK_FNS) or _is_method(src, {"chunk", "split", "tensor_split"}):
+        nodes.append(src)
+    return nodes
+
+
+def resolve_projection(node: Any) -> Optional[Projection]:
+    """A projection, possibly one half of a fused projection split by columns."""
+    node = skip(node)
+    p = as_projection(node)
+    if p is not None:
+        return p
+    if not isinstance(node, fx.Node):
+        return None
+    part = _split_part(node)
+    if part is None:
+        return None
+    base, start, stop = part
+    inner = skip(base)
+    p = as_projection(inner)
+    if p is None:
+        return None
+    p.out = node
+    p.nodes = p.nodes + _chain(base, inner) + _split_nodes(node)
+    p.rows = (start, stop)
+    return p
+
+
+# ------------------------------------------------------------------------------ matches
+@dataclass
+class _Rejection:
+    down: fx.Node
+    reason: str
+    layer: str = ""
+
+
+@dataclass
+class Match:
+    down: Projection
+    gate: Projection
+    up: Optional[Projection]
+    x: fx.Node
+    internal: list[fx.Node] = field(default_factory=list)   # nodes the rewrite removes
+    layer: str = ""
+
+    @property
+    def gated(self) -> bool:
+        return self.up is not None
+
+
+def _describe(node: Any) -> str:
+    if not isinstance(node, fx.Node):
+        return repr(node)
+    act = activation_name(node)
+    if act:
+        return act
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", str(node.target))
+    return f"{node.op} {node.target}"
+
+
+def _layer_name(nodes: list[fx.Node]) -> str:
+    """The innermost module path shared by the projections (e.g. 'model.layers.0.mlp')."""
+    stacks = [list((n.meta.get("nn_module_stack") or {}).values()) for n in nodes]
+    common: list = []
+    for entries in zip(*stacks):
+        paths = {e[0] if isinstance(e, tuple) else str(e) for e in entries}
+        if len(paths) != 1:
+            break
+        common.append(paths.pop())
+    if not common:
+        return ""
+    path = common[-1]
+    if path.startswith("L['") or path.startswith("L[\""):
+        end = path.find("]")
+        path = path[end + 1:].lstrip(".")
+    return path.replace("._modules['", ".").replace("']", "")
+
+
+def _has_outside_users(internal: list[fx.Node], end: fx.Node) -> Optional[fx.Node]:
+    inside = set(internal) | {end}
+    for n in internal:
+        if n is end:
+            continue
+        for u in n.users:
+            if u not in inside:
+                return n
+    return None
+
+
+Rejection = _Rejection
+
+
+def match_at(down_node: fx.Node) -> Optional[Match | Rejection]:
+    """Try to read ``down_node`` as the down projection of a ReLU FFN."""
+    down = as_projection(down_node)
+    if down is None or down.out is not down_node:
+        return None
+    if down.rows is not None:
+        return None
+    h_in = down.x
+    h = skip(h_in)
+    if not isinstance(h, fx.Node):
+        return None
+    internal = list(down.nodes) + _chain(h_in, h)
+    gate = up = None
+    where = _layer_name([down_node, h])
+
+    def Rejection(node: fx.Node, reason: str, layer: str = "") -> _Rejection:  # noqa: N802
+        return _Rejection(node, reason, layer or where)
+
+    if _is_fn(h, _MUL_FNS) or _is_method(h, _MUL_METHODS):
+        if len(h.args) != 2 or not all(isinstance(a, fx.Node) for a in h.args):
+            return None
+        a, b = h.args
+        for g_side, u_side in ((a, b), (b, a)):
+            g = skip(g_side)
+            if isinstance(g, fx.Node) and is_relu(g):
+                gp = resolve_projection(g.args[0])
+                up_ = resolve_projection(u_side)
+                if gp is None and up_ is None:
+                    continue
+                if gp is None:
+                    return Rejection(down_node, f"the ReLU's input is {_describe(skip(g.args[0]))}, not a linear projection")
+                if up_ is None:
+                    return Rejection(down_node, f"the up branch is {_describe(skip(u_side))}, not a linear projection")
+                gate, up = gp, up_
+                internal += [h] + _chain(g_side, g) + [g] + _chain(g.args[0], skip(g.args[0])) + gp.nodes
+                internal += _chain(u_side, skip(u_side)) + up_.nodes
+                break
+        if gate is None:
+            for side in (a, b):
+                s = skip(side)
+                act = activation_name(s) if isinstance(s, fx.Node) else None
+                if act and s.args and resolve_projection(s.args[0]) is not None:
+                    return Rejection(down_node, f"gate activation is {act}, not ReLU")
+            if resolve_projection(a) is not None and resolve_projection(b) is not None:
+                return Rejection(down_node, "gated product has no activation (bilinear), not ReLU")
+            return None
+    elif is_relu(h):
+        gate = resolve_projection(h.args[0])
+        if gate is None:
+            return None
+        internal += [h] + _chain(h.args[0], skip(h.args[0])) + gate.nodes
+    else:
+        act = activation_name(h)
+        if act and h.args and isinstance(h.args[0], fx.Node) and resolve_projection(h.args[0]) is not None:
+            return Rejection(down_node, f"activation is {act}, not ReLU")
+        if _is_fn(h, _DROPOUT_FNS):
+            inner = skip(h.args[0])
+            if isinstance(inner, fx.Node) and (is_relu(inner) or _is_fn(inner, _MUL_FNS) or _is_method(inner, _MUL_METHODS)):
+                return Rejection(down_node, "dropout in training mode between the projections")
+        return None
+
+    name = _layer_name([n.out for n in (gate, up, down) if n is not None])
+    # Same input for gate and up.
+    if up is not None:
+        gx, ux = gate.x, up.x
+        if gx is not ux:
+            ge, ue = example(gx), example(ux)
+            if skip(gx) is not skip(ux) or ge is None or ue is None or _shape_key(ge) != _shape_key(ue):
+                return Rejection(down_node, "gate and up projections read different inputs", name)
+        if (gate.rows is None) != (up.rows is None):
+            return Rejection(down_node, "one of gate/up is a slice of a fused projection and the other is not", name)
+        if gate.rows is not None and gate.weight is not up.weight:
+            return Rejection(down_node, "gate and up are slices of different projections", name)
+    # Each intermediate value must be used only inside the block.
+    internal = list(dict.fromkeys(internal))
+    leak = _has_outside_users(internal, down_node)
+    if leak is not None:
+        return Rejection(down_node, f"intermediate {leak.name} has other users", name)
+    # Dtypes, devices, shapes.
+    outs = [example(p.out) for p in (gate, up, down) if p is not None]
+    xe = example(gate.x)
+    if any(o is None for o in outs) or xe is None:
+        return Rejection(down_node, "missing shape information", name)
+    if not all(o.is_floating_point() for o in outs):
+        return Rejection(down_node, f"dtype {outs[0].dtype} is not floating point", name)
+    if len({o.dtype for o in outs}) != 1:
+        return Rejection(down_node, "projections produce different dtypes", name)
+    if len({o.device for o in outs} | {xe.device}) != 1:
+        return Rejection(down_node, "tensors on different devices", name)
+    if xe.dim() < 1 or (gate.rows is not None and up is not None and
+                        (gate.rows[1] - gate.rows[0]) != (up.rows[1] - up.rows[0])):
+        return Rejection(down_node, "gate and up widths differ", name)
+    he = example(down.x)
+    if he is None or (_shape_key(he)[:-1] != _shape_key(xe)[:-1] and he.dim() != 2):
+        return Rejection(down_node, "a reshape between the projections changes the token layout", name)
+    return Match(down, gate, up, gate.x, internal, name)
+
+
+def find_ffns(graph: fx.Graph) -> list[Match | Rejection]:
+    """Every match or rejection in a graph (not its subgraphs), in graph order."""
+    found: list[Match | Rejection] = []
+    claimed: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        result = match_at(node)
+        if result is None:
+            continue
+        if isinstance(result, Match):
+            if claimed & set(result.internal):
+                continue
+            claimed |= set(result.internal)
+        found.append(result)
+    return found

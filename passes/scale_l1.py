@@ -1,0 +1,32 @@
+"""Sets the L1 penalty scale of every training op once all FFNs of the graph are known.
+
+The paper's penalty is coef x mean over tokens, hidden units and layers of |h|. Each op knows
+its own tokens and hidden units; the layer count is the number of training FFNs in this graph
+(or ``twell.l1_layers`` when the user gives it, e.g. when graph breaks split the model).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from twell_compile.config import TwellConfig
+from twell_compile.passes.fuse_ffn import graph_modules
+
+_L1_ARG = 9  # position of l1_scale in twell::ffn_train
+
+
+def scale_l1(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
+    train_op = torch.ops.twell.ffn_train.default
+    nodes = [n for _, sub in graph_modules(gm) for n in sub.graph.nodes
+             if n.op == "call_function" and n.target is train_op]
+    if not nodes:
+        return gm
+    scale = config.l1 / (config.l1_layers or len(nodes))
+    for node in nodes:
+        args = list(node.args)
+        args[_L1_ARG] = float(scale)
+        node.args = tuple(args)
+    for _, sub in graph_modules(gm):
+        sub.recompile()
+    return gm

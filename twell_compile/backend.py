@@ -1,0 +1,47 @@
+"""The ``twell`` torch.compile backend: rewrite ReLU FFNs, then hand the graph to Inductor.
+
+Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so
+``torch.compile(model, backend="twell")`` works without importing this package.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import fx
+
+from twell_compile import __version__
+from twell_compile.config import TwellConfig
+
+
+def inductor_patches(mode: Optional[str], options: dict[str, Any]) -> dict[str, Any]:
+    """Inductor config patches for torch.compile's ``mode`` plus the user's non-twell options."""
+    from torch._inductor import config as inductor_config, list_mode_options
+
+    patches: dict[str, Any] = {}
+    if mode and mode != "default":
+        patches.update(list_mode_options(mode))
+    known = inductor_config.get_config_copy()
+    for key, value in options.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ValueError(f"unknown option {key!r}: neither a twell.* option nor an Inductor config key")
+        patches[name] = value
+    return patches
+
+
+def twell_backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: Optional[str] = None,
+                  options: Optional[dict[str, Any]] = None):
+    from torch._inductor.compile_fx import compile_fx
+
+    from twell_compile.passes import run_passes
+
+    config, rest = TwellConfig.from_options(options)
+    patches = inductor_patches(mode, rest)
+    gm = run_passes(gm, config)
+    # The AOTAutograd cache key does not cover Python autograd formulas: tag it with our
+    # version and options so a cached compile never reuses a stale backward.
+    tag = f"{torch.compiler.config.cache_key_tag}|twell-{__version__}|{config.cache_tag()}"
+    with torch.compiler.config.patch(cache_key_tag=tag):
+        return compile_fx(gm, example_inputs, config_patches=patches)

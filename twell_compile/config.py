@@ -1,0 +1,99 @@
+"""One frozen configuration object for the twell backend.
+
+Users pass options through ``torch.compile(..., options={"twell.l1": 2e-5, ...})``. Keys that
+start with ``twell.`` are ours; every other key is handed to Inductor untouched. An unknown
+``twell.*`` key, or a value of the wrong type or range, raises ``ValueError`` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+PREFIX = "twell."
+
+
+@dataclass(frozen=True)
+class TwellConfig:
+    """Options of the twell backend (defaults in brackets).
+
+    enabled [True]: rewrite FFNs at all; False compiles with plain Inductor.
+    rewrite_inference [True]: emit the inference op where no gradient is needed.
+    rewrite_training [True]: emit the training op (our own backward) where a gradient is needed.
+    l1 [0.0]: coefficient of the paper's activation penalty, added to the gradient inside our
+        backward as if the loss had ``l1 * mean(|h|)`` over tokens, hidden units and the FFN
+        layers of the compiled graph (the paper recommends 2e-5). No change to the user's loss.
+    l1_layers [0]: number of FFN layers the mean runs over; 0 counts the FFNs rewritten in
+        the graph (give the model's layer count when graph breaks split it into several graphs).
+    tile_n [128]: TwELL column-tile width (the gate GEMM's output tile width on the GPU).
+    slots [16]: TwELL slots per (row, tile): tile_n / slots is the paper's compression factor
+        (the paper uses 256 / 32 = 8). Tiles holding more non-zeros take an exact slower path.
+    ell_width [64]: hybrid format (training): non-zeros per row kept in the compact ELL part.
+    backup_rows [16]: hybrid format: rows per 1 dense backup row, i.e. the dense backup holds
+        ceil(M / backup_rows) rows busier than ``ell_width``. Rows beyond it are recomputed
+        exactly in the backward: never dropped.
+    stats [True]: keep per-layer statistics on the device (see ``twell_compile.layer_stats``).
+    """
+
+    enabled: bool = True
+    rewrite_inference: bool = True
+    rewrite_training: bool = True
+    l1: float = 0.0
+    l1_layers: int = 0
+    tile_n: int = 128
+    slots: int = 16
+    ell_width: int = 64
+    backup_rows: int = 16
+    stats: bool = True
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            want = f.type if isinstance(f.type, type) else {"bool": bool, "int": int, "float": float}[f.type]
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, f.name, float(value))
+                continue
+            if not isinstance(value, want) or (want is not bool and isinstance(value, bool)):
+                raise TypeError(f"twell option {PREFIX}{f.name} must be {want.__name__}, got {value!r}")
+        if self.l1 < 0:
+            raise ValueError(f"twell option {PREFIX}l1 must be >= 0, got {self.l1}")
+        if self.l1_layers < 0:
+            raise ValueError(f"twell option {PREFIX}l1_layers must be >= 0, got {self.l1_layers}")
+        if self.tile_n < 1 or self.tile_n > 32768:
+            raise ValueError(f"twell option {PREFIX}tile_n must be in [1, 32768], got {self.tile_n}")
+        if not 1 <= self.slots <= self.tile_n:
+            raise ValueError(f"twell option {PREFIX}slots must be in [1, tile_n={self.tile_n}], got {self.slots}")
+        if self.ell_width < 1:
+            raise ValueError(f"twell option {PREFIX}ell_width must be >= 1, got {self.ell_width}")
+        if self.backup_rows < 1:
+            raise ValueError(f"twell option {PREFIX}backup_rows must be >= 1, got {self.backup_rows}")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> tuple["TwellConfig", dict[str, Any]]:
+        """Split torch.compile options into our config and the rest (for Inductor)."""
+        if options is None:
+            return cls(), {}
+        if not isinstance(options, Mapping):
+            raise TypeError(f"options must be a dict, got {type(options).__name__}")
+        ours: dict[str, Any] = {}
+        rest: dict[str, Any] = {}
+        known = {f.name for f in fields(cls)}
+        for key, value in options.items():
+            if isinstance(key, str) and key.startswith(PREFIX):
+                name = key[len(PREFIX):]
+                if name not in known:
+                    raise ValueError(
+                        f"unknown twell option {key!r}; known: {', '.join(PREFIX + k for k in sorted(known))}"
+                    )
+                ours[name] = value
+            else:
+                rest[key] = value
+        return cls(**ours), rest
+
+    def replace(self, **changes: Any) -> "TwellConfig":
+        return dataclasses.replace(self, **changes)
+
+    def cache_tag(self) -> str:
+        """A string that changes whenever an option that shapes the compiled code changes."""
+        return ",".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))

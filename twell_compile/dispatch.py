@@ -1,0 +1,31 @@
+"""Chooses the kernel for each op call by device, dtype and shape.
+
+Today every device runs the exact plain-PyTorch implementations in ``kernels/torch_impl.py``;
+device kernels register here as they land, each with the conditions under which it is exact
+and faster. Decisions use only shapes, dtypes and devices: never tensor values (no host sync).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import Tensor
+
+from twell_compile.kernels import torch_impl
+
+
+def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+              b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
+              tile_n: int, slots: int, layer: str, keep_stats: bool) -> Tensor:
+    return torch_impl.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats)
+
+
+def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+                      b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
+                      ell_width: int, backup_rows: int, layer: str, keep_stats: bool) -> tuple[Tensor, ...]:
+    return torch_impl.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
+                                        ell_width, backup_rows, layer, keep_stats)
+
+
+def ffn_train_backward(*args, **kwargs):
+    return torch_impl.ffn_train_backward(*args, **kwargs)

@@ -1,0 +1,1 @@
+"""Kernel implementations: device code only. Chosen by twell_compile.dispatch."""

@@ -1,0 +1,153 @@
+"""The ``twell`` operator library: schemas, argument checks, fakes and autograd.
+
+    twell::ffn            inference FFN, y = down(relu(gate(x)) [* up(x)])
+    twell::ffn_train      the same forward for training; also returns the hidden activations in
+                          the hybrid format (the only activations saved for backward)
+    twell::ffn_train_bwd  its backward: gradients of x, weights and biases, L1 term folded in
+
+``w_up=None`` selects the non-gated FFN down(relu(gate(x))). Weights use nn.Linear's layout:
+w_gate, w_up [N, K]; w_down [K_out, N]. Biases are optional. Every tensor must share x's dtype
+and device. Kernels live in ``kernels/`` and are chosen by ``dispatch``; this module only
+registers. Importing it initialises no device and builds nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from twell_compile import dispatch
+from twell_compile.kernels.torch_impl import backup_capacity
+
+_OPTIONAL_GRADS = (2, 3, 4)  # db_gate, dw_up, db_up may be absent: returned as empty tensors
+
+
+def _check(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+           b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor]) -> None:
+    named = {"x": x, "w_gate": w_gate, "b_gate": b_gate, "w_up": w_up, "b_up": b_up,
+             "w_down": w_down, "b_down": b_down}
+    for name, t in named.items():
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be floating point, got {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension (the feature dimension)")
+    for name, t in named.items():
+        if t is None:
+            continue
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but x has {x.dtype}; cast them to one dtype")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    k = x.shape[-1]
+    if w_gate.dim() != 2 or w_gate.shape[1] != k:
+        raise ValueError(f"w_gate must be [N, K={k}], got {tuple(w_gate.shape)}")
+    n = w_gate.shape[0]
+    if w_up is not None and tuple(w_up.shape) != (n, k):
+        raise ValueError(f"w_up must be [N={n}, K={k}] like w_gate, got {tuple(w_up.shape)}")
+    if w_up is None and b_up is not None:
+        raise ValueError("b_up given without w_up")
+    if w_down.dim() != 2 or w_down.shape[1] != n:
+        raise ValueError(f"w_down must be [K_out, N={n}], got {tuple(w_down.shape)}")
+    for name, b, size in (("b_gate", b_gate, n), ("b_up", b_up, n), ("b_down", b_down, w_down.shape[0])):
+        if b is not None and tuple(b.shape) != (size,):
+            raise ValueError(f"{name} must be [{size}], got {tuple(b.shape)}")
+
+
+def _check_positive(**knobs: int) -> None:
+    for name, value in knobs.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+# ---------------------------------------------------------------------------- inference
+@torch.library.custom_op("twell::ffn", mutates_args=())
+def ffn(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+        b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
+        tile_n: int, slots: int, layer: str, stats: bool) -> Tensor:
+    _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
+    _check_positive(tile_n=tile_n, slots=slots)
+    return dispatch.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, tile_n, slots, layer, stats)
+
+
+@ffn.register_fake
+def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, tile_n, slots, layer, stats):
+    _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
+    return x.new_empty((*x.shape[:-1], w_down.shape[0]))
+
+
+# ---------------------------------------------------------------------------- training
+@torch.library.custom_op("twell::ffn_train", mutates_args=())
+def ffn_train(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+              b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
+              ell_width: int, backup_rows: int, l1_scale: float, layer: str, stats: bool
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u); see formats.Hybrid."""
+    _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
+    _check_positive(ell_width=ell_width, backup_rows=backup_rows)
+    return dispatch.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
+                                      ell_width, backup_rows, layer, stats)
+
+
+@ffn_train.register_fake
+def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, ell_width, backup_rows, l1_scale, layer, stats):
+    _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
+    m = math.prod(x.shape[:-1])
+    n = w_gate.shape[0]
+    width = min(ell_width, n)
+    cap = backup_capacity(m, backup_rows)
+    nu = 0 if w_up is None else None
+    return (
+        x.new_empty((*x.shape[:-1], w_down.shape[0])),
+        x.new_empty((m,), dtype=torch.int32),
+        x.new_empty((m, width), dtype=torch.int32),
+        x.new_empty((m, width)),
+        x.new_empty((m, width if nu is None else 0)),
+        x.new_empty((cap,), dtype=torch.int64),
+        x.new_empty((cap, n)),
+        x.new_empty((cap, n if nu is None else 0)),
+    )
+
+
+@torch.library.custom_op("twell::ffn_train_bwd", mutates_args=())
+def ffn_train_bwd(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
+                  w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor,
+                  counts: Tensor, cols: Tensor, ell_g: Tensor, ell_u: Tensor,
+                  backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, l1_scale: float
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down); absent ones are empty tensors."""
+    grads = dispatch.ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, counts, cols,
+                                        ell_g, ell_u, backup_idx, backup_g, backup_u, l1_scale)
+    return tuple(g if g is not None else x.new_empty(0) for g in grads)
+
+
+@ffn_train_bwd.register_fake
+def _(dy, x, w_gate, b_gate, w_up, b_up, w_down, counts, cols, ell_g, ell_u, backup_idx,
+      backup_g, backup_u, l1_scale):
+    def like(t: Optional[Tensor]) -> Tensor:
+        return x.new_empty(0) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    return (like(x), like(w_gate), like(b_gate), like(w_up), like(b_up), like(w_down),
+            x.new_empty((w_down.shape[0],)))
+
+
+def _train_setup_context(ctx, inputs: Sequence, output: Sequence) -> None:
+    x, w_gate, b_gate, w_up, b_up, w_down, b_down, _w, _b, l1_scale, _layer, _stats = inputs
+    ctx.save_for_backward(x, w_gate, b_gate, w_up, b_up, w_down, *output[1:])
+    ctx.l1_scale = l1_scale
+    ctx.has_b_down = b_down is not None
+
+
+def _train_backward(ctx, dy: Tensor, *_unused: Tensor):
+    x, w_gate, b_gate, w_up, b_up, w_down, *saved = ctx.saved_tensors
+    grads = list(torch.ops.twell.ffn_train_bwd(dy, x, w_gate, b_gate, w_up, b_up, w_down, *saved, ctx.l1_scale))
+    present = [True, True, b_gate is not None, w_up is not None, b_up is not None, True, ctx.has_b_down]
+    out = [g if keep and need else None for g, keep, need in zip(grads, present, ctx.needs_input_grad)]
+    return (*out, None, None, None, None, None)
+
+
+ffn_train.register_autograd(_train_backward, setup_context=_train_setup_context)

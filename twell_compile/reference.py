@@ -1,0 +1,81 @@
+"""Plain-PyTorch oracles: what every kernel must compute. Used by tests and benchmarks.
+
+``ffn_dense`` is the model's own computation (the same calls eager PyTorch makes).
+``ffn_from_twell`` computes the FFN from TwELL-packed gate activations only (the algorithm of
+the fused inference kernels), so tests can check a format and its consumer separately.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from twell_compile.formats import TwELL, pack_twell
+
+
+def ffn_hidden(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+               b_up: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+    """(relu(x W_g^T + b_g), x W_u^T + b_u or None)."""
+    hg = torch.relu(F.linear(x, w_gate, b_gate))
+    hu = None if w_up is None else F.linear(x, w_up, b_up)
+    return hg, hu
+
+
+def ffn_dense(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+              b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor]) -> Tensor:
+    """down(relu(gate(x)) * up(x)), or down(relu(gate(x))) when ``w_up`` is None."""
+    hg, hu = ffn_hidden(x, w_gate, b_gate, w_up, b_up)
+    h = hg if hu is None else hg * hu
+    return F.linear(h, w_down, b_down)
+
+
+def ffn_from_twell(packed: TwELL, x: Tensor, w_up: Optional[Tensor], b_up: Optional[Tensor],
+                   w_down: Tensor, b_down: Optional[Tensor]) -> Tensor:
+    """The FFN from packed gate activations: up and down projections for active pairs only.
+
+    x is [M, K]. Slots and overflow tiles are disjoint: an overflowing tile is taken wholly
+    from ``ovf_values`` and its slots are ignored.
+    """
+    m, n_tiles, slots = packed.values.shape
+    tile_n, n = packed.tile_n, packed.n_cols
+    counts = packed.counts
+    live = (torch.arange(slots, device=x.device) < counts.unsqueeze(-1)) & (counts <= slots).unsqueeze(-1)
+    col = packed.cols.long() + torch.arange(n_tiles, device=x.device).view(1, -1, 1) * tile_n
+    rows = torch.arange(m, device=x.device).view(-1, 1, 1).expand_as(col)
+    r, c, v = rows[live], col[live], packed.values[live]
+    # Overflow tiles, dense: every column of the tile.
+    orow = packed.ovf_tiles // n_tiles
+    ocol = (packed.ovf_tiles % n_tiles).view(-1, 1) * tile_n + torch.arange(tile_n, device=x.device)
+    inside = ocol < n
+    r = torch.cat([r, orow.view(-1, 1).expand_as(ocol)[inside]])
+    c = torch.cat([c, ocol[inside]])
+    v = torch.cat([v, packed.ovf_values[inside]])
+    h = v.float()
+    if w_up is not None:
+        up = (x[r].float() * w_up[c].float()).sum(-1)
+        if b_up is not None:
+            up = up + b_up[c].float()
+        h = h * up
+    y = torch.zeros(m, w_down.shape[0], dtype=torch.float32, device=x.device)
+    y.index_add_(0, r, h.unsqueeze(-1) * w_down[:, c].t().float())
+    if b_down is not None:
+        y = y + b_down.float()
+    return y.to(x.dtype)
+
+
+def ffn_twell_reference(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+                        b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
+                        tile_n: int = 128, slots: int = 16) -> Tensor:
+    """Gate GEMM + ReLU, TwELL packing, then ``ffn_from_twell``: the sparse algorithm end to end."""
+    x2 = x.reshape(-1, x.shape[-1])
+    hg = torch.relu(F.linear(x2, w_gate, b_gate))
+    y = ffn_from_twell(pack_twell(hg, tile_n, slots), x2, w_up, b_up, w_down, b_down)
+    return y.reshape(*x.shape[:-1], w_down.shape[0])
+
+
+def l1_penalty(hidden: list[Tensor], coef: float) -> Tensor:
+    """The paper's penalty: coef x mean over tokens, hidden units and layers of |h|."""
+    return coef * torch.stack([h.abs().float().mean() for h in hidden]).mean()

@@ -1,0 +1,68 @@
+"""What the twell rewrite did to a graph: rewrites and rejections, printable as a table."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+log = logging.getLogger("twell_compile")
+
+
+@dataclass(frozen=True)
+class RewriteEntry:
+    layer: str          # module path of the FFN, e.g. "model.layers.0.mlp"
+    gated: bool
+    op: str             # "twell::ffn" (inference) or "twell::ffn_train"
+    tokens_shape: str   # x's shape without the feature dim, symbolic sizes as s0, s1, ...
+    k: int
+    n: int
+    k_out: int
+    dtype: str
+    graph: str          # which (sub)graph: "" for the top level, else its attribute name
+
+
+@dataclass(frozen=True)
+class RejectionEntry:
+    layer: str
+    reason: str
+    graph: str
+
+
+@dataclass
+class Report:
+    rewrites: list[RewriteEntry] = field(default_factory=list)
+    rejections: list[RejectionEntry] = field(default_factory=list)
+
+    def extend(self, other: "Report") -> None:
+        self.rewrites.extend(other.rewrites)
+        self.rejections.extend(other.rejections)
+
+    def add_rewrite(self, entry: RewriteEntry) -> None:
+        self.rewrites.append(entry)
+        log.info("twell: rewrote %s (%s, %s, N=%d, K=%d, %s) -> %s", entry.layer or "<ffn>",
+                 "gated" if entry.gated else "non-gated", entry.dtype, entry.n, entry.k,
+                 entry.tokens_shape, entry.op)
+
+    def add_rejection(self, entry: RejectionEntry) -> None:
+        self.rejections.append(entry)
+        log.info("twell: left %s to Inductor: %s", entry.layer or "<ffn-like block>", entry.reason)
+
+    def __str__(self) -> str:
+        lines = [f"twell: {len(self.rewrites)} FFN(s) rewritten, {len(self.rejections)} left to Inductor"]
+        if self.rewrites:
+            rows = [("layer", "kind", "op", "tokens", "K", "N", "K_out", "dtype")]
+            rows += [(r.layer or "-", "gated" if r.gated else "non-gated", r.op, r.tokens_shape,
+                      str(r.k), str(r.n), str(r.k_out), r.dtype) for r in self.rewrites]
+            lines += _table(rows)
+        if self.rejections:
+            lines.append("")
+            lines += _table([("left to Inductor", "reason")] + [(r.layer or "-", r.reason) for r in self.rejections])
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return [fmt(rows[0]), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows[1:]]

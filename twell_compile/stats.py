@@ -1,0 +1,80 @@
+"""Per-layer sparsity statistics, kept on the device: no host sync until the user reads them.
+
+Each rewritten FFN writes a small tensor after every call: tokens, summed and maximum non-zeros
+per token, summed |h| and the number of rows or tiles that took the exact overflow path.
+``layer_stats()`` reads them (this is the only host sync) into plain Python numbers.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# [tokens, sum of non-zeros over tokens, max non-zeros of one token, sum of |h|, overflows]
+_FIELDS = 5
+_lock = threading.Lock()
+_buffers: dict[tuple[str, torch.device], Tensor] = {}
+_hidden: dict[str, int] = {}
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """Statistics of one FFN layer from its most recent call."""
+
+    layer: str
+    tokens: int
+    hidden: int
+    mean_nnz: float
+    max_nnz: int
+    l1: float
+    overflows: int
+
+    @property
+    def density(self) -> float:
+        return self.mean_nnz / self.hidden if self.hidden else 0.0
+
+
+def record(layer: str, counts: Tensor, abs_sum: Tensor, overflows: Tensor, hidden: int) -> None:
+    """Store a layer's statistics in a persistent buffer (async; CUDA-graph safe).
+
+    counts: non-zeros per token [M] (any integer dtype); abs_sum: sum of |h| (0-d);
+    overflows: rows or tiles that took the exact overflow path (0-d).
+    """
+    key = (layer, counts.device)
+    buf = _buffers.get(key)
+    if buf is None:
+        with _lock:
+            buf = _buffers.setdefault(key, torch.zeros(_FIELDS, dtype=torch.float64, device=counts.device))
+            _hidden[layer] = hidden
+    c = counts.to(torch.float64)
+    tokens = torch.full((), counts.numel(), dtype=torch.float64, device=counts.device)
+    mx = c.max() if counts.numel() else c.new_zeros(())
+    buf.copy_(torch.stack([tokens, c.sum(), mx, abs_sum.to(torch.float64), overflows.to(torch.float64)]))
+
+
+def layer_stats() -> dict[str, LayerStats]:
+    """Latest statistics per layer name (as reported by ``explain``). Syncs with the device."""
+    out: dict[str, LayerStats] = {}
+    for (layer, _device), buf in sorted(_buffers.items(), key=lambda kv: kv[0][0]):
+        tokens, nnz, mx, abs_sum, ovf = buf.tolist()
+        hidden = _hidden[layer]
+        out[layer] = LayerStats(
+            layer=layer,
+            tokens=int(tokens),
+            hidden=hidden,
+            mean_nnz=nnz / tokens if tokens else 0.0,
+            max_nnz=int(mx),
+            l1=abs_sum / (tokens * hidden) if tokens and hidden else 0.0,
+            overflows=int(ovf),
+        )
+    return out
+
+
+def reset_stats() -> None:
+    """Forget every layer's statistics."""
+    with _lock:
+        _buffers.clear()
+        _hidden.clear()
