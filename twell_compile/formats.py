@@ -59,21 +59,28 @@ def _check_2d(h: Tensor) -> None:
         raise ValueError(f"h must be 2-D [M, N], got shape {tuple(h.shape)}")
 
 
+def _bits(t: Tensor) -> Tensor:
+    """The same memory as integers: copies through it keep NaN payloads and -0.0 exactly."""
+    return t.contiguous().view(_INT_OF[t.element_size()])
+
+
 def _compact(values: Tensor, nz: Tensor, capacity: int) -> tuple[Tensor, Tensor, Tensor]:
     """Move the first ``capacity`` non-zeros of each last-dim row to the front.
 
     Returns (packed values [..., capacity], their positions [..., capacity] as int64, counts).
     """
+    dtype = values.dtype
+    values = _bits(values)
     counts = nz.sum(-1, dtype=torch.int32)
     rank = nz.cumsum(-1) - 1
     keep = nz & (rank < capacity)
     # Non-kept entries go to a dump slot at index ``capacity``, dropped afterwards.
     slot = torch.where(keep, rank, torch.full_like(rank, capacity))
     shape = (*values.shape[:-1], capacity + 1)
-    out_v = values.new_zeros(shape).scatter_(-1, slot, torch.where(keep, values, torch.zeros_like(values)))
+    out_v = values.new_zeros(shape).scatter_(-1, slot, torch.where(keep, values, 0))
     pos = torch.arange(values.shape[-1], device=values.device).expand_as(rank)
     out_c = torch.zeros(shape, dtype=torch.int64, device=values.device).scatter_(-1, slot, torch.where(keep, pos, 0))
-    return out_v[..., :capacity].contiguous(), out_c[..., :capacity].contiguous(), counts
+    return out_v[..., :capacity].contiguous().view(dtype), out_c[..., :capacity].contiguous(), counts
 
 
 @dataclass(frozen=True)
@@ -117,11 +124,12 @@ def unpack_twell(p: TwELL) -> Tensor:
     m, n_tiles, slots = p.values.shape
     live = torch.arange(slots, device=p.values.device) < p.counts.unsqueeze(-1)
     idx = torch.where(live, p.cols.long(), p.tile_n)  # dead slots go to the dump column
-    dense = p.values.new_zeros(m, n_tiles, p.tile_n + 1)
-    dense.scatter_(-1, idx, p.values)
+    vals = _bits(p.values)
+    dense = vals.new_zeros(m, n_tiles, p.tile_n + 1)
+    dense.scatter_(-1, idx, vals)
     dense = dense[..., : p.tile_n].reshape(m * n_tiles, p.tile_n)
-    dense[p.ovf_tiles] = p.ovf_values
-    return dense.reshape(m, n_tiles * p.tile_n)[:, : p.n_cols]
+    dense[p.ovf_tiles] = _bits(p.ovf_values)
+    return dense.reshape(m, n_tiles * p.tile_n)[:, : p.n_cols].contiguous().view(p.values.dtype)
 
 
 @dataclass(frozen=True)
@@ -158,8 +166,9 @@ def pack_hybrid(h: Tensor, width: int = 64, capacity: Optional[int] = None) -> H
     rows = torch.full((cap,), -1, dtype=torch.int64, device=h.device)
     take = busy[:cap]
     rows[: take.numel()] = take
-    backup = h.new_zeros(cap, h.shape[1])
-    backup[: take.numel()] = h[take]
+    backup = _bits(h).new_zeros(cap, h.shape[1])
+    backup[: take.numel()] = _bits(h)[take]
+    backup = backup.view(h.dtype)
     return Hybrid(values, cols.to(torch.int32), counts, rows, backup)
 
 
@@ -168,9 +177,10 @@ def unpack_hybrid(p: Hybrid, n_cols: int, recompute: Optional[Callable[[Tensor],
     m, width = p.values.shape
     live = torch.arange(width, device=p.values.device) < p.counts.unsqueeze(-1)
     idx = torch.where(live, p.cols.long(), n_cols)
-    dense = p.values.new_zeros(m, n_cols + 1).scatter_(-1, idx, p.values)[:, :n_cols]
+    vals = _bits(p.values)
+    dense = vals.new_zeros(m, n_cols + 1).scatter_(-1, idx, vals)[:, :n_cols]
     valid = p.backup_rows >= 0
-    dense[p.backup_rows[valid]] = p.backup[valid]
+    dense[p.backup_rows[valid]] = _bits(p.backup)[valid]
     missing = p.missing_rows()
     if missing.numel():
         if recompute is None:
@@ -178,5 +188,5 @@ def unpack_hybrid(p: Hybrid, n_cols: int, recompute: Optional[Callable[[Tensor],
                 f"{missing.numel()} busy rows did not fit the dense backup (capacity "
                 f"{p.backup_rows.numel()}); pass recompute= to rebuild them exactly"
             )
-        dense[missing] = recompute(missing).to(dense.dtype)
-    return dense
+        dense[missing] = _bits(recompute(missing).to(p.values.dtype))
+    return dense.contiguous().view(p.values.dtype)
