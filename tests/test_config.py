@@ -1,0 +1,49 @@
+import dataclasses
+
+import pytest
+
+from twell_compile.config import TwellConfig
+
+
+def test_defaults_are_documented_and_frozen():
+    c = TwellConfig()
+    for f in dataclasses.fields(c):
+        assert f"{f.name} [" in TwellConfig.__doc__, f"option {f.name} lacks a documented default"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.l1 = 1.0
+
+
+def test_from_options_splits_ours_from_inductors():
+    c, rest = TwellConfig.from_options({"twell.l1": 2e-5, "twell.tile_n": 64, "max_autotune": True})
+    assert c.l1 == 2e-5 and c.tile_n == 64
+    assert rest == {"max_autotune": True}
+
+
+def test_int_accepted_for_float():
+    assert TwellConfig.from_options({"twell.l1": 1})[0].l1 == 1.0
+
+
+@pytest.mark.parametrize("options, err, match", [
+    ({"twell.l2": 1.0}, ValueError, "unknown twell option 'twell.l2'"),
+    ({"twell.l1": -1.0}, ValueError, "twell.l1"),
+    ({"twell.l1": "big"}, TypeError, "twell.l1"),
+    ({"twell.tile_n": 0}, ValueError, "twell.tile_n"),
+    ({"twell.tile_n": 8, "twell.slots": 9}, ValueError, "twell.slots"),
+    ({"twell.stats": 1}, TypeError, "twell.stats"),
+    ({"twell.ell_width": True}, TypeError, "twell.ell_width"),
+    ({"twell.backup_rows": 0}, ValueError, "twell.backup_rows"),
+])
+def test_bad_options_raise_naming_the_option(options, err, match):
+    with pytest.raises(err, match=match):
+        TwellConfig.from_options(options)
+
+
+def test_options_must_be_a_mapping():
+    with pytest.raises(TypeError, match="options"):
+        TwellConfig.from_options([("twell.l1", 1.0)])
+
+
+def test_cache_tag_changes_with_every_option():
+    base = TwellConfig().cache_tag()
+    assert TwellConfig(l1=1e-5).cache_tag() != base
+    assert TwellConfig(ell_width=7).cache_tag() != base

@@ -1,0 +1,148 @@
+"""The twell ops: opcheck, numerics against dense autograd, argument errors, L1 gradient."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import twell_compile.ops  # noqa: F401
+from twell_compile import layer_stats, reset_stats
+from twell_compile.reference import ffn_dense
+
+OPS = torch.ops.twell
+
+
+def make(m, k, n, kout, dtype=torch.float32, gated=True, bias=True, density=0.3, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    wg = torch.randn(n, k, generator=g).to(dtype) / k ** 0.5
+    # A bias that switches off about (1 - density) of the gate pre-activations.
+    shift = torch.distributions.Normal(0, 1).icdf(torch.tensor(1 - density).clamp(1e-6, 1 - 1e-6))
+    bg = (-shift * torch.ones(n)).to(dtype) if bias else None
+    wu = torch.randn(n, k, generator=g).to(dtype) / k ** 0.5 if gated else None
+    bu = torch.randn(n, generator=g).to(dtype) if (bias and gated) else None
+    wd = torch.randn(kout, n, generator=g).to(dtype) / n ** 0.5
+    bd = torch.randn(kout, generator=g).to(dtype) if bias else None
+    ts = [x, wg, bg, wu, bu, wd, bd]
+    if grad:
+        ts = [t.requires_grad_() if t is not None else None for t in ts]
+    return ts
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_opcheck_inference(gated, bias):
+    args = make(5, 8, 12, 7, gated=gated, bias=bias)
+    torch.library.opcheck(OPS.ffn.default, (*args, 4, 2, "t", True))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_opcheck_training(gated, bias):
+    args = make(6, 8, 12, 7, gated=gated, bias=bias, density=0.5, grad=True)
+    # ell_width 3 and a one-row backup force busy rows into the backup and the recompute path.
+    torch.library.opcheck(OPS.ffn_train.default, (*args, 3, 6, 0.0, "t", True))
+
+
+def test_opcheck_backward_op():
+    x, wg, bg, wu, bu, wd, bd = make(6, 8, 12, 7)
+    _, *saved = OPS.ffn_train(x, wg, bg, wu, bu, wd, bd, 3, 2, 0.0, "t", False)
+    dy = torch.randn(6, 7)
+    torch.library.opcheck(OPS.ffn_train_bwd.default, (dy, x, wg, bg, wu, bu, wd, *saved, 1e-3))
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 5, 2), (17, 9, 33, 9), (4, 1, 1, 1), (0, 8, 12, 8)])
+@pytest.mark.parametrize("gated", [True, False])
+def test_inference_matches_dense_exactly(shape, gated):
+    m, k, n, kout = shape
+    args = make(m, k, n, kout, gated=gated, seed=m * 31 + n)
+    y = OPS.ffn(*args, 16, 4, "t", False)
+    assert torch.equal(y, ffn_dense(*args))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("ell_width, backup_rows", [(64, 16), (2, 1), (2, 1000)])
+@pytest.mark.parametrize("density", [0.0, 0.05, 0.5, 1.0])
+def test_training_gradients_match_autograd(dtype, tol, ell_width, backup_rows, density):
+    """Busy rows in the ELL part, the dense backup, and beyond it (recomputed), any density."""
+    ref = make(13, 10, 24, 6, dtype=dtype, density=density, seed=int(density * 100) + ell_width, grad=True)
+    mine = [t.detach().clone().requires_grad_() if t is not None else None for t in ref]
+    dy = torch.randn(13, 6, dtype=dtype)
+    ffn_dense(*ref).backward(dy)
+    y = OPS.ffn_train(*mine, ell_width, backup_rows, 0.0, "t", False)[0]
+    assert torch.allclose(y, ffn_dense(*ref), atol=tol, rtol=0)
+    y.backward(dy)
+    for a, b in zip(ref, mine):
+        if a is not None:
+            torch.testing.assert_close(b.grad, a.grad, atol=tol, rtol=tol)
+
+
+def test_l1_scale_matches_explicit_penalty():
+    ref = make(9, 8, 20, 5, density=0.4, seed=3, grad=True)
+    mine = [t.detach().clone().requires_grad_() if t is not None else None for t in ref]
+    coef = 0.37
+    x, wg, bg, wu, bu, wd, bd = ref
+    h = F.relu(F.linear(x, wg, bg)) * F.linear(x, wu, bu)
+    (F.linear(h, wd, bd).sum() + coef * h.abs().mean()).backward()
+    OPS.ffn_train(*mine, 4, 4, coef, "t", False)[0].sum().backward()
+    for a, b in zip(ref, mine):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_nan_in_x_propagates_like_dense():
+    args = make(4, 8, 16, 5, density=0.1, grad=True)
+    with torch.no_grad():
+        args[0][1, 3] = float("nan")
+    y = OPS.ffn_train(*args, 2, 2, 0.0, "t", False)[0]
+    ref = ffn_dense(*args)
+    assert torch.equal(torch.isnan(y), torch.isnan(ref))
+    y.sum().backward()
+    assert torch.isnan(args[0].grad[1]).all() and not torch.isnan(args[0].grad[0]).any()
+
+
+def test_stats_recorded_without_reading():
+    reset_stats()
+    args = make(8, 8, 16, 5, density=0.25)
+    OPS.ffn(*args, 4, 2, "layer.a", True)
+    s = layer_stats()["layer.a"]
+    hg = torch.relu(F.linear(args[0], args[1], args[2]))
+    nnz = (hg != 0).sum(-1).float()
+    assert s.tokens == 8 and s.hidden == 16
+    assert s.mean_nnz == pytest.approx(nnz.mean().item()) and s.max_nnz == int(nnz.max())
+    h = hg * F.linear(args[0], args[3], args[4])
+    assert s.l1 == pytest.approx(h.abs().mean().item(), rel=1e-5)
+    reset_stats()
+    assert layer_stats() == {}
+
+
+def test_training_stats_count_overflows():
+    reset_stats()
+    args = make(10, 8, 16, 5, density=0.9)
+    OPS.ffn_train(*args, 2, 5, 0.0, "layer.b", True)  # backup holds 2 rows; ~all 10 are busy
+    s = layer_stats()["layer.b"]
+    busy = int(((torch.relu(F.linear(args[0], args[1], args[2])) != 0).sum(-1) > 2).sum())
+    assert s.overflows == max(busy - 2, 0) and s.overflows > 0
+
+
+@pytest.mark.parametrize("change, err, match", [
+    (lambda a: a.__setitem__(1, torch.randn(12, 9)), ValueError, "w_gate"),
+    (lambda a: a.__setitem__(3, torch.randn(11, 8)), ValueError, "w_up"),
+    (lambda a: a.__setitem__(5, torch.randn(7, 13)), ValueError, "w_down"),
+    (lambda a: a.__setitem__(2, torch.randn(3)), ValueError, "b_gate"),
+    (lambda a: a.__setitem__(6, torch.randn(3)), ValueError, "b_down"),
+    (lambda a: a.__setitem__(1, a[1].double()), TypeError, "w_gate has dtype"),
+    (lambda a: a.__setitem__(0, torch.ones(5, 8, dtype=torch.int64)), TypeError, "x must be floating"),
+    (lambda a: a.__setitem__(3, None), ValueError, "b_up given without w_up"),
+])
+def test_bad_arguments_name_the_argument(change, err, match):
+    args = make(5, 8, 12, 7)
+    change(args)
+    with pytest.raises(err, match=match):
+        OPS.ffn(*args, 4, 2, "t", False)
+
+
+def test_bad_knobs():
+    args = make(5, 8, 12, 7)
+    with pytest.raises(ValueError, match="slots"):
+        OPS.ffn(*args, 4, 0, "t", False)
+    with pytest.raises(ValueError, match="ell_width"):
+        OPS.ffn_train(*args, 0, 2, 0.0, "t", False)
