@@ -14,9 +14,30 @@ from torch import Tensor
 from twell_compile.kernels import torch_impl
 
 
+def _cuda_infer(x: Tensor):
+    """The CUDA inference implementation (kernels/cuda_infer.py) for CUDA tensors, else None.
+
+    Any CUDA dtype goes there: it runs TwELL kernels for bf16/fp16 where the shape rule and
+    the layer's measured density allow (see kernels/cuda_policy.py), eager's dense calls
+    otherwise. Without Triton it stays on torch_impl.
+    """
+    if not x.is_cuda:
+        return None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None
+    from twell_compile.kernels import cuda_infer
+
+    return cuda_infer
+
+
 def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
               tile_n: int, slots: int, layer: str, keep_stats: bool) -> Tensor:
+    cuda = _cuda_infer(x)
+    if cuda is not None:
+        return cuda.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, tile_n, slots, layer, keep_stats)
     return torch_impl.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats)
 
 

@@ -1,0 +1,135 @@
+"""FFN inference: dense eager vs Inductor vs the gate GEMM alone vs twell, in one run.
+
+    python3 benchmarks/bench_ffn.py                      # the full grid of issue 3
+    python3 benchmarks/bench_ffn.py --quick              # K=2048 N=5632, M 16384/65536, 4 densities
+    python3 benchmarks/bench_ffn.py --M 16384 --density 0.005 0.02 --tail 0 --shapes 2048x5632
+
+Inputs: benchmarks/synthetic.py (anchors.md's generator), bf16. Times are medians of
+triton.testing.do_bench (CUDA events). twell_ms is the op torch.ops.twell.ffn as the backend
+calls it (policy included: it may run dense); kernel_ms forces the TwELL kernels. rel_err is
+||y - y_fp32|| / ||y_fp32|| against an fp32 reference (TF32 off) on up to 8192 rows;
+dense_rel_err is eager bf16's on the same rows. "% floor" = gate_ms / twell_ms: the dense
+gate GEMM is the floor of any TwELL FFN. Writes benchmarks/results/<gpu>/ffn_inference.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from synthetic import make_ffn  # noqa: E402
+
+import twell_compile  # noqa: E402,F401  (registers torch.ops.twell)
+from twell_compile.kernels import cuda_infer, cuda_policy  # noqa: E402
+from twell_compile.reference import ffn_dense  # noqa: E402
+
+FULL_M = [1, 64, 1024, 16384, 65536]
+FULL_D = [0.005, 0.01, 0.02, 0.05, 0.2, 1.0]
+FULL_T = [0.0, 0.2]
+FULL_S = ["2048x5632", "4096x11008"]
+ERR_ROWS = 8192
+
+
+def gpu_name() -> str:
+    name = torch.cuda.get_device_name().lower()
+    for tag in ("h200", "h100", "a100", "l40", "l4", "b200"):
+        if tag in name:
+            return tag
+    return name.replace(" ", "_")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def bench(fn, reps: int) -> float:
+    from triton.testing import do_bench
+    return float(do_bench(fn, warmup=max(10, reps // 4), rep=reps, return_mode="median"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--M", type=int, nargs="+", default=None)
+    ap.add_argument("--density", type=float, nargs="+", default=None)
+    ap.add_argument("--tail", type=float, nargs="+", default=None)
+    ap.add_argument("--shapes", nargs="+", default=None, help="KxN pairs, e.g. 2048x5632")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-inductor", action="store_true")
+    ap.add_argument("--reps", type=int, default=100, help="do_bench rep (ms)")
+    ap.add_argument("--tile-n", type=int, default=128)
+    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>/ffn_inference.json)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        ms, ds, ts, shapes = [16384, 65536], [0.005, 0.02, 0.05, 1.0], [0.0, 0.2], ["2048x5632"]
+    else:
+        ms, ds, ts, shapes = FULL_M, FULL_D, FULL_T, FULL_S
+    ms, ds, ts, shapes = args.M or ms, args.density or ds, args.tail or ts, args.shapes or shapes
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch._dynamo.config.cache_size_limit = 64
+    dev = torch.device("cuda")
+    rows = []
+    hdr = (f"{'M':>6} {'K':>5} {'N':>6} {'dens':>6} {'tail':>4} {'nnz/r':>6} {'ovf%':>5} {'dense':>7} "
+           f"{'induct':>7} {'gate':>7} {'twell':>7} {'kernel':>7} {'x_ind':>6} {'x_krn':>6} {'%floor':>6} "
+           f"{'err':>8} {'d_err':>8} path")
+    print(hdr, flush=True)
+    for shape in shapes:
+        k, n = (int(v) for v in shape.split("x"))
+        for m in ms:
+            inductor = None if args.no_inductor else torch.compile(ffn_dense, dynamic=False)
+            for d in ds:
+                for t in ts:
+                    p = make_ffn(m, k, n, d, t, device=dev, seed=hash((m, k, n, d, t)) & 0xFFFF)
+                    x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
+                    args7 = (x, wg, None, wu, None, wd, None)
+                    layer = f"bench/{m}/{k}/{n}/{d}/{t}"
+                    op = lambda: torch.ops.twell.ffn(*args7, args.tile_n, args.slots, layer, False)
+                    dense_ms = bench(lambda: ffn_dense(*args7), args.reps)
+                    ind_ms = bench(lambda: inductor(*args7), args.reps) if inductor else float("nan")
+                    gate_ms = bench(lambda: F.linear(x, wg), args.reps)
+                    twell_ms = bench(op, args.reps)
+                    kernel_ok = cuda_policy.shape_ok(x, m, k, k, args.tile_n, args.slots) or m >= 1
+                    kern = lambda: cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, args.tile_n, args.slots)
+                    kernel_ms = bench(kern, args.reps) if kernel_ok else float("nan")
+                    # accuracy on up to ERR_ROWS rows, fresh outputs
+                    r = min(m, ERR_ROWS)
+                    y_op = op()[:r]
+                    y_k, counts, _ = kern()
+                    ref = ffn_dense(*(a[:r].float() if i == 0 else (None if a is None else a.float())
+                                      for i, a in enumerate(args7)))
+                    err = rel(y_op, ref)
+                    kerr = rel(y_k[:r], ref)
+                    derr = rel(ffn_dense(*args7)[:r], ref)
+                    nnz = float(counts.sum()) / m
+                    ovf = float((counts > args.slots).float().mean()) * 100
+                    path = "twell" if cuda_policy.use_twell((layer, x.device, x.dtype, k, n, k, True)) \
+                        and cuda_policy.shape_ok(x, m, k, k, args.tile_n, args.slots) else "dense"
+                    row = dict(M=m, K=k, N=n, density=d, tail=t, dense_ms=dense_ms, inductor_ms=ind_ms,
+                               gate_ms=gate_ms, twell_ms=twell_ms, rel_err=err, dense_rel_err=derr,
+                               kernel_ms=kernel_ms, kernel_rel_err=kerr, nnz_per_row=nnz,
+                               overflow_tile_pct=ovf, path=path, gpu=torch.cuda.get_device_name())
+                    rows.append(row)
+                    base = ind_ms if ind_ms == ind_ms else dense_ms
+                    print(f"{m:>6} {k:>5} {n:>6} {d:>6} {t:>4} {nnz:>6.1f} {ovf:>5.2f} {dense_ms:>7.3f} "
+                          f"{ind_ms:>7.3f} {gate_ms:>7.3f} {twell_ms:>7.3f} {kernel_ms:>7.3f} "
+                          f"{base / twell_ms:>6.2f} {base / kernel_ms:>6.2f} {100 * gate_ms / twell_ms:>5.0f}% "
+                          f"{err:>8.1e} {derr:>8.1e} {path}" + ("  ERR>2x" if err > 2 * derr else ""), flush=True)
+                    del p, x, wg, wu, wd, args7
+            del inductor
+            torch._dynamo.reset()
+    out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / gpu_name() / "ffn_inference.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
+    print(f"wrote {out} ({len(rows)} rows)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""CUDA inference FFN: dense (eager's own calls) or TwELL (two Triton kernels), chosen per call
+by ``cuda_policy`` from shapes plus a lagged, sync-free per-layer density measurement.
+
+TwELL path, for x [M, K] (bf16/fp16):
+  1. ``gate_twell_kernel``: gate GEMM + bias + ReLU; its epilogue writes values/cols/counts
+     (formats.TwELL's layout for the slots) and dense copies of tiles with counts > slots into
+     a fixed-capacity overflow buffer (ceil(M * n_tiles / OVF_DIV) tiles).
+  2. ``twell_ffn_kernel``: per token, up projection for active pairs only, times g, down
+     projection, y written once. Overflow tiles that missed the buffer, and rows whose x holds
+     NaN/Inf, are recomputed densely per column inside the kernel: exact, nothing dropped.
+No host sync on this path: capacities are fixed, decisions about overflow are made on the
+device, and the policy only polls CUDA events.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from twell_compile import stats
+from twell_compile.formats import nonzero_mask
+from twell_compile.kernels import cuda_policy
+
+OVF_DIV = 16          # overflow buffer: one dense tile per 16 (row, tile) pairs
+GATE_BLOCK_M = 128
+GATE_BLOCK_K = 64
+GATE_WARPS = 8
+GATE_STAGES = 4
+PAIRS = 4             # active pairs per fused-kernel iteration
+FUSED_WARPS = 0       # 0: 8 warps for K >= 2048, else 4
+
+_wt_cache: dict[int, tuple] = {}
+
+
+def _transposed(w: Tensor) -> Tensor:
+    """w.t() contiguous ([N, K_out] rows for the down projection), cached per weight version."""
+    wt = w.t()
+    if wt.is_contiguous():
+        return wt
+    try:
+        key = (w.data_ptr(), w._version, tuple(w.shape), tuple(w.stride()))
+    except RuntimeError:  # inference tensors have no version counter: no caching
+        return wt.contiguous()
+    hit = _wt_cache.get(id(w))
+    if hit is not None and hit[0]() is w and hit[1] == key:
+        return hit[2]
+    out = wt.contiguous()
+    if not (w.is_cuda and torch.cuda.is_current_stream_capturing()):  # keep no graph-pool memory
+        _wt_cache[id(w)] = (weakref.ref(w), key, out)
+    return out
+
+
+def _rows(w: Tensor) -> Tensor:
+    """A weight whose rows are gathered must have unit stride along K."""
+    return w if w.stride(-1) == 1 else w.contiguous()
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(0, (int(v) - 1).bit_length())
+
+
+class Packed(NamedTuple):
+    """The gate kernel's output: TwELL slots plus the dense overflow buffer."""
+    vals: Tensor     # [M, n_tiles, slots]
+    cols: Tensor     # [M, n_tiles, slots] int16
+    counts: Tensor   # [M, n_tiles] int32, may exceed slots
+    oslot: Tensor    # [M, n_tiles] int32, valid where counts > slots: row of ovals, or -1
+    ovals: Tensor    # [capacity, tile_n]
+    ocount: Tensor   # [1] int32: overflow tiles seen (may exceed capacity)
+
+
+def gate_pack(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], tile_n: int, slots: int) -> Packed:
+    """relu(x2 W_g^T + b_g) in TwELL, written by the GEMM's epilogue. x2 is [M, K]."""
+    from twell_compile.kernels.twell_gate import gate_twell_kernel
+
+    m, k = x2.shape
+    n = w_gate.shape[0]
+    nt = -(-n // tile_n)
+    dev = x2.device
+    vals = torch.empty((m, nt, slots), dtype=x2.dtype, device=dev)
+    cols = torch.empty((m, nt, slots), dtype=torch.int16, device=dev)
+    counts = torch.empty((m, nt), dtype=torch.int32, device=dev)
+    oslot = torch.empty((m, nt), dtype=torch.int32, device=dev)
+    ocap = max(1, -(-m * nt // OVF_DIV))
+    ovals = torch.empty((ocap, tile_n), dtype=x2.dtype, device=dev)
+    ocount = torch.zeros(1, dtype=torch.int32, device=dev)
+    block_m = GATE_BLOCK_M if m > 64 else 64
+    grid = (-(-m // block_m) * nt,)
+    gate_twell_kernel[grid](
+        x2, x2.stride(0), x2.stride(1), w_gate, w_gate.stride(0), w_gate.stride(1),
+        b_gate if b_gate is not None else x2,
+        vals, cols, counts, oslot, ovals, ocount, m, n, k, nt, ocap,
+        HAS_B=b_gate is not None, BLOCK_M=block_m, TILE=tile_n, BLOCK_K=GATE_BLOCK_K,
+        SLOTS=slots, SLOTS_P=_pow2(slots), GROUP_M=8,
+        num_warps=GATE_WARPS, num_stages=GATE_STAGES if tile_n <= 128 else 3)
+    return Packed(vals, cols, counts, oslot, ovals, ocount)
+
+
+def fused(x2: Tensor, pk: Packed, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+          b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(y [M, K_out], sum |h| per row [M] fp32) from the packed gate activations."""
+    from twell_compile.kernels.twell_fused import twell_ffn_kernel
+
+    m, k = x2.shape
+    n, k_out = w_gate.shape[0], w_down.shape[0]
+    nt, slots = pk.vals.shape[1], pk.vals.shape[2]
+    tile_n = pk.ovals.shape[1]
+    wdt = _transposed(w_down)
+    wu = w_up if w_up is not None else w_gate
+    y = torch.empty((m, k_out), dtype=x2.dtype, device=x2.device)
+    hsum = torch.empty((m,), dtype=torch.float32, device=x2.device)
+    kp = _pow2(max(k, k_out))
+    twell_ffn_kernel[(m,)](
+        x2, x2.stride(0), x2.stride(1), pk.vals, pk.cols, pk.counts, pk.oslot, pk.ovals,
+        w_gate, w_gate.stride(0), w_gate.stride(1), b_gate if b_gate is not None else x2,
+        wu, wu.stride(0), wu.stride(1), b_up if b_up is not None else x2,
+        wdt, wdt.stride(0), wdt.stride(1), b_down if b_down is not None else x2,
+        y, y.stride(0), y.stride(1), hsum, k, n, k_out, nt,
+        GATED=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
+        HAS_BD=b_down is not None, TILE=tile_n, SLOTS=slots, NT_P=_pow2(nt), K_P=_pow2(k),
+        KO_P=_pow2(k_out), PAIRS=PAIRS, num_warps=FUSED_WARPS or (8 if kp >= 2048 else 4))
+    return y, hsum
+
+
+def twell_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+                  b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
+                  tile_n: int, slots: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(y [M, K_out], counts [M, n_tiles] int32, sum|h| per row [M] fp32). x2 is [M, K]."""
+    w_gate = _rows(w_gate)
+    w_up = None if w_up is None else _rows(w_up)
+    pk = gate_pack(x2, w_gate, b_gate, tile_n, slots)
+    y, hsum = fused(x2, pk, w_gate, b_gate, w_up, b_up, w_down, b_down)
+    return y, pk.counts, hsum
+
+
+def dense_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+                  b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """Eager's own calls (bit-identical to torch_impl / eager). Returns (y, h_g, h)."""
+    hg = torch.relu(F.linear(x2, w_gate, b_gate))
+    h = hg if w_up is None else hg * F.linear(x2, w_up, b_up)
+    return F.linear(h, w_down, b_down), hg, h
+
+
+def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+              b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
+              tile_n: int, slots: int, layer: str, keep_stats: bool) -> Tensor:
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m, n, k_out = x2.shape[0], w_gate.shape[0], w_down.shape[0]
+    key = (layer, x.device, x.dtype, k, n, k_out, w_up is not None)
+    sparse = cuda_policy.shape_ok(x, m, k, k_out, tile_n, slots) and cuda_policy.use_twell(key)
+    probe = m > 0 and cuda_policy.shape_ok(x, m, k, k_out, tile_n, slots) and cuda_policy.wants_probe(key, sparse)
+    if sparse:
+        y, counts, hsum = twell_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, tile_n, slots)
+        if keep_stats or probe:
+            per_token = counts.sum(1)
+        if keep_stats:
+            stats.record(layer, per_token, hsum.sum(), (counts > slots).sum(), n)
+        if probe:
+            cuda_policy.submit(key, per_token.sum(), m * n)
+    else:
+        y, hg, h = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
+        if keep_stats or probe:
+            per_token = nonzero_mask(hg).sum(-1)
+        if keep_stats:
+            stats.record(layer, per_token, h.abs().float().sum(), per_token.new_zeros(()), n)
+        if probe:
+            cuda_policy.submit(key, per_token.sum(), m * n)
+    cuda_policy.tick(key)
+    return y.reshape(*x.shape[:-1], k_out)
