@@ -22,7 +22,11 @@ from torch import Tensor
 from twell_compile import dispatch
 from twell_compile.kernels.torch_impl import backup_capacity
 
-_OPTIONAL_GRADS = (2, 3, 4)  # db_gate, dw_up, db_up may be absent: returned as empty tensors
+# The training ops run the plain-PyTorch path on every device today; its hybrid packing and
+# the exact recompute of rows beyond the dense backup use data-dependent indexing (a host
+# sync), so CUDA-graph capture must leave them out: Inductor then splits the graph around
+# them instead of skipping CUDA graphs. Drop the tag once the training kernels are sync-free.
+_TRAIN_TAGS = (torch.Tag.cudagraph_unsafe,)
 
 
 def _check(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
@@ -81,7 +85,7 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, tile_n, slots, layer, stats
 
 
 # ---------------------------------------------------------------------------- training
-@torch.library.custom_op("twell::ffn_train", mutates_args=())
+@torch.library.custom_op("twell::ffn_train", mutates_args=(), tags=_TRAIN_TAGS)
 def ffn_train(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
               ell_width: int, backup_rows: int, l1_scale: float, layer: str, stats: bool
@@ -113,7 +117,7 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, ell_width, backup_rows, l1_
     )
 
 
-@torch.library.custom_op("twell::ffn_train_bwd", mutates_args=())
+@torch.library.custom_op("twell::ffn_train_bwd", mutates_args=(), tags=_TRAIN_TAGS)
 def ffn_train_bwd(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
                   w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor,
                   counts: Tensor, cols: Tensor, ell_g: Tensor, ell_u: Tensor,
