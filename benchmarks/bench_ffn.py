@@ -26,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synthetic import make_ffn  # noqa: E402
 
-import twell_compile  # noqa: E402,F401  (registers torch.ops.twell)
+import twell_compile.ops  # noqa: E402,F401  (registers torch.ops.twell)
 from twell_compile.kernels import cuda_infer, cuda_policy  # noqa: E402
 from twell_compile.reference import ffn_dense  # noqa: E402
 

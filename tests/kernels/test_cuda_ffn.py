@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from synthetic import make_ffn  # noqa: E402
 
 import twell_compile  # noqa: E402
+import twell_compile.ops  # noqa: E402,F401
 from twell_compile.formats import TwELL, unpack_twell  # noqa: E402
 from twell_compile.reference import ffn_dense  # noqa: E402
 

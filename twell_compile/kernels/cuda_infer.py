@@ -30,6 +30,7 @@ GATE_BLOCK_M = 128
 GATE_BLOCK_K = 64
 GATE_WARPS = 8
 GATE_STAGES = 4
+GATE_EPI = 2          # < 2 only to time parts of the epilogue (results then incomplete)
 PAIRS = 4             # active pairs per fused-kernel iteration
 FUSED_WARPS = 0       # 0: 8 warps for K >= 2048, else 4
 
@@ -95,7 +96,8 @@ def gate_pack(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], tile_n: int,
         b_gate if b_gate is not None else x2,
         vals, cols, counts, oslot, ovals, ocount, m, n, k, nt, ocap,
         HAS_B=b_gate is not None, BLOCK_M=block_m, TILE=tile_n, BLOCK_K=GATE_BLOCK_K,
-        SLOTS=slots, SLOTS_P=_pow2(slots), GROUP_M=8,
+        SLOTS=slots, SLOTS_P=_pow2(slots), GROUP_M=8, EPI=GATE_EPI,
+        EVEN_K=k % GATE_BLOCK_K == 0,
         num_warps=GATE_WARPS, num_stages=GATE_STAGES if tile_n <= 128 else 3)
     return Packed(vals, cols, counts, oslot, ovals, ocount)
 
