@@ -153,9 +153,17 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m, n, k_out = x2.shape[0], w_gate.shape[0], w_down.shape[0]
-    key = (layer, x.device, x.dtype, k, n, k_out, w_up is not None)
-    sparse = cuda_policy.shape_ok(x, m, k, k_out, tile_n, slots) and cuda_policy.use_twell(key)
-    probe = m > 0 and cuda_policy.shape_ok(x, m, k, k_out, tile_n, slots) and cuda_policy.wants_probe(key, sparse)
+    if not cuda_policy.shape_ok(x, m, k, k_out, n, tile_n, slots):
+        # Fast path: eager's calls (small M, fp32, unsupported shapes); no policy bookkeeping.
+        y, hg, h = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
+        if keep_stats:
+            per_token = nonzero_mask(hg).sum(-1)
+            stats.record(layer, per_token, h.abs().float().sum(), per_token.new_zeros(()), n)
+        return y.reshape(*x.shape[:-1], k_out)
+    gated = w_up is not None
+    key = (layer, x.device, x.dtype, k, n, k_out, gated)
+    sparse = cuda_policy.use_twell(key, gated)
+    probe = cuda_policy.wants_probe(key, sparse)
     if sparse:
         y, counts, hsum = twell_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, tile_n, slots)
         if keep_stats or probe:

@@ -4,17 +4,23 @@ Two rules, in this order:
 
 1. Shape rule (host, from shapes and dtypes only): TwELL only for bf16/fp16 with
    M >= MIN_TOKENS tokens, power-of-two tile_n in [32, 256], K and K_out <= 8192 (the fused
-   kernel holds a whole x row and y row in registers). Everything else runs dense.
+   kernel holds a whole x row and y row in registers), M * n_tiles * slots < 2**31 (int32
+   offsets). Everything else runs dense (eager's own calls, bit-identical to eager).
    fp32 stays dense: tl.dot would round its operands to tf32 (about 3e-4 relative error),
    over twice eager fp32's error.
-2. Density rule (per layer, lagged): every call, dense or TwELL, writes the layer's non-zero
-   count of relu(gate(x)) into a device tensor (TwELL: from the counts the gate kernel
-   writes; dense: one count over h_g, only on probe calls). A non-blocking copy to pinned
-   host memory and a CUDA event carry it back; a later call reads it only once
-   ``event.query()`` says it has landed (never waits). The layer then runs TwELL while
-   density <= MAX_DENSITY, dense otherwise. A layer starts dense (a probe call), so the
-   first call never pays for a sparse path on a dense layer; dense layers re-probe every
-   PROBE_EVERY calls, TwELL layers refresh every REFRESH_EVERY calls.
+2. Density rule (per layer, lagged): every probe call, dense or TwELL, writes the layer's
+   non-zero count of relu(gate(x)) into a device tensor (TwELL: summed from the counts the
+   gate kernel writes; dense: one count over h_g). A non-blocking copy to pinned host memory
+   and a CUDA event carry it back; a later call reads it only once ``event.query()`` says it
+   has landed (never waits). With d the measured density and g = 1 for a gated FFN, the layer
+   runs TwELL while the cost model, in units of one dense M x K x N GEMM,
+
+       GATE_UNITS + PAIR_UNITS * d * (1 + g) / 2  <  MARGIN * (2 + g)
+
+   holds (TwELL gate kernel + fused kernel vs dense FFN), dense otherwise. The constants are
+   measured (docs/inference.md). A layer starts dense (a probe call), so a dense layer never
+   pays for a sparse first call; dense layers re-probe every PROBE_EVERY calls, TwELL layers
+   every REFRESH_EVERY calls.
 
 Under CUDA-graph capture nothing is polled or copied: the graph records the path chosen by
 the calls before capture (torch.compile's reduce-overhead mode runs warm-up calls first).
@@ -29,18 +35,27 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-# Measured on H200 (docs/inference.md): TwELL beat dense at density 0.005 and lost at 0.02.
-MAX_DENSITY = 0.01
-MIN_TOKENS = 1024
+# Measured on H200 (docs/inference.md, K=2048 N=5632 bf16): one dense GEMM 0.55 ms at M=16384;
+# TwELL gate kernel GATE_UNITS of it; fused kernel 0.73 ms at 28 non-zeros/row (d=0.005).
+GATE_UNITS = 1.35
+PAIR_UNITS = 265.0
+MARGIN = 0.95
+MIN_TOKENS = 8192      # M=1024: fused kernel 0.25 ms vs dense FFN 0.12 ms (one wave, latency)
 MAX_WIDTH = 8192
 PROBE_EVERY = 64
 REFRESH_EVERY = 16
 DTYPES = (torch.bfloat16, torch.float16)
 
 
-def shape_ok(x: Tensor, m: int, k: int, k_out: int, tile_n: int, slots: int) -> bool:
+def shape_ok(x: Tensor, m: int, k: int, k_out: int, n: int, tile_n: int, slots: int) -> bool:
     return (x.is_cuda and x.dtype in DTYPES and m >= MIN_TOKENS and k <= MAX_WIDTH
-            and k_out <= MAX_WIDTH and tile_n in (32, 64, 128, 256) and 1 <= slots <= tile_n)
+            and k_out <= MAX_WIDTH and tile_n in (32, 64, 128, 256) and 1 <= slots <= tile_n
+            and m * (-(-n // tile_n)) * max(slots, tile_n // 16) < 2**31)
+
+
+def twell_wins(density: float, gated: bool) -> bool:
+    g = 1.0 if gated else 0.0
+    return GATE_UNITS + PAIR_UNITS * density * (1 + g) / 2 < MARGIN * (2 + g)
 
 
 @dataclass
@@ -71,12 +86,12 @@ def _poll(st: _Layer) -> None:
             st.pending = None
 
 
-def use_twell(key: tuple) -> bool:
+def use_twell(key: tuple, gated: bool) -> bool:
     """True: run TwELL this call. Never syncs."""
     st = _state(key)
     if not torch.cuda.is_current_stream_capturing():
         _poll(st)
-    return st.density is not None and st.density <= MAX_DENSITY
+    return st.density is not None and twell_wins(st.density, gated)
 
 
 def wants_probe(key: tuple, twell: bool) -> bool:

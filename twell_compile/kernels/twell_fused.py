@@ -89,9 +89,6 @@ def twell_ffn_kernel(
         col = tl.where(in_ovf, col_o, col_s)
         g = tl.where(in_ovf, val_o, val_s)
         n = (t * TILE + col).to(tl.int64)
-        # Both weight rows are requested before the up reduction's barrier.
-        wd = tl.load(wdt_ptr + n[:, None] * swd_n + ko[None, :] * swd_k,
-                     mask=live[:, None] & ko_ok[None, :], other=0.0)
         if GATED:
             wu = tl.load(wu_ptr + n[:, None] * swu_n + ks[None, :] * swu_k,
                          mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
@@ -102,7 +99,9 @@ def twell_ffn_kernel(
         else:
             h = g
         h = tl.where(live, h, 0.0)
-        y += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
+        wd = tl.load(wdt_ptr + n[:, None] * swd_n + ko[None, :] * swd_k,
+                     mask=live[:, None] & ko_ok[None, :], other=0.0).to(tl.float32)
+        y += tl.sum(h[:, None] * wd, axis=0)
         hs += tl.abs(h)
     for p0 in range(0, total2, PAIRS):
         p = p0 + tl.arange(0, PAIRS)

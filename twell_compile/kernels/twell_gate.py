@@ -46,7 +46,6 @@ def gate_twell_kernel(
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    rm64 = rm.to(tl.int64)
     # Rows/columns past the edge read a valid row (wrapped) and are masked at the stores:
     # unmasked M/N loads keep the main loop's copies vectorised, as in Triton's matmul.
     a_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * sx_m + rk[None, :] * sx_k
@@ -69,7 +68,9 @@ def gate_twell_kernel(
     v = tl.where(acc < 0.0, 0.0, acc).to(vals_ptr.dtype.element_ty)
     nz = (v.to(tl.float32) != 0.0) & n_ok[None, :]  # NaN != 0 is true: NaN is a non-zero
     cnt = tl.sum(nz.to(tl.int32), axis=1)
-    base = (rm64 * NT + pid_t)                           # (row, tile) index
+    # int32 offsets (the launcher guarantees M * NT * SLOTS < 2**31): 64-bit pointer math on
+    # the 64 accumulator elements per thread spilled registers (+0.37 ms at M=16384, H200).
+    base = rm * NT + pid_t                               # (row, tile) index
     tl.store(counts_ptr + base, cnt, mask=m_ok)
     if EPI == 0:
         return
@@ -93,5 +94,5 @@ def gate_twell_kernel(
     slot = tl.atomic_add(ocount_ptr + tl.zeros((BLOCK_M,), dtype=tl.int32), 1, mask=over)
     fits = over & (slot < OCAP)
     tl.store(oslot_ptr + base, tl.where(fits, slot, -1), mask=over)
-    optr = ovals_ptr + slot.to(tl.int64)[:, None] * TILE + ci[None, :]
+    optr = ovals_ptr + slot[:, None] * TILE + ci[None, :]
     tl.store(optr, v, mask=fits[:, None])
