@@ -6,6 +6,9 @@ Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), s
 
 from __future__ import annotations
 
+import functools
+import hashlib
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -31,6 +34,22 @@ def inductor_patches(mode: Optional[str], options: dict[str, Any]) -> dict[str, 
     return patches
 
 
+@functools.lru_cache(maxsize=None)
+def source_fingerprint() -> str:
+    """Hash of the package's Python sources (ops, fakes, kernels, autograd formulas).
+
+    Inductor's and AOTAutograd's on-disk caches key on the graph, not on our op code: after an
+    edit to a fake or a backward (same version number), a cached compile would otherwise run
+    with stale output shapes or a stale backward.
+    """
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def twell_backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: Optional[str] = None,
                   options: Optional[dict[str, Any]] = None):
     from torch._inductor.compile_fx import compile_fx
@@ -42,6 +61,6 @@ def twell_backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: Option
     gm = run_passes(gm, config)
     # The AOTAutograd cache key does not cover Python autograd formulas: tag it with our
     # version and options so a cached compile never reuses a stale backward.
-    tag = f"{torch.compiler.config.cache_key_tag}|twell-{__version__}|{config.cache_tag()}"
+    tag = f"{torch.compiler.config.cache_key_tag}|twell-{__version__}-{source_fingerprint()}|{config.cache_tag()}"
     with torch.compiler.config.patch(cache_key_tag=tag):
         return compile_fx(gm, example_inputs, config_patches=patches)

@@ -20,8 +20,12 @@ from twell_compile.reference import ffn_hidden
 
 
 def backup_capacity(m: int, backup_rows: int) -> int:
-    """Dense backup rows for M tokens: ceil(M / backup_rows). Works on SymInts too."""
-    return (m + backup_rows - 1) // backup_rows
+    """Dense backup rows for M tokens: ceil(M / backup_rows), at least 2. Works on SymInts too.
+
+    The floor of 2 keeps the size away from 1: with a symbolic M, a capacity that can be 1
+    makes AOTAutograd/Inductor guard on ``capacity == 1`` and recompile when the batch grows.
+    """
+    return torch.sym_max((m + backup_rows - 1) // backup_rows, 2)
 
 
 def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
