@@ -59,8 +59,10 @@ def test_kernels_under_interpreter(case):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
     r = subprocess.run([sys.executable, "-c", SCRIPT.format(seed=sum(case[:4]), case=case)],
                        env=env, capture_output=True, text=True, timeout=60)
-    if r.returncode != 0 and ("Tried to instantiate dummy" in r.stderr or "interpreter" in r.stderr.lower()
-                              and "NotImplemented" in r.stderr):
-        pytest.skip(f"Triton interpreter cannot run here: {r.stderr[-300:]}")
+    old = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7)
+    if r.returncode != 0 and old and "InterpreterError" in r.stderr:
+        # Triton 3.6's interpreter (the device image, torch 2.11) fails inside numpy on these
+        # kernels ("only 0-dimensional arrays can be converted"); 3.9 runs them.
+        pytest.skip(f"Triton {triton.__version__} interpreter cannot run the kernels: {r.stderr[-200:]}")
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert r.stdout.startswith("ok")

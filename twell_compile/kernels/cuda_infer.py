@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from twell_compile import stats
-from twell_compile.formats import nonzero_mask
 from twell_compile.kernels import cuda_policy
 
 OVF_DIV = 16          # overflow buffer: one dense tile per 16 (row, tile) pairs
@@ -139,12 +138,30 @@ def twell_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
     return y, pk.counts, hsum
 
 
+def _active(g: Tensor) -> Tensor:
+    """relu(g) != 0, NaN included (also right for g already through ReLU)."""
+    return (g > 0) | torch.isnan(g)
+
+
 def dense_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                   b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """Eager's own calls (bit-identical to torch_impl / eager). Returns (y, h_g, h)."""
-    hg = torch.relu(F.linear(x2, w_gate, b_gate))
-    h = hg if w_up is None else hg * F.linear(x2, w_up, b_up)
-    return F.linear(h, w_down, b_down), hg, h
+    """Eager's GEMMs, relu * up in one Triton pass (bit-identical to eager). Returns (y, g, h).
+
+    g is the gate pre-activation for a gated FFN (its non-zeros after ReLU are what the stats
+    count: use relu(g) != 0), relu(gate(x)) for a non-gated one.
+    """
+    if w_up is None:
+        hg = torch.relu(F.linear(x2, w_gate, b_gate))
+        return F.linear(hg, w_down, b_down), hg, hg
+    from twell_compile.kernels.relu_mul import relu_mul_kernel
+
+    g = F.linear(x2, w_gate, b_gate)
+    u = F.linear(x2, w_up, b_up)
+    h = torch.empty_like(u)
+    numel = h.numel()
+    if numel:
+        relu_mul_kernel[(-(-numel // 4096),)](g, u, h, numel, BLOCK=4096, num_warps=8)
+    return F.linear(h, w_down, b_down), g, h
 
 
 def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
@@ -157,7 +174,7 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
         # Fast path: eager's calls (small M, fp32, unsupported shapes); no policy bookkeeping.
         y, hg, h = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
         if keep_stats:
-            per_token = nonzero_mask(hg).sum(-1)
+            per_token = _active(hg).sum(-1)
             stats.record(layer, per_token, h.abs().float().sum(), per_token.new_zeros(()), n)
         return y.reshape(*x.shape[:-1], k_out)
     gated = w_up is not None
@@ -175,7 +192,7 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     else:
         y, hg, h = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
         if keep_stats or probe:
-            per_token = nonzero_mask(hg).sum(-1)
+            per_token = _active(hg).sum(-1)
         if keep_stats:
             stats.record(layer, per_token, h.abs().float().sum(), per_token.new_zeros(()), n)
         if probe:

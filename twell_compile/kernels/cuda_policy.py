@@ -15,10 +15,11 @@ Two rules, in this order:
    has landed (never waits). With d the measured density and g = 1 for a gated FFN, the layer
    runs TwELL while the cost model, in units of one dense M x K x N GEMM,
 
-       GATE_UNITS + PAIR_UNITS * d * (1 + g) / 2  <  MARGIN * (2 + g)
+       GATE_UNITS + FIXED_UNITS + PAIR_UNITS * d * (1 + g) / 2  <  MARGIN * (2 + g)
 
    holds (TwELL gate kernel + fused kernel vs dense FFN), dense otherwise. The constants are
-   measured (docs/inference.md). A layer starts dense (a probe call), so a dense layer never
+   measured (docs/inference.md). With the H200 numbers the left side is >= 2.98 GEMMs at any
+   density, over 0.95 * 3: today no call of a K=2048, N=5632 FFN is routed to TwELL. A layer starts dense (a probe call), so a dense layer never
    pays for a sparse first call; dense layers re-probe every PROBE_EVERY calls, TwELL layers
    every REFRESH_EVERY calls.
 
@@ -35,10 +36,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-# Measured on H200 (docs/inference.md, K=2048 N=5632 bf16): one dense GEMM 0.55 ms at M=16384;
-# TwELL gate kernel GATE_UNITS of it; fused kernel 0.73 ms at 28 non-zeros/row (d=0.005).
-GATE_UNITS = 1.35
-PAIR_UNITS = 265.0
+# Measured on H200 (docs/inference.md, K=2048 N=5632 bf16, M=16384): one dense GEMM 0.543 ms;
+# TwELL gate kernel 1.108 ms (2.04 GEMMs: its slot-writing epilogue costs 0.37 ms); fused
+# kernel 0.60 ms at 11.5 non-zeros/row and 0.73 ms at 28: a fixed 0.51 ms (0.94 GEMMs) plus a
+# slope of 0.13 ms per 0.003 of density (80 GEMMs per unit density, gated).
+GATE_UNITS = 2.04
+FIXED_UNITS = 0.94
+PAIR_UNITS = 80.0
 MARGIN = 0.95
 MIN_TOKENS = 8192      # M=1024: fused kernel 0.25 ms vs dense FFN 0.12 ms (one wave, latency)
 MAX_WIDTH = 8192
@@ -55,7 +59,7 @@ def shape_ok(x: Tensor, m: int, k: int, k_out: int, n: int, tile_n: int, slots: 
 
 def twell_wins(density: float, gated: bool) -> bool:
     g = 1.0 if gated else 0.0
-    return GATE_UNITS + PAIR_UNITS * density * (1 + g) / 2 < MARGIN * (2 + g)
+    return GATE_UNITS + FIXED_UNITS + PAIR_UNITS * density * (1 + g) / 2 < MARGIN * (2 + g)
 
 
 @dataclass
