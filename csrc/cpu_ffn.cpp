@@ -35,6 +35,10 @@ typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 constexpr int64_t kLanes = 16;
+// Parallel regions only above this many element operations (ATen's grain size, 32768): below
+// it a region's fork/join (and, on a loaded machine, waiting for a descheduled thread) costs
+// more than the work.
+constexpr int64_t kGrain = 32768;
 // Up-projection values at or above this are treated as possibly infinite (FLT_MAX = 3.4e38;
 // bf16 shares fp32's exponent range, and a 3x margin covers the bias and rounding).
 constexpr double kUpLimit = 1e38;
@@ -119,7 +123,7 @@ void relu_pass(const at::Tensor& x2, at::Tensor& hg, double wmax, double bmax, b
   const int64_t m = x2.size(0), k = x2.size(1), n = hg.size(1);
   T* gp = hg.data_ptr<T>();
   const T* xp = x2.data_ptr<T>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (m * (n + k) >= kGrain && m > 1)
   for (int64_t r = 0; r < m; ++r) {
     cnt[r] = relu_count(gp + r * n, n);
     dense_row[r] = gated && !(row_abs_sum(xp + r * k, k) * wmax + bmax < kUpLimit);
@@ -151,7 +155,7 @@ void sparse_up_down(const at::Tensor& x2, const at::Tensor& hg, const int32_t* w
   const int64_t pairs = off[m];
   std::vector<int32_t> row_of(pairs), col(pairs);
   std::vector<float> h(pairs);
-#pragma omp parallel for schedule(dynamic, 16)
+#pragma omp parallel for schedule(dynamic, 16) if (m * n >= kGrain && m > 1)
   for (int64_t r = 0; r < m; ++r) {
     int64_t p = off[r];
     if (p == off[r + 1]) continue;
@@ -196,7 +200,7 @@ void sparse_up_down(const at::Tensor& x2, const at::Tensor& hg, const int32_t* w
 
     // A: h[p] = g[p] * (x[row] . W_up[col] + b_up[col]).
     if (wup) {
-#pragma omp parallel for schedule(dynamic, 4)
+#pragma omp parallel for schedule(dynamic, 4) if (np * k >= kGrain && nu > 1)
       for (int64_t i = 0; i < nu; ++i) {
         const int64_t c = ucols[i];
         if (i + 1 < nu) prefetch_bytes(wup + static_cast<int64_t>(ucols[i + 1]) * ld_up, k * sizeof(T));
@@ -213,7 +217,7 @@ void sparse_up_down(const at::Tensor& x2, const at::Tensor& hg, const int32_t* w
     }
 
     // B: y[row, k0:k1] += h[p] * W_down^T[col, k0:k1]; each thread owns a column chunk.
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (np * kout >= kGrain && chunks > 1)
     for (int64_t t = 0; t < chunks; ++t) {
       const int64_t k0 = t * width, kw = std::min(width, kout - k0);
       for (int64_t i = 0; i < nu; ++i) {

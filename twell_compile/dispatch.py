@@ -32,9 +32,10 @@ def _cuda_infer(x: Tensor):
     return cuda_infer
 
 
-def _cpu_infer(x: Tensor):
+def _cpu_infer(x: Tensor, w_gate: Tensor, w_down: Tensor):
     """The C++ CPU implementation (kernels/cpu_ffn.py) for fp32/bf16 CPU tensors, else None.
 
+    Tiny FFNs (under ``cpu_ffn.MIN_WORK`` multiply-adds) stay on torch_impl: faster there.
     It decides sparse vs dense inside the kernel from the non-zeros it counts (docs/cpu.md).
     If the extension cannot be built it warns once and this returns None (torch_impl runs);
     ``cpu_ffn.active_impl()`` reports which one is active.
@@ -43,7 +44,7 @@ def _cpu_infer(x: Tensor):
         return None
     from twell_compile.kernels import cpu_ffn
 
-    return cpu_ffn if cpu_ffn.supports(x) else None
+    return cpu_ffn if cpu_ffn.supports(x, w_gate, w_down) else None
 
 
 def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
@@ -52,7 +53,7 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     cuda = _cuda_infer(x)
     if cuda is not None:
         return cuda.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, tile_n, slots, layer, keep_stats)
-    cpu = _cpu_infer(x)
+    cpu = _cpu_infer(x, w_gate, w_down)
     if cpu is not None:
         return cpu.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats)
     return torch_impl.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats)

@@ -27,6 +27,13 @@ def _built():
     assert cpu_ffn.active_impl() == "cpu_ffn"
 
 
+@pytest.fixture(autouse=True)
+def _kernel_at_any_size(monkeypatch):
+    # Small shapes keep these tests fast; dispatch sends them to the kernel regardless of the
+    # tiny-FFN rule (tested on its own in test_dispatch_picks_the_kernel...).
+    monkeypatch.setattr(cpu_ffn, "MIN_WORK", 0)
+
+
 @pytest.fixture(params=["sparse", "dense"])
 def path(request, monkeypatch):
     monkeypatch.setattr(cpu_ffn, "max_density", lambda m: 2.0 if request.param == "sparse" else -1.0)
@@ -194,11 +201,14 @@ def test_stats_match_plain_pytorch(path):
 
 
 # ------------------------------------------------------------------------------- dispatch
-def test_dispatch_picks_the_kernel_by_device_and_dtype():
-    for dtype in DTYPES:
-        assert dispatch._cpu_infer(torch.empty(2, 3, dtype=dtype)) is cpu_ffn
+def test_dispatch_picks_the_kernel_by_device_dtype_and_size(monkeypatch):
+    monkeypatch.setattr(cpu_ffn, "MIN_WORK", 1 << 17)
+    w_gate, w_down = torch.empty(512, 64), torch.empty(64, 512)
+    for dtype in DTYPES:  # 4 x 512 x 128 = 2^18 multiply-adds
+        assert dispatch._cpu_infer(torch.empty(4, 64, dtype=dtype), w_gate, w_down) is cpu_ffn
+        assert dispatch._cpu_infer(torch.empty(1, 64, dtype=dtype), w_gate, w_down) is None  # 2^16
     for dtype in (torch.float16, torch.float64):
-        assert dispatch._cpu_infer(torch.empty(2, 3, dtype=dtype)) is None
+        assert dispatch._cpu_infer(torch.empty(4, 64, dtype=dtype), w_gate, w_down) is None
 
 
 def test_in_kernel_branch_follows_the_counted_density():
@@ -239,7 +249,7 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch):
     assert [str(w.message) for w in caught if "CPU kernel unavailable" in str(w.message)] == [
         "twell: CPU kernel unavailable, using plain PyTorch: no compiler (simulated)"]
     assert cpu_ffn.active_impl() == "torch_impl: no compiler (simulated)"
-    assert dispatch._cpu_infer(t["x"]) is None
+    assert dispatch._cpu_infer(t["x"], t["w_gate"], t["w_down"]) is None
     assert torch.equal(y1, ffn_dense(*args(t))) and torch.equal(y2, y1)
 
 
