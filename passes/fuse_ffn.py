@@ -91,6 +91,18 @@ def _rewrite(graph: fx.Graph, m: Match, config: TwellConfig, layer: str) -> tupl
     return str(op.name()), y
 
 
+def _remap(m: Match, replaced: dict[fx.Node, fx.Node]) -> None:
+    """Point the match's inputs at the replacements of nodes earlier rewrites removed."""
+    m.x = replaced.get(m.x, m.x)
+    for p in (m.gate, m.up, m.down):
+        if p is None:
+            continue
+        p.x = replaced.get(p.x, p.x)
+        p.weight = replaced.get(p.weight, p.weight)
+        if p.bias is not None:
+            p.bias = replaced.get(p.bias, p.bias)
+
+
 def _unique(name: str, used: set[str]) -> str:
     base = name or "ffn"
     out, i = base, 1
@@ -107,7 +119,12 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
     used = {r.layer for r in report.rewrites}
     for sub_name, sub in graph_modules(gm):
         changed = False
+        replaced: dict[fx.Node, fx.Node] = {}   # down projection -> the op output replacing it
         for found in find_ffns(sub.graph):
+            if isinstance(found, Match):
+                # One FFN may feed the next directly (x = previous down projection): that node
+                # is gone once the previous FFN is rewritten.
+                _remap(found, replaced)
             if isinstance(found, Rejection):
                 report.add_rejection(RejectionEntry(found.layer, found.reason, sub_name))
                 continue
@@ -124,7 +141,9 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
             layer = _unique(found.layer, used)
             xe = example(found.x)
             n = found.gate.rows[1] - found.gate.rows[0] if found.gate.rows else int(example(found.down.x).shape[-1])
-            op_name, _ = _rewrite(sub.graph, found, config, layer)
+            down_node = found.down.out
+            op_name, y = _rewrite(sub.graph, found, config, layer)
+            replaced[down_node] = y
             changed = True
             report.add_rewrite(RewriteEntry(layer, found.gated, op_name, _tokens(xe.shape), int(xe.shape[-1]),
                                             n, int(out.shape[-1]), str(out.dtype).replace("torch.", ""), sub_name))

@@ -80,6 +80,24 @@ def is_relu(node: fx.Node) -> bool:
     return _is_fn(node, _RELU_FNS) or _is_method(node, _RELU_METHODS)
 
 
+_INPLACE_FNS = {torch.relu_, F.relu_, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                operator.setitem}
+_NOT_INPLACE_METHODS = {"requires_grad_", "__setitem__"}
+
+
+def mutates_first_arg(node: fx.Node) -> bool:
+    """Whether ``node`` writes into its first argument (``relu_``, ``inplace=True``, ``x *= y``)."""
+    if node.op == "call_method":
+        name = str(node.target)
+        return (name.endswith("_") and not name.endswith("__") and name not in _NOT_INPLACE_METHODS) or name == "__setitem__"
+    if node.op == "call_function":
+        if node.target in _INPLACE_FNS:
+            return True
+        return node.kwargs.get("inplace") is True or (
+            node.target in (F.relu, F.dropout, F.threshold) and len(node.args) > 1 and node.args[-1] is True)
+    return False
+
+
 def activation_name(node: fx.Node) -> Optional[str]:
     """Name of a known non-ReLU activation, else None."""
     if node.op == "call_function":
@@ -362,6 +380,28 @@ def _has_outside_users(internal: list[fx.Node], end: fx.Node) -> Optional[fx.Nod
 Rejection = _Rejection
 
 
+def _relu_block(node: Any) -> bool:
+    """Whether ``node`` is relu(projection), or a product with such a factor."""
+    node = skip(node)
+    if not isinstance(node, fx.Node):
+        return False
+    if is_relu(node):
+        return bool(node.args) and resolve_projection(node.args[0]) is not None
+    if (_is_fn(node, _MUL_FNS) or _is_method(node, _MUL_METHODS)) and len(node.args) == 2:
+        return any(isinstance(a, fx.Node) and is_relu(skip(a)) and _relu_block(a) for a in node.args)
+    return False
+
+
+def _transformed(down_node: fx.Node, h: fx.Node, reject: Any) -> Optional[_Rejection]:
+    """A rejection when a ReLU block reaches the down projection through another op (e.g. ReLU²)."""
+    if as_projection(h) is not None:
+        return None   # linear(relu(...)) feeding this one: a different FFN, or none
+    for a in list(h.args) + list(h.kwargs.values()):
+        if isinstance(a, fx.Node) and _relu_block(a):
+            return reject(down_node, f"the ReLU output goes through {_describe(h)} before the down projection")
+    return None
+
+
 def match_at(down_node: fx.Node) -> Optional[Match | Rejection]:
     """Try to read ``down_node`` as the down projection of a ReLU FFN."""
     down = as_projection(down_node)
@@ -369,12 +409,15 @@ def match_at(down_node: fx.Node) -> Optional[Match | Rejection]:
         return None
     if down.rows is not None:
         return None
+    if down.bias is None and _bias_add(down_node) is not None:
+        return None   # matmul followed by its bias add: the add is the down projection
     h_in = down.x
     h = skip(h_in)
     if not isinstance(h, fx.Node):
         return None
     internal = list(down.nodes) + _chain(h_in, h)
     gate = up = None
+    relu_node: Optional[fx.Node] = None
     where = _layer_name([down_node, h])
 
     def Rejection(node: fx.Node, reason: str, layer: str = "") -> _Rejection:  # noqa: N802
@@ -382,7 +425,7 @@ def match_at(down_node: fx.Node) -> Optional[Match | Rejection]:
 
     if _is_fn(h, _MUL_FNS) or _is_method(h, _MUL_METHODS):
         if len(h.args) != 2 or not all(isinstance(a, fx.Node) for a in h.args):
-            return None
+            return _transformed(down_node, h, Rejection)
         a, b = h.args
         for g_side, u_side in ((a, b), (b, a)):
             g = skip(g_side)
@@ -395,7 +438,7 @@ def match_at(down_node: fx.Node) -> Optional[Match | Rejection]:
                     return Rejection(down_node, f"the ReLU's input is {_describe(skip(g.args[0]))}, not a linear projection")
                 if up_ is None:
                     return Rejection(down_node, f"the up branch is {_describe(skip(u_side))}, not a linear projection")
-                gate, up = gp, up_
+                gate, up, relu_node = gp, up_, g
                 internal += [h] + _chain(g_side, g) + [g] + _chain(g.args[0], skip(g.args[0])) + gp.nodes
                 internal += _chain(u_side, skip(u_side)) + up_.nodes
                 break
@@ -412,16 +455,17 @@ def match_at(down_node: fx.Node) -> Optional[Match | Rejection]:
         gate = resolve_projection(h.args[0])
         if gate is None:
             return None
+        relu_node = h
         internal += [h] + _chain(h.args[0], skip(h.args[0])) + gate.nodes
     else:
         act = activation_name(h)
         if act and h.args and isinstance(h.args[0], fx.Node) and resolve_projection(h.args[0]) is not None:
             return Rejection(down_node, f"activation is {act}, not ReLU")
-        if _is_fn(h, _DROPOUT_FNS):
-            inner = skip(h.args[0])
-            if isinstance(inner, fx.Node) and (is_relu(inner) or _is_fn(inner, _MUL_FNS) or _is_method(inner, _MUL_METHODS)):
+        if _is_fn(h, _DROPOUT_FNS) or _is_method(h, {"dropout"}):
+            if h.args and _relu_block(h.args[0]):
                 return Rejection(down_node, "dropout in training mode between the projections")
-        return None
+            return None
+        return _transformed(down_node, h, Rejection)
 
     name = _layer_name([n.out for n in (gate, up, down) if n is not None])
     # Same input for gate and up.
@@ -435,11 +479,32 @@ def match_at(down_node: fx.Node) -> Optional[Match | Rejection]:
             return Rejection(down_node, "one of gate/up is a slice of a fused projection and the other is not", name)
         if gate.rows is not None and gate.weight is not up.weight:
             return Rejection(down_node, "gate and up are slices of different projections", name)
+    # An in-place ReLU writes into the gate's output; if the up branch reads that storage too
+    # (the same projection, or overlapping slices of one fused projection), eager multiplies
+    # by the clamped values. Leave such blocks alone.
+    if up is not None and relu_node is not None and mutates_first_arg(relu_node):
+        same = skip(gate.out) is skip(up.out) or (gate.rows is None and up.rows is None and gate.out is up.out)
+        overlap = (gate.rows is not None and up.rows is not None and gate.weight is up.weight
+                   and gate.rows[0] < up.rows[1] and up.rows[0] < gate.rows[1])
+        if same or overlap:
+            return Rejection(down_node, "in-place ReLU on the gate also changes what the up branch reads", name)
     # Each intermediate value must be used only inside the block.
     internal = list(dict.fromkeys(internal))
     leak = _has_outside_users(internal, down_node)
     if leak is not None:
         return Rejection(down_node, f"intermediate {leak.name} has other users", name)
+    # The rewrite computes the whole block at the down projection: the input must not be
+    # written in place between the first projection and the down projection.
+    order = {n: i for i, n in enumerate(down_node.graph.nodes)}
+    first = min(order[n] for n in internal)
+    for src in dict.fromkeys(p.x for p in (gate, up) if p is not None):
+        for n in (src, skip(src)):
+            if not isinstance(n, fx.Node):
+                continue
+            for user in n.users:
+                if (user not in internal and mutates_first_arg(user) and user.args and user.args[0] is n
+                        and first < order[user] < order[down_node]):
+                    return Rejection(down_node, f"the FFN input is modified in place ({_describe(user)}) inside the block", name)
     # Dtypes, devices, shapes.
     outs = [example(p.out) for p in (gate, up, down) if p is not None]
     xe = example(gate.x)

@@ -1,0 +1,86 @@
+"""Runs the twell passes the way the backend does and keeps what they produced.
+
+``PassBackend`` is a torch.compile backend that applies ``twell_compile.passes.run_passes`` and
+then runs the rewritten graph eagerly (no Inductor: fast), keeping every rewritten graph module
+and the merged report for inspection. ``check_close`` compares against eager with the
+tolerance rules of the test suite.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from twell_compile.config import TwellConfig
+from twell_compile.report import Report
+
+TWELL_OPS = {"twell.ffn.default": "twell::ffn", "twell.ffn_train.default": "twell::ffn_train"}
+
+# Targets the rewrite must have removed from a graph holding only FFNs.
+REPLACED_FNS = {torch._C._nn.linear, F.linear, operator.matmul, torch.matmul, torch.mm, torch.addmm,
+                F.relu, torch.relu, torch.relu_, operator.mul, torch.mul}
+REPLACED_METHODS = {"relu", "relu_", "mul", "matmul", "__matmul__"}
+
+
+class PassBackend:
+    def __init__(self, config: TwellConfig | None = None):
+        self.config = config or TwellConfig()
+        self.graphs: list[fx.GraphModule] = []
+        self.report = Report()
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **_: Any) -> Callable:
+        from twell_compile.passes import report_of, run_passes
+
+        gm = run_passes(gm, self.config)
+        self.graphs.append(gm)
+        self.report.extend(report_of(gm))
+        return gm.forward
+
+    def nodes(self) -> Iterable[fx.Node]:
+        for gm in self.graphs:
+            for sub in gm.modules():
+                if isinstance(sub, fx.GraphModule):
+                    yield from sub.graph.nodes
+
+    def twell_ops(self) -> list[str]:
+        """The twell ops in the rewritten graphs, e.g. ['twell::ffn', 'twell::ffn']."""
+        return [TWELL_OPS[str(n.target)] for n in self.nodes()
+                if n.op == "call_function" and str(n.target) in TWELL_OPS]
+
+    def leftovers(self) -> list[str]:
+        """Linear/matmul/relu/mul nodes still in the rewritten graphs."""
+        out = []
+        for n in self.nodes():
+            if (n.op == "call_function" and n.target in REPLACED_FNS) or (
+                    n.op == "call_method" and n.target in REPLACED_METHODS):
+                out.append(f"{n.op} {getattr(n.target, '__name__', n.target)}")
+        return out
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def check_close(name: str, got: torch.Tensor, eager: torch.Tensor, ref64: torch.Tensor | None = None) -> None:
+    """fp32/fp64: tight against eager. bf16/fp16: error vs fp64 at most 2x eager's own error.
+
+    The low-precision rule allows one extra half-ulp at the output's scale on top: on a handful
+    of elements eager can round to the exact fp64 value by luck (error 0), which no other
+    correct summation order is obliged to repeat.
+    """
+    assert got.shape == eager.shape, f"{name}: shape {tuple(got.shape)} != eager {tuple(eager.shape)}"
+    assert got.dtype == eager.dtype, f"{name}: dtype {got.dtype} != eager {eager.dtype}"
+    if got.dtype in (torch.float32, torch.float64) or ref64 is None:
+        scale = max(eager.double().abs().max().item() if eager.numel() else 0.0, 1.0)
+        tol = (1e-5 if got.dtype == torch.float32 else 1e-12) * scale
+        err = max_err(got, eager)
+        assert err <= tol, f"{name}: max error {err:.3g} vs eager > {tol:.3g}"
+        return
+    err, eager_err = max_err(got, ref64), max_err(eager, ref64)
+    floor = 0.5 * torch.finfo(got.dtype).eps * (ref64.abs().max().item() if ref64.numel() else 0.0)
+    assert err <= 2 * eager_err + floor, (
+        f"{name}: error vs fp64 {err:.3g} > 2 x eager {got.dtype} error {eager_err:.3g}")
