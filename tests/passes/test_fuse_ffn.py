@@ -1,0 +1,245 @@
+"""The FFN rewrite: the graph handed on holds one twell op per FFN and none of the replaced
+nodes, and outputs and gradients (x and every parameter) match eager.
+
+Most examples run the rewritten graph eagerly (``PassBackend``: fast); a handful go through the
+real ``backend="twell"`` with Inductor, inspecting the graph the backend hands to compile_fx.
+Tolerances: fp32/fp64 tight against eager; bf16 error vs fp64 at most 2x eager bf16's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from torch.utils.checkpoint import checkpoint
+
+import twell_compile
+from twell_compile.config import TwellConfig
+
+from ffn_zoo import Spec, build, eager_allows, specs
+from rewrite_harness import REPLACED_FNS, REPLACED_METHODS, TWELL_OPS, PassBackend, check_close
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float64]
+
+
+def _expected_op(grad: bool, params_grad: bool, x_grad: bool) -> str:
+    return "twell::ffn_train" if grad and (params_grad or x_grad) else "twell::ffn"
+
+
+def _compare(spec: Spec, dtype: torch.dtype, seed: int, model: nn.Module, compiled: Any, grad: bool,
+             params_grad: bool, x_grad: bool) -> None:
+    """Run compiled and eager on one fresh input; compare outputs and all gradients."""
+    torch.manual_seed(seed + 1)
+    x = torch.randn(*spec.batch, spec.k, dtype=dtype)
+    xs = [x.clone().requires_grad_(x_grad) for _ in range(2)]
+    with torch.set_grad_enabled(grad):
+        got = compiled(xs[0])
+        want = model(xs[1])
+    ref = build(spec, torch.float64, seed)
+    x64 = x.double().requires_grad_(x_grad)
+    with torch.set_grad_enabled(grad and (params_grad or x_grad)):
+        y64 = ref(x64)
+    check_close("output", got, want, y64)
+    if not (grad and (params_grad or x_grad)):
+        assert not got.requires_grad
+        return
+    dy = torch.randn_like(want)   # fresh random upstream gradient, never ones/zeros
+    leaves = ([x64] if x_grad else []) + (list(ref.parameters()) if params_grad else [])
+    want_leaves = ([xs[1]] if x_grad else []) + (list(model.parameters()) if params_grad else [])
+    got_leaves = ([xs[0]] if x_grad else []) + (list(model.parameters()) if params_grad else [])
+    g_got = torch.autograd.grad(got, got_leaves, dy)
+    g_want = torch.autograd.grad(want, want_leaves, dy)
+    g_ref = torch.autograd.grad(y64, leaves, dy.double())
+    names = (["x"] if x_grad else []) + ([n for n, _ in model.named_parameters()] if params_grad else [])
+    for name, a, b, c in zip(names, g_got, g_want, g_ref, strict=True):
+        check_close(f"grad {name}", a, b, c)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(spec=specs(), dtype=st.sampled_from(DTYPES), grad=st.booleans(), params_grad=st.booleans(),
+       x_grad=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_rewrite_matches_eager(spec: Spec, dtype: torch.dtype, grad: bool, params_grad: bool,
+                               x_grad: bool, seed: int) -> None:
+    assume(eager_allows(spec, grad and (params_grad or x_grad)))
+    torch._dynamo.reset()
+    model = build(spec, dtype, seed).requires_grad_(params_grad)
+    backend = PassBackend()
+    compiled = torch.compile(model, backend=backend)
+    _compare(spec, dtype, seed, model, compiled, grad, params_grad, x_grad)
+    assert backend.twell_ops() == [_expected_op(grad, params_grad, x_grad)], spec.describe()
+    assert not backend.leftovers(), f"{spec.describe()}: {backend.leftovers()}"
+    assert len(backend.report.rewrites) == 1 and not backend.report.rejections
+
+
+# ------------------------------------------------------------------------------ through Inductor
+class CompileFxSpy:
+    """Wraps Inductor's compile_fx to keep the graphs the twell backend hands to it."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        import torch._inductor.compile_fx as cfx
+
+        self.graphs: list[torch.fx.GraphModule] = []
+        original = cfx.compile_fx
+
+        def spy(gm, example_inputs, *args, **kwargs):
+            self.graphs.append(gm)
+            return original(gm, example_inputs, *args, **kwargs)
+
+        monkeypatch.setattr(cfx, "compile_fx", spy)
+
+    def node_kinds(self) -> tuple[list[str], list[str]]:
+        ops, replaced = [], []
+        for gm in self.graphs:
+            for sub in gm.modules():
+                if not isinstance(sub, torch.fx.GraphModule):
+                    continue
+                for n in sub.graph.nodes:
+                    if n.op == "call_function" and str(n.target) in TWELL_OPS:
+                        ops.append(TWELL_OPS[str(n.target)])
+                    elif (n.op == "call_function" and n.target in REPLACED_FNS) or (
+                            n.op == "call_method" and n.target in REPLACED_METHODS):
+                        replaced.append(str(n.target))
+        return ops, replaced
+
+
+INDUCTOR_CASES = [
+    (Spec(linear="nn.Linear", bias=False, split=None, k=16, n=40, k_out=16, batch=(2, 7)), torch.float32, True),
+    (Spec(linear="F.linear", bias=True, relu="relu_", split="chunk", k=13, n=29, k_out=11, batch=(9,)),
+     torch.float32, False),
+    (Spec(linear="addmm", bias=True, gated=False, relu="nn.ReLU", k=12, n=31, k_out=12, batch=(3, 5)),
+     torch.float32, True),
+    (Spec(linear="x@w.T", bias=True, mul="torch.mul", relu_first=False, split="slice", dropout="eval",
+          k=16, n=24, k_out=8, batch=(2, 5)), torch.bfloat16, True),
+]
+
+
+@pytest.mark.parametrize("spec, dtype, grad", INDUCTOR_CASES, ids=lambda v: getattr(v, "linear", str(v)))
+def test_twell_backend_end_to_end(spec: Spec, dtype: torch.dtype, grad: bool, monkeypatch) -> None:
+    spy = CompileFxSpy(monkeypatch)
+    model = build(spec, dtype, seed=3)
+    compiled = torch.compile(model, backend="twell")
+    _compare(spec, dtype, 3, model, compiled, grad, True, True)
+    ops, replaced = spy.node_kinds()
+    assert ops == [_expected_op(grad, True, True)], ops
+    assert not replaced, replaced
+
+
+def test_options_turn_rewrites_off(monkeypatch) -> None:
+    spec = Spec(k=8, n=12, k_out=8, batch=(4,))
+    model = build(spec)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        off = twell_compile.explain(model, x, options={"twell.enabled": False})
+        no_infer = twell_compile.explain(model, x, options={"twell.rewrite_inference": False})
+    no_train = twell_compile.explain(model, x, options={"twell.rewrite_training": False})
+    for report, reason in ((off, "enabled is False"), (no_infer, "rewrite_inference"),
+                           (no_train, "rewrite_training")):
+        assert not report.rewrites and len(report.rejections) == 1, str(report)
+        assert reason in report.rejections[0].reason
+    backend = PassBackend(TwellConfig(enabled=False))
+    with torch.no_grad():
+        got = torch.compile(model, backend=backend)(x)
+    assert not backend.twell_ops() and torch.equal(got, model(x).detach())
+
+
+# ------------------------------------------------------------------------------ subgraphs
+class GatedMLP(nn.Module):
+    def __init__(self, k: int = 16, n: int = 40):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(k, n, bias=False), nn.Linear(k, n, bias=False)
+        self.down_proj = nn.Linear(n, k, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.relu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class CheckpointedBlocks(nn.Module):
+    """Two residual blocks whose MLPs run under non-reentrant activation checkpointing."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlps = nn.ModuleList([GatedMLP(), GatedMLP()])
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x):
+        for mlp in self.mlps:
+            x = x + checkpoint(mlp, self.norm(x), use_reentrant=False)
+        return x
+
+
+def _grads(y: torch.Tensor, leaves: list[torch.Tensor], dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return torch.autograd.grad(y, leaves, dy)
+
+
+def test_checkpoint_subgraph_is_rewritten() -> None:
+    torch.manual_seed(0)
+    model = CheckpointedBlocks()
+    x = torch.randn(2, 5, 16)
+    backend = PassBackend()
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    got = torch.compile(model, backend=backend)(xs[0])
+    want = model(xs[1])
+    # The MLPs live in higher-order-op subgraphs, not in the top-level graph.
+    top = [n for n in backend.graphs[0].graph.nodes if n.op == "call_function" and str(n.target) in TWELL_OPS]
+    assert not top and backend.twell_ops() == ["twell::ffn_train"] * 2
+    assert all(r.graph for r in backend.report.rewrites), str(backend.report)
+    assert not backend.leftovers()
+    check_close("output", got, want)
+    dy = torch.randn_like(want)
+    params = list(model.parameters())
+    for name, a, b in zip(["x"] + [n for n, _ in model.named_parameters()],
+                          _grads(got, [xs[0]] + params, dy), _grads(want, [xs[1]] + params, dy)):
+        check_close(f"grad {name}", a, b)
+
+
+def test_checkpoint_through_inductor(monkeypatch) -> None:
+    torch.manual_seed(0)
+    spy = CompileFxSpy(monkeypatch)
+    model = CheckpointedBlocks()
+    x = torch.randn(3, 4, 16)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    got = torch.compile(model, backend="twell")(xs[0])
+    want = model(xs[1])
+    ops, replaced = spy.node_kinds()
+    assert ops == ["twell::ffn_train"] * 2 and not replaced
+    check_close("output", got, want)
+    dy = torch.randn_like(want)
+    params = list(model.parameters())
+    for a, b in zip(_grads(got, [xs[0]] + params, dy), _grads(want, [xs[1]] + params, dy)):
+        check_close("grad", a, b)
+
+
+# ------------------------------------------------------------------------------ dtypes
+def test_autocast_region_keeps_its_numerics() -> None:
+    """Under CPU bf16 autocast the projections produce bf16: the op gets bf16 inputs."""
+    torch.manual_seed(0)
+    model = GatedMLP()
+    x = torch.randn(4, 6, 16)
+    backend = PassBackend()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = torch.compile(model, backend=backend)(x)
+        want = model(x)
+    assert backend.twell_ops() == ["twell::ffn"]
+    assert got.dtype == want.dtype == torch.bfloat16
+    ref = model.double()(x.double())
+    check_close("output", got, want, ref)
+
+
+def test_two_ffns_feeding_each_other_rewrite_both() -> None:
+    """The second FFN reads the first's output directly (no residual in between)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(GatedMLP(), GatedMLP())
+    x = torch.randn(5, 16, requires_grad=True)
+    backend = PassBackend()
+    got = torch.compile(model, backend=backend)(x)
+    want = model(x)
+    assert backend.twell_ops() == ["twell::ffn_train"] * 2 and not backend.leftovers()
+    check_close("output", got, want)
+    dy = torch.randn_like(want)
+    params = list(model.parameters())
+    for a, b in zip(_grads(got, [x] + params, dy), _grads(want, [x] + params, dy)):
+        check_close("grad", a, b)
