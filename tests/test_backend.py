@@ -212,3 +212,22 @@ def test_import_initialises_no_cuda_and_builds_nothing():
 def test_explain_rejects_non_callable():
     with pytest.raises(TypeError, match="model must be callable"):
         twell_compile.explain(42)
+
+
+def test_stats_buffers_are_reserved_at_compile_time(monkeypatch):
+    """Buffers first allocated during a CUDA-graph warm-up would land in the graph's pool."""
+    from twell_compile import stats
+
+    twell_compile.reset_stats()
+    found = []
+    real_record = stats.record
+
+    def watch(layer, counts, *args):
+        found.append((layer, (layer, counts.device) in stats._buffers))
+        return real_record(layer, counts, *args)
+
+    monkeypatch.setattr(stats, "record", watch)
+    with torch.no_grad():
+        torch.compile(Net(), backend="twell")(torch.randn(3, 16))
+    assert sorted(found) == [("mlps.0", True), ("mlps.1", True)]
+    assert set(twell_compile.layer_stats()) == {"mlps.0", "mlps.1"}

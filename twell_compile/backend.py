@@ -50,6 +50,36 @@ def source_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
+_STATS_ARG = {"ffn": (9, 10), "ffn_train": (10, 11)}  # (layer, stats) argument positions
+
+
+def _example_device(node: Any) -> Optional[torch.device]:
+    """Device of a node's value, following the first tensor argument up to recorded metadata."""
+    while isinstance(node, fx.Node):
+        ev = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(ev, torch.Tensor):
+            return ev.device
+        node = node.args[0] if node.args else None
+    return None
+
+
+def reserve_stats(gm: fx.GraphModule) -> None:
+    """Allocate every rewritten layer's statistics buffer now, outside any CUDA-graph pool."""
+    from twell_compile import stats
+    from twell_compile.passes.fuse_ffn import graph_modules
+
+    for _, sub in graph_modules(gm):
+        for node in sub.graph.nodes:
+            if node.op != "call_function" or getattr(node.target, "namespace", None) != "twell":
+                continue
+            pos = _STATS_ARG.get(node.target._opname)
+            if pos is None or not node.args[pos[1]]:
+                continue
+            device = _example_device(node.args[0])
+            if device is not None:
+                stats.reserve(node.args[pos[0]], device)
+
+
 def twell_backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: Optional[str] = None,
                   options: Optional[dict[str, Any]] = None):
     from torch._inductor.compile_fx import compile_fx
@@ -59,6 +89,7 @@ def twell_backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: Option
     config, rest = TwellConfig.from_options(options)
     patches = inductor_patches(mode, rest)
     gm = run_passes(gm, config)
+    reserve_stats(gm)
     # The AOTAutograd cache key does not cover Python autograd formulas: tag it with our
     # version and options so a cached compile never reuses a stale backward.
     tag = f"{torch.compiler.config.cache_key_tag}|twell-{__version__}-{source_fingerprint()}|{config.cache_tag()}"

@@ -4,7 +4,8 @@ torch.export traces below the level our pass works at, so the model is first cap
 Dynamo (torch-level graph), rewritten by the same passes as the backend, then exported. The
 program calls ``torch.ops.twell.*``: a process that runs it, also through an AOTInductor
 package, must ``import twell_compile.ops`` first (the ops are Python custom ops). Without
-that, loading fails with "Could not find schema for twell::ffn".
+that, loading fails with "Could not find schema for twell::ffn". AOTInductor packages need
+torch >= 2.13: on torch 2.11 running the package segfaulted in its call of the Python op.
 """
 
 from __future__ import annotations

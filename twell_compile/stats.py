@@ -43,22 +43,36 @@ def record(layer: str, counts: Tensor, abs_sum: Tensor, overflows: Tensor, hidde
     counts: non-zeros per token [M] (any integer dtype); abs_sum: sum of |h| (0-d);
     overflows: rows or tiles that took the exact overflow path (0-d).
     """
-    key = (layer, counts.device)
-    buf = _buffers.get(key)
+    buf = _buffers.get((layer, counts.device))
     if buf is None:
-        with _lock:
-            buf = _buffers.setdefault(key, torch.zeros(_FIELDS, dtype=torch.float64, device=counts.device))
-            _hidden[layer] = hidden
+        buf = reserve(layer, counts.device)
+    _hidden[layer] = hidden
     c = counts.to(torch.float64)
     tokens = torch.full((), counts.numel(), dtype=torch.float64, device=counts.device)
     mx = c.max() if counts.numel() else c.new_zeros(())
     buf.copy_(torch.stack([tokens, c.sum(), mx, abs_sum.to(torch.float64), overflows.to(torch.float64)]))
 
 
+def reserve(layer: str, device: torch.device) -> Tensor:
+    """Allocate a layer's buffer now. The backend calls this at compile time: a buffer first
+    allocated inside a CUDA-graph warm-up would live in the graph's private memory pool."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (layer, device)
+    buf = _buffers.get(key)
+    if buf is None:
+        with _lock:
+            buf = _buffers.setdefault(key, torch.zeros(_FIELDS, dtype=torch.float64, device=device))
+    return buf
+
+
 def layer_stats() -> dict[str, LayerStats]:
     """Latest statistics per layer name (as reported by ``explain``). Syncs with the device."""
     out: dict[str, LayerStats] = {}
     for (layer, _device), buf in sorted(_buffers.items(), key=lambda kv: kv[0][0]):
+        if layer not in _hidden:  # reserved, never called yet
+            continue
         tokens, nnz, mx, abs_sum, ovf = buf.tolist()
         hidden = _hidden[layer]
         out[layer] = LayerStats(
