@@ -44,7 +44,7 @@ def test_export_argument_errors():
         twell_compile.export(Block(), (torch.randn(2, 16),), options={"max_autotune": True})
 
 
-@pytest.mark.skipif(torch.__version__ < "2.13",
+@pytest.mark.skipif(torch.__version__ < (2, 13),
                     reason="AOTInductor on torch 2.11 segfaults calling Python custom ops (seen on the H200 machine)")
 def test_aoti_package_runs_in_fresh_process(tmp_path):
     torch.manual_seed(1)
