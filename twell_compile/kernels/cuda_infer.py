@@ -1,15 +1,18 @@
-"""CUDA inference FFN: dense (eager's own calls) or TwELL (two Triton kernels), chosen per call
-by ``cuda_policy`` from shapes plus a lagged, sync-free per-layer density measurement.
+"""CUDA inference FFN: dense (eager's own calls) or TwELL, chosen per call by ``cuda_policy``
+from shapes plus a lagged, sync-free per-layer density measurement.
 
-TwELL path, for x [M, K] (bf16/fp16):
-  1. ``gate_twell_kernel``: gate GEMM + bias + ReLU; its epilogue writes values/cols/counts
-     (formats.TwELL's layout for the slots) and dense copies of tiles with counts > slots into
-     a fixed-capacity overflow buffer (ceil(M * n_tiles / OVF_DIV) tiles).
-  2. ``twell_ffn_kernel``: per token, up projection for active pairs only, times g, down
-     projection, y written once. Overflow tiles that missed the buffer, and rows whose x holds
-     NaN/Inf, are recomputed densely per column inside the kernel: exact, nothing dropped.
-No host sync on this path: capacities are fixed, decisions about overflow are made on the
-device, and the policy only polls CUDA events.
+TwELL path (``twell_forward``), for x [M, K] (bf16/fp16), three launches:
+  1. cuBLAS gate GEMM g = x W_g^T + b_g (F.linear; 0.52 ms at M=16384, K=2048, N=5632 on H200,
+     vs 0.72 ms for the Triton GEMM of ``twell_gate.py``).
+  2. ``compact_rows_kernel`` (twell_rows.py): one read of g; per row the count of relu(g)'s
+     non-zeros and its first W (value, column) pairs, contiguous.
+  3. ``twell_rows_kernel``: per token, up projection for the listed pairs only, times g, down
+     projection, y written once. Rows with count > W continue over g after the W-th listed
+     column; rows whose x holds NaN/Inf take every column. Exact, nothing dropped.
+The tile path of issue 3's first design (``twell_forward_tiles``: Triton gate GEMM with the
+TwELL epilogue + ``twell_fused.py``) stays for comparison (docs/inference.md has both timings).
+No host sync on either path: capacities are fixed, overflow is decided on the device, and the
+policy only polls CUDA events.
 """
 
 from __future__ import annotations
@@ -31,6 +34,16 @@ GATE_STAGES = 4
 GATE_EPI = 2          # < 2 only to time parts of the epilogue (results then incomplete)
 PAIRS = 4             # active pairs per fused-kernel iteration
 FUSED_WARPS = 0       # 0: 8 warps for K >= 2048, else 4
+# per-row path (twell_rows.py)
+COMPACT_BM = 8        # rows per compaction program
+COMPACT_CH = 512      # columns per compaction step
+COMPACT_WARPS = 4
+ROW_PAIRS = 4         # listed pairs per fused iteration
+ROW_PF = 1            # 0 none, 1: next (col, value) one step ahead, 2: next weight rows too
+ROW_WARPS = 0         # 0: 8 warps for K >= 2048, else 4
+TAIL_CH = 256         # columns per step of the exact tail over g
+MIN_WIDTH = 32
+MAX_LIST = 1024
 
 def _transposed(w: Tensor) -> Tensor:
     """w.t() contiguous ([N, K_out] rows for the down projection's row gathers).
@@ -116,15 +129,88 @@ def fused(x2: Tensor, pk: Packed, w_gate: Tensor, b_gate: Optional[Tensor], w_up
     return y, hsum
 
 
-def twell_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
-                  b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
-                  tile_n: int, slots: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(y [M, K_out], counts [M, n_tiles] int32, sum|h| per row [M] fp32). x2 is [M, K]."""
+def twell_forward_tiles(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+                        b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
+                        tile_n: int, slots: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Tile path: (y [M, K_out], counts [M, n_tiles] int32, sum|h| per row [M] fp32)."""
     w_gate = _rows(w_gate)
     w_up = None if w_up is None else _rows(w_up)
     pk = gate_pack(x2, w_gate, b_gate, tile_n, slots)
     y, hsum = fused(x2, pk, w_gate, b_gate, w_up, b_up, w_down, b_down)
     return y, pk.counts, hsum
+
+
+def list_width(n: int, nnz_per_row: Optional[float] = None) -> int:
+    """Per-row list width W: a power of two >= 2x the mean non-zeros per row + 16 (Poisson rows
+    at 28 mean: P(> 64) ~ 1e-7), clamped to [MIN_WIDTH, MAX_LIST] and to pow2(N). Rows over
+    W stay exact (tail over g), only slower."""
+    w = MIN_WIDTH if nnz_per_row is None else _pow2(int(2 * nnz_per_row) + 16)
+    return max(1, min(max(w, MIN_WIDTH), MAX_LIST, _pow2(n)))
+
+
+class Rows(NamedTuple):
+    """Gate output of the per-row path."""
+    g: Tensor        # [M, N] pre-activation (cuBLAS), read again only by the exact tail
+    vals: Tensor     # [M, W] first W non-zeros of relu(g) per row (slots >= cnt unwritten)
+    cols: Tensor     # [M, W] int32 their columns
+    cnt: Tensor      # [M] int32 non-zeros per row (may exceed W)
+
+
+def gate_rows(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], width: int) -> Rows:
+    """g = x2 W_g^T + b_g by cuBLAS, then one compaction pass over g."""
+    from twell_compile.kernels.twell_rows import compact_rows_kernel
+
+    m = x2.shape[0]
+    n = w_gate.shape[0]
+    g = F.linear(x2, w_gate, b_gate)
+    vals = torch.empty((m, width), dtype=x2.dtype, device=x2.device)
+    cols = torch.empty((m, width), dtype=torch.int32, device=x2.device)
+    cnt = torch.empty((m,), dtype=torch.int32, device=x2.device)
+    if m:
+        compact_rows_kernel[(-(-m // COMPACT_BM),)](
+            g, g.stride(0), vals, cols, cnt, m, n, width,
+            BM=COMPACT_BM, CH=min(COMPACT_CH, _pow2(n)), num_warps=COMPACT_WARPS)
+    return Rows(g, vals, cols, cnt)
+
+
+def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tensor],
+               w_down: Tensor, b_down: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(y [M, K_out], sum |h| per row [M] fp32) from the per-row lists."""
+    from twell_compile.kernels.twell_rows import twell_rows_kernel
+
+    m, k = x2.shape
+    n, k_out = r.g.shape[1], w_down.shape[0]
+    wdt = _transposed(w_down)
+    wu = w_up if w_up is not None else wdt
+    y = torch.empty((m, k_out), dtype=x2.dtype, device=x2.device)
+    hsum = torch.empty((m,), dtype=torch.float32, device=x2.device)
+    if m == 0:
+        return y, hsum
+    kp = _pow2(max(k, k_out))
+    twell_rows_kernel[(m,)](
+        x2, x2.stride(0), x2.stride(1), r.g, r.g.stride(0), r.vals, r.cols, r.cnt,
+        wu, wu.stride(0), wu.stride(1), b_up if b_up is not None else x2,
+        wdt, wdt.stride(0), wdt.stride(1), b_down if b_down is not None else x2,
+        y, y.stride(0), y.stride(1), hsum, k, n, k_out, r.vals.shape[1],
+        GATED=w_up is not None, HAS_BU=b_up is not None, HAS_BD=b_down is not None,
+        K_P=_pow2(k), KO_P=_pow2(k_out), PAIRS=ROW_PAIRS, CH=min(TAIL_CH, _pow2(n)), PF=ROW_PF,
+        num_warps=ROW_WARPS or (8 if kp >= 2048 else 4))
+    return y, hsum
+
+
+def twell_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+                  b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
+                  tile_n: int = 128, slots: int = 16, width: Optional[int] = None
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """(y [M, K_out], non-zeros per row [M] int32, sum|h| per row [M] fp32). x2 is [M, K].
+
+    width: the per-row list width W (default ``list_width(N)``); tile_n/slots are the tile
+    path's and unused here."""
+    n = w_gate.shape[0]
+    w_up = None if w_up is None else _rows(w_up)
+    r = gate_rows(x2, w_gate, b_gate, width or list_width(n))
+    y, hsum = fused_rows(x2, r, w_up, b_up, w_down, b_down)
+    return y, r.cnt, hsum
 
 
 def _active(g: Tensor) -> Tensor:
@@ -171,11 +257,11 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     sparse = cuda_policy.use_twell(key, gated)
     probe = cuda_policy.wants_probe(key, sparse)
     if sparse:
-        y, counts, hsum = twell_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, tile_n, slots)
-        if keep_stats or probe:
-            per_token = counts.sum(1)
+        width = list_width(n, cuda_policy.density(key) * n)
+        y, per_token, hsum = twell_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down,
+                                           width=width)
         if keep_stats:
-            stats.record(layer, per_token, hsum.sum(), (counts > slots).sum(), n)
+            stats.record(layer, per_token, hsum.sum(), (per_token > width).sum(), n)
         if probe:
             cuda_policy.submit(key, per_token.sum(), m * n)
     else:
