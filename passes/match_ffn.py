@@ -380,6 +380,43 @@ def _has_outside_users(internal: list[fx.Node], end: fx.Node) -> Optional[fx.Nod
 Rejection = _Rejection
 
 
+_ELEMENTWISE_FNS = {operator.mul, operator.add, operator.sub, operator.truediv, operator.neg, operator.pow,
+                    torch.mul, torch.add, torch.sub, torch.div, torch.neg, torch.pow, torch.tanh, torch.sigmoid,
+                    torch.erf, torch.exp, torch.sqrt, torch.rsqrt, torch.square, torch.abs, torch.where,
+                    torch.maximum, torch.minimum, torch.clamp, F.sigmoid, F.tanh}
+_ELEMENTWISE_METHODS = {"mul", "add", "sub", "div", "neg", "pow", "tanh", "sigmoid", "erf", "exp", "sqrt",
+                        "rsqrt", "square", "abs", "clamp", "__mul__", "__add__", "__rmul__", "__radd__"}
+
+
+def composite_activation(node: Any, depth: int = 10) -> Optional[str]:
+    """If ``node`` is an elementwise expression of one projection's output (e.g. GPT-2's
+    ``0.5 * x * (1 + tanh(...))``): the operator names in it, else None."""
+    names: list[str] = []
+    sources: set[fx.Node] = set()
+    seen: set[fx.Node] = set()
+
+    def walk(n: Any, d: int) -> bool:
+        if not isinstance(n, fx.Node):
+            return isinstance(n, (int, float, bool))
+        n = skip(n)
+        if n in seen:
+            return True
+        seen.add(n)
+        if resolve_projection(n) is not None:
+            sources.add(n)
+            return True
+        if d == 0 or not (_is_fn(n, _ELEMENTWISE_FNS) or _is_method(n, _ELEMENTWISE_METHODS)) or is_relu(n):
+            return False
+        name = _describe(n)
+        if name not in names:
+            names.append(name)
+        return all(walk(a, d - 1) for a in list(n.args) + list(n.kwargs.values()))
+
+    if isinstance(node, fx.Node) and walk(node, depth) and len(sources) == 1 and names:
+        return ", ".join(names)
+    return None
+
+
 def _relu_block(node: Any) -> bool:
     """Whether ``node`` is relu(projection), or a product with such a factor."""
     node = skip(node)
@@ -450,7 +487,14 @@ def match_at(down_node: fx.Node) -> Optional[Match | Rejection]:
                     return Rejection(down_node, f"gate activation is {act}, not ReLU")
             if resolve_projection(a) is not None and resolve_projection(b) is not None:
                 return Rejection(down_node, "gated product has no activation (bilinear), not ReLU")
-            return None
+            for g_side, u_side in ((a, b), (b, a)):
+                ops = composite_activation(g_side)
+                if ops and resolve_projection(u_side) is not None:
+                    return Rejection(down_node, f"gate activation is an elementwise expression ({ops}), not ReLU")
+            ops = composite_activation(h)
+            if ops:
+                return Rejection(down_node, f"activation is an elementwise expression ({ops}), not ReLU")
+            return _transformed(down_node, h, Rejection)
     elif is_relu(h):
         gate = resolve_projection(h.args[0])
         if gate is None:
@@ -465,6 +509,9 @@ def match_at(down_node: fx.Node) -> Optional[Match | Rejection]:
             if h.args and _relu_block(h.args[0]):
                 return Rejection(down_node, "dropout in training mode between the projections")
             return None
+        ops = composite_activation(h)
+        if ops:
+            return Rejection(down_node, f"activation is an elementwise expression ({ops}), not ReLU")
         return _transformed(down_node, h, Rejection)
 
     name = _layer_name([n.out for n in (gate, up, down) if n is not None])

@@ -9,6 +9,7 @@ passes-applied graph stay bit-identical to eager.
 
 from __future__ import annotations
 
+import math
 import operator
 
 import pytest
@@ -92,6 +93,11 @@ def _split(s, x):
     return s.fused(x).chunk(2, dim=-1)
 
 
+def _gelu_new(x):
+    """GPT-2's activation, written out as Hugging Face's NewGELUActivation does."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
 NEAR_MISSES = {
     # name: (body, expected rejection reason or None when not FFN-shaped)
     "silu_gate": (lambda s, x, x2: s.down(F.silu(s.gate(x)) * s.up(x)), "gate activation is SiLU"),
@@ -103,6 +109,10 @@ NEAR_MISSES = {
                    "gate activation is SiLU"),
     "gelu_non_gated": (lambda s, x, x2: s.down(F.gelu(s.gate(x))), "activation is GELU"),
     "silu_module_non_gated": (lambda s, x, x2: s.down(nn.SiLU()(s.gate(x))), "activation is SiLU"),
+    "composite_gelu_non_gated": (lambda s, x, x2: s.down(_gelu_new(s.gate(x))), "elementwise expression"),
+    "composite_gelu_gated": (lambda s, x, x2: s.down(_gelu_new(s.gate(x)) * s.up(x)), "gate activation is an elementwise"),
+    "quick_gelu_non_gated": (lambda s, x, x2: (lambda g: s.down(g * torch.sigmoid(1.702 * g)))(s.gate(x)),
+                             "elementwise expression"),
     "bilinear": (lambda s, x, x2: s.down(s.gate(x) * s.up(x)), "no activation"),
     "relu_on_up_too": (lambda s, x, x2: s.down(F.relu(s.gate(x)) * F.relu(s.up(x))), "up branch is relu"),
     "relu_returned": (lambda s, x, x2: (lambda h: (s.down(h * s.up(x)), h))(F.relu(s.gate(x))),
