@@ -6,7 +6,9 @@
 
 Inputs: benchmarks/synthetic.py (anchors.md's generator), bf16. Times are medians of
 triton.testing.do_bench (CUDA events). twell_ms is the op torch.ops.twell.ffn as the backend
-calls it (policy included: it may run dense); kernel_ms forces the TwELL kernels. rel_err is
+calls it (policy included: it may run dense); kernel_ms forces the TwELL kernels (per-row path,
+list width from the measured non-zeros as the op picks it; not timed at density >= 0.2 where
+they are hopeless: NaN); tiles_ms (--tiles) the tile path of the first design. rel_err is
 ||y - y_fp32|| / ||y_fp32|| against an fp32 reference (TF32 off) on up to 8192 rows;
 dense_rel_err is eager bf16's on the same rows. "% floor" = gate_ms / twell_ms: the dense
 gate GEMM is the floor of any TwELL FFN. Writes benchmarks/results/<gpu>/ffn_inference.json.
@@ -65,6 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=100, help="do_bench rep (ms)")
     ap.add_argument("--tile-n", type=int, default=128)
     ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--tiles", action="store_true", help="also time the tile path (twell_forward_tiles)")
+    ap.add_argument("--kernel-max-density", type=float, default=0.1,
+                    help="time the forced kernels only up to this density")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>/ffn_inference.json)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -76,7 +81,7 @@ def main(argv=None) -> int:
     torch._dynamo.config.cache_size_limit = 64
     dev = torch.device("cuda")
     rows = []
-    hdr = (f"{'M':>6} {'K':>5} {'N':>6} {'dens':>6} {'tail':>4} {'nnz/r':>6} {'ovf%':>5} {'dense':>7} "
+    hdr = (f"{'M':>6} {'K':>5} {'N':>6} {'dens':>6} {'tail':>4} {'nnz/r':>6} {'W':>5} {'ovf%':>5} {'dense':>7} "
            f"{'induct':>7} {'gate':>7} {'twell':>7} {'kernel':>7} {'x_ind':>6} {'x_krn':>6} {'%floor':>6} "
            f"{'err':>8} {'d_err':>8} path")
     print(hdr, flush=True)
@@ -95,31 +100,37 @@ def main(argv=None) -> int:
                     ind_ms = bench(lambda: inductor(*args7), args.reps) if inductor else float("nan")
                     gate_ms = bench(lambda: F.linear(x, wg), args.reps)
                     twell_ms = bench(op, args.reps)
-                    kern = lambda: cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, args.tile_n, args.slots)
-                    kernel_ms = bench(kern, args.reps)
+                    nnz = float((F.linear(x, wg) > 0).sum()) / m
+                    width = cuda_infer.list_width(n, nnz)
+                    kern = lambda: cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width=width)
+                    kernel_ms = bench(kern, args.reps) if d <= args.kernel_max_density else float("nan")
+                    tiles_ms = float("nan")
+                    if args.tiles and d <= args.kernel_max_density:
+                        tiles_ms = bench(lambda: cuda_infer.twell_forward_tiles(
+                            x, wg, None, wu, None, wd, None, args.tile_n, args.slots), args.reps)
                     # accuracy on up to ERR_ROWS rows, fresh outputs
                     r = min(m, ERR_ROWS)
                     y_op = op()[:r]
-                    y_k, counts, _ = kern()
+                    y_k, counts, _ = cuda_infer.twell_forward(x[:r], wg, None, wu, None, wd, None, width=width)
                     ref = ffn_dense(*(a[:r].float() if i == 0 else (None if a is None else a.float())
                                       for i, a in enumerate(args7)))
                     err = rel(y_op, ref)
-                    kerr = rel(y_k[:r], ref)
+                    kerr = rel(y_k, ref)
                     derr = rel(ffn_dense(*args7)[:r], ref)
-                    nnz = float(counts.sum()) / m
-                    ovf = float((counts > args.slots).float().mean()) * 100
+                    ovf = float((counts > width).float().mean()) * 100     # rows over the list width
                     path = "twell" if cuda_policy.shape_ok(x, m, k, k, n, args.tile_n, args.slots) and \
                         cuda_policy.use_twell((layer, x.device, x.dtype, k, n, k, True), True) else "dense"
                     row = dict(M=m, K=k, N=n, density=d, tail=t, dense_ms=dense_ms, inductor_ms=ind_ms,
                                gate_ms=gate_ms, twell_ms=twell_ms, rel_err=err, dense_rel_err=derr,
                                kernel_ms=kernel_ms, kernel_rel_err=kerr, nnz_per_row=nnz,
-                               overflow_tile_pct=ovf, path=path, gpu=torch.cuda.get_device_name())
+                               list_width=width, overflow_row_pct=ovf, tiles_ms=tiles_ms, path=path, gpu=torch.cuda.get_device_name())
                     rows.append(row)
                     base = ind_ms if ind_ms == ind_ms else dense_ms
-                    print(f"{m:>6} {k:>5} {n:>6} {d:>6} {t:>4} {nnz:>6.1f} {ovf:>5.2f} {dense_ms:>7.3f} "
+                    print(f"{m:>6} {k:>5} {n:>6} {d:>6} {t:>4} {nnz:>6.1f} {width:>5} {ovf:>5.2f} {dense_ms:>7.3f} "
                           f"{ind_ms:>7.3f} {gate_ms:>7.3f} {twell_ms:>7.3f} {kernel_ms:>7.3f} "
                           f"{base / twell_ms:>6.2f} {base / kernel_ms:>6.2f} {100 * gate_ms / twell_ms:>5.0f}% "
-                          f"{err:>8.1e} {derr:>8.1e} {path}" + ("  ERR>2x" if err > 2 * derr else ""), flush=True)
+                          f"{err:>8.1e} {derr:>8.1e} {path}" + ("  ERR>2x" if err > 2 * derr else "")
+                          + (f" tiles {tiles_ms:.3f}" if args.tiles else ""), flush=True)
                     del p, x, wg, wu, wd, args7
             del inductor
             torch._dynamo.reset()

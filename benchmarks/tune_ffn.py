@@ -1,5 +1,11 @@
-"""Time the two TwELL kernels apart, over launch variants (the numbers behind cuda_infer's
-constants). python3 benchmarks/tune_ffn.py [--M 16384] [--density 0.005 0.02] [--tail 0 0.2]"""
+"""Time the TwELL kernels apart, over launch variants (the numbers behind cuda_infer's and
+cuda_policy's constants).
+
+    python3 benchmarks/tune_ffn.py --path rows [--M 16384] [--density 0.005 0.02] [--tail 0 0.2]
+    python3 benchmarks/tune_ffn.py --path tiles ...      # the tile path (Triton gate epilogue)
+
+rows: cuBLAS gate, compaction variants (BM,CH,warps), fused variants (PAIRS,PF,warps), the
+whole twell_forward, eager dense, and the kernel's error vs fp32 next to eager bf16's."""
 
 from __future__ import annotations
 
@@ -21,8 +27,64 @@ def bench(fn) -> float:
     return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def rows(a) -> None:
+    from twell_compile.reference import ffn_dense
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for m in a.M:
+        for d in a.density:
+            for t in a.tail:
+                p = make_ffn(m, a.K, a.N, d, t)
+                x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
+                lin = bench(lambda: F.linear(x, wg))
+                dense = bench(lambda: ffn_dense(x, wg, None, wu, None, wd, None))
+                g = F.linear(x, wg)
+                nnz = float((g > 0).sum()) / m
+                width = cuda_infer.list_width(a.N, nnz) if a.width == 0 else a.width
+                line = f"M={m} d={d} t={t} nnz/row {nnz:.1f} W={width}: F.linear {lin:.3f} dense {dense:.3f}"
+                for c in a.compact:
+                    bm, ch, w = (int(v) for v in c.split(","))
+                    cuda_infer.COMPACT_BM, cuda_infer.COMPACT_CH, cuda_infer.COMPACT_WARPS = bm, ch, w
+                    ms = bench(lambda: cuda_infer.gate_rows(x, wg, None, width)) - lin
+                    line += f" | compact[{c}] {ms:.3f}"
+                cuda_infer.COMPACT_BM, cuda_infer.COMPACT_CH, cuda_infer.COMPACT_WARPS = 8, 512, 4
+                r = cuda_infer.gate_rows(x, wg, None, width)
+                over = int((r.cnt > width).sum())
+                print(line + f" | rows over W {over}", flush=True)
+                best = None
+                for f in a.fused:
+                    pairs, pf, warps = (int(v) for v in f.split(","))
+                    cuda_infer.ROW_PAIRS, cuda_infer.ROW_PF, cuda_infer.ROW_WARPS = pairs, pf, warps
+                    try:
+                        ms = bench(lambda: cuda_infer.fused_rows(x, r, wu, None, wd, None))
+                    except Exception as ex:
+                        print("   ", f, type(ex).__name__, str(ex)[:200])
+                        continue
+                    gb = nnz * m * 2 * a.K * 2 / 1e9
+                    print(f"    fused PAIRS={pairs} PF={pf} warps={warps}: {ms:.3f} ms "
+                          f"({gb / ms:.1f} TB/s of weight rows)", flush=True)
+                cuda_infer.ROW_PAIRS, cuda_infer.ROW_PF, cuda_infer.ROW_WARPS = 4, 1, 0
+                tot = bench(lambda: cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width=width))
+                rr = min(m, 4096)
+                y = cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width=width)[0][:rr]
+                ref = ffn_dense(x[:rr].float(), wg.float(), None, wu.float(), None, wd.float(), None)
+                err, derr = rel(y, ref), rel(ffn_dense(x[:rr], wg, None, wu, None, wd, None), ref)
+                print(f"    twell_forward {tot:.3f} ms = {dense / tot:.2f}x eager dense; "
+                      f"err {err:.2e} eager {derr:.2e}" + ("  ERR>2x" if err > 2 * derr else ""), flush=True)
+                del p, x, wg, wu, wd, g, r
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--path", choices=["rows", "tiles"], default="rows")
+    ap.add_argument("--compact", nargs="+", default=["8,512,4", "4,1024,4", "16,256,4", "8,1024,8"],
+                    help="rows: BM,CH,warps of the compaction pass")
+    ap.add_argument("--rows-fused", dest="rfused", nargs="+", default=["4,1,8", "4,0,8", "4,2,8", "2,2,8", "8,1,8", "4,1,4"],
+                    help="rows: PAIRS,PF,warps of the fused kernel")
+    ap.add_argument("--width", type=int, default=0, help="rows: list width (0: from the density)")
     ap.add_argument("--M", type=int, nargs="+", default=[16384])
     ap.add_argument("--K", type=int, default=2048)
     ap.add_argument("--N", type=int, default=5632)
@@ -33,6 +95,10 @@ def main() -> int:
                     help="BLOCK_M,warps,stages,epilogue (2 full, 1 no overflow part, 0 counts only)")
     ap.add_argument("--tiles", nargs="+", default=["128,16"], help="tile_n,slots")
     a = ap.parse_args()
+    if a.path == "rows":
+        a.fused = a.rfused
+        rows(a)
+        return 0
     for m in a.M:
         for d in a.density:
             for t in a.tail:

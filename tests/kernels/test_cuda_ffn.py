@@ -1,6 +1,7 @@
 """GPU tests of the CUDA inference path (kernels/cuda_infer.py): exactness of the TwELL kernels
-on every input (overflow, long tail, NaN/Inf, odd shapes, M=1, density 0 and 1), the
-2x-of-eager error rule, the dense/TwELL policy, stats, CUDA graphs and torch.compile."""
+(per-row path and tile path) on every input (rows over the list width, long tail, NaN/Inf,
+odd shapes, M=1, density 0 and 1, poisoned outputs), the 2x-of-eager error rule, the
+dense/TwELL policy, stats, CUDA graphs and torch.compile."""
 
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ def _fresh_policy(monkeypatch):
     # Exercise the policy's mechanism at test sizes: small M allowed, a cost model under which
     # TwELL wins at low density (the measured constants route these shapes dense).
     monkeypatch.setattr(cuda_policy, "MIN_TOKENS", 1024)
-    monkeypatch.setattr(cuda_policy, "GATE_UNITS", 1.2)
+    monkeypatch.setattr(cuda_policy, "GATE_UNITS", 1.1)
     monkeypatch.setattr(cuda_policy, "FIXED_UNITS", 0.2)
+    monkeypatch.setattr(cuda_policy, "PAIR_UNITS", 80.0)
     yield
 
 
@@ -65,11 +67,15 @@ def _poison():
     del junk
 
 
-def _check_exact(p, tile_n=128, slots=16):
+def _check_exact(p, tile_n=128, slots=16, width=None, tiles=False):
+    """Per-row path with list width ``width`` (tiles=True: the tile path), vs fp32 and eager."""
     from twell_compile.kernels import cuda_infer
     args = _args(p)
     _poison()
-    y, counts, hsum = cuda_infer.twell_forward(*args, tile_n, slots)
+    if tiles:
+        y, counts, hsum = cuda_infer.twell_forward_tiles(*args, tile_n, slots)
+    else:
+        y, counts, hsum = cuda_infer.twell_forward(*args, width=width)
     ref = ffn_dense(*(None if a is None else a.float() for a in args))
     eager = ffn_dense(*args)
     assert torch.isfinite(y).all(), "unwritten or non-finite output"
@@ -86,9 +92,37 @@ def _check_exact(p, tile_n=128, slots=16):
                                           (0.2, 0.0), (0.5, 0.5), (1.0, 0.0)])
 def test_exact_grid(dtype, density, tail):
     p = _ffn(3000, 256, 1000, 256, density, tail, dtype)
-    counts = _check_exact(p)
+    counts = _check_exact(p, width=32)
     if density >= 0.2:
-        assert (counts > 16).any()          # the overflow paths ran
+        assert (counts > 32).any()          # the exact tail over g ran
+    if density == 1.0:
+        assert (counts == 1000).all()
+
+
+@pytest.mark.parametrize("density,tail", [(0.005, 0.5), (0.2, 0.0), (1.0, 0.0)])
+def test_tile_path_exact(density, tail):
+    counts = _check_exact(_ffn(3000, 256, 1000, 256, density, tail, torch.bfloat16), tiles=True)
+    if density >= 0.2:
+        assert (counts > 16).any()
+
+
+@pytest.mark.parametrize("width", [1, 8, 64, 1024])
+def test_rows_lists_match_relu_g_and_overflow_rows_exact(width):
+    """vals/cols hold the first W non-zeros of relu(g) in column order, cnt all of them; rows
+    over W (a mix at this density) stay exact."""
+    from twell_compile.kernels import cuda_infer
+    p = _ffn(1200, 192, 900, 160, 0.05, 0.5, torch.bfloat16)
+    r = cuda_infer.gate_rows(p["x"], p["w_gate"], p["b_gate"], width)
+    hg = torch.relu(F.linear(p["x"], p["w_gate"], p["b_gate"]))
+    assert torch.equal(r.cnt, (hg != 0).sum(1).int())
+    for i in (0, 5, 600, 1199):
+        nz = (hg[i] != 0).nonzero().reshape(-1)[:width]
+        c = min(int(r.cnt[i]), width)
+        assert torch.equal(r.cols[i, :c].long(), nz)
+        assert torch.equal(r.vals[i, :c], hg[i, nz])
+    if width in (8, 64):
+        assert ((r.cnt > width).any() and (r.cnt <= width).any())
+    _check_exact(p, width=width)
 
 
 @pytest.mark.parametrize("m,k,n,k_out,gated,bias,tile_n,slots", [
@@ -102,7 +136,8 @@ def test_exact_grid(dtype, density, tail):
 @pytest.mark.parametrize("dtype", DT)
 def test_odd_shapes(m, k, n, k_out, gated, bias, tile_n, slots, dtype):
     p = _ffn(m, k, n, k_out, 0.05, 0.3, dtype, gated=gated, bias=bias)
-    _check_exact(p, tile_n, slots)
+    _check_exact(p, width=slots)
+    _check_exact(p, tile_n, slots, tiles=True)
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -112,7 +147,8 @@ def test_overflow_buffer_exhausted_still_exact(gated):
     p = _ffn(2048, 128, 1024, 128, 0.6, 0.0, torch.bfloat16, gated=gated)
     pk = cuda_infer.gate_pack(p["x"], p["w_gate"], p["b_gate"], 128, 16)
     assert int(pk.ocount) > pk.ovals.shape[0]
-    _check_exact(p)
+    _check_exact(p, tiles=True)
+    _check_exact(p, width=64)
 
 
 def test_gate_kernel_layout_matches_formats():
@@ -135,15 +171,18 @@ def test_gate_kernel_layout_matches_formats():
     assert (pk.counts.float() - ref_counts).abs().sum() <= 0.002 * ref_counts.sum() + 2
 
 
+@pytest.mark.parametrize("tiles", [False, True])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_nan_inf_propagate_like_eager(gated, bad):
+def test_nan_inf_propagate_like_eager(gated, bad, tiles):
     from twell_compile.kernels import cuda_infer
     p = _ffn(1500, 256, 1000, 256, 0.01, 0.0, torch.bfloat16, gated=gated)
     rows = torch.tensor([0, 17, 1499], device="cuda")
     p["x"][rows, torch.tensor([5, 0, 255], device="cuda")] = bad
     args = _args(p)
-    y, _, _ = cuda_infer.twell_forward(*args, 128, 16)
+    _poison()
+    fwd = cuda_infer.twell_forward_tiles if tiles else cuda_infer.twell_forward
+    y, _, _ = fwd(*args, 128, 16)
     eager = ffn_dense(*args)
     assert torch.equal(torch.isnan(y), torch.isnan(eager))
     assert torch.equal(torch.isinf(y), torch.isinf(eager))
@@ -158,10 +197,10 @@ def test_fresh_inputs_repeatable():
     from twell_compile.kernels import cuda_infer
     for _ in range(3):
         p = _ffn(4096, 512, 1408, 512, 0.01, 0.2, torch.bfloat16)
-        a = cuda_infer.twell_forward(*_args(p), 128, 16)[0]
-        b = cuda_infer.twell_forward(*_args(p), 128, 16)[0]
+        a = cuda_infer.twell_forward(*_args(p), width=32)[0]
+        b = cuda_infer.twell_forward(*_args(p), width=32)[0]
         assert torch.equal(a, b)
-        _check_exact(p)
+        _check_exact(p, width=32)
 
 
 def test_weight_views_and_fused_gate_up():

@@ -15,11 +15,12 @@ triton = pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent("""
     import torch, torch.nn.functional as F
-    from twell_compile.kernels.cuda_infer import twell_forward
+    from twell_compile.kernels.cuda_infer import twell_forward, twell_forward_tiles
     from twell_compile.reference import ffn_dense
     from twell_compile.formats import pack_twell
     torch.manual_seed({seed})
     m, k, n, ko, gated, bias, tile, slots, bad = {case}
+    tiles = {tiles}
     dt = torch.float16
     x = torch.randn(m, k).to(dt)
     wg = (torch.randn(n, k) / k ** .5).to(dt)
@@ -31,9 +32,13 @@ SCRIPT = textwrap.dedent("""
     if bad:
         x[1, 3] = float("nan"); x[2, 0] = float("inf")
     args = (x, wg, bg, wu, bu, wd, bd)
-    y, counts, hsum = twell_forward(*args, tile, slots)
     hg = torch.relu(F.linear(x, wg, bg))
-    assert torch.equal(counts, pack_twell(hg, tile, slots).counts), "counts"
+    if tiles:
+        y, counts, hsum = twell_forward_tiles(*args, tile, slots)
+        assert torch.equal(counts, pack_twell(hg, tile, slots).counts), "counts"
+    else:   # per-row path, list width = slots (rows over it take the exact tail over g)
+        y, counts, hsum = twell_forward(*args, width=slots)
+        assert torch.equal(counts, (hg != 0).sum(1).int()), "counts"
     eager = ffn_dense(*args)
     assert torch.equal(torch.isnan(y), torch.isnan(eager)), "nan pattern"
     fin = torch.isfinite(x).all(1)
@@ -51,13 +56,15 @@ CASES = [
     (3, 40, 70, 40, False, False, 32, 2, False),  # overflow buffer (1 tile) exhausted: recompute
     (4, 40, 70, 40, True, True, 32, 4, True),     # NaN and Inf rows
     (1, 33, 130, 17, True, False, 32, 32, False),  # M = 1
+    (6, 40, 300, 40, True, True, 64, 64, False),  # per-row lists wide enough for most rows
 ]
 
 
+@pytest.mark.parametrize("tiles", [False, True])
 @pytest.mark.parametrize("case", CASES)
-def test_kernels_under_interpreter(case):
+def test_kernels_under_interpreter(case, tiles):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "-c", SCRIPT.format(seed=sum(case[:4]), case=case)],
+    r = subprocess.run([sys.executable, "-c", SCRIPT.format(seed=sum(case[:4]), case=case, tiles=tiles)],
                        env=env, capture_output=True, text=True, timeout=60)
     old = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7)
     if r.returncode != 0 and old and "InterpreterError" in r.stderr:

@@ -3,9 +3,8 @@
 Two rules, in this order:
 
 1. Shape rule (host, from shapes and dtypes only): TwELL only for bf16/fp16 with
-   M >= MIN_TOKENS tokens, power-of-two tile_n in [32, 256], K and K_out <= 8192 (the fused
-   kernel holds a whole x row and y row in registers), M * n_tiles * slots < 2**31 (int32
-   offsets). Everything else runs dense (eager's own calls, bit-identical to eager).
+   M >= MIN_TOKENS tokens, K and K_out <= 8192 (the fused kernel holds a whole x row and y
+   row in registers). Everything else runs dense (eager's own calls, bit-identical to eager).
    fp32 stays dense: tl.dot would round its operands to tf32 (about 3e-4 relative error),
    over twice eager fp32's error.
 2. Density rule (per layer, lagged): every probe call, dense or TwELL, writes the layer's
@@ -17,11 +16,11 @@ Two rules, in this order:
 
        GATE_UNITS + FIXED_UNITS + PAIR_UNITS * d * (1 + g) / 2  <  MARGIN * (2 + g)
 
-   holds (TwELL gate kernel + fused kernel vs dense FFN), dense otherwise. The constants are
-   measured (docs/inference.md). With the H200 numbers the left side is >= 2.98 GEMMs at any
-   density, over 0.95 * 3: today no call of a K=2048, N=5632 FFN is routed to TwELL. A layer starts dense (a probe call), so a dense layer never
-   pays for a sparse first call; dense layers re-probe every PROBE_EVERY calls, TwELL layers
-   every REFRESH_EVERY calls.
+   holds (cuBLAS gate + compaction pass + per-row fused kernel vs dense FFN), dense
+   otherwise. The constants are measured (docs/inference.md). A layer starts dense (a probe
+   call), so a dense layer never pays for a sparse first call; dense layers re-probe every
+   PROBE_EVERY calls, TwELL layers every REFRESH_EVERY calls. The measured density also sets
+   the per-row list width (cuda_infer.list_width).
 
 Under CUDA-graph capture nothing is polled or copied: the graph records the path chosen by
 the calls before capture (torch.compile's reduce-overhead mode runs warm-up calls first).
@@ -51,10 +50,10 @@ REFRESH_EVERY = 16
 DTYPES = (torch.bfloat16, torch.float16)
 
 
-def shape_ok(x: Tensor, m: int, k: int, k_out: int, n: int, tile_n: int, slots: int) -> bool:
+def shape_ok(x: Tensor, m: int, k: int, k_out: int, n: int, tile_n: int = 0, slots: int = 0) -> bool:
+    """tile_n/slots: the op's TwELL config; the per-row path does not depend on them."""
     return (x.is_cuda and x.dtype in DTYPES and m >= MIN_TOKENS and k <= MAX_WIDTH
-            and k_out <= MAX_WIDTH and tile_n in (32, 64, 128, 256) and 1 <= slots <= tile_n
-            and m * (-(-n // tile_n)) * max(slots, tile_n // 16) < 2**31)
+            and k_out <= MAX_WIDTH and n >= 1)
 
 
 def twell_wins(density: float, gated: bool) -> bool:
