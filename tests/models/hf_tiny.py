@@ -1,0 +1,97 @@
+"""Tiny Hugging Face model configurations for CPU tests: two layers, hidden 16, FFN width 40.
+
+``FAMILIES`` maps a name to (config factory, model class name, whether the FFN is gated).
+Activation keyword arguments differ per family, so each factory takes the activation name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+VOCAB, HIDDEN, FFN, LAYERS, HEADS = 64, 16, 40, 2, 2
+
+
+def _decoder(cls_name: str, act_key: str = "hidden_act", **extra: Any) -> Callable[[str], Any]:
+    def make(act: str):
+        import transformers
+
+        kw = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, num_key_value_heads=1, max_position_embeddings=64,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+        kw.update(extra)
+        kw[act_key] = act
+        if cls_name == "GemmaConfig":
+            kw["hidden_activation"] = act   # which key GemmaMLP reads depends on the version
+        return getattr(transformers, cls_name)(**kw)
+
+    return make
+
+
+def _opt(act: str):
+    import transformers
+
+    return transformers.OPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, ffn_dim=FFN, num_hidden_layers=LAYERS,
+                                  num_attention_heads=HEADS, max_position_embeddings=64, word_embed_proj_dim=HIDDEN,
+                                  activation_function=act, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                  dropout=0.0, attention_dropout=0.0)
+
+
+def _gpt2(act: str):
+    import transformers
+
+    return transformers.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_inner=FFN, n_layer=LAYERS, n_head=HEADS,
+                                   n_positions=64, activation_function=act, bos_token_id=1, eos_token_id=2,
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def _bert(act: str):
+    import transformers
+
+    return transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                   num_attention_heads=HEADS, intermediate_size=FFN, max_position_embeddings=64,
+                                   hidden_act=act, pad_token_id=0, hidden_dropout_prob=0.0,
+                                   attention_probs_dropout_prob=0.0)
+
+
+@dataclass(frozen=True)
+class Family:
+    config: Callable[[str], Any]
+    model: str            # transformers class name
+    gated: bool
+    layer: str            # module path of layer 0's FFN, as the report names it
+    default_act: str      # the family's usual (non-ReLU) activation
+    default_reason: str   # the rejection reason explain gives for it
+
+
+FAMILIES = {
+    "llama": Family(_decoder("LlamaConfig"), "LlamaForCausalLM", True, "model.layers.0.mlp", "silu", "SiLU"),
+    "llama_mlp_bias": Family(_decoder("LlamaConfig", mlp_bias=True), "LlamaForCausalLM", True,
+                             "model.layers.0.mlp", "silu", "SiLU"),
+    "mistral": Family(_decoder("MistralConfig"), "MistralForCausalLM", True, "model.layers.0.mlp", "silu", "SiLU"),
+    "qwen2": Family(_decoder("Qwen2Config"), "Qwen2ForCausalLM", True, "model.layers.0.mlp", "silu", "SiLU"),
+    "qwen3": Family(_decoder("Qwen3Config", head_dim=8), "Qwen3ForCausalLM", True, "model.layers.0.mlp",
+                    "silu", "SiLU"),
+    "phi3": Family(_decoder("Phi3Config"), "Phi3ForCausalLM", True, "model.layers.0.mlp", "silu", "SiLU"),
+    "gemma": Family(_decoder("GemmaConfig", act_key="hidden_act", head_dim=8), "GemmaForCausalLM", True,
+                    "model.layers.0.mlp", "gelu_pytorch_tanh", "GELU"),
+    "opt": Family(_opt, "OPTForCausalLM", False, "model.decoder.layers.0", "gelu", "GELU"),
+    "gpt2": Family(_gpt2, "GPT2LMHeadModel", False, "transformer.h.0.mlp", "gelu_new", "activation"),
+    "bert": Family(_bert, "BertModel", False, "encoder.layer.0", "gelu", "GELU"),
+}
+
+
+def build(name: str, act: str = "relu", seed: int = 0) -> torch.nn.Module:
+    import transformers
+
+    fam = FAMILIES[name]
+    torch.manual_seed(seed)
+    model = getattr(transformers, fam.model)(fam.config(act))
+    return model.eval()
+
+
+def main_output(out: Any) -> torch.Tensor:
+    logits = getattr(out, "logits", None)
+    return logits if logits is not None else out.last_hidden_state

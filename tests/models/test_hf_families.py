@@ -1,0 +1,109 @@
+"""Hugging Face model families, tiny configs on the CPU: ReLU FFNs are rewritten (one per layer),
+SiLU/GELU ones are left alone with a reason, and logits and gradients match eager.
+
+Most checks run the rewritten graph eagerly (PassBackend: the rewrite and our autograd formula,
+without Inductor's compile time); Llama and OPT also go end to end through backend="twell" in
+the default run, the other families under ``-m slow``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import twell_compile
+
+from hf_tiny import FAMILIES, LAYERS, VOCAB, build, main_output
+from rewrite_harness import PassBackend, check_close
+
+pytest.importorskip("transformers")
+
+
+def _ids(seed: int = 0, shape=(2, 7)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, shape, generator=g)
+
+
+def _compare_grads(model, got, want) -> None:
+    dy = torch.randn_like(want)
+    params = [p for p in model.parameters() if p.requires_grad]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    g_got = torch.autograd.grad(got, params, dy, allow_unused=True)
+    g_want = torch.autograd.grad(want, params, dy, allow_unused=True)
+    for name, a, b in zip(names, g_got, g_want, strict=True):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            check_close(f"grad {name}", a, b)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_relu_family_rewrites_every_layer(name: str) -> None:
+    fam = FAMILIES[name]
+    model = build(name, "relu")
+    ids = _ids()
+    with torch.no_grad():
+        report = twell_compile.explain(model, input_ids=ids)
+    assert len(report.rewrites) == LAYERS and not report.rejections, str(report)
+    assert all(r.op == "twell::ffn" and r.gated == fam.gated for r in report.rewrites), str(report)
+    assert report.rewrites[0].layer == fam.layer, str(report)
+
+    # Inference: logits of the rewritten graph vs eager.
+    backend = PassBackend()
+    with torch.no_grad():
+        got = main_output(torch.compile(model, backend=backend)(input_ids=ids))
+        want = main_output(model(input_ids=ids))
+    assert backend.twell_ops() == ["twell::ffn"] * LAYERS
+    check_close("logits", got, want)
+
+    # Training: the training op with our backward; logits and every parameter's gradient.
+    torch._dynamo.reset()
+    backend = PassBackend()
+    got = main_output(torch.compile(model, backend=backend)(input_ids=ids))
+    want = main_output(model(input_ids=ids))
+    assert backend.twell_ops() == ["twell::ffn_train"] * LAYERS
+    check_close("logits", got, want)
+    _compare_grads(model, got, want)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_default_activation_is_rejected_and_exact(name: str) -> None:
+    fam = FAMILIES[name]
+    model = build(name, fam.default_act)
+    ids = _ids(1)
+    with torch.no_grad():
+        report = twell_compile.explain(model, input_ids=ids)
+    assert not report.rewrites, str(report)
+    assert len(report.rejections) == LAYERS, str(report)
+    assert all(fam.default_reason in r.reason and "not ReLU" in r.reason for r in report.rejections), str(report)
+    backend = PassBackend()
+    with torch.no_grad():
+        got = main_output(torch.compile(model, backend=backend)(input_ids=ids))
+        want = main_output(model(input_ids=ids))
+    assert not backend.twell_ops()
+    assert torch.equal(got, want)
+
+
+def _end_to_end(name: str, grad: bool) -> None:
+    model = build(name, "relu", seed=1)
+    ids = _ids(2, (2, 9))
+    with torch.set_grad_enabled(grad):
+        got = main_output(torch.compile(model, backend="twell")(input_ids=ids))
+        want = main_output(model(input_ids=ids))
+    check_close("logits", got, want)
+    if grad:
+        _compare_grads(model, got, want)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_llama_end_to_end(grad: bool) -> None:
+    _end_to_end("llama", grad)
+
+
+def test_opt_end_to_end_training() -> None:
+    _end_to_end("opt", True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n not in ("llama", "opt")])
+def test_family_end_to_end_training(name: str) -> None:
+    _end_to_end(name, True)
