@@ -1,0 +1,93 @@
+"""Dynamic shapes with the twell backend: after the first dynamic recompile, new batch sizes
+(and sequence lengths) compile nothing new, in inference and in training; mark_dynamic makes
+the first compile dynamic. Compiles are counted with a wrapper around the twell backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from twell_compile.backend import twell_backend
+
+from hf_tiny import VOCAB, build, main_output
+from rewrite_harness import TWELL_OPS, check_close
+
+
+class CountingTwell:
+    def __init__(self):
+        self.calls = 0
+        self.ops: list[str] = []
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        self.calls += 1
+        compiled = twell_backend(gm, example_inputs, **kwargs)
+        self.ops += [TWELL_OPS[str(n.target)] for n in gm.graph.nodes
+                     if n.op == "call_function" and str(n.target) in TWELL_OPS]
+        return compiled
+
+
+class Block(nn.Module):
+    def __init__(self, k: int = 16, n: int = 40):
+        super().__init__()
+        self.norm = nn.LayerNorm(k)
+        self.gate_up = nn.Linear(k, 2 * n, bias=False)
+        self.down = nn.Linear(n, k, bias=False)
+
+    def forward(self, x):
+        g, u = self.gate_up(self.norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.relu(g) * u)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_no_recompile_after_first_dynamic_recompile(grad: bool) -> None:
+    torch.manual_seed(0)
+    model = Block()
+    backend = CountingTwell()
+    compiled = torch.compile(model, backend=backend)
+    # Batch sizes cross the training op's backup-capacity steps (ceil(M / 16)): 6, 12, 51 tokens.
+    for step, batch in enumerate((2, 4, 3, 17, 9)):
+        x = torch.randn(batch, 3, 16, requires_grad=grad)
+        with torch.set_grad_enabled(grad):
+            got = compiled(x)
+            want = model(x)
+        check_close("output", got, want)
+        if grad:
+            dy = torch.randn_like(want)
+            params = [x] + list(model.parameters())
+            for a, b in zip(torch.autograd.grad(got, params, dy), torch.autograd.grad(want, params, dy)):
+                check_close("grad", a, b)
+        # First call static, second call recompiles with a dynamic batch, then no more.
+        assert backend.calls == min(step + 1, 2), f"batch {batch}: {backend.calls} compiles"
+    op = "twell::ffn_train" if grad else "twell::ffn"
+    assert backend.ops == [op, op]
+
+
+def test_mark_dynamic_compiles_once() -> None:
+    torch.manual_seed(0)
+    model = Block()
+    backend = CountingTwell()
+    compiled = torch.compile(model, backend=backend)
+    for batch in (4, 7, 2, 33):
+        x = torch.randn(batch, 5, 16)
+        torch._dynamo.mark_dynamic(x, 0)
+        with torch.no_grad():
+            check_close("output", compiled(x), model(x))
+    assert backend.calls == 1 and backend.ops == ["twell::ffn"]
+
+
+def test_llama_mark_dynamic_batch_and_sequence() -> None:
+    pytest.importorskip("transformers")
+    model = build("llama", "relu", seed=2)
+    backend = CountingTwell()
+    compiled = torch.compile(model, backend=backend)
+    gen = torch.Generator().manual_seed(3)
+    for shape in ((2, 7), (3, 5), (5, 11)):
+        ids = torch.randint(3, VOCAB, shape, generator=gen)
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(ids, 1)
+        with torch.no_grad():
+            check_close("logits", main_output(compiled(input_ids=ids)), main_output(model(input_ids=ids)))
+    assert backend.calls == 1, f"{backend.calls} compiles"
+    assert backend.ops == ["twell::ffn", "twell::ffn"]
