@@ -572,6 +572,18 @@ def match_at(down_node: fx.Node) -> Optional[Match | Rejection]:
     return Match(down, gate, up, gate.x, internal, name)
 
 
+def _fused_encoder_layer(node: fx.Node) -> Optional[_Rejection]:
+    """nn.TransformerEncoderLayer's inference fast path: the whole layer, FFN included, is one
+    ATen op (taken under no_grad in eval mode); nothing in it can be replaced."""
+    if not (node.op == "call_function" and node.target is getattr(torch, "_transformer_encoder_layer_fwd", None)):
+        return None
+    use_gelu = _arg(node, 7, "use_gelu", False)
+    act = "GELU" if use_gelu else "ReLU"
+    return _Rejection(node, f"nn.TransformerEncoderLayer fast path: the {act} FFN is fused into "
+                            "torch._transformer_encoder_layer_fwd (runs when no gradient is needed); "
+                            "nothing to rewrite", _layer_name([node]))
+
+
 def find_ffns(graph: fx.Graph) -> list[Match | Rejection]:
     """Every match or rejection in a graph (not its subgraphs), in graph order."""
     found: list[Match | Rejection] = []
@@ -579,7 +591,7 @@ def find_ffns(graph: fx.Graph) -> list[Match | Rejection]:
     for node in graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
-        result = match_at(node)
+        result = _fused_encoder_layer(node) or match_at(node)
         if result is None:
             continue
         if isinstance(result, Match):

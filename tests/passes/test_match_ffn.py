@@ -255,3 +255,27 @@ def test_find_ffns_reports_operator_spellings() -> None:
     assert len(found) == 1 and isinstance(found[0], Match) and not isinstance(found[0], Rejection)
     assert param_name(found[0].gate.weight) == "gate.weight"
     assert param_name(found[0].up.weight) == "up.weight"
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_transformer_encoder_layer(grad: bool) -> None:
+    """With a gradient the layer runs its Python path and the ReLU FFN is rewritten; without one
+    PyTorch takes the fused fast path (one ATen op for the layer): reported, not rewritten."""
+    torch.manual_seed(0)
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 40, batch_first=True), 2,
+                                  enable_nested_tensor=False).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.set_grad_enabled(grad):
+        report = twell_compile.explain(model, x)
+        backend = PassBackend()
+        torch._dynamo.reset()
+        got = torch.compile(model, backend=backend)(x)
+        want = model(x)
+    if grad:
+        assert len(report.rewrites) == 2 and not report.rejections, str(report)
+        assert backend.twell_ops() == ["twell::ffn_train"] * 2
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert not report.rewrites and len(report.rejections) == 2, str(report)
+        assert all("fast path" in r.reason for r in report.rejections)
+        assert torch.equal(got, want)
