@@ -4,7 +4,7 @@ Two rules, in this order:
 
 1. Shape rule (host, from shapes and dtypes only): TwELL only for bf16/fp16 with
    M >= MIN_TOKENS tokens, K and K_out <= 8192 (the fused kernel holds a whole x row and y
-   row in registers). Everything else runs dense (eager's own calls, bit-identical to eager).
+   row in registers), N <= 65536 (16-bit columns in the per-row lists). Everything else runs dense (eager's own calls, bit-identical to eager).
    fp32 stays dense: tl.dot would round its operands to tf32 (about 3e-4 relative error),
    over twice eager fp32's error.
 2. Density rule (per layer, lagged): every probe call, dense or TwELL, writes the layer's
@@ -35,16 +35,18 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-# Measured on H200 (docs/inference.md, K=2048 N=5632 bf16, M=16384): one dense GEMM 0.543 ms;
-# TwELL gate kernel 1.108 ms (2.04 GEMMs: its slot-writing epilogue costs 0.37 ms); fused
-# kernel 0.60 ms at 11.5 non-zeros/row and 0.73 ms at 28: a fixed 0.51 ms (0.94 GEMMs) plus a
-# slope of 0.13 ms per 0.003 of density (80 GEMMs per unit density, gated).
-GATE_UNITS = 2.04
-FIXED_UNITS = 0.94
-PAIR_UNITS = 80.0
+# Measured on H200 (docs/inference.md, K=2048 N=5632 bf16, M=16384), in units of one dense
+# M x K x N GEMM (cuBLAS 0.545 ms): TwELL = cuBLAS gate (1) + compaction pass over g (~0.1 ms
+# predicted after the inline-PTX stores; 0.29 ms with tl.store) + fused kernel 0.61 ms at 28
+# non-zeros/row and 1.97 ms at 114: 0.167 ms fixed (0.31) + 0.0158 ms per non-zero/row
+# (x 5632 / 0.545 = 163 per unit density, gated). Dense (Inductor) ~2.9-3.0 units.
+GATE_UNITS = 1.2
+FIXED_UNITS = 0.31
+PAIR_UNITS = 163.0
 MARGIN = 0.95
-MIN_TOKENS = 8192      # M=1024: fused kernel 0.25 ms vs dense FFN 0.12 ms (one wave, latency)
+MIN_TOKENS = 8192      # H200 d=0.005: M=4096 twell 0.48 vs dense 0.44 ms, M=1024 0.20 vs 0.12
 MAX_WIDTH = 8192
+MAX_N = 65536          # the per-row lists pack the column in 16 bits
 PROBE_EVERY = 64
 REFRESH_EVERY = 16
 DTYPES = (torch.bfloat16, torch.float16)
@@ -53,7 +55,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 def shape_ok(x: Tensor, m: int, k: int, k_out: int, n: int, tile_n: int = 0, slots: int = 0) -> bool:
     """tile_n/slots: the op's TwELL config; the per-row path does not depend on them."""
     return (x.is_cuda and x.dtype in DTYPES and m >= MIN_TOKENS and k <= MAX_WIDTH
-            and k_out <= MAX_WIDTH and n >= 1)
+            and k_out <= MAX_WIDTH and 1 <= n <= MAX_N)
 
 
 def twell_wins(density: float, gated: bool) -> bool:
