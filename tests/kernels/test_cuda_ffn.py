@@ -95,8 +95,6 @@ def test_exact_grid(dtype, density, tail):
     counts = _check_exact(p, width=32)
     if density >= 0.2:
         assert (counts > 32).any()          # the exact tail over g ran
-    if density == 1.0:
-        assert (counts == 1000).all()
 
 
 @pytest.mark.parametrize("density,tail", [(0.005, 0.5), (0.2, 0.0), (1.0, 0.0)])
