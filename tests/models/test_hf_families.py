@@ -30,10 +30,12 @@ def _compare_grads(model, got, want) -> None:
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     g_got = torch.autograd.grad(got, params, dy, allow_unused=True)
     g_want = torch.autograd.grad(want, params, dy, allow_unused=True)
-    for name, a, b in zip(names, g_got, g_want, strict=True):
-        assert (a is None) == (b is None), name
-        if a is not None:
-            check_close(f"grad {name}", a, b)
+    for name, p, a, b in zip(names, params, g_got, g_want, strict=True):
+        # A parameter the output does not depend on (BERT's pooler when comparing the hidden
+        # states) gets None from eager autograd and zeros from a compiled graph that returns it.
+        a = torch.zeros_like(p) if a is None else a
+        b = torch.zeros_like(p) if b is None else b
+        check_close(f"grad {name}", a, b)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
