@@ -50,7 +50,7 @@ def rows(a) -> None:
                     cuda_infer.COMPACT_BM, cuda_infer.COMPACT_CH, cuda_infer.COMPACT_WARPS = bm, ch, w
                     ms = bench(lambda: cuda_infer.gate_rows(x, wg, None, width)) - lin
                     line += f" | compact[{c}] {ms:.3f}"
-                cuda_infer.COMPACT_BM, cuda_infer.COMPACT_CH, cuda_infer.COMPACT_WARPS = 8, 512, 4
+                cuda_infer.COMPACT_BM, cuda_infer.COMPACT_CH, cuda_infer.COMPACT_WARPS = 16, 256, 4
                 r = cuda_infer.gate_rows(x, wg, None, width)
                 over = int((r.cnt > width).sum())
                 print(line + f" | rows over W {over}", flush=True)
@@ -80,9 +80,9 @@ def rows(a) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--path", choices=["rows", "tiles"], default="rows")
-    ap.add_argument("--compact", nargs="+", default=["8,512,4", "4,1024,4", "16,256,4", "8,1024,8"],
+    ap.add_argument("--compact", nargs="+", default=["16,256,4", "8,256,4", "4,512,4"],
                     help="rows: BM,CH,warps of the compaction pass")
-    ap.add_argument("--rows-fused", dest="rfused", nargs="+", default=["4,1,8", "4,0,8", "4,2,8", "2,2,8", "8,1,8", "4,1,4"],
+    ap.add_argument("--rows-fused", dest="rfused", nargs="+", default=["4,1,4", "4,0,4", "2,1,4", "4,1,8"],
                     help="rows: PAIRS,PF,warps of the fused kernel")
     ap.add_argument("--width", type=int, default=0, help="rows: list width (0: from the density)")
     ap.add_argument("--M", type=int, nargs="+", default=[16384])

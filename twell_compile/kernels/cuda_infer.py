@@ -36,7 +36,7 @@ GATE_EPI = 2          # < 2 only to time parts of the epilogue (results then inc
 PAIRS = 4             # active pairs per fused-kernel iteration
 FUSED_WARPS = 0       # 0: 8 warps for K >= 2048, else 4
 # per-row path (twell_rows.py)
-COMPACT_BM = 8        # rows per compaction program
+COMPACT_BM = 16       # rows per compaction program (H200 M=16384: BM 8/16 0.088/0.074 ms)
 COMPACT_CH = 256      # columns per step: 32 lanes x 8, one warp per row (scan in shuffles)
 COMPACT_WARPS = 4
 ROW_PAIRS = 4         # listed pairs per fused iteration

@@ -36,10 +36,11 @@ import torch
 from torch import Tensor
 
 # Measured on H200 (docs/inference.md, K=2048 N=5632 bf16, M=16384), in units of one dense
-# M x K x N GEMM (cuBLAS 0.545 ms): TwELL = cuBLAS gate (1) + compaction pass over g (~0.1 ms
-# predicted after the inline-PTX stores; 0.29 ms with tl.store) + fused kernel 0.61 ms at 28
-# non-zeros/row and 1.97 ms at 114: 0.167 ms fixed (0.31) + 0.0158 ms per non-zero/row
-# (x 5632 / 0.545 = 163 per unit density, gated). Dense (Inductor) ~2.9-3.0 units.
+# M x K x N GEMM (cuBLAS 0.54 ms): TwELL = cuBLAS gate (1) + compaction pass over g (0.074-
+# 0.088 ms: 0.15; 0.29 ms with tl.store) + fused kernel 0.61 ms at 28 non-zeros/row and 1.97 ms
+# at 114 (run 1): 0.167 ms fixed (0.31) + 0.0158 ms per non-zero/row (x 5632 / 0.545 = 163 per
+# unit density, gated). Dense (Inductor) 2.9-3.0 units. Predicts 1.25 ms at d=0.005 (measured
+# 1.18-1.20) and TwELL for d < ~0.0082: every grid decision matched the faster path.
 GATE_UNITS = 1.2
 FIXED_UNITS = 0.31
 PAIR_UNITS = 163.0
