@@ -16,11 +16,12 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def test_generate_matches_eager_without_per_token_recompiles():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_generate_matches_eager_without_per_token_recompiles(device):
     from torch._dynamo.utils import counters
 
-    model = tiny_llama()
-    ids = torch.randint(1, 128, (2, 7))
+    model = tiny_llama().to(device)
+    ids = torch.randint(1, 128, (2, 7), device=device)
     mask = torch.ones_like(ids)
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
