@@ -74,6 +74,9 @@ def check(verbose: bool = True) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for src in sorted(CSRC.iterdir()):
             if src.suffix == ".cu":
+                if shutil.which("nvcc") is None:
+                    print(f"skip {src.name} (nvcc not found)")
+                    continue
                 cmd = ["nvcc", "-c", str(src), "-o", f"{tmp}/{src.stem}.o", *CUDA_FLAGS, *incs, "-Xcompiler", "-fPIC"]
             elif src.suffix == ".cpp":
                 cmd = ["c++", "-c", str(src), "-o", f"{tmp}/{src.stem}.o", *CXX_FLAGS, "-fopenmp",
