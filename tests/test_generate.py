@@ -30,12 +30,16 @@ def test_generate_matches_eager_without_per_token_recompiles(device):
     torch._dynamo.reset()
     counters.clear()
     eager_forward = model.forward
-    model.forward = torch.compile(eager_forward, backend="inductor")
-    try:  # torch 2.11's CPU Inductor miscompiles this model ("'tmp2' was not declared"): not ours
-        with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
-    except Exception as e:  # noqa: BLE001 - any Inductor failure on the plain backend
-        pytest.skip(f"plain Inductor fails on this model with torch {torch.__version__}: {type(e).__name__}")
+    if device == "cpu" and torch.__version__ < (2, 13):
+        # torch 2.11's CPU Inductor miscompiled this model's dynamic decode graph on the H200
+        # machine ("'tmp2' was not declared"): skip only where plain Inductor fails the same way.
+        model.forward = torch.compile(eager_forward, backend="inductor")
+        try:
+            with torch.no_grad():
+                for n in (4, 10):
+                    model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
+        except Exception as e:  # noqa: BLE001 - any failure of the plain backend
+            pytest.skip(f"plain Inductor fails on this model with torch {torch.__version__}: {type(e).__name__}")
     torch._dynamo.reset()
     counters.clear()
     model.forward = torch.compile(eager_forward, backend="twell")

@@ -18,6 +18,11 @@ def test_gradient_checkpointing_rewrites_inside_subgraphs(name: str) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
+    ex = torch._dynamo.explain(model)(input_ids=ids, labels=ids, use_cache=False)
+    if ex.graph_break_count:  # e.g. OPT's LayerDrop in transformers 5.17 branches on torch.rand([])
+        reason = ex.break_reasons[0].reason if ex.break_reasons else "frames skipped"
+        pytest.skip(f"Dynamo graph-breaks this model, leaving layers eager for any backend: {reason}")
+    torch._dynamo.reset()
     backend = PassBackend()
     got = torch.compile(model, backend=backend)(input_ids=ids, labels=ids, use_cache=False)
     want = model(input_ids=ids, labels=ids, use_cache=False)
