@@ -464,7 +464,7 @@ def train(args) -> dict[str, Any]:
         metrics.log("dead", **rec)
         fired = None
 
-    step = start
+    step, time_up = start, False
     for step in bar:
         lr = lr_at(step, args)
         for gi in optimizer.param_groups:
@@ -528,16 +528,25 @@ def train(args) -> dict[str, Any]:
             t_last += time.perf_counter() - t0
         if args.stop_after and done - start >= args.stop_after:
             break
+        if args.time_limit_min and time.perf_counter() - t_start > 60 * args.time_limit_min and done < args.steps:
+            time_up = True  # finish like a completed run (final eval, probe, checkpoint) at this step
+            last_eval = evaluate(model, vals, args)
+            metrics.log("eval", step=done, val_loss=last_eval, val_tokens=len(vals) * args.batch * args.seq)
+            extra = {f"fired:{k}": v.to(torch.uint8) for k, v in (fired or {}).items()}
+            save_checkpoint(out, done, model, optimizer, extra, dict(args=cfg_rec), args.keep_ckpts)
+            metrics.log("time_limit", step=done, time_limit_min=args.time_limit_min)
+            break
     bar.close()
 
     summary: dict[str, Any] = dict(out=str(out), steps=args.steps, last_step=step + 1 if args.steps > start else start)
-    if summary["last_step"] >= args.steps:
+    finished = summary["last_step"] >= args.steps or time_up
+    if finished:
         # Final probe on validation text: the per-token / per-position non-zero distribution.
         probe = val_batches(data["val"], 1, args.final_probe_batch, args.seq)[0][:, :-1].to(args.device)
         counts = probe_counts(model, probe, args)
         nnz = nnz_summary(counts, args.ffn)
         fired_all = probe_fired(model, probe, args)
-        final = dict(step=args.steps, val_loss=last_eval, nnz=nnz,
+        final = dict(step=summary["last_step"], stopped_by_time_limit=time_up, val_loss=last_eval, nnz=nnz,
                      dead_frac_final_probe=sum(int((~v).sum()) for v in fired_all.values())
                      / sum(v.numel() for v in fired_all.values()),
                      mean_nnz_per_token=sum(v["mean"] for v in nnz.values()) / len(nnz),
@@ -548,15 +557,21 @@ def train(args) -> dict[str, Any]:
         if args.profile_out:
             profile = dict(source="examples/train_sparse_lm.py", corpus="python stdlib " + data["root"],
                            model=dict(d_model=args.d_model, ffn=args.ffn, layers=args.layers, gated=True),
-                           l1=args.l1, steps=args.steps, probe_tokens=int(probe.numel()),
+                           l1=args.l1, steps=summary["last_step"], probe_tokens=int(probe.numel()),
                            layers={k: {f: v[f] for f in ("hidden", "tokens", "mean", "density", "quantiles",
                                                          "hist_values", "hist_counts")} for k, v in nnz.items()})
             Path(args.profile_out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.profile_out).write_text(json.dumps(profile, indent=1))
         if args.bench_forward:
-            metrics.log("bench", step=args.steps, **bench_forward(model, vals, args))
+            try:
+                bench = bench_forward(model, vals, args)
+            except Exception as e:  # a failing kernel must not lose the finished training run
+                bench = dict(error=f"{type(e).__name__}: {e}"[:2000])
+                print(f"bench-forward failed: {bench['error']}", file=sys.stderr)
+            metrics.log("bench", step=summary["last_step"], **bench)
+            summary["bench"] = bench
     metrics.close()
-    if not args.no_plots and summary["last_step"] >= args.steps:
+    if not args.no_plots and finished:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -619,6 +634,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     help="re-initialise gate rows that never fired over a --dead-check-every window")
     ap.add_argument("--keep-ckpts", type=int, default=2)
     ap.add_argument("--stop-after", type=int, default=0, help="stop after this many steps (to test resuming)")
+    ap.add_argument("--time-limit-min", type=float, default=0.0,
+                    help="stop training after this many minutes (then the usual final eval, probe, checkpoint)")
     ap.add_argument("--final-probe-batch", type=int, default=0, help="sequences in the final probe (default: batch)")
     ap.add_argument("--profile-out", help="write the per-layer non-zeros-per-token distribution here (JSON)")
     ap.add_argument("--bench-forward", action="store_true", help="after training: inductor vs twell inference forward")
