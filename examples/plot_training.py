@@ -148,8 +148,9 @@ def plot_val_loss(sparse, dense, out: Path) -> Path:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     ev = [r["val_loss"] for m in (sparse, dense) if m for r in m.get("eval", [])]
+    late_train = [r["train_loss"] for m in (sparse, dense) if m for r in m.get("train", [])[len(m.get("train", [])) // 2:]]
     if ev:
-        lo = min(ev)
+        lo = min(ev + late_train)
         ax.set_ylim(lo - 0.3, max(ev[len(ev) // 4:] + [lo + 1.5]) + 0.3)
     fig.tight_layout()
     p = out / "val_loss.png"
