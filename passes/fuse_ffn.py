@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 from torch import fx
 
+from twell_compile import dispatch
 from twell_compile.config import TwellConfig
 from twell_compile.passes.match_ffn import Match, Projection, Rejection, example, find_ffns
 from twell_compile.report import RejectionEntry, Report, RewriteEntry
@@ -113,6 +114,16 @@ def _unique(name: str, used: set[str]) -> str:
     return out
 
 
+def _static_tokens(shape: Any) -> Optional[int]:
+    """The token count (product of the leading dims) if every one is static, else None."""
+    m = 1
+    for d in shape[:-1]:
+        if not isinstance(d, int):
+            return None
+        m *= d
+    return m
+
+
 def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
     """Replace every ReLU FFN with a twell op; record rewrites and rejections."""
     report = report_of(gm)
@@ -138,9 +149,16 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
             if not out.requires_grad and not config.rewrite_inference:
                 report.add_rejection(RejectionEntry(found.layer, "inference and twell.rewrite_inference is False", sub_name))
                 continue
-            layer = _unique(found.layer, used)
             xe = example(found.x)
             n = found.gate.rows[1] - found.gate.rows[0] if found.gate.rows else int(example(found.down.x).shape[-1])
+            if not out.requires_grad and config.skip_dense:
+                why = dispatch.static_dense_reason(out.device, out.dtype, _static_tokens(xe.shape),
+                                                   int(xe.shape[-1]), n, int(out.shape[-1]))
+                if why is not None:
+                    report.add_rejection(RejectionEntry(found.layer, f"{why}; Inductor's dense FFN is faster "
+                                                        "(twell.skip_dense=False rewrites it anyway)", sub_name))
+                    continue
+            layer = _unique(found.layer, used)
             down_node = found.down.out
             op_name, y = _rewrite(sub.graph, found, config, layer)
             replaced[down_node] = y

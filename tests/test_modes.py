@@ -32,7 +32,8 @@ def _check(mode, x, grad):
     torch.manual_seed(0)
     net = Net().cuda().to(torch.bfloat16)
     counters.clear()
-    fn = torch.compile(net, backend="twell", mode=mode, fullgraph=True)
+    # 2048 tokens is under the CUDA sparse threshold: force the rewrite so our op is captured.
+    fn = torch.compile(net, backend="twell", mode=mode, fullgraph=True, options={"twell.skip_dense": False})
     ctx = torch.enable_grad() if grad else torch.no_grad()
     with ctx:
         for _ in range(3):  # warm-up and capture, then replays
@@ -53,10 +54,20 @@ def test_reduce_overhead_has_no_cudagraph_skips(grad):
     x = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16)
     counters = _check("reduce-overhead", x, grad)
     assert counters["inductor"]["cudagraph_skips"] == 0
-    report = twell_compile.explain(Net().cuda().to(torch.bfloat16), x)
+    report = twell_compile.explain(Net().cuda().to(torch.bfloat16), x, options={"twell.skip_dense": False})
     assert len(report.rewrites) == 2
 
 
 def test_max_autotune_works():
     x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
     _check("max-autotune", x, grad=False)
+
+
+def test_few_static_tokens_are_left_to_inductor_with_a_reason():
+    net = Net().cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        small = twell_compile.explain(net, torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16))
+        torch._dynamo.reset()
+        large = twell_compile.explain(net, torch.randn(8192, 256, device="cuda", dtype=torch.bfloat16))
+    assert not small.rewrites and all("2048 tokens" in r.reason for r in small.rejections)
+    assert len(large.rewrites) == 2

@@ -34,6 +34,9 @@ class TwellConfig:
         ceil(M / backup_rows) rows busier than ``ell_width``. Rows beyond it are recomputed
         exactly in the backward: never dropped.
     stats [True]: keep per-layer statistics on the device (see ``twell_compile.layer_stats``).
+    skip_dense [True]: leave an inference FFN to Inductor when its compile-time shapes, dtype
+        and device mean our op would surely run its dense path (CUDA: fp32, a static token
+        count under the sparse kernels' threshold); ``explain`` gives the reason.
     """
 
     enabled: bool = True
@@ -46,6 +49,7 @@ class TwellConfig:
     ell_width: int = 64
     backup_rows: int = 16
     stats: bool = True
+    skip_dense: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):

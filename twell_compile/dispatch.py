@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from twell_compile.kernels import torch_impl
@@ -45,6 +46,28 @@ def _cpu_infer(x: Tensor, w_gate: Tensor, w_down: Tensor):
     from twell_compile.kernels import cpu_ffn
 
     return cpu_ffn if cpu_ffn.supports(x, w_gate, w_down) else None
+
+
+def static_dense_reason(device: torch.device, dtype: torch.dtype, m: Optional[int], k: int, n: int,
+                        k_out: int) -> Optional[str]:
+    """Why the inference op would surely run dense for these compile-time shapes, or None.
+
+    CUDA only, and only from facts fixed at compile time (M must be static): the CUDA shape
+    rule (kernels/cuda_policy.py) sends fp32, few tokens and very wide layers to eager's dense
+    calls, which are slower than letting Inductor compile the FFN (per-call host overhead:
+    0.35x of Inductor on a 30M-parameter model at 4096 tokens, H200, docs/training.md).
+    """
+    if device.type != "cuda":
+        return None
+    from twell_compile.kernels import cuda_policy as cp
+
+    if dtype not in cp.DTYPES:
+        return f"{str(dtype).replace('torch.', '')} on CUDA runs dense (the sparse kernels take bf16/fp16)"
+    if k > cp.MAX_WIDTH or k_out > cp.MAX_WIDTH or n > cp.MAX_N:
+        return f"layer too wide for the CUDA sparse kernels (K={k}, K_out={k_out}, N={n})"
+    if m is not None and m < cp.MIN_TOKENS:
+        return f"{m} tokens: below the {cp.MIN_TOKENS} where the CUDA sparse kernels can win"
+    return None
 
 
 def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
