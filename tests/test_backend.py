@@ -231,3 +231,21 @@ def test_stats_buffers_are_reserved_at_compile_time(monkeypatch):
         torch.compile(Net(), backend="twell")(torch.randn(3, 16))
     assert sorted(found) == [("mlps.0", True), ("mlps.1", True)]
     assert set(twell_compile.layer_stats()) == {"mlps.0", "mlps.1"}
+
+
+def test_twell_mode_option_applies_the_mode(monkeypatch):
+    """torch.compile refuses mode= with options=; twell.mode carries the mode instead."""
+    seen = {}
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None, **kw):
+        seen["patches"] = dict(config_patches or {})
+        return gm.forward
+
+    import torch._inductor.compile_fx as cfx
+    monkeypatch.setattr(cfx, "compile_fx", fake_compile_fx)
+    torch.compile(Net(), backend="twell", options={"twell.mode": "max-autotune-no-cudagraphs", "twell.l1": 1e-5})(
+        torch.randn(2, 16))
+    assert seen["patches"].get("max_autotune") is True
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="unknown torch.compile mode"):
+        torch.compile(Net(), backend="twell", options={"twell.mode": "warp-speed"})(torch.randn(2, 16))

@@ -27,7 +27,3 @@ def test_cuda_few_static_tokens_are_dense_but_dynamic_tokens_are_not():
 def test_cuda_too_wide_is_dense():
     assert "wide" in dispatch.static_dense_reason(CUDA, torch.float16, None, cuda_policy.MAX_WIDTH + 1, 64, 64)
     assert "wide" in dispatch.static_dense_reason(CUDA, torch.float16, None, 64, cuda_policy.MAX_N + 1, 64)
-
-
-def test_import_of_policy_initialises_no_cuda():
-    assert not torch.cuda.is_initialized()

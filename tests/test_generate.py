@@ -25,7 +25,8 @@ def test_generate_matches_eager_without_per_token_recompiles(device):
     mask = torch.ones_like(ids)
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
-        report = twell_compile.explain(model, ids, attention_mask=mask)
+        # fp32 on CUDA would be left to Inductor (skip_dense): force the rewrite to test our op.
+        report = twell_compile.explain(model, ids, attention_mask=mask, options={"twell.skip_dense": False})
     assert len(report.rewrites) == 2 and all(r.op == "twell::ffn" for r in report.rewrites)
     torch._dynamo.reset()
     counters.clear()
@@ -42,7 +43,7 @@ def test_generate_matches_eager_without_per_token_recompiles(device):
             pytest.skip(f"plain Inductor fails on this model with torch {torch.__version__}: {type(e).__name__}")
     torch._dynamo.reset()
     counters.clear()
-    model.forward = torch.compile(eager_forward, backend="twell")
+    model.forward = torch.compile(eager_forward, backend="twell", options={"twell.skip_dense": False})
     with torch.no_grad():
         model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)  # prefill + decode graphs
         graphs = counters["stats"]["unique_graphs"]

@@ -33,7 +33,9 @@ def _check(mode, x, grad):
     net = Net().cuda().to(torch.bfloat16)
     counters.clear()
     # 2048 tokens is under the CUDA sparse threshold: force the rewrite so our op is captured.
-    fn = torch.compile(net, backend="twell", mode=mode, fullgraph=True, options={"twell.skip_dense": False})
+    # torch.compile takes mode= or options=, not both: the mode travels as twell.mode.
+    fn = torch.compile(net, backend="twell", fullgraph=True,
+                       options={"twell.skip_dense": False, "twell.mode": mode})
     ctx = torch.enable_grad() if grad else torch.no_grad()
     with ctx:
         for _ in range(3):  # warm-up and capture, then replays

@@ -24,7 +24,10 @@ def inductor_patches(mode: Optional[str], options: dict[str, Any]) -> dict[str, 
 
     patches: dict[str, Any] = {}
     if mode and mode != "default":
-        patches.update(list_mode_options(mode))
+        try:
+            patches.update(list_mode_options(mode))
+        except (KeyError, RuntimeError) as e:  # torch versions differ in which they raise
+            raise ValueError(f"unknown torch.compile mode {mode!r}: {e}") from None
     known = inductor_config.get_config_copy()
     for key, value in options.items():
         name = key.replace("-", "_")
@@ -87,7 +90,9 @@ def twell_backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: Option
     from twell_compile.passes import run_passes
 
     config, rest = TwellConfig.from_options(options)
-    patches = inductor_patches(mode, rest)
+    if mode and config.mode and mode != config.mode:
+        raise ValueError(f"mode={mode!r} and twell.mode={config.mode!r} disagree")
+    patches = inductor_patches(mode or config.mode or None, rest)
     gm = run_passes(gm, config)
     reserve_stats(gm)
     # The AOTAutograd cache key does not cover Python autograd formulas: tag it with our

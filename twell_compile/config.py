@@ -34,6 +34,8 @@ class TwellConfig:
         ceil(M / backup_rows) rows busier than ``ell_width``. Rows beyond it are recomputed
         exactly in the backward: never dropped.
     stats [True]: keep per-layer statistics on the device (see ``twell_compile.layer_stats``).
+    mode [""]: a torch.compile mode ("reduce-overhead", "max-autotune", ...) to apply together
+        with twell options: torch.compile refuses ``mode=`` and ``options=`` in one call.
     skip_dense [True]: leave an inference FFN to Inductor when its compile-time shapes, dtype
         and device mean our op would surely run its dense path (CUDA: fp32, a static token
         count under the sparse kernels' threshold); ``explain`` gives the reason.
@@ -50,11 +52,12 @@ class TwellConfig:
     backup_rows: int = 16
     stats: bool = True
     skip_dense: bool = True
+    mode: str = ""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            want = f.type if isinstance(f.type, type) else {"bool": bool, "int": int, "float": float}[f.type]
+            want = f.type if isinstance(f.type, type) else {"bool": bool, "int": int, "float": float, "str": str}[f.type]
             if want is float and isinstance(value, int) and not isinstance(value, bool):
                 object.__setattr__(self, f.name, float(value))
                 continue
