@@ -57,7 +57,17 @@ def bench(fn, reps: int) -> float:
 
 
 def main(argv=None) -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    known, rest = pre.parse_known_args(argv)
+    if known.device == "cpu":  # the CPU grid of issue 9 lives in bench_ffn_cpu.py (its own flags)
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from benchmarks import bench_ffn_cpu
+
+        return bench_ffn_cpu.main(rest)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: run benchmarks/bench_ffn_cpu.py's grid with the remaining flags")
     ap.add_argument("--M", type=int, nargs="+", default=None)
     ap.add_argument("--density", type=float, nargs="+", default=None)
     ap.add_argument("--tail", type=float, nargs="+", default=None)
