@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synthetic import make_ffn  # noqa: E402
+from synthetic import load_profile, make_ffn, make_ffn_profile  # noqa: E402
 
 import twell_compile.ops  # noqa: E402,F401  (registers torch.ops.twell)
 from twell_compile.kernels import cuda_infer, cuda_policy  # noqa: E402
@@ -80,6 +80,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tiles", action="store_true", help="also time the tile path (twell_forward_tiles)")
     ap.add_argument("--kernel-max-density", type=float, default=0.1,
                     help="time the forced kernels only up to this density")
+    ap.add_argument("--nnz-profile", default=None,
+                    help="replay a real non-zeros-per-token profile (train_sparse_lm.py --profile-out) "
+                         "instead of the density/tail grid")
+    ap.add_argument("--profile-layer", default=None, help="layer of the profile (default: the densest)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>/ffn_inference.json)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -87,6 +91,12 @@ def main(argv=None) -> int:
     else:
         ms, ds, ts, shapes = FULL_M, FULL_D, FULL_T, FULL_S
     ms, ds, ts, shapes = args.M or ms, args.density or ds, args.tail or ts, args.shapes or shapes
+    profile = None
+    if args.nnz_profile:
+        layer_name, profile = load_profile(args.nnz_profile, args.profile_layer)
+        ds, ts = [float(profile["density"])], [0.0]
+        print(f"replaying {args.nnz_profile}:{layer_name} (density {ds[0]:.4g}, "
+              f"mean {float(profile['mean']):.1f} of {profile['hidden']} non-zeros per token)")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch._dynamo.config.cache_size_limit = 64
     dev = torch.device("cuda")
@@ -101,7 +111,9 @@ def main(argv=None) -> int:
             inductor = None if args.no_inductor else torch.compile(ffn_dense, dynamic=False)
             for d in ds:
                 for t in ts:
-                    p = make_ffn(m, k, n, d, t, device=dev, seed=hash((m, k, n, d, t)) & 0xFFFF)
+                    seed = hash((m, k, n, d, t)) & 0xFFFF
+                    p = (make_ffn_profile(m, k, n, profile, device=dev, seed=seed) if profile is not None
+                         else make_ffn(m, k, n, d, t, device=dev, seed=seed))
                     x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
                     args7 = (x, wg, None, wu, None, wd, None)
                     layer = f"bench/{m}/{k}/{n}/{d}/{t}"
@@ -133,7 +145,8 @@ def main(argv=None) -> int:
                     row = dict(M=m, K=k, N=n, density=d, tail=t, dense_ms=dense_ms, inductor_ms=ind_ms,
                                gate_ms=gate_ms, twell_ms=twell_ms, rel_err=err, dense_rel_err=derr,
                                kernel_ms=kernel_ms, kernel_rel_err=kerr, nnz_per_row=nnz,
-                               list_width=width, overflow_row_pct=ovf, tiles_ms=tiles_ms, path=path, gpu=torch.cuda.get_device_name())
+                               list_width=width, overflow_row_pct=ovf, tiles_ms=tiles_ms, path=path, gpu=torch.cuda.get_device_name(),
+                               profile=f"{args.nnz_profile}:{layer_name}" if profile is not None else None)
                     rows.append(row)
                     base = ind_ms if ind_ms == ind_ms else dense_ms
                     print(f"{m:>6} {k:>5} {n:>6} {d:>6} {t:>4} {nnz:>6.1f} {width:>5} {ovf:>5.2f} {dense_ms:>7.3f} "
