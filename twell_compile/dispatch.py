@@ -1,8 +1,11 @@
 """Chooses the kernel for each op call by device, dtype and shape.
 
-Today every device runs the exact plain-PyTorch implementations in ``kernels/torch_impl.py``;
-device kernels register here as they land, each with the conditions under which it is exact
-and faster. Decisions use only shapes, dtypes and devices: never tensor values (no host sync).
+Inference: CUDA tensors go to ``kernels/cuda_infer.py`` (TwELL kernels or eager's dense calls,
+per ``kernels/cuda_policy.py``); CPU fp32/bf16 tensors to the C++ kernel (``kernels/cpu_ffn.py``);
+everything else, and the training ops on every device, to the exact plain-PyTorch
+implementations in ``kernels/torch_impl.py``. ``static_dense_reason`` answers at compile time
+whether an inference call would surely run dense. Decisions use shapes, dtypes and devices, and
+values only through device-side or lagged counts: never a host sync on the call path.
 """
 
 from __future__ import annotations
