@@ -19,6 +19,8 @@ Also writes sum |h| per row (for stats), in fp32.
 import triton
 import triton.language as tl
 
+from twell_compile.kernels.twell_rows import _pair, _wrows  # the per-pair step both paths share
+
 
 @triton.jit
 def _locate(p, incl, w, ts):
@@ -89,20 +91,9 @@ def twell_ffn_kernel(
         col = tl.where(in_ovf, col_o, col_s)
         g = tl.where(in_ovf, val_o, val_s)
         n = (t * TILE + col).to(tl.int64)
-        if GATED:
-            wu = tl.load(wu_ptr + n[:, None] * swu_n + ks[None, :] * swu_k,
-                         mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            u = tl.sum(wu * xr[None, :], axis=1)
-            if HAS_BU:
-                u += tl.load(bu_ptr + n, mask=live, other=0.0).to(tl.float32)
-            h = g * u
-        else:
-            h = g
-        h = tl.where(live, h, 0.0)
-        wd = tl.load(wdt_ptr + n[:, None] * swd_n + ko[None, :] * swd_k,
-                     mask=live[:, None] & ko_ok[None, :], other=0.0).to(tl.float32)
-        y += tl.sum(h[:, None] * wd, axis=0)
-        hs += tl.abs(h)
+        wu = _wrows(wu_ptr, n, swu_n, ks, swu_k, live, k_ok[None, :], g, GATED)
+        wd = _wrows(wdt_ptr, n, swd_n, ko, swd_k, live, ko_ok[None, :], g, True)
+        y, hs = _pair(y, hs, xr, g, n, live, wu, wd, bu_ptr, k_ok, GATED, HAS_BU)
     for p0 in range(0, total2, PAIRS):
         p = p0 + tl.arange(0, PAIRS)
         t, j, sel = _locate(p, incl2, w2, ts)
@@ -114,20 +105,9 @@ def twell_ffn_kernel(
         if HAS_BG:
             g += tl.load(bg_ptr + n, mask=live, other=0.0).to(tl.float32)
         g = tl.where(g < 0.0, 0.0, g).to(vals_ptr.dtype.element_ty).to(tl.float32)
-        if GATED:
-            wu = tl.load(wu_ptr + n[:, None] * swu_n + ks[None, :] * swu_k,
-                         mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            u = tl.sum(wu * xr[None, :], axis=1)
-            if HAS_BU:
-                u += tl.load(bu_ptr + n, mask=live, other=0.0).to(tl.float32)
-            h = g * u
-        else:
-            h = g
-        h = tl.where(live, h, 0.0)
-        wd = tl.load(wdt_ptr + n[:, None] * swd_n + ko[None, :] * swd_k,
-                     mask=live[:, None] & ko_ok[None, :], other=0.0).to(tl.float32)
-        y += tl.sum(h[:, None] * wd, axis=0)
-        hs += tl.abs(h)
+        wu = _wrows(wu_ptr, n, swu_n, ks, swu_k, live, k_ok[None, :], g, GATED)
+        wd = _wrows(wdt_ptr, n, swd_n, ko, swd_k, live, ko_ok[None, :], g, True)
+        y, hs = _pair(y, hs, xr, g, n, live, wu, wd, bu_ptr, k_ok, GATED, HAS_BU)
     if HAS_BD:
         y += tl.load(bd_ptr + ko, mask=ko_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * sy_m + ko * sy_k, y.to(y_ptr.dtype.element_ty), mask=ko_ok)
