@@ -31,50 +31,55 @@ def rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def rows(a) -> None:
-    from twell_compile.reference import ffn_dense
-    torch.backends.cuda.matmul.allow_tf32 = False
+def cases(a):
+    """(M, density, tail, x, w_gate, w_up, w_down, gate GEMM ms) over the grid of ``a``."""
     for m in a.M:
         for d in a.density:
             for t in a.tail:
                 p = make_ffn(m, a.K, a.N, d, t)
                 x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
-                lin = bench(lambda: F.linear(x, wg))
-                dense = bench(lambda: ffn_dense(x, wg, None, wu, None, wd, None))
-                g = F.linear(x, wg)
-                nnz = float((g > 0).sum()) / m
-                width = cuda_infer.list_width(a.N, nnz) if a.width == 0 else a.width
-                line = f"M={m} d={d} t={t} nnz/row {nnz:.1f} W={width}: F.linear {lin:.3f} dense {dense:.3f}"
-                for c in a.compact:
-                    bm, ch, w = (int(v) for v in c.split(","))
-                    cuda_infer.COMPACT_BM, cuda_infer.COMPACT_CH, cuda_infer.COMPACT_WARPS = bm, ch, w
-                    ms = bench(lambda: cuda_infer.gate_rows(x, wg, None, width)) - lin
-                    line += f" | compact[{c}] {ms:.3f}"
-                cuda_infer.COMPACT_BM, cuda_infer.COMPACT_CH, cuda_infer.COMPACT_WARPS = 16, 256, 4
-                r = cuda_infer.gate_rows(x, wg, None, width)
-                over = int((r.cnt > width).sum())
-                print(line + f" | rows over W {over}", flush=True)
-                best = None
-                for f in a.fused:
-                    pairs, pf, warps = (int(v) for v in f.split(","))
-                    cuda_infer.ROW_PAIRS, cuda_infer.ROW_PF, cuda_infer.ROW_WARPS = pairs, pf, warps
-                    try:
-                        ms = bench(lambda: cuda_infer.fused_rows(x, r, wu, None, wd, None))
-                    except Exception as ex:
-                        print("   ", f, type(ex).__name__, str(ex)[:200])
-                        continue
-                    gb = nnz * m * 2 * a.K * 2 / 1e9
-                    print(f"    fused PAIRS={pairs} PF={pf} warps={warps}: {ms:.3f} ms "
-                          f"({gb / ms:.1f} TB/s of weight rows)", flush=True)
-                cuda_infer.ROW_PAIRS, cuda_infer.ROW_PF, cuda_infer.ROW_WARPS = 4, 1, 0
-                tot = bench(lambda: cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width=width))
-                rr = min(m, 4096)
-                y = cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width=width)[0][:rr]
-                ref = ffn_dense(x[:rr].float(), wg.float(), None, wu.float(), None, wd.float(), None)
-                err, derr = rel(y, ref), rel(ffn_dense(x[:rr], wg, None, wu, None, wd, None), ref)
-                print(f"    twell_forward {tot:.3f} ms = {dense / tot:.2f}x eager dense; "
-                      f"err {err:.2e} eager {derr:.2e}" + ("  ERR>2x" if err > 2 * derr else ""), flush=True)
-                del p, x, wg, wu, wd, g, r
+                yield m, d, t, x, wg, wu, wd, bench(lambda: F.linear(x, wg))
+                del p, x, wg, wu, wd  # free this case before the next one is drawn
+
+
+def rows(a) -> None:
+    from twell_compile.reference import ffn_dense
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for m, d, t, x, wg, wu, wd, lin in cases(a):
+        dense = bench(lambda: ffn_dense(x, wg, None, wu, None, wd, None))
+        g = F.linear(x, wg)
+        nnz = float((g > 0).sum()) / m
+        width = cuda_infer.list_width(a.N, nnz) if a.width == 0 else a.width
+        line = f"M={m} d={d} t={t} nnz/row {nnz:.1f} W={width}: F.linear {lin:.3f} dense {dense:.3f}"
+        for c in a.compact:
+            bm, ch, w = (int(v) for v in c.split(","))
+            cuda_infer.COMPACT_BM, cuda_infer.COMPACT_CH, cuda_infer.COMPACT_WARPS = bm, ch, w
+            ms = bench(lambda: cuda_infer.gate_rows(x, wg, None, width)) - lin
+            line += f" | compact[{c}] {ms:.3f}"
+        cuda_infer.COMPACT_BM, cuda_infer.COMPACT_CH, cuda_infer.COMPACT_WARPS = 16, 256, 4
+        r = cuda_infer.gate_rows(x, wg, None, width)
+        over = int((r.cnt > width).sum())
+        print(line + f" | rows over W {over}", flush=True)
+        for f in a.fused:
+            pairs, pf, warps = (int(v) for v in f.split(","))
+            cuda_infer.ROW_PAIRS, cuda_infer.ROW_PF, cuda_infer.ROW_WARPS = pairs, pf, warps
+            try:
+                ms = bench(lambda: cuda_infer.fused_rows(x, r, wu, None, wd, None))
+            except Exception as ex:
+                print("   ", f, type(ex).__name__, str(ex)[:200])
+                continue
+            gb = nnz * m * 2 * a.K * 2 / 1e9
+            print(f"    fused PAIRS={pairs} PF={pf} warps={warps}: {ms:.3f} ms "
+                  f"({gb / ms:.1f} TB/s of weight rows)", flush=True)
+        cuda_infer.ROW_PAIRS, cuda_infer.ROW_PF, cuda_infer.ROW_WARPS = 4, 1, 0
+        tot = bench(lambda: cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width=width))
+        rr = min(m, 4096)
+        y = cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width=width)[0][:rr]
+        ref = ffn_dense(x[:rr].float(), wg.float(), None, wu.float(), None, wd.float(), None)
+        err, derr = rel(y, ref), rel(ffn_dense(x[:rr], wg, None, wu, None, wd, None), ref)
+        print(f"    twell_forward {tot:.3f} ms = {dense / tot:.2f}x eager dense; "
+              f"err {err:.2e} eager {derr:.2e}" + ("  ERR>2x" if err > 2 * derr else ""), flush=True)
+        del x, wg, wu, wd, g, r
 
 
 def main() -> int:
@@ -99,43 +104,38 @@ def main() -> int:
         a.fused = a.rfused
         rows(a)
         return 0
-    for m in a.M:
-        for d in a.density:
-            for t in a.tail:
-                p = make_ffn(m, a.K, a.N, d, t)
-                x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
-                lin = bench(lambda: F.linear(x, wg))
-                line = f"M={m} d={d} t={t}: F.linear {lin:.3f}"
-                for tile in a.tiles:
-                    tn, sl = (int(v) for v in tile.split(","))
-                    for g in a.gate:
-                        bm, w, s, e = (int(v) for v in g.split(","))
-                        if tn * bm > 128 * 256:
-                            continue
-                        cuda_infer.GATE_BLOCK_M, cuda_infer.GATE_WARPS, cuda_infer.GATE_STAGES = bm, w, s
-                        cuda_infer.GATE_EPI = e
-                        try:
-                            ms = bench(lambda: cuda_infer.gate_pack(x, wg, None, tn, sl))
-                        except Exception as ex:  # e.g. out of shared memory
-                            ms = float("nan")
-                            print("   ", tile, g, type(ex).__name__, str(ex)[:200])
-                        line += f" | gate[{tile}:{g}] {ms:.3f}"
-                cuda_infer.GATE_BLOCK_M, cuda_infer.GATE_WARPS, cuda_infer.GATE_STAGES = 128, 8, 4
-                cuda_infer.GATE_EPI = 2
-                pk = cuda_infer.gate_pack(x, wg, None, 128, 16)
-                nnz = float(pk.counts.sum()) / m
-                ovf = int(pk.ocount)
-                line += f" | nnz/row {nnz:.1f} ovf tiles {ovf}"
-                print(line, flush=True)
-                for f in a.fused:
-                    pairs, warps = (int(v) for v in f.split(","))
-                    if True:
-                        cuda_infer.PAIRS, cuda_infer.FUSED_WARPS = pairs, warps
-                        ms = bench(lambda: cuda_infer.fused(x, pk, wg, None, wu, None, wd, None))
-                        gb = nnz * m * 2 * a.K * 2 / 1e9
-                        print(f"    fused pairs={pairs} warps={warps}: {ms:.3f} ms "
-                              f"({gb / ms:.1f} TB/s of weight rows)", flush=True)
-                cuda_infer.PAIRS, cuda_infer.FUSED_WARPS = 4, 0
+    for m, d, t, x, wg, wu, wd, lin in cases(a):
+        line = f"M={m} d={d} t={t}: F.linear {lin:.3f}"
+        for tile in a.tiles:
+            tn, sl = (int(v) for v in tile.split(","))
+            for g in a.gate:
+                bm, w, s, e = (int(v) for v in g.split(","))
+                if tn * bm > 128 * 256:
+                    continue
+                cuda_infer.GATE_BLOCK_M, cuda_infer.GATE_WARPS, cuda_infer.GATE_STAGES = bm, w, s
+                cuda_infer.GATE_EPI = e
+                try:
+                    ms = bench(lambda: cuda_infer.gate_pack(x, wg, None, tn, sl))
+                except Exception as ex:  # e.g. out of shared memory
+                    ms = float("nan")
+                    print("   ", tile, g, type(ex).__name__, str(ex)[:200])
+                line += f" | gate[{tile}:{g}] {ms:.3f}"
+        cuda_infer.GATE_BLOCK_M, cuda_infer.GATE_WARPS, cuda_infer.GATE_STAGES = 128, 8, 4
+        cuda_infer.GATE_EPI = 2
+        pk = cuda_infer.gate_pack(x, wg, None, 128, 16)
+        nnz = float(pk.counts.sum()) / m
+        ovf = int(pk.ocount)
+        line += f" | nnz/row {nnz:.1f} ovf tiles {ovf}"
+        print(line, flush=True)
+        for f in a.fused:
+            pairs, warps = (int(v) for v in f.split(","))
+            if True:
+                cuda_infer.PAIRS, cuda_infer.FUSED_WARPS = pairs, warps
+                ms = bench(lambda: cuda_infer.fused(x, pk, wg, None, wu, None, wd, None))
+                gb = nnz * m * 2 * a.K * 2 / 1e9
+                print(f"    fused pairs={pairs} warps={warps}: {ms:.3f} ms "
+                      f"({gb / ms:.1f} TB/s of weight rows)", flush=True)
+        cuda_infer.PAIRS, cuda_infer.FUSED_WARPS = 4, 0
     return 0
 
 

@@ -26,7 +26,7 @@ import argparse
 import hashlib
 import json
 import math
-import os
+import shutil
 import sys
 import sysconfig
 import time
@@ -219,25 +219,24 @@ def autocast(args):
 
 
 @torch.no_grad()
-def probe_counts(model, x: torch.Tensor, args) -> dict[str, torch.Tensor]:
-    """Non-zeros of h_g per token [B, S] per layer, from one eager forward on x (its inputs)."""
+def probe_gates(model, x: torch.Tensor, args) -> dict[str, torch.Tensor]:
+    """h_g = relu(gate(x)) per layer [B, S, N], from one eager eval-mode forward on x."""
     was = model.training
     model.eval()
     with GateProbe(model) as p, autocast(args):
         model(input_ids=x)
     model.train(was)
-    return {k: (v != 0).sum(-1) for k, v in p.out.items()}
+    return p.out
 
 
-@torch.no_grad()
+def probe_counts(model, x: torch.Tensor, args) -> dict[str, torch.Tensor]:
+    """Non-zeros of h_g per token [B, S] per layer."""
+    return {k: (v != 0).sum(-1) for k, v in probe_gates(model, x, args).items()}
+
+
 def probe_fired(model, x: torch.Tensor, args) -> dict[str, torch.Tensor]:
     """Per layer, per neuron: did it fire on any token of x? (bool [N], stays on the device)."""
-    was = model.training
-    model.eval()
-    with GateProbe(model) as p, autocast(args):
-        model(input_ids=x)
-    model.train(was)
-    return {k: (v != 0).flatten(0, -2).any(0) for k, v in p.out.items()}
+    return {k: (v != 0).flatten(0, -2).any(0) for k, v in probe_gates(model, x, args).items()}
 
 
 @torch.no_grad()
@@ -292,13 +291,11 @@ def save_checkpoint(out: Path, step: int, model, optimizer, extra: dict[str, tor
     save_file(tensors, str(tmp / "optim.safetensors"))
     (tmp / "state.json").write_text(json.dumps(dict(state, step=step), indent=1))
     if d.exists():
-        import shutil
         shutil.rmtree(d)
     tmp.rename(d)
     (out / "ckpt" / "latest").write_text(d.name + "\n")
     old = sorted(p for p in (out / "ckpt").glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
     for p in old[:-keep] if keep > 0 else []:
-        import shutil
         shutil.rmtree(p)
     return d
 
@@ -646,7 +643,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--no-progress", action="store_true")
     types = {k: type(v) for k, v in PRESETS["cpu-tiny"].items()}
     for k, t in types.items():
-        ap.add_argument("--" + k.replace("_", "-"), type=t, default=None, help=f"(preset value unless given)")
+        ap.add_argument("--" + k.replace("_", "-"), type=t, default=None, help="(preset value unless given)")
     args = ap.parse_args(argv)
     for k, v in PRESETS[args.preset].items():
         if getattr(args, k) is None:
