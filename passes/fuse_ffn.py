@@ -70,7 +70,7 @@ def _rewrite(graph: fx.Graph, m: Match, config: TwellConfig, layer: str) -> tupl
         wd, bd = _weight(graph, m.down, dtype)
         if training:
             op = torch.ops.twell.ffn_train.default
-            # l1_scale (arg 9) is filled in by the scale_l1 pass once all FFNs are known.
+            # l1_scale (0.0 here) is filled in by the scale_l1 pass once all FFNs are known.
             call = graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, config.ell_width,
                                             config.backup_rows, 0.0, layer, config.stats))
             y = graph.call_function(operator.getitem, (call, 0))

@@ -11,9 +11,8 @@ import torch
 from torch import fx
 
 from twell_compile.config import TwellConfig
+from twell_compile.ops import arg_index
 from twell_compile.passes.fuse_ffn import graph_modules
-
-_L1_ARG = 9  # position of l1_scale in twell::ffn_train
 
 
 def scale_l1(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
@@ -23,9 +22,10 @@ def scale_l1(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
     if not nodes:
         return gm
     scale = config.l1 / (config.l1_layers or len(nodes))
+    pos = arg_index(train_op, "l1_scale")
     for node in nodes:
         args = list(node.args)
-        args[_L1_ARG] = float(scale)
+        args[pos] = float(scale)
         node.args = tuple(args)
     for _, sub in graph_modules(gm):
         sub.recompile()

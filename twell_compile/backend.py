@@ -53,9 +53,6 @@ def source_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-_STATS_ARG = {"ffn": (9, 10), "ffn_train": (10, 11)}  # (layer, stats) argument positions
-
-
 def _example_device(node: Any) -> Optional[torch.device]:
     """Device of a node's value, following the first tensor argument up to recorded metadata."""
     while isinstance(node, fx.Node):
@@ -69,18 +66,19 @@ def _example_device(node: Any) -> Optional[torch.device]:
 def reserve_stats(gm: fx.GraphModule) -> None:
     """Allocate every rewritten layer's statistics buffer now, outside any CUDA-graph pool."""
     from twell_compile import stats
+    from twell_compile.ops import arg_index
     from twell_compile.passes.fuse_ffn import graph_modules
 
+    ops = (torch.ops.twell.ffn.default, torch.ops.twell.ffn_train.default)
     for _, sub in graph_modules(gm):
         for node in sub.graph.nodes:
-            if node.op != "call_function" or getattr(node.target, "namespace", None) != "twell":
+            if node.op != "call_function" or node.target not in ops:
                 continue
-            pos = _STATS_ARG.get(node.target._opname)
-            if pos is None or not node.args[pos[1]]:
+            if not node.args[arg_index(node.target, "stats")]:
                 continue
             device = _example_device(node.args[0])
             if device is not None:
-                stats.reserve(node.args[pos[0]], device)
+                stats.reserve(node.args[arg_index(node.target, "layer")], device)
 
 
 def twell_backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: Optional[str] = None,

@@ -139,6 +139,14 @@ def _(dy, x, w_gate, b_gate, w_up, b_up, w_down, counts, cols, ell_g, ell_u, bac
             x.new_empty((w_down.shape[0],)))
 
 
+def arg_index(op: torch._ops.OpOverload, name: str) -> int:
+    """Position of argument ``name`` in an op's schema (passes edit graph nodes by position)."""
+    for i, a in enumerate(op._schema.arguments):
+        if a.name == name:
+            return i
+    raise ValueError(f"{op} has no argument {name!r}")
+
+
 def _train_setup_context(ctx, inputs: Sequence, output: Sequence) -> None:
     x, w_gate, b_gate, w_up, b_up, w_down, b_down, _w, _b, l1_scale, _layer, _stats = inputs
     ctx.save_for_backward(x, w_gate, b_gate, w_up, b_up, w_down, *output[1:])
