@@ -1,6 +1,6 @@
 """Per-layer sparsity statistics, kept on the device: no host sync until the user reads them.
 
-Each rewritten FFN writes a small tensor after every call: tokens, summed and maximum non-zeros
+Each rewritten FFN writes a small tensor after every call: summed and maximum non-zeros
 per token, summed |h| and the number of rows or tiles that took the exact overflow path.
 ``layer_stats()`` reads them (this is the only host sync) into plain Python numbers.
 """
@@ -13,11 +13,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-# [tokens, sum of non-zeros over tokens, max non-zeros of one token, sum of |h|, overflows]
-_FIELDS = 5
+# On the device: [sum of non-zeros over tokens, max non-zeros of one token, sum of |h|,
+# overflows]. Tokens and hidden width are shapes, known on the host at every call.
+_FIELDS = 4
 _lock = threading.Lock()
 _buffers: dict[tuple[str, torch.device], Tensor] = {}
 _hidden: dict[str, int] = {}
+_tokens: dict[str, int] = {}
 
 
 @dataclass(frozen=True)
@@ -47,10 +49,11 @@ def record(layer: str, counts: Tensor, abs_sum: Tensor, overflows: Tensor, hidde
     if buf is None:
         buf = reserve(layer, counts.device)
     _hidden[layer] = hidden
-    c = counts.to(torch.float64)
-    tokens = torch.full((), counts.numel(), dtype=torch.float64, device=counts.device)
-    mx = c.max() if counts.numel() else c.new_zeros(())
-    buf.copy_(torch.stack([tokens, c.sum(), mx, abs_sum.to(torch.float64), overflows.to(torch.float64)]))
+    _tokens[layer] = counts.numel()
+    f64 = torch.float64
+    mx = counts.max().to(f64) if counts.numel() else buf.new_zeros(())
+    # Written straight into the buffer: 6 small launches, no [M]-sized temporary.
+    torch.stack([counts.sum(dtype=f64), mx, abs_sum.to(f64), overflows.to(f64)], out=buf)
 
 
 def reserve(layer: str, device: torch.device) -> Tensor:
@@ -73,7 +76,8 @@ def layer_stats() -> dict[str, LayerStats]:
     for (layer, _device), buf in sorted(_buffers.items(), key=lambda kv: kv[0][0]):
         if layer not in _hidden:  # reserved, never called yet
             continue
-        tokens, nnz, mx, abs_sum, ovf = buf.tolist()
+        nnz, mx, abs_sum, ovf = buf.tolist()
+        tokens = _tokens[layer]
         hidden = _hidden[layer]
         out[layer] = LayerStats(
             layer=layer,
@@ -92,3 +96,4 @@ def reset_stats() -> None:
     with _lock:
         _buffers.clear()
         _hidden.clear()
+        _tokens.clear()
