@@ -10,10 +10,12 @@ from __future__ import annotations
 from torch import fx
 
 from twell_compile.config import TwellConfig
+from twell_compile.passes.adopt_prepared import adopt_prepared
 from twell_compile.passes.fuse_ffn import fuse_ffn, report_of
+from twell_compile.passes.report_cuts import report_cuts
 from twell_compile.passes.scale_l1 import scale_l1
 
-PASSES = (fuse_ffn, scale_l1)
+PASSES = (adopt_prepared, fuse_ffn, report_cuts, scale_l1)
 
 
 def run_passes(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
@@ -22,4 +24,4 @@ def run_passes(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
     return gm
 
 
-__all__ = ["PASSES", "run_passes", "report_of", "fuse_ffn", "scale_l1"]
+__all__ = ["PASSES", "run_passes", "report_of", "adopt_prepared", "fuse_ffn", "report_cuts", "scale_l1"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -19,6 +20,11 @@ def explain(model: Callable[..., Any], *args: Any, options: Optional[Mapping[str
     ``print(report)`` shows a table. The model runs once, with the rewritten graphs run
     eagerly (no Inductor); the current grad mode decides inference versus training ops.
     ``options`` takes the same ``twell.*`` keys as torch.compile's options.
+
+    On a DDP- or FSDP2-wrapped model, call it on every rank: each reports its own graphs
+    (``.graphs``, ``.rank``; entries name their graph when there are several). FFNs made ops by
+    ``twell_compile.prepare`` are listed as rewrites with ``via="prepare"``; under DDP, FFNs cut
+    apart by the bucket split are listed with that reason.
     """
     if not callable(model):
         raise TypeError(f"model must be callable (an nn.Module or function), got {type(model).__name__}")
@@ -29,8 +35,16 @@ def explain(model: Callable[..., Any], *args: Any, options: Optional[Mapping[str
         from twell_compile.passes import report_of, run_passes
 
         gm = run_passes(gm, config)
-        report.extend(report_of(gm))
+        index = report.graphs
+        report.graphs += 1
+        part = report_of(gm)
+        # Name each entry's graph by its compile order, so several graphs (DDP's split) stay apart.
+        tag = lambda g: f"{index}:{g}" if g else str(index)  # noqa: E731
+        report.rewrites += [dataclasses.replace(r, graph=tag(r.graph)) for r in part.rewrites]
+        report.rejections += [dataclasses.replace(r, graph=tag(r.graph)) for r in part.rejections]
         return gm.forward
 
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        report.rank = torch.distributed.get_rank()
     torch.compile(model, backend=capture)(*args, **kwargs)
     return report

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Optional
 
 log = logging.getLogger("twell_compile")
 
@@ -19,6 +20,7 @@ class RewriteEntry:
     k_out: int
     dtype: str
     graph: str          # which (sub)graph: "" for the top level, else its attribute name
+    via: str = "graph"  # "graph": found by the backend; "prepare": made one op by twell_compile.prepare
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,8 @@ class RejectionEntry:
 class Report:
     rewrites: list[RewriteEntry] = field(default_factory=list)
     rejections: list[RejectionEntry] = field(default_factory=list)
+    graphs: int = 0                 # graphs compiled (explain counts them; DDP splits one into several)
+    rank: Optional[int] = None      # torch.distributed rank of the process that made the report
 
     def extend(self, other: "Report") -> None:
         self.rewrites.extend(other.rewrites)
@@ -48,15 +52,22 @@ class Report:
         log.info("twell: left %s to Inductor: %s", entry.layer or "<ffn-like block>", entry.reason)
 
     def __str__(self) -> str:
-        lines = [f"twell: {len(self.rewrites)} FFN(s) rewritten, {len(self.rejections)} left to Inductor"]
+        prepared = sum(r.via == "prepare" for r in self.rewrites)
+        where = f" in {self.graphs} graph(s)" if self.graphs > 1 else ""
+        where += f" on rank {self.rank}" if self.rank is not None else ""
+        lines = [f"twell: {len(self.rewrites)} FFN(s) rewritten" + (f" ({prepared} prepared)" if prepared else "")
+                 + f", {len(self.rejections)} left to Inductor{where}"]
+        many = len({r.graph for r in self.rewrites} | {r.graph for r in self.rejections}) > 1
         if self.rewrites:
-            rows = [("layer", "kind", "op", "tokens", "K", "N", "K_out", "dtype")]
-            rows += [(r.layer or "-", "gated" if r.gated else "non-gated", r.op, r.tokens_shape,
-                      str(r.k), str(r.n), str(r.k_out), r.dtype) for r in self.rewrites]
+            rows = [("layer", "kind", "op", "tokens", "K", "N", "K_out", "dtype") + (("graph",) if many else ())]
+            rows += [(r.layer or "-", ("gated" if r.gated else "non-gated") + (", prepared" if r.via == "prepare" else ""),
+                      r.op, r.tokens_shape, str(r.k), str(r.n), str(r.k_out), r.dtype) + ((r.graph,) if many else ())
+                     for r in self.rewrites]
             lines += _table(rows)
         if self.rejections:
             lines.append("")
-            lines += _table([("left to Inductor", "reason")] + [(r.layer or "-", r.reason) for r in self.rejections])
+            lines += _table([("left to Inductor", "reason") + (("graph",) if many else ())]
+                            + [(r.layer or "-", r.reason) + ((r.graph,) if many else ()) for r in self.rejections])
         return "\n".join(lines)
 
     __repr__ = __str__

@@ -1,0 +1,43 @@
+"""Reports twell op nodes already in the graph: FFNs made one op by ``twell_compile.prepare``.
+
+Runs first, so ``fuse_ffn`` keeps their layer names unique and ``scale_l1`` can tell them from
+the FFNs it scales: a prepared op carries its own options (L1 scale, tile sizes, stats flag),
+fixed by ``prepare`` for the whole model. Nodes are marked ``meta["twell_prepared"]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from twell_compile.config import TwellConfig
+from twell_compile.ops import arg_index
+from twell_compile.passes.fuse_ffn import graph_modules, report_of
+from twell_compile.passes.match_ffn import example
+from twell_compile.report import RewriteEntry
+
+PREPARED = "twell_prepared"
+
+
+def _size(node: object, dim: int) -> int:
+    ev = example(node)
+    return int(ev.shape[dim]) if ev is not None else -1
+
+
+def adopt_prepared(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
+    report = report_of(gm)
+    for sub_name, sub in graph_modules(gm):
+        for node in sub.graph.nodes:
+            op = node.target
+            if node.op != "call_function" or op not in (torch.ops.twell.ffn.default, torch.ops.twell.ffn_train.default):
+                continue
+            node.meta[PREPARED] = True
+            x = node.args[0]
+            xe = example(x)
+            tokens = "[" + ", ".join(str(d) for d in xe.shape[:-1]) + "]" if xe is not None else "?"
+            report.add_rewrite(RewriteEntry(
+                str(node.args[arg_index(op, "layer")]), node.args[arg_index(op, "w_up")] is not None,
+                str(op.name()), tokens, _size(node.args[arg_index(op, "w_gate")], 1),
+                _size(node.args[arg_index(op, "w_gate")], 0), _size(node.args[arg_index(op, "w_down")], 0),
+                str(xe.dtype).replace("torch.", "") if xe is not None else "?", sub_name, via="prepare"))
+    return gm

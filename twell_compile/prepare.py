@@ -1,0 +1,332 @@
+"""``twell_compile.prepare(model)``: turn each ReLU FFN module into one call of a twell op.
+
+Why: under DDP, Dynamo's DDPOptimizer (``torch._dynamo.config.optimize_ddp``, on by default)
+splits the captured graph at gradient-bucket boundaries *before* any backend sees it
+(torch 2.11-2.13: ``ConvertFrame`` swaps in ``DDPOptimizer.compile_fn``, which calls the
+backend once per piece, with no hook in between). An FFN whose gate/up and down projections
+fall in different buckets reaches the backend in two graphs and cannot be matched. A prepared
+FFN is one op node taking all its weights, so the split cannot cut it (it only splits between
+nodes). FSDP2 ``fully_shard`` per block works with or without ``prepare``.
+
+How: every module whose parameters are two or three matrices (plus biases) is traced with
+torch.fx (no Dynamo, no global state), shapes are propagated on the meta device, and the
+backend's own matcher (``passes/match_ffn.py``) must find exactly one ReLU FFN that is the
+module's whole forward. Such a module gets a subclass whose forward calls ``twell::ffn`` (no
+gradient needed) or ``twell::ffn_train`` (our backward) with the module's current parameters;
+its state_dict, parameters and ``isinstance`` checks are unchanged. Eager runs use the same
+ops (exact), and the twell backend reports these nodes as "prepared" rewrites.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+
+from twell_compile.config import TwellConfig
+from twell_compile.report import RejectionEntry, Report, RewriteEntry
+
+log = logging.getLogger("twell_compile")
+
+_SPEC = "_twell_ffn"                     # instance attribute holding a prepared module's FFNSpec
+_CLASSES: dict[type, type] = {}          # original class -> its prepared subclass (shared code)
+
+
+@dataclass(frozen=True)
+class ProjSpec:
+    """One projection: parameter paths relative to the FFN module, in nn.Linear layout after
+    ``.t()`` when ``transposed``, then rows ``rows`` (one half of a fused gate+up weight)."""
+
+    weight: str
+    bias: Optional[str]
+    transposed: bool
+    rows: Optional[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class FFNSpec:
+    layer: str
+    gate: ProjSpec
+    up: Optional[ProjSpec]
+    down: ProjSpec
+    tile_n: int
+    slots: int
+    ell_width: int
+    backup_rows: int
+    l1_scale: float
+    stats: bool
+    skip_dense: bool
+
+
+# ------------------------------------------------------------------------------ tracing
+class _Tracer(fx.Tracer):
+    """Traces through every submodule (nn.Linear becomes F.linear, nn.ReLU becomes F.relu),
+    giving the same torch-level spellings as a Dynamo graph."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return False
+
+
+class _MetaRun(fx.Interpreter):
+    """Runs the traced graph on meta tensors and records each value as the node's example."""
+
+    def fetch_attr(self, target: str) -> Any:
+        value = super().fetch_attr(target)
+        return torch.empty_like(value, device="meta") if isinstance(value, Tensor) else value
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        n.meta["example_value"] = n.meta["val"] = out
+        return out
+
+
+_TRACE_ERRORS = (fx.proxy.TraceError, TypeError, RuntimeError, AttributeError, NotImplementedError,
+                 ValueError, IndexError)
+
+
+def _trace(module: nn.Module) -> tuple[Optional[fx.GraphModule], str]:
+    """The module's forward as a torch-level graph with meta example values, or a reason."""
+    try:
+        graph = _Tracer().trace(module)
+    except _TRACE_ERRORS as e:
+        return None, f"torch.fx cannot trace its forward ({type(e).__name__}: {str(e)[:80]})"
+    gm = fx.GraphModule(module, graph)
+    if sum(n.op == "placeholder" for n in graph.nodes) != 1:
+        return None, "forward takes more than one input"
+    mats = [p for p in module.parameters() if p.dim() == 2]
+    for k in dict.fromkeys([p.shape[1] for p in mats] + [p.shape[0] for p in mats]):
+        x = torch.empty(2, 3, k, device="meta", dtype=mats[0].dtype)
+        try:
+            _MetaRun(gm).run(x)
+        except _TRACE_ERRORS:
+            continue
+        return gm, ""
+    return None, "no input width fits its weights"
+
+
+# ------------------------------------------------------------------------------ matching
+def _param_path(module: nn.Module, node: Any, what: str) -> tuple[Optional[str], str]:
+    if node is None:
+        return None, ""
+    if not (isinstance(node, fx.Node) and node.op == "get_attr"):
+        return None, f"the {what} is computed in forward, not a parameter"
+    try:
+        module.get_parameter(node.target)
+    except AttributeError:
+        return None, f"the {what} {node.target} is not a parameter"
+    return str(node.target), ""
+
+
+def _spec_of(module: nn.Module, gm: fx.GraphModule, layer: str, config: TwellConfig
+             ) -> tuple[Optional[FFNSpec], str]:
+    from twell_compile.passes.match_ffn import (Match, _CAST_METHODS, _DROPOUT_FNS, _arg, _chain,
+                                                example, find_ffns, skip)
+
+    found = find_ffns(gm.graph)
+    if not found:
+        return None, ""
+    if len(found) > 1:
+        return None, f"forward holds {len(found)} FFN-like blocks, not exactly one"
+    m = found[0]
+    if not isinstance(m, Match):
+        return None, m.reason
+    graph = gm.graph
+    x_in = next(n for n in graph.nodes if n.op == "placeholder")
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    result = out_node.args[0]
+    if not isinstance(result, fx.Node) or skip(result) is not m.down.out:
+        return None, "forward returns something other than the FFN's output"
+    allowed = set(m.internal) | set(_chain(result, m.down.out))
+    for p in (m.gate, m.up):
+        if p is not None and skip(p.x) is x_in:
+            allowed |= set(_chain(p.x, x_in))
+    for n in graph.nodes:
+        if n.op in ("placeholder", "output", "get_attr"):
+            continue
+        if n not in allowed:
+            return None, f"forward does more than the FFN ({n.op} {getattr(n.target, '__name__', n.target)})"
+        if n.op == "call_method" and n.target in _CAST_METHODS:
+            return None, "forward casts dtypes inside the block (left to the backend, which sees real dtypes)"
+        if n.op == "call_function" and n.target in _DROPOUT_FNS and _arg(n, 1, "p", 0.5) != 0:
+            return None, "dropout inside the block (its training flag would be frozen)"
+    if skip(m.x) is not x_in:
+        return None, "the FFN input is not the forward's input"
+    projs = []
+    for p, what in ((m.gate, "gate"), (m.up, "up"), (m.down, "down")):
+        if p is None:
+            projs.append(None)
+            continue
+        w, why = _param_path(module, p.weight, f"{what} weight")
+        if w is None:
+            return None, why
+        b, why = _param_path(module, p.bias, f"{what} bias")
+        if why:
+            return None, why
+        projs.append(ProjSpec(w, b, p.transposed, p.rows))
+    xe, ye = example(x_in), example(result)
+    if tuple(ye.shape) != (*xe.shape[:-1], ye.shape[-1]):
+        return None, "the output's leading shape differs from the input's"
+    if len({p.dtype for p in module.parameters()}) != 1:
+        return None, "parameters of different dtypes"
+    spec = FFNSpec(layer, projs[0], projs[1], projs[2], config.tile_n, config.slots, config.ell_width,
+                   config.backup_rows, 0.0, config.stats, config.skip_dense)
+    return spec, ""
+
+
+def _candidate(module: nn.Module) -> bool:
+    params = list(module.parameters())
+    return (2 <= sum(p.dim() == 2 for p in params) <= 3 and all(p.dim() in (1, 2) for p in params)
+            and all(p.is_floating_point() for p in params))
+
+
+# ------------------------------------------------------------------------------ running
+def _get(module: nn.Module, path: str) -> Tensor:
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _weights(module: nn.Module, p: ProjSpec) -> tuple[Tensor, Optional[Tensor]]:
+    w = _get(module, p.weight)
+    b = _get(module, p.bias) if p.bias is not None else None
+    if p.transposed:
+        w = w.t()
+    if p.rows is not None:
+        w = w[p.rows[0]:p.rows[1]]
+        b = b[p.rows[0]:p.rows[1]] if b is not None else None
+    return w, b
+
+
+def run_ffn(module: nn.Module, spec: FFNSpec, x: Tensor) -> Tensor:
+    """The prepared forward: one twell op with the module's current parameters."""
+    from twell_compile import dispatch, ops  # noqa: F401  (registers torch.ops.twell)
+
+    wg, bg = _weights(module, spec.gate)
+    wu, bu = _weights(module, spec.up) if spec.up is not None else (None, None)
+    wd, bd = _weights(module, spec.down)
+    tensors = [t for t in (x, wg, bg, wu, bu, wd, bd) if t is not None]
+    if _is_dtensor(wg) or _is_dtensor(wd):
+        raise ValueError(f"{spec.layer or 'FFN'}: its weights are sharded DTensors when it runs; shard "
+                         "the FFN module or its transformer block with fully_shard, not each Linear")
+    dev = x.device.type
+    # As F.linear does: inside autocast every projection runs in the autocast dtype.
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    x, wg, bg, wu, bu, wd, bd = (t.to(dtype) if t is not None and t.dtype != dtype else t
+                                 for t in (x, wg, bg, wu, bu, wd, bd))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return torch.ops.twell.ffn_train.default(x, wg, bg, wu, bu, wd, bd, spec.ell_width, spec.backup_rows,
+                                                 spec.l1_scale, spec.layer, spec.stats)[0]
+    if spec.skip_dense and dispatch.static_dense_reason(x.device, dtype, None, wg.shape[1], wg.shape[0],
+                                                        wd.shape[0]) is not None:
+        # Our op would run dense here (e.g. fp32 on CUDA): the plain formula, which the backend
+        # then leaves to Inductor as it does for unprepared FFNs (twell.skip_dense).
+        h = F.relu(F.linear(x, wg, bg))
+        if wu is not None:
+            h = h * F.linear(x, wu, bu)
+        return F.linear(h, wd, bd)
+    return torch.ops.twell.ffn.default(x, wg, bg, wu, bu, wd, bd, spec.tile_n, spec.slots, spec.layer, spec.stats)
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _prepared_forward(self: nn.Module, x: Tensor) -> Tensor:
+    return run_ffn(self, getattr(self, _SPEC), x)
+
+
+def _prepared_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Twell{cls.__name__}", (cls,), {"forward": _prepared_forward,
+                                                                "__module__": cls.__module__})
+    return _CLASSES[cls]
+
+
+def spec_of(module: nn.Module) -> Optional[FFNSpec]:
+    """The FFNSpec of a prepared module, else None."""
+    return getattr(module, _SPEC, None) if type(module) in _CLASSES.values() else None
+
+
+# ------------------------------------------------------------------------------ entry point
+def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Report:
+    """Make every ReLU FFN module of ``model`` one twell op call, in place; call before DDP/FSDP2.
+
+    ``model = MyModel(); twell_compile.prepare(model); model = DDP(model)`` (or ``fully_shard``
+    per block), then ``torch.compile(model, backend="twell")`` as usual. ``options`` takes the
+    ``twell.*`` keys of torch.compile's options; for prepared FFNs they are fixed here (give
+    ``twell.l1`` here, not to torch.compile: under DDP a rank's graph is split and cannot count
+    the model's FFNs; ``twell.l1_layers`` overrides the count of prepared FFNs). A module is
+    prepared only if its whole forward is exactly one ReLU FFN (see the module docstring).
+    Returns a ``Report``: ``.rewrites`` are the prepared FFNs, ``.rejections`` FFN-like modules
+    left as they are, with the reason. Preparing twice leaves prepared modules as they are.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__.startswith("FSDP"):
+        raise ValueError(f"model is already wrapped ({type(model).__name__}): call prepare on the plain "
+                         "model, then wrap it with DDP or fully_shard")
+    config, rest = TwellConfig.from_options(options)
+    if rest:
+        raise ValueError(f"options: prepare takes only twell.* keys, got {sorted(map(str, rest))}")
+    report = Report()
+    found: list[tuple[nn.Module, FFNSpec]] = []
+    taken: list[str] = []                  # prepared module paths: their ancestors are not candidates
+    for name, module in reversed(list(model.named_modules())):
+        if spec_of(module) is not None:
+            taken.append(name)
+            continue
+        if any(t.startswith(name + ".") or not name for t in taken) or not _candidate(module):
+            continue
+        gm, why = _trace(module)
+        spec = None
+        if gm is not None:
+            spec, why = _spec_of(module, gm, name, config)
+        if spec is None:
+            if why and gm is not None:
+                report.add_rejection(RejectionEntry(name, why, ""))
+            elif why:
+                log.debug("twell prepare: %s not traced: %s", name or "<model>", why)
+            continue
+        found.append((module, spec))
+        taken.append(name)
+    if not found:
+        return report
+    scale = config.l1 / (config.l1_layers or len(found))
+    for module, spec in reversed(found):
+        spec = FFNSpec(**{**spec.__dict__, "l1_scale": float(scale)})
+        setattr(module, _SPEC, spec)
+        module.__class__ = _prepared_class(type(module))
+        wg = _get(module, spec.gate.weight)
+        wd = _get(module, spec.down.weight)
+        n = spec.gate.rows[1] - spec.gate.rows[0] if spec.gate.rows else (wg.shape[1] if spec.gate.transposed else wg.shape[0])
+        k = wg.shape[0] if spec.gate.transposed else wg.shape[1]
+        k_out = wd.shape[1] if spec.down.transposed else wd.shape[0]
+        report.add_rewrite(RewriteEntry(spec.layer, spec.up is not None, "prepared", "any", int(k), int(n),
+                                        int(k_out), str(wg.dtype).replace("torch.", ""), "", via="prepare"))
+    return report
+
+
+def unprepare(model: nn.Module) -> int:
+    """Restore the original forward of every prepared module of ``model``; returns how many."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    count = 0
+    originals = {v: k for k, v in _CLASSES.items()}
+    for module in model.modules():
+        cls = type(module)
+        if cls in originals:
+            module.__class__ = originals[cls]
+            delattr(module, _SPEC)
+            count += 1
+    return count
+
+
+__all__ = ["prepare", "unprepare", "run_ffn", "spec_of", "FFNSpec", "ProjSpec"]
