@@ -1,0 +1,660 @@
+"""End to end: a Hugging Face LlamaForCausalLM with sparse ReLU FFNs, Inductor vs twell, one run.
+
+    python3 benchmarks/bench_e2e.py --density 0.005 0.02 --out /tmp/e2e_forward.json   # issue 3 item 7
+    python3 benchmarks/bench_e2e.py --generate --seq 128 --new-tokens 128                # issue 7 item 4
+    python3 benchmarks/bench_e2e.py --train --layers 4 --batch 2 --seq 1024              # issue 4 item 5
+    python3 benchmarks/bench_e2e.py --tiny --train                                       # CPU-sized
+
+Model: hidden 2048, intermediate 5632, 16 layers, 16 heads, vocab 32000, ``hidden_act="relu"``,
+``mlp_bias=True``, random weights (HF init; up/down biases drawn N(0, 0.02)). Each layer's
+``gate_proj.bias`` is calibrated, layer by layer in order, on a calibration batch distinct from
+the timed one: bias[j] = -(the (1-d) quantile of neuron j's pre-activation over the calibration
+tokens), so each neuron fires on about d of the tokens. The achieved density per layer is
+measured on the timed batch (eager, hooks on gate_proj) and printed; twell's own
+``layer_stats()`` after its timed calls is reported beside it.
+
+--forward (default): bf16 weights, ``model(input_ids)`` at batch x seq tokens; eager, Inductor
+  and twell on deep copies of one model (same weights, same inputs). Per backend: median ms
+  (CUDA events, warm-up calls first), tokens/s, max |logit - eager|, peak memory, energy per
+  token from NVML's total-energy counter (null with the reason where unavailable).
+--generate: bf16, HF ``generate()`` with ``cache_implementation="static"`` and greedy
+  decoding; the decode step is compiled the way transformers does it for a static cache
+  (``compile_config=CompileConfig(backend=..., mode="reduce-overhead")``: prefill runs eager,
+  decode steps compiled and CUDA-graphed). Decode tokens/s exclude prefill: a logits processor
+  records an event at every step, and the time from the first to the last step counts
+  batch x (new_tokens - 1) tokens. Greedy tokens are compared with eager generate.
+  --seq is the prompt length here.
+--train: fp32 weights, bf16 autocast (fp32 without autocast on CPU), AdamW, ``--steps`` steps
+  on one fixed batch (labels = inputs): eager, Inductor and twell each start from the same
+  weights, are run one after the other (only one model alive), and report median step ms,
+  peak memory and the loss curve.
+
+Backend options: ``--twell-opt twell.stats=false`` (repeatable) goes to
+``torch.compile(..., backend="twell", options={...})``. Results go to --out as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import ctypes
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+FULL = dict(layers=16, hidden=2048, ffn=5632, heads=16, kv_heads=16, vocab=32000, batch=8, seq=2048,
+            density=[0.005], steps=20, new_tokens=128, warmup=3, reps=10)
+# CPU-sized: small enough that every mode (three compiles each) runs in seconds on 2 cores.
+TINY = dict(layers=2, hidden=64, ffn=176, heads=4, kv_heads=2, vocab=128, batch=2, seq=64,
+            density=[0.1], steps=4, new_tokens=6, warmup=1, reps=2)
+MIN_ENERGY_S = 2.0  # NVML's energy counter updates every ~20-100 ms: time at least this long
+
+
+# ----------------------------------------------------------------------------- arguments
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--forward", dest="mode", action="store_const", const="forward")
+    mode.add_argument("--generate", dest="mode", action="store_const", const="generate")
+    mode.add_argument("--train", dest="mode", action="store_const", const="train")
+    ap.add_argument("--tiny", action="store_true", help="CPU-sized config (tests); other flags override it")
+    for name in ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "batch", "seq", "steps", "new_tokens",
+                 "warmup", "reps"):
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                        help=f"default {FULL[name]} ({TINY[name]} with --tiny)")
+    ap.add_argument("--density", type=float, nargs="+", default=None,
+                    help=f"target FFN densities, one run each (default {FULL['density']})")
+    ap.add_argument("--calib-batch", type=int, default=None, help="calibration sequences (default --batch)")
+    ap.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                    help="forward/generate weights (default bfloat16 on CUDA, float32 on CPU)")
+    ap.add_argument("--lr", type=float, default=3e-4, help="--train: AdamW learning rate")
+    ap.add_argument("--backends", nargs="+", default=["inductor", "twell"], choices=("inductor", "twell"))
+    ap.add_argument("--twell-opt", action="append", default=[], metavar="KEY=VALUE",
+                    help="twell option, e.g. twell.stats=false (repeatable)")
+    ap.add_argument("--no-energy", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    a = ap.parse_args(argv)
+    a.mode = a.mode or "forward"
+    preset = TINY if a.tiny else FULL
+    for key, value in preset.items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    a.kv_heads = a.kv_heads if a.kv_heads <= a.heads else a.heads
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.dtype is None:
+        a.dtype = "bfloat16" if a.device.startswith("cuda") else "float32"
+    a.calib_batch = a.calib_batch or a.batch
+    for name in ("layers", "hidden", "ffn", "heads", "vocab", "batch", "seq", "steps", "reps", "calib_batch"):
+        if getattr(a, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.hidden % a.heads or a.heads % a.kv_heads:
+        raise ValueError(f"--hidden ({a.hidden}) must divide by --heads ({a.heads}), --heads by --kv-heads")
+    if a.new_tokens < 2:
+        raise ValueError(f"--new-tokens must be >= 2 (decode time runs from the first to the last), got {a.new_tokens}")
+    if a.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {a.warmup}")
+    for d in a.density:
+        if not 0.0 < d <= 1.0:
+            raise ValueError(f"--density must be in (0, 1], got {d}")
+    a.twell_options = parse_twell_options(a.twell_opt)
+    return a
+
+
+def parse_twell_options(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.startswith("twell."):
+            raise ValueError(f"--twell-opt wants twell.NAME=VALUE, got {item!r}")
+        low = raw.lower()
+        if low in ("true", "false"):
+            out[key] = low == "true"
+        else:
+            try:
+                out[key] = int(raw)
+            except ValueError:
+                try:
+                    out[key] = float(raw)
+                except ValueError:
+                    out[key] = raw
+    return out
+
+
+# ----------------------------------------------------------------------------- model
+
+def build_model(a: argparse.Namespace, dtype: torch.dtype, seed: int):
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
+        num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, hidden_act="relu", mlp_bias=True,
+        max_position_embeddings=max(4096, a.seq + a.new_tokens + 8), pad_token_id=0, bos_token_id=1,
+        eos_token_id=None, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    with torch.device(a.device):
+        model = transformers.LlamaForCausalLM(cfg)
+        with torch.no_grad():
+            for layer in model.model.layers:  # HF zero-inits biases: random ones exercise the bias path
+                layer.mlp.up_proj.bias.normal_(0.0, 0.02)
+                layer.mlp.down_proj.bias.normal_(0.0, 0.02)
+    return model.to(dtype)
+
+
+def token_batch(a: argparse.Namespace, batch: int, seq: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, a.vocab, (batch, seq), generator=g).to(a.device)
+
+
+class _Captured(Exception):
+    """Raised by a pre-hook to stop the forward once the wanted MLP input is captured."""
+
+    def __init__(self, x: torch.Tensor):
+        super().__init__()
+        self.x = x
+
+
+def _mlp_input(model, ids: torch.Tensor, index: int, amp) -> torch.Tensor:
+    def hook(_module, args):
+        raise _Captured(args[0].detach())
+
+    handle = model.model.layers[index].mlp.register_forward_pre_hook(hook)
+    try:
+        with amp():
+            model.model(input_ids=ids, use_cache=False)
+    except _Captured as c:
+        return c.x
+    finally:
+        handle.remove()
+    raise RuntimeError(f"layer {index}'s MLP was not called")
+
+
+@torch.no_grad()
+def calibrate(model, ids: torch.Tensor, density: float, amp) -> list[float]:
+    """Set gate biases layer by layer (layer i's input depends on layers < i): every neuron fires
+    on round(d * T) of the T calibration tokens. Returns each layer's density on those tokens."""
+    achieved = []
+    for i, layer in enumerate(model.model.layers):
+        x = _mlp_input(model, ids, i, amp)
+        gate = layer.mlp.gate_proj
+        with amp():
+            pre = F.linear(x, gate.weight).reshape(-1, gate.out_features).float()
+        t = pre.shape[0]
+        fire = int(round(density * t))
+        if fire >= t:
+            thresh = pre.amin(0) - 1.0
+        else:  # the (fire+1)-th largest value: exactly `fire` tokens lie above it (ties aside)
+            thresh = pre.topk(fire + 1, dim=0).values[-1]
+        gate.bias.copy_(-thresh)
+        with amp():
+            achieved.append(float((gate(x) > 0).float().mean()))
+    return achieved
+
+
+@torch.no_grad()
+def measure_density(model, ids: torch.Tensor, amp) -> list[float]:
+    """Fraction of relu(gate(x)) > 0 per layer on `ids` (eager forward with hooks)."""
+    counts: list[torch.Tensor] = []
+    hooks = [layer.mlp.gate_proj.register_forward_hook(lambda _m, _i, out: counts.append((out > 0).float().mean()))
+             for layer in model.model.layers]
+    try:
+        with amp():
+            model.model(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [float(c) for c in counts]
+
+
+def copy_params(dst, src) -> None:
+    """Copy weights in place: compiled graphs read parameters as inputs, so no recompile."""
+    with torch.no_grad():
+        for (n1, p1), (n2, p2) in zip(dst.named_parameters(), src.named_parameters()):
+            assert n1 == n2
+            p1.copy_(p2)
+
+
+def twell_stats_density() -> dict[str, float]:
+    import twell_compile
+
+    return {name: s.density for name, s in twell_compile.layer_stats().items()}
+
+
+def reset_twell_policy() -> None:
+    """Fresh CUDA density policy, as a new process would have: a dense layer re-probes only
+    every 64 calls, so a density change between runs would otherwise be seen late. (Statistics
+    buffers are kept: they are reserved at compile time, outside any CUDA-graph pool.)"""
+    if torch.cuda.is_available():
+        from twell_compile.kernels import cuda_policy
+
+        cuda_policy.reset()
+
+
+# ----------------------------------------------------------------------------- measuring
+
+class Energy:
+    """NVML's total energy counter (mJ since driver load), through pynvml or ctypes."""
+
+    def __init__(self, device: torch.device):
+        self.reason: Optional[str] = None
+        self._read: Optional[Callable[[], int]] = None
+        if device.type != "cuda":
+            self.reason = f"device {device} has no NVML energy counter"
+            return
+        props = torch.cuda.get_device_properties(device)
+        bus = f"{getattr(props, 'pci_domain_id', 0):08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+        try:
+            import pynvml
+        except ImportError:
+            pynvml = None
+        if pynvml is not None:
+            try:
+                pynvml.nvmlInit()
+                handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus)
+                pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+                self._read = lambda: int(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+            except pynvml.NVMLError as e:
+                self.reason = f"pynvml: {e}"
+            return
+        try:
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+        except OSError as e:
+            self.reason = f"libnvidia-ml.so.1 not loadable: {e}"
+            return
+        lib.nvmlErrorString.restype = ctypes.c_char_p
+
+        def check(rc: int, what: str) -> bool:
+            if rc != 0:
+                self.reason = f"{what}: {lib.nvmlErrorString(rc).decode()} (NVML {rc})"
+            return rc == 0
+
+        handle = ctypes.c_void_p()
+        mj = ctypes.c_ulonglong()
+        if not (check(lib.nvmlInit_v2(), "nvmlInit_v2")
+                and check(lib.nvmlDeviceGetHandleByPciBusId_v2(bus.encode(), ctypes.byref(handle)),
+                          f"nvmlDeviceGetHandleByPciBusId_v2({bus})")
+                and check(lib.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(mj)),
+                          "nvmlDeviceGetTotalEnergyConsumption")):
+            return
+
+        def read() -> int:
+            rc = lib.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(mj))
+            if rc != 0:
+                raise RuntimeError(f"nvmlDeviceGetTotalEnergyConsumption failed: NVML {rc}")
+            return int(mj.value)
+
+        self._read = read
+
+    def read_mj(self) -> Optional[int]:
+        return self._read() if self._read is not None else None
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int,
+               energy: Optional[Energy]) -> dict[str, Any]:
+    """Median ms over timed calls (CUDA events on CUDA); the energy over the timed calls."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    est = time.perf_counter() - t0
+    if energy is not None and energy.read_mj() is not None:
+        reps = max(reps, min(500, math.ceil(MIN_ENERGY_S / max(est, 1e-6))))
+    ms: list[float] = []
+    e0 = energy.read_mj() if energy is not None else None
+    w0 = time.perf_counter()
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        sync(device)
+        ms = [s.elapsed_time(e) for s, e in events]
+    else:
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            ms.append((time.perf_counter() - t) * 1e3)
+    wall = time.perf_counter() - w0
+    e1 = energy.read_mj() if energy is not None else None
+    return dict(median_ms=statistics.median(ms), min_ms=min(ms), max_ms=max(ms), reps=reps, wall_s=wall,
+                energy_j=None if e0 is None or e1 is None else (e1 - e0) / 1e3)
+
+
+def energy_fields(timing: dict[str, Any], tokens: int, energy: Optional[Energy], reason_off: str) -> dict[str, Any]:
+    if timing["energy_j"] is not None:
+        return dict(energy_j_per_token=timing["energy_j"] / tokens, energy_reason=None)
+    reason = reason_off if energy is None else (energy.reason or "counter did not advance")
+    return dict(energy_j_per_token=None, energy_reason=reason)
+
+
+def peak_memory(device: torch.device) -> Optional[int]:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+@torch.no_grad()
+def logit_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """max |a - b| and ||a - b|| / ||b||, in fp32, row chunks (logits reach GBs)."""
+    a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    mx, num, den = 0.0, 0.0, 0.0
+    for i in range(0, a2.shape[0], 1024):
+        x, y = a2[i:i + 1024].float(), b2[i:i + 1024].float()
+        d = x - y
+        if torch.isnan(d).any():
+            return float("nan"), float("nan")
+        mx = max(mx, float(d.abs().max()))
+        num += float(d.double().pow(2).sum())
+        den += float(y.double().pow(2).sum())
+    return mx, math.sqrt(num) / max(math.sqrt(den), 1e-30)
+
+
+def compile_kwargs(backend: str, a: argparse.Namespace, mode: Optional[str]) -> dict[str, Any]:
+    """torch.compile refuses mode= with options=: twell carries the mode as twell.mode."""
+    if backend == "twell" and a.twell_options:
+        opts = dict(a.twell_options)
+        if mode:
+            opts["twell.mode"] = mode
+        return dict(backend="twell", options=opts)
+    return dict(backend=backend, mode=mode)
+
+
+def env_info(a: argparse.Namespace) -> dict[str, Any]:
+    import transformers
+    import triton
+
+    dev = torch.device(a.device)
+    return dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch=torch.__version__,
+                transformers=transformers.__version__, triton=triton.__version__, python=sys.version.split()[0],
+                time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
+def write(out: Optional[str], result: dict[str, Any]) -> None:
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1))
+
+
+def print_density(d: float, calib: list[float], timed: list[float]) -> None:
+    print(f"density target {d}: calibration batch mean {statistics.mean(calib):.5f}; timed batch per layer: "
+          + " ".join(f"{v:.4f}" for v in timed) + f" (mean {statistics.mean(timed):.5f})", flush=True)
+
+
+# ----------------------------------------------------------------------------- modes
+
+def run_forward(a: argparse.Namespace, result: dict[str, Any]) -> None:
+    dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    amp = contextlib.nullcontext
+    model = build_model(a, dtype, a.seed).eval()
+    calib = token_batch(a, a.calib_batch, a.seq, a.seed + 1)
+    ids = token_batch(a, a.batch, a.seq, a.seed + 2)
+    tokens = a.batch * a.seq
+    energy = None if a.no_energy else Energy(dev)
+    copies = {b: copy.deepcopy(model) for b in a.backends}
+    compiled = {b: torch.compile(copies[b], dynamic=False, **compile_kwargs(b, a, None)) for b in a.backends}
+    for d in a.density:
+        achieved = calibrate(model, calib, d, amp)
+        for m in copies.values():
+            copy_params(m, model)
+        dens = measure_density(model, ids, amp)
+        print_density(d, achieved, dens)
+        run = dict(density_target=d, density_calibration=achieved, density_measured=dens,
+                   density_measured_mean=statistics.mean(dens), backends={})
+        result["runs"].append(run)
+        with torch.no_grad():
+            ref = model(input_ids=ids, use_cache=False).logits
+            fns = {"eager": lambda: model(input_ids=ids, use_cache=False).logits}
+            fns.update({b: (lambda c=compiled[b]: c(input_ids=ids, use_cache=False).logits) for b in a.backends})
+            for name, fn in fns.items():
+                if name == "twell":
+                    reset_twell_policy()
+                t0 = time.perf_counter()
+                out = fn()
+                sync(dev)
+                first_s = time.perf_counter() - t0
+                mx, rel = logit_diff(out, ref)
+                del out
+                reset_peak(dev)
+                base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
+                timing = time_calls(fn, dev, a.warmup, a.reps, energy)
+                peak = peak_memory(dev)
+                row = dict(median_ms=timing["median_ms"], min_ms=timing["min_ms"], max_ms=timing["max_ms"],
+                           reps=timing["reps"], tokens_per_s=tokens / (timing["median_ms"] / 1e3),
+                           first_call_s=first_s, max_abs_logit_diff_vs_eager=mx, rel_l2_logit_diff_vs_eager=rel,
+                           peak_mem_bytes=peak, peak_above_resident_bytes=None if peak is None else peak - base,
+                           **energy_fields(timing, tokens * timing["reps"], energy, "--no-energy"))
+                if name == "twell":
+                    row["twell_layer_density"] = twell_stats_density()
+                run["backends"][name] = row
+                print(f"  {name:>8}: {row['median_ms']:8.2f} ms  {row['tokens_per_s']:12.0f} tok/s  "
+                      f"max|dlogit| {mx:.3g}  rel {rel:.2e}  first call {first_s:.1f} s  "
+                      f"energy/token {row['energy_j_per_token']}", flush=True)
+                write(a.out, result)
+            del ref
+        b = run["backends"]
+        if "inductor" in b and "twell" in b:
+            run["speedup_twell_over_inductor"] = b["inductor"]["median_ms"] / b["twell"]["median_ms"]
+            print(f"  twell / inductor: {run['speedup_twell_over_inductor']:.3f}x tokens/s", flush=True)
+        write(a.out, result)
+
+
+class StepTimer:
+    """A logits processor: HF calls it once per generated token; it records the time of each."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.marks: list[Any] = []
+
+    def __call__(self, input_ids, scores):
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+        return scores
+
+    def decode_ms(self) -> float:
+        """From the first generated token's logits (prefill done) to the last one's."""
+        if self.device.type == "cuda":
+            self.marks[-1].synchronize()
+            return self.marks[0].elapsed_time(self.marks[-1])
+        return (self.marks[-1] - self.marks[0]) * 1e3
+
+
+def run_generate(a: argparse.Namespace, result: dict[str, Any]) -> None:
+    import transformers
+
+    dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    amp = contextlib.nullcontext
+    model = build_model(a, dtype, a.seed).eval()
+    calib = token_batch(a, a.calib_batch, a.seq, a.seed + 1)
+    prompt = token_batch(a, a.batch, a.seq, a.seed + 2)
+    mask = torch.ones_like(prompt)
+    energy = None if a.no_energy else Energy(dev)
+    mode = "reduce-overhead" if dev.type == "cuda" else None  # CUDA graphs exist only on CUDA
+    decode_tokens = a.batch * (a.new_tokens - 1)
+    for d in a.density:
+        achieved = calibrate(model, calib, d, amp)
+        dens = measure_density(model, prompt, amp)
+        print_density(d, achieved, dens)
+        run = dict(density_target=d, density_calibration=achieved, density_measured=dens,
+                   density_measured_mean=statistics.mean(dens), backends={})
+        result["runs"].append(run)
+        ref_ids = None
+        for name in ["eager"] + a.backends:
+            m = model if name == "eager" else copy.deepcopy(model)
+            kw: dict[str, Any] = dict(attention_mask=mask, max_new_tokens=a.new_tokens,
+                                      do_sample=False, cache_implementation="static")
+            if name == "eager":
+                kw["disable_compile"] = True
+            else:
+                cc = transformers.CompileConfig(**compile_kwargs(name, a, mode))
+                cc._compile_all_devices = dev.type != "cuda"  # HF's flag to auto-compile off CUDA
+                kw["compile_config"] = cc
+            if name == "twell":
+                reset_twell_policy()
+            timers: list[StepTimer] = []
+
+            def gen():
+                t = StepTimer(dev)
+                timers.append(t)
+                with torch.no_grad():
+                    return m.generate(prompt, logits_processor=transformers.LogitsProcessorList([t]), **kw)
+
+            reset_peak(dev)
+            t0 = time.perf_counter()
+            out = gen()
+            sync(dev)
+            first_s = time.perf_counter() - t0
+            timers.clear()
+            timing = time_calls(gen, dev, a.warmup, a.reps, energy)
+            decode = [t.decode_ms() for t in timers[-timing["reps"]:]]
+            med = statistics.median(decode)
+            new = out[:, prompt.shape[1]:]
+            if ref_ids is None:
+                ref_ids = new
+            same = (new == ref_ids)
+            agree = same.cumprod(dim=1).sum(dim=1)  # leading tokens equal to eager's, per sequence
+            k = min(16, a.new_tokens)
+            row = dict(decode_median_ms=med, decode_tokens_per_s=decode_tokens / (med / 1e3),
+                       decode_ms_per_step=med / (a.new_tokens - 1), generate_median_ms=timing["median_ms"],
+                       reps=timing["reps"], first_call_s=first_s,
+                       greedy_same_as_eager_first_k=bool(same[:, :k].all()), greedy_k=k,
+                       greedy_leading_agreement=[int(v) for v in agree],
+                       greedy_token_agreement=float(same.float().mean()),
+                       peak_mem_bytes=peak_memory(dev),
+                       **energy_fields(timing, a.batch * a.new_tokens * timing["reps"], energy, "--no-energy"))
+            if row["energy_j_per_token"] is not None:
+                row["energy_note"] = "whole generate() calls (prefill included) per generated token"
+            if name == "twell":
+                row["twell_layer_density"] = twell_stats_density()
+            run["backends"][name] = row
+            print(f"  {name:>8}: decode {row['decode_tokens_per_s']:10.0f} tok/s ({row['decode_ms_per_step']:.3f} "
+                  f"ms/step)  generate {timing['median_ms']:.1f} ms  first {first_s:.1f} s  greedy first {k} "
+                  f"same as eager: {row['greedy_same_as_eager_first_k']} (leading {row['greedy_leading_agreement']})",
+                  flush=True)
+            write(a.out, result)
+            if m is not model:
+                del m
+        b = run["backends"]
+        if "inductor" in b and "twell" in b:
+            run["speedup_twell_over_inductor"] = b["twell"]["decode_tokens_per_s"] / b["inductor"]["decode_tokens_per_s"]
+            print(f"  twell / inductor: {run['speedup_twell_over_inductor']:.3f}x decode tokens/s", flush=True)
+        write(a.out, result)
+
+
+def run_train(a: argparse.Namespace, result: dict[str, Any]) -> None:
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
+    calib = token_batch(a, a.calib_batch, a.seq, a.seed + 1)
+    ids = token_batch(a, a.batch, a.seq, a.seed + 2)
+    tokens = a.batch * a.seq
+    for d in a.density:
+        master = build_model(a, torch.float32, a.seed).eval()
+        achieved = calibrate(master, calib, d, amp)
+        dens = measure_density(master, ids, amp)
+        print_density(d, achieved, dens)
+        state = {k: v.detach().to("cpu", copy=True) for k, v in master.state_dict().items()}
+        del master
+        run = dict(density_target=d, density_calibration=achieved, density_measured=dens,
+                   density_measured_mean=statistics.mean(dens), autocast="bfloat16" if cuda else None, backends={})
+        result["runs"].append(run)
+        for name in ["eager"] + a.backends:
+            model = build_model(a, torch.float32, a.seed + 100)
+            model.load_state_dict(state)
+            model.train()
+            opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+            fwd = model if name == "eager" else torch.compile(model, **compile_kwargs(name, a, None))
+            if name == "twell":
+                reset_twell_policy()
+            reset_peak(dev)
+            resident = torch.cuda.memory_allocated(dev) if cuda else None
+            losses, step_ms, pending = [], [], []
+            for _ in range(a.steps):
+                t0 = time.perf_counter()
+                if cuda:
+                    ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    ev[0].record()
+                with amp():
+                    loss = fwd(input_ids=ids, labels=ids, use_cache=False).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.detach())
+                if cuda:
+                    ev[1].record()
+                    pending.append(ev)
+                else:
+                    step_ms.append((time.perf_counter() - t0) * 1e3)
+            sync(dev)
+            if cuda:
+                step_ms = [s.elapsed_time(e) for s, e in pending]
+            timed = step_ms[min(2, a.steps - 1):]  # step 1 compiles, step 2 allocates AdamW state
+            row = dict(step_median_ms=statistics.median(timed), step_ms=step_ms,
+                       tokens_per_s=tokens / (statistics.median(timed) / 1e3),
+                       losses=[float(v) for v in losses], peak_mem_bytes=peak_memory(dev),
+                       resident_before_bytes=resident)
+            if name == "twell":
+                row["twell_layer_density"] = twell_stats_density()
+            run["backends"][name] = row
+            print(f"  {name:>8}: step {row['step_median_ms']:9.2f} ms  peak {row['peak_mem_bytes']}  loss "
+                  f"{row['losses'][0]:.4f} -> {row['losses'][-1]:.4f}", flush=True)
+            del model, opt, fwd
+            if name != "eager":
+                torch._dynamo.reset()
+            write(a.out, result)
+        b = run["backends"]
+        ref = b["eager"]["losses"]
+        for name in a.backends:
+            b[name]["max_abs_loss_diff_vs_eager"] = max(abs(x - y) for x, y in zip(b[name]["losses"], ref))
+        if "inductor" in b and "twell" in b:
+            run["speedup_twell_over_inductor"] = b["inductor"]["step_median_ms"] / b["twell"]["step_median_ms"]
+            if cuda:
+                run["peak_mem_twell_over_inductor"] = b["twell"]["peak_mem_bytes"] / b["inductor"]["peak_mem_bytes"]
+            print(f"  twell / inductor: {run['speedup_twell_over_inductor']:.3f}x step speed", flush=True)
+        write(a.out, result)
+
+
+def main(argv=None) -> dict[str, Any]:
+    a = parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+    config = {k: v for k, v in vars(a).items() if k not in ("twell_opt",)}
+    result: dict[str, Any] = dict(mode=a.mode, config=config, env=env_info(a), runs=[])
+    print(f"bench_e2e --{a.mode}: {a.layers} layers, hidden {a.hidden}, ffn {a.ffn}, vocab {a.vocab}, "
+          f"batch {a.batch} x seq {a.seq}, {a.dtype if a.mode != 'train' else 'float32+autocast'} on "
+          f"{result['env']['device']}", flush=True)
+    {"forward": run_forward, "generate": run_generate, "train": run_train}[a.mode](a, result)
+    write(a.out, result)
+    if a.out:
+        print(f"wrote {a.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

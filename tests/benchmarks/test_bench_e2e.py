@@ -1,0 +1,143 @@
+"""benchmarks/bench_e2e.py --tiny on the CPU, every mode: calibration hits the density, twell's
+logits, greedy tokens and loss curve match eager, and the JSON carries what the GPU run reports.
+
+Only the forward mode runs Inductor too (both backends: the comparison path); generate and train
+run twell alone to stay quick on 2 cores (about 40 s for the module with a warm compile cache).
+"""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "benchmarks" / "bench_e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_e2e"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+E2E = _load()
+DENSITY = 0.1
+CALIB_TOKENS = 2 * 64  # --tiny: calibration batch 2 x seq 64
+
+
+def run(tmp_path_factory, *argv):
+    out = tmp_path_factory.mktemp("e2e") / "result.json"
+    result = E2E.main(["--tiny", "--device", "cpu", "--density", str(DENSITY), "--out", str(out), *argv])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))  # the file holds the whole result
+    return result
+
+
+@pytest.fixture(scope="module")
+def forward(tmp_path_factory):
+    return run(tmp_path_factory, "--forward")
+
+
+@pytest.fixture(scope="module")
+def generate(tmp_path_factory):
+    return run(tmp_path_factory, "--generate", "--backends", "twell")
+
+
+@pytest.fixture(scope="module")
+def train(tmp_path_factory):
+    return run(tmp_path_factory, "--train", "--backends", "twell", "--steps", "3")
+
+
+def check_calibration(run_, layers):
+    # By construction round(d * T) of T calibration tokens fire; one token either way for ties.
+    assert len(run_["density_calibration"]) == layers
+    for d in run_["density_calibration"]:
+        assert abs(d - DENSITY) <= 1.5 / CALIB_TOKENS, run_["density_calibration"]
+    # A different batch of the same distribution lands near the target (measured 0.108, 0.126).
+    assert len(run_["density_measured"]) == layers
+    for d in run_["density_measured"]:
+        assert 0.5 * DENSITY < d < 2 * DENSITY, run_["density_measured"]
+
+
+def check_twell_ran(row, layers):
+    # twell's own per-layer statistics exist only when the FFNs were rewritten and its op ran.
+    dens = row["twell_layer_density"]
+    assert len(dens) == layers, dens
+    assert all(0 < v < 1 for v in dens.values()), dens
+
+
+def test_forward_matches_eager_and_reports_everything(forward):
+    layers = forward["config"]["layers"]
+    assert forward["mode"] == "forward" and forward["env"]["device"] == "cpu"
+    (run_,) = forward["runs"]
+    check_calibration(run_, layers)
+    b = run_["backends"]
+    assert set(b) == {"eager", "inductor", "twell"}
+    tokens = forward["config"]["batch"] * forward["config"]["seq"]
+    for name, row in b.items():
+        assert row["median_ms"] > 0 and math.isfinite(row["median_ms"])
+        assert row["tokens_per_s"] == pytest.approx(tokens / (row["median_ms"] / 1e3))
+        assert row["energy_j_per_token"] is None and "cpu" in row["energy_reason"]
+    assert b["eager"]["max_abs_logit_diff_vs_eager"] == 0
+    # fp32 on the CPU: both compiled models within fp32 rounding of eager.
+    for name in ("inductor", "twell"):
+        assert b[name]["rel_l2_logit_diff_vs_eager"] < 1e-5, (name, b[name])
+    check_twell_ran(b["twell"], layers)
+    # twell counted its non-zeros on the same timed batch the eager hooks measured.
+    for got, want in zip(b["twell"]["twell_layer_density"].values(), run_["density_measured"]):
+        assert got == pytest.approx(want, abs=0.01)
+    assert run_["speedup_twell_over_inductor"] == pytest.approx(b["inductor"]["median_ms"] / b["twell"]["median_ms"])
+
+
+def test_generate_gives_eager_greedy_tokens(generate):
+    layers = generate["config"]["layers"]
+    (run_,) = generate["runs"]
+    check_calibration(run_, layers)
+    b = run_["backends"]
+    assert set(b) == {"eager", "twell"}
+    new = generate["config"]["new_tokens"]
+    for row in b.values():
+        assert row["greedy_same_as_eager_first_k"] and row["greedy_token_agreement"] == 1.0
+        assert row["greedy_leading_agreement"] == [new] * generate["config"]["batch"]
+        assert row["decode_tokens_per_s"] > 0
+        assert row["decode_ms_per_step"] == pytest.approx(row["decode_median_ms"] / (new - 1))
+    check_twell_ran(b["twell"], layers)
+
+
+def test_train_follows_the_eager_loss_curve(train):
+    layers = train["config"]["layers"]
+    (run_,) = train["runs"]
+    check_calibration(run_, layers)
+    b = run_["backends"]
+    eager, twell = b["eager"]["losses"], b["twell"]["losses"]
+    assert len(eager) == len(twell) == 3
+    assert eager[-1] < eager[0]  # AdamW on one fixed batch: the loss falls
+    assert twell == pytest.approx(eager, abs=1e-4)
+    assert b["twell"]["max_abs_loss_diff_vs_eager"] == pytest.approx(max(abs(x - y) for x, y in zip(twell, eager)))
+    assert b["twell"]["step_median_ms"] > 0
+    check_twell_ran(b["twell"], layers)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--density", "0"], "--density"),
+    (["--density", "1.5"], "--density"),
+    (["--twell-opt", "stats=false"], "--twell-opt"),
+    (["--new-tokens", "1"], "--new-tokens"),
+    (["--layers", "0"], "--layers"),
+])
+def test_bad_arguments_are_named(argv, match):
+    with pytest.raises(ValueError, match=match):
+        E2E.parse_args(["--tiny", *argv])
+
+
+def test_twell_options_are_typed():
+    a = E2E.parse_args(["--tiny", "--twell-opt", "twell.stats=false", "--twell-opt", "twell.slots=8"])
+    assert a.twell_options == {"twell.stats": False, "twell.slots": 8}
+    assert E2E.compile_kwargs("twell", a, "reduce-overhead") == dict(
+        backend="twell", options={"twell.stats": False, "twell.slots": 8, "twell.mode": "reduce-overhead"})
+    assert E2E.compile_kwargs("inductor", a, None) == dict(backend="inductor", mode=None)
