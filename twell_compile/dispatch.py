@@ -56,9 +56,11 @@ def static_dense_reason(device: torch.device, dtype: torch.dtype, m: Optional[in
     """Why the inference op would surely run dense for these compile-time shapes, or None.
 
     CUDA only, and only from facts fixed at compile time (M must be static): the CUDA shape
-    rule (kernels/cuda_policy.py) sends fp32, few tokens and very wide layers to eager's dense
+    rule (kernels/cuda_policy.py) sends fp32, token counts between the decode path's maximum
+    and the per-row path's minimum, and very wide layers at prefill sizes to eager's dense
     calls, which are slower than letting Inductor compile the FFN (per-call host overhead:
     0.35x of Inductor on a 30M-parameter model at 4096 tokens, H200, docs/training.md).
+    Decode-sized M (<= DECODE_MAX_M) and dynamic M are rewritten.
     """
     if device.type != "cuda":
         return None
@@ -66,10 +68,11 @@ def static_dense_reason(device: torch.device, dtype: torch.dtype, m: Optional[in
 
     if dtype not in cp.DTYPES:
         return f"{str(dtype).replace('torch.', '')} on CUDA runs dense (the sparse kernels take bf16/fp16)"
-    if k > cp.MAX_WIDTH or k_out > cp.MAX_WIDTH or n > cp.MAX_N:
+    if m is not None and cp.DECODE_MAX_M < m < cp.MIN_TOKENS:
+        return (f"{m} tokens: above the decode path's {cp.DECODE_MAX_M} and below the per-row path's "
+                f"{cp.MIN_TOKENS}, where the CUDA sparse kernels lose to dense")
+    if m is not None and m >= cp.MIN_TOKENS and (k > cp.MAX_WIDTH or k_out > cp.MAX_WIDTH or n > cp.MAX_N):
         return f"layer too wide for the CUDA sparse kernels (K={k}, K_out={k_out}, N={n})"
-    if m is not None and m < cp.MIN_TOKENS:
-        return f"{m} tokens: below the {cp.MIN_TOKENS} where the CUDA sparse kernels can win"
     return None
 
 
