@@ -2,8 +2,8 @@
 
 Inference: CUDA tensors go to ``kernels/cuda_infer.py`` (TwELL kernels or eager's dense calls,
 per ``kernels/cuda_policy.py``); CPU fp32/bf16 tensors to the C++ kernel (``kernels/cpu_ffn.py``);
-everything else, and the training ops on every device, to the exact plain-PyTorch
-implementations in ``kernels/torch_impl.py``. ``static_dense_reason`` answers at compile time
+training ops on CUDA bf16/fp16 to ``kernels/cuda_train.py``; everything else to the exact
+plain-PyTorch implementations in ``kernels/torch_impl.py``. ``static_dense_reason`` answers at compile time
 whether an inference call would surely run dense. Decisions use shapes, dtypes and devices, and
 values only through device-side or lagged counts: never a host sync on the call path.
 """
@@ -88,12 +88,28 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     return torch_impl.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats)
 
 
+def _cuda_train(x: Tensor, w_gate: Tensor, w_down: Tensor):
+    """The CUDA training implementation (kernels/cuda_train.py) for bf16/fp16 CUDA tensors
+    within its widths, else None (fp32 and CPU run torch_impl). Needs Triton."""
+    if not x.is_cuda:
+        return None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None
+    from twell_compile.kernels import cuda_train
+
+    return cuda_train if cuda_train.supports(x, w_gate, w_down) else None
+
+
 def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                       b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
                       ell_width: int, backup_rows: int, layer: str, keep_stats: bool) -> tuple[Tensor, ...]:
-    return torch_impl.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
-                                        ell_width, backup_rows, layer, keep_stats)
+    impl = _cuda_train(x, w_gate, w_down) or torch_impl
+    return impl.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
+                                  ell_width, backup_rows, layer, keep_stats)
 
 
-def ffn_train_backward(*args, **kwargs):
-    return torch_impl.ffn_train_backward(*args, **kwargs)
+def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, *args, **kwargs):
+    impl = _cuda_train(x, w_gate, args[3]) or torch_impl
+    return impl.ffn_train_backward(dy, x, w_gate, *args, **kwargs)

@@ -1,0 +1,140 @@
+"""The CUDA training kernels (kernels/cuda_train.py) on the CPU under TRITON_INTERPRET=1, tiny
+odd shapes, one subprocess per case (the interpreter is chosen when kernels are defined).
+
+Each case runs the sparse forward + sparse backward, the dense forward + dense backward, and
+the dense forward's state into the sparse backward, against fp64 autograd of the same loss
+(sum(y * dy) + l1 * mean|h|): every gradient within 2x of fp16 eager autograd's error, NaN
+patterns equal to eager's, the saved state unpacking bit for bit to relu(g). fp16 only (see
+test_interpret.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent("""
+    import math, torch, torch.nn.functional as F
+    from twell_compile.kernels import cuda_train as ct
+    from twell_compile.kernels.torch_impl import backup_capacity
+    from twell_compile.formats import Hybrid, unpack_hybrid
+    torch.manual_seed({seed})
+    m, k, n, ko, gated, bias, width, brows, bad, l1, dens = {case}
+    dt = torch.float16
+    x = torch.randn(m, k)
+    x[:, 0] = 1.0
+    x[: m // 3] *= 1.6                                     # busier rows
+    wg = torch.randn(n, k) / (k - 1) ** .5
+    shift = -1e4 if dens == 0 else (8.0 if dens == 1 else
+                                    -float(torch.special.ndtri(torch.tensor(1 - dens, dtype=torch.float64))))
+    wg[:, 0] = shift
+    ws = dict(x=x, w_gate=wg,
+              b_gate=torch.randn(n) * .1 if bias else None,
+              w_up=torch.randn(n, k) / k ** .5 if gated else None,
+              b_up=torch.randn(n) if bias and gated else None,
+              w_down=torch.randn(ko, n) / (n * max(dens, .05)) ** .5,
+              b_down=torch.randn(ko) if bias else None)
+    ws = {{key: None if v is None else v.to(dt) for key, v in ws.items()}}
+    if bad:
+        ws["x"][1, 3] = float("nan"); ws["x"][2, 5] = float("inf")
+    dy = torch.randn(m, ko).to(dt)
+    if bad:
+        dy[3, 1] = float("nan")
+    names = ["x", "w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down"]
+    args = [ws[a] for a in names]
+    l1s = 0.5 if l1 else 0.0
+
+    def autograd(dtype):
+        leaves = [None if a is None else a.to(dtype).requires_grad_() for a in args]
+        xx, wg_, bg_, wu_, bu_, wd_, bd_ = leaves
+        hg = torch.relu(F.linear(xx, wg_, bg_))
+        h = hg * F.linear(xx, wu_, bu_) if gated else hg
+        y = F.linear(h, wd_, bd_)
+        loss = (y * dy.to(dtype)).sum() + l1s * h.abs().mean()
+        loss.backward()
+        return y.detach(), [None if a is None else a.grad for a in leaves]
+
+    yref, gref = autograd(torch.float64)
+    yeag, geag = autograd(dt)
+    cap = int(backup_capacity(m, brows))
+
+    def rel(a, b):
+        fin = torch.isfinite(b)
+        return float((a.double()[fin] - b[fin]).norm() / b[fin].norm().clamp_min(1e-30))
+
+    def check(tag, y, grads):
+        if y is not None:
+            assert torch.equal(torch.isnan(y), torch.isnan(yeag)), (tag, "y nan")
+            e, d = rel(y, yref), rel(yeag, yref)
+            assert e <= 2 * d + 1e-6, (tag, "y", e, d)
+        for name, g, r, ge in zip(names, grads, gref, geag):
+            if r is None:
+                assert g is None, (tag, name)
+                continue
+            assert g.dtype == dt and g.shape == r.shape, (tag, name, g.dtype, g.shape)
+            assert torch.equal(torch.isnan(g), torch.isnan(ge)), (tag, name, "nan pattern",
+                                                                 torch.isnan(g).sum(), torch.isnan(ge).sum())
+            e, d = rel(g, r), rel(ge, r)
+            assert e <= 2 * d + 1e-6, (tag, name, e, d)
+
+    def state_ok(tag, st):
+        cnt, cols, ell_g, ell_u, bidx, bg, bu = st
+        g = F.linear(args[0], args[1], args[2])
+        hg = torch.relu(g)
+        assert torch.equal(cnt, (hg != 0).sum(1).int() if not bad else cnt), tag
+        fin = torch.isfinite(args[0]).all(1)
+        assert torch.equal(cnt[fin], (hg[fin] != 0).sum(1).int()), (tag, "counts")
+        rows = bidx[bidx >= 0]
+        assert len(set(rows.tolist())) == rows.numel(), (tag, "backup rows unique")
+        busy = (cnt > width) | ~fin
+        assert busy[rows].all() and rows.numel() == min(int(busy.sum()), cap), (tag, "backup rows")
+        rec = lambda r: torch.relu(F.linear(args[0][r], args[1], args[2]))
+        dense = unpack_hybrid(Hybrid(ell_g, cols, cnt, bidx, bg), n, rec)
+        same = (dense.view(torch.int16) == hg.view(torch.int16)) | (torch.isnan(dense) & torch.isnan(hg))
+        assert same[fin].all(), (tag, "state != relu(g)")
+
+    def backward(sparse, st):
+        out = (ct.backward_sparse if sparse else lambda *a: ct.backward_dense(*a[:7], a[-1]))(
+            dy, args[0], args[1], args[2], args[3], args[4], args[5], *st, l1s / (m * n))
+        dx, dwg, dbg, dwu, dbu, dwd = out
+        return [dx, dwg, dbg, dwu, dbu, dwd, dy.sum(0) if bias else None]
+
+    y, hsum, *st, missing = ct.forward_sparse(*args, width, cap)
+    assert hsum.shape == (m,)
+    state_ok("sparse", st)
+    check("sparse/sparse", y, backward(True, st))
+    yd, h, (*std, missd) = ct.forward_dense(*args, width, cap)
+    state_ok("dense", std)
+    assert int(missing) == int(missd), (int(missing), int(missd))
+    check("dense/dense", yd, backward(False, std))
+    check("dense->sparse", None, backward(True, std))
+    print("ok missing", int(missing), "busy", int((st[0] > width).sum()))
+""")
+
+CASES = [
+    # m, k, n, k_out, gated, bias, ell width, backup_rows, nan/inf, l1, density
+    (7, 40, 100, 24, True, True, 8, 2, False, False, 0.05),   # busy rows, all in the backup
+    (9, 33, 70, 40, True, False, 2, 1000, False, True, 0.1),  # backup (2 rows) overflows: recompute
+    (6, 40, 70, 17, False, True, 4, 3, False, True, 0.1),     # non-gated, L1
+    (5, 40, 50, 24, True, True, 8, 2, False, False, 0.0),     # nothing fires
+    (5, 24, 50, 24, True, True, 8, 2, False, True, 1.0),      # everything fires, L1
+    (6, 40, 70, 40, True, True, 4, 3, True, False, 0.05),     # NaN/Inf in x, NaN in dy
+    (6, 40, 70, 40, False, False, 4, 1000, True, False, 0.05),  # the same, non-gated, no backup room
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_train_kernels_under_interpreter(case):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-c", SCRIPT.format(seed=sum(case[:4]), case=case)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    old = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7)
+    if r.returncode != 0 and old and "InterpreterError" in r.stderr:
+        pytest.skip(f"Triton {triton.__version__} interpreter cannot run the kernels: {r.stderr[-200:]}")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert r.stdout.startswith("ok"), r.stdout

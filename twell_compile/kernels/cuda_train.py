@@ -1,0 +1,262 @@
+"""CUDA training FFN (twell::ffn_train / ffn_train_bwd), bf16/fp16: sparse or dense per call,
+no host sync. Both paths save the same exact hybrid state (formats.Hybrid), so the backward
+may take either path whatever the forward took.
+
+Sparse forward, for x [M, K]:
+  1. cuBLAS gate GEMM g = x W_g^T + b_g, then ``compact_rows_kernel`` (twell_rows.py): the
+     count of relu(g)'s non-zeros per row and its first W as packed (col, value) pairs.
+  2. ``train_fwd_kernel`` (twell_train_fwd.py): per row, u at the listed pairs, y; writes the
+     ELL slots; busy rows take a dense-backup slot from an atomic counter (rows past its
+     capacity are recomputed in the backward, decided on the device).
+Sparse backward: ``train_bwd_kernel`` (twell_train_bwd.py) gives dx and writes d_g, d_u, h
+into zero-filled dense buffers; cuBLAS then forms dW_g = d_g^T x, dW_u = d_u^T x,
+dW_d = dy^T h and the bias sums.
+Dense forward: cuBLAS g, u, relu*u (relu_mul.py), y; the same state from the compaction and
+``train_fwd_kernel`` with Y=False. Dense backward: g and u recomputed by cuBLAS, dh = dy W_d,
+one in-place elementwise pass (twell_train_dense.py), six cuBLAS products.
+
+Choice: the shape rule of cuda_policy (bf16/fp16, M >= MIN_TOKENS, widths) and the layer's
+lagged density (cuda_policy's sync-free probes, under a "train" key) against
+SPARSE_MAX_DENSITY. The backward takes the path its forward took (looked up by the saved
+counts tensor), else the last forward's of that shape.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from twell_compile import stats
+from twell_compile.kernels import cuda_policy
+from twell_compile.kernels.cuda_infer import COMPACT_BM, COMPACT_CH, COMPACT_WARPS, _INTERPRET, _pow2, _rows, _transposed
+from twell_compile.kernels.torch_impl import backup_capacity
+
+# Sparse while the layer's measured density is under this (to be replaced by the H200 grid).
+SPARSE_MAX_DENSITY = 0.012
+MIN_TOKENS = 8192
+PAIRS = 4
+CH = 256          # columns per scan step over g / backup rows
+RCH = 64          # columns per recompute step in the backward (x RBK of K)
+RBK = 64
+EW_BLOCK = 4096
+_MAX_MODES = 4096
+
+_modes: "OrderedDict[int, bool]" = OrderedDict()    # counts.data_ptr() -> sparse?
+_last: dict[tuple, bool] = {}
+
+
+def supports(x: Tensor, w_gate: Tensor, w_down: Tensor) -> bool:
+    """bf16/fp16 CUDA tensors within the kernels' widths (fp32 stays on torch_impl)."""
+    n, k, k_out = w_gate.shape[0], x.shape[-1], w_down.shape[0]
+    return (x.is_cuda and x.dtype in cuda_policy.DTYPES and k <= cuda_policy.MAX_WIDTH
+            and k_out <= cuda_policy.MAX_WIDTH and 1 <= n <= cuda_policy.MAX_N)
+
+
+def _warps(k: int, k_out: int) -> int:
+    return 8 if _pow2(max(k, k_out)) > 2048 else 4
+
+
+def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b_up: Optional[Tensor],
+           w_down: Tensor, b_down: Optional[Tensor], width: int, cap: int, compute_y: bool):
+    """Compaction + train_fwd_kernel. Returns (y or None, hsum or None, counts, cols, ell_g,
+    ell_u, backup_idx, backup_g, backup_u, missing rows [0-d])."""
+    from twell_compile.kernels.twell_rows import compact_rows_kernel
+    from twell_compile.kernels.twell_train_fwd import train_fwd_kernel
+
+    m, k = x2.shape
+    n, k_out = g.shape[1], w_down.shape[0]
+    dev, dt = x2.device, x2.dtype
+    gated = w_up is not None
+    lst = torch.empty((m, width), dtype=torch.int32, device=dev)
+    cnt = torch.empty((m,), dtype=torch.int32, device=dev)
+    cols = torch.zeros((m, width), dtype=torch.int32, device=dev)
+    ell_g = torch.zeros((m, width), dtype=dt, device=dev)
+    ell_u = torch.zeros((m, width if gated else 0), dtype=dt, device=dev)
+    bidx = torch.full((cap,), -1, dtype=torch.int64, device=dev)
+    bg = torch.zeros((cap, n), dtype=dt, device=dev)
+    bu = torch.zeros((cap, n if gated else 0), dtype=dt, device=dev)
+    ctr = torch.zeros((1,), dtype=torch.int32, device=dev)
+    y = torch.empty((m, k_out), dtype=dt, device=dev) if compute_y else None
+    hsum = torch.empty((m,), dtype=torch.float32, device=dev) if compute_y else None
+    if m:
+        compact_rows_kernel[(-(-m // COMPACT_BM),)](
+            g, g.stride(0), lst, cnt, m, n, width,
+            BM=COMPACT_BM, CH=min(COMPACT_CH, _pow2(n)), ASM=not _INTERPRET, num_warps=COMPACT_WARPS)
+        wdt = _transposed(w_down) if compute_y else g
+        wu = w_up if (compute_y and gated) else g
+        train_fwd_kernel[(m,)](
+            x2, x2.stride(0), g, g.stride(0), lst, cnt,
+            u if u is not None else g, u.stride(0) if u is not None else 0,
+            wu, wu.stride(0), b_up if b_up is not None else g,
+            wdt, wdt.stride(0), b_down if b_down is not None else g,
+            y if y is not None else g, y.stride(0) if y is not None else 0,
+            hsum if hsum is not None else cnt,
+            cols, ell_g, ell_u, bidx, bg, bu, ctr,
+            k, n, k_out, width, cap,
+            GATED=gated, HAS_BU=b_up is not None, HAS_BD=b_down is not None, Y=compute_y,
+            K_P=_pow2(k), KO_P=_pow2(k_out), PAIRS=PAIRS, CH=min(CH, _pow2(n)),
+            num_warps=_warps(k, k_out))
+    missing = (ctr[0] - cap).clamp(min=0)
+    return y, hsum, cnt, cols, ell_g, ell_u, bidx, bg, bu, missing
+
+
+def forward_sparse(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap):
+    w_up = None if w_up is None else _rows(w_up)
+    g = F.linear(x2, w_gate, b_gate)
+    return _state(x2, g, None, w_up, b_up, w_down, b_down, width, cap, True)
+
+
+def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap):
+    from twell_compile.kernels.relu_mul import relu_mul_kernel
+
+    g = F.linear(x2, w_gate, b_gate)
+    if w_up is None:
+        u = None
+        h = torch.relu(g)
+    else:
+        u = F.linear(x2, w_up, b_up)
+        h = torch.empty_like(u)
+        if h.numel():
+            relu_mul_kernel[(-(-h.numel() // EW_BLOCK),)](g, u, h, h.numel(), BLOCK=EW_BLOCK, num_warps=8)
+    y = F.linear(h, w_down, b_down)
+    _, _, *state = _state(x2, g, u, w_up, b_up, w_down, b_down, width, cap, False)
+    return y, h, state
+
+
+def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+                      b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
+                      ell_width: int, backup_rows: int, layer: str, keep_stats: bool) -> tuple[Tensor, ...]:
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, n, k_out = x2.shape[0], w_gate.shape[0], w_down.shape[0]
+    width = min(ell_width, n)
+    cap = int(backup_capacity(m, backup_rows))
+    gated = w_up is not None
+    key = ("train", x.device, x.dtype, k, n, k_out, gated)
+    sparse = False
+    probe = False
+    if m >= MIN_TOKENS:
+        cuda_policy.use_twell(key, gated)               # polls the lagged measurement
+        d = cuda_policy.density(key)
+        sparse = d is not None and d < SPARSE_MAX_DENSITY
+        probe = cuda_policy.wants_probe(key, sparse)
+    if sparse:
+        y, hsum, cnt, *rest = forward_sparse(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap)
+        missing = rest[-1]
+        if keep_stats:
+            stats.record(layer, cnt, hsum.sum(), missing, n)
+    else:
+        y, h, (cnt, *rest) = forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap)
+        missing = rest[-1]
+        if keep_stats:
+            stats.record(layer, cnt, h.abs().float().sum(), missing, n)
+    if probe:
+        cuda_policy.submit(key, cnt.sum(), m * n)
+    if m >= MIN_TOKENS:
+        cuda_policy.tick(key)
+    _remember(cnt, key, sparse)
+    return (y.reshape(*x.shape[:-1], k_out), cnt, *rest[:-1])
+
+
+def _remember(cnt: Tensor, key: tuple, sparse: bool) -> None:
+    _last[key] = sparse
+    if cnt.numel():
+        _modes[cnt.data_ptr()] = sparse
+        _modes.move_to_end(cnt.data_ptr())
+        while len(_modes) > _MAX_MODES:
+            _modes.popitem(last=False)
+
+
+def _mode(cnt: Tensor, key: tuple) -> bool:
+    if cnt.numel() and cnt.data_ptr() in _modes:
+        return _modes.pop(cnt.data_ptr())
+    return _last.get(key, False)
+
+
+def _weight_grads(x2, dy2, dg, du, h, b_gate, b_up):
+    dw_gate = dg.t().mm(x2)
+    db_gate = dg.sum(0) if b_gate is not None else None
+    dw_up = du.t().mm(x2) if du is not None else None
+    db_up = du.sum(0) if (du is not None and b_up is not None) else None
+    dw_down = dy2.t().mm(h)
+    return dw_gate, db_gate, dw_up, db_up, dw_down
+
+
+def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_g, ell_u,
+                    bidx, bg, bu, l1c):
+    from twell_compile.kernels.twell_train_bwd import train_bwd_kernel
+
+    m, k = x2.shape
+    n, k_out = w_gate.shape[0], w_down.shape[0]
+    dev, dt = x2.device, x2.dtype
+    gated = w_up is not None
+    cap = bidx.shape[0]
+    slot_of = torch.full((m + 1,), -1, dtype=torch.int32, device=dev)
+    slot_of.scatter_(0, torch.where(bidx >= 0, bidx, m), torch.arange(cap, dtype=torch.int32, device=dev))
+    dx = torch.empty((m, k), dtype=dt, device=dev)
+    dg = torch.zeros((m, n), dtype=dt, device=dev)
+    du = torch.zeros((m, n), dtype=dt, device=dev) if gated else None
+    h = torch.zeros((m, n), dtype=dt, device=dev)
+    w_gate = _rows(w_gate)
+    wu = _rows(w_up) if gated else w_gate
+    wdt = _transposed(w_down)
+    if m:
+        train_bwd_kernel[(m,)](
+            dy2, dy2.stride(0), x2, x2.stride(0), cnt, cols, ell_g, ell_u, cols.shape[1],
+            slot_of, bg, bu if gated else bg,
+            w_gate, w_gate.stride(0), b_gate if b_gate is not None else w_gate,
+            wu, wu.stride(0), b_up if b_up is not None else w_gate, wdt, wdt.stride(0),
+            dx, dx.stride(0), dg, du if gated else dg, h,
+            k, n, k_out, float(l1c),
+            GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
+            K_P=_pow2(k), KO_P=_pow2(k_out), PAIRS=PAIRS, CH=min(CH, _pow2(n)),
+            BK=RBK, num_warps=_warps(k, k_out))
+    return (dx, *_weight_grads(x2, dy2, dg, du, h, b_gate, b_up))
+
+
+def backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, l1c):
+    from twell_compile.kernels.twell_train_dense import train_dense_bwd_kernel
+
+    gated = w_up is not None
+    g = F.linear(x2, w_gate, b_gate)
+    u = F.linear(x2, w_up, b_up) if gated else None
+    dh = dy2.mm(w_down)
+    numel = g.numel()
+    if numel:
+        train_dense_bwd_kernel[(-(-numel // EW_BLOCK),)](
+            g, u if gated else g, dh, numel, float(l1c), GATED=gated, L1=bool(l1c),
+            BLOCK=EW_BLOCK, num_warps=8)
+    dg, du, h = g, u, dh
+    dx = dg.mm(w_gate)
+    if gated:
+        dx.addmm_(du, w_up)
+    return (dx, *_weight_grads(x2, dy2, dg, du, h, b_gate, b_up))
+
+
+def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
+                       w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor,
+                       counts: Tensor, cols: Tensor, ell_g: Tensor, ell_u: Tensor,
+                       backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, l1_scale: float):
+    k, n, k_out = x.shape[-1], w_gate.shape[0], w_down.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    dy2 = dy.reshape(-1, k_out)
+    if dy2.stride(-1) != 1:
+        dy2 = dy2.contiguous()
+    m = x2.shape[0]
+    l1c = l1_scale / max(m * n, 1) if l1_scale else 0.0
+    key = ("train", x.device, x.dtype, k, n, k_out, w_up is not None)
+    if _mode(counts, key):
+        out = backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, counts, cols, ell_g,
+                              ell_u, backup_idx, backup_g, backup_u, l1c)
+    else:
+        out = backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, l1c)
+    dx, dw_gate, db_gate, dw_up, db_up, dw_down = out
+    return dx.reshape(x.shape), dw_gate, db_gate, dw_up, db_up, dw_down, dy2.sum(0)

@@ -1,0 +1,37 @@
+"""Triton device code: the dense training backward's elementwise step, one pass, in place.
+
+From the recomputed gate pre-activation g, up projection u and dh = dy W_d (all [M, N]):
+
+    h_g = relu(g), h = h_g * u (non-gated: h = h_g), dh' = dh (+ l1c * sgn(h))
+    d_g = dh' * u * [not h_g <= 0] -> g's buffer;  d_u = dh' * h_g -> u's buffer;  h -> dh's buffer
+
+Eager runs relu, mul, two mul backwards and threshold_backward as separate passes; this reads
+3 and writes 3 [M, N] tensors once. Products in fp32, rounded once to the dtype.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def train_dense_bwd_kernel(g_ptr, u_ptr, dh_ptr, numel, l1c,
+                           GATED: tl.constexpr, L1: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    dt = g_ptr.dtype.element_ty
+    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    dh = tl.load(dh_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    hg = tl.where(g < 0.0, 0.0, g)
+    if GATED:
+        u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        h = (hg * u).to(dt).to(tl.float32)
+    else:
+        u = hg
+        h = hg
+    if L1:
+        dh += l1c * (tl.where(h > 0.0, 1.0, 0.0) - tl.where(h < 0.0, 1.0, 0.0))
+    dg = tl.where(hg <= 0.0, 0.0, dh * u if GATED else dh)   # threshold_backward: NaN passes
+    tl.store(g_ptr + offs, dg.to(dt), mask=ok)
+    if GATED:
+        tl.store(u_ptr + offs, (dh * hg).to(dt), mask=ok)
+    tl.store(dh_ptr + offs, h.to(dt), mask=ok)
