@@ -17,13 +17,17 @@ def test_cuda_fp32_is_dense():
     assert why and "float32" in why
 
 
-def test_cuda_few_static_tokens_are_dense_but_dynamic_tokens_are_not():
-    few = cuda_policy.MIN_TOKENS - 1
-    assert "tokens" in dispatch.static_dense_reason(CUDA, torch.bfloat16, few, 2048, 5632, 2048)
-    assert dispatch.static_dense_reason(CUDA, torch.bfloat16, cuda_policy.MIN_TOKENS, 2048, 5632, 2048) is None
-    assert dispatch.static_dense_reason(CUDA, torch.bfloat16, None, 2048, 5632, 2048) is None
+def test_cuda_static_tokens_between_the_sparse_paths_are_dense_but_dynamic_tokens_are_not():
+    for few in (cuda_policy.DECODE_MAX_M + 1, cuda_policy.MIN_TOKENS - 1):
+        assert f"{few} tokens" in dispatch.static_dense_reason(CUDA, torch.bfloat16, few, 2048, 5632, 2048)
+    for m in (1, cuda_policy.DECODE_MAX_M, cuda_policy.MIN_TOKENS, None):   # decode, per-row, dynamic
+        assert dispatch.static_dense_reason(CUDA, torch.bfloat16, m, 2048, 5632, 2048) is None
 
 
-def test_cuda_too_wide_is_dense():
-    assert "wide" in dispatch.static_dense_reason(CUDA, torch.float16, None, cuda_policy.MAX_WIDTH + 1, 64, 64)
-    assert "wide" in dispatch.static_dense_reason(CUDA, torch.float16, None, 64, cuda_policy.MAX_N + 1, 64)
+def test_cuda_too_wide_is_dense_at_prefill_sizes_only():
+    big = cuda_policy.MIN_TOKENS
+    assert "wide" in dispatch.static_dense_reason(CUDA, torch.float16, big, cuda_policy.MAX_WIDTH + 1, 64, 64)
+    assert "wide" in dispatch.static_dense_reason(CUDA, torch.float16, big, 64, cuda_policy.MAX_N + 1, 64)
+    # the decode path takes any width, and a dynamic M may be decode-sized
+    assert dispatch.static_dense_reason(CUDA, torch.float16, 1, cuda_policy.MAX_WIDTH + 1, 64, 64) is None
+    assert dispatch.static_dense_reason(CUDA, torch.float16, None, 64, cuda_policy.MAX_N + 1, 64) is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import operator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -81,6 +82,54 @@ def reserve_stats(gm: fx.GraphModule) -> None:
                 stats.reserve(node.args[arg_index(node.target, "layer")], device)
 
 
+_VIEWS = {torch.t, "t", operator.getitem}
+
+
+def _real_tensor(node: Any, gm: fx.GraphModule, inputs: dict[fx.Node, Any]) -> Optional[torch.Tensor]:
+    """The real tensor behind a top-level graph node: a placeholder (example input), a
+    get_attr, or t/slicing of one; None for anything computed."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "placeholder":
+        t = inputs.get(node)
+    elif node.op == "get_attr":
+        t = gm
+        for part in str(node.target).split("."):
+            t = getattr(t, part, None)
+    elif node.op in ("call_function", "call_method") and node.target in _VIEWS and node.args:
+        base = _real_tensor(node.args[0], gm, inputs)
+        if base is None or any(isinstance(a, fx.Node) for a in node.args[1:]):
+            return None
+        fn = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
+        t = fn(base, *node.args[1:])
+    else:
+        return None
+    if not isinstance(t, torch.Tensor) or isinstance(t, torch._subclasses.FakeTensor):
+        return None
+    return t
+
+
+def reserve_weight_copies(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
+    """Make the W_down^T copy (kernels/weight_cache.py) of every rewritten CUDA bf16/fp16
+    inference FFN now, outside any CUDA-graph pool: +1 copy of W_down per layer. Weights inside
+    subgraphs or computed in the graph are not found here and are transposed per call."""
+    from twell_compile.kernels import weight_cache
+    from twell_compile.ops import arg_index
+
+    op = torch.ops.twell.ffn.default
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = dict(zip(placeholders, example_inputs))
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not op:
+            continue
+        wd_node = node.args[arg_index(op, "w_down")]
+        wd = _real_tensor(wd_node, gm, inputs)
+        if wd is None or not weight_cache.wanted(wd):
+            continue
+        base = wd if wd._base is None else wd._base
+        weight_cache.register(wd.detach(), base=base)
+
+
 def twell_backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: Optional[str] = None,
                   options: Optional[dict[str, Any]] = None):
     from torch._inductor.compile_fx import compile_fx
@@ -93,6 +142,7 @@ def twell_backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: Option
     patches = inductor_patches(mode or config.mode or None, rest)
     gm = run_passes(gm, config)
     reserve_stats(gm)
+    reserve_weight_copies(gm, example_inputs)
     # The AOTAutograd cache key does not cover Python autograd formulas: tag it with our
     # version and options so a cached compile never reuses a stale backward.
     tag = f"{torch.compiler.config.cache_key_tag}|twell-{__version__}-{source_fingerprint()}|{config.cache_tag()}"

@@ -9,6 +9,9 @@ TwELL path (``twell_forward``), for x [M, K] (bf16/fp16), three launches:
   3. ``twell_rows_kernel``: per token, up projection for the listed pairs only, times g, down
      projection, y written once. Rows with count > W continue over g after the W-th listed
      column; rows whose x holds NaN/Inf take every column. Exact, nothing dropped.
+Decode path (M <= cuda_policy.DECODE_MAX_M tokens): ``cuda_decode.decode_forward``, gate GEMV
+over all of W_gate, up/down rows of the union of active neurons only (W_down^T rows from
+``weight_cache``, made once per weight).
 The tile path of issue 3's first design (``twell_forward_tiles``: Triton gate GEMM with the
 TwELL epilogue + ``twell_fused.py``) stays for comparison (docs/inference.md has both timings).
 No host sync on either path: capacities are fixed, overflow is decided on the device, and the
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from twell_compile import stats
-from twell_compile.kernels import cuda_policy
+from twell_compile.kernels import cuda_policy, weight_cache
 
 OVF_DIV = 16          # overflow buffer: one dense tile per 16 (row, tile) pairs
 GATE_BLOCK_M = 128
@@ -49,11 +52,11 @@ MIN_WIDTH = 32
 MAX_LIST = 1024
 
 def _transposed(w: Tensor) -> Tensor:
-    """w.t() contiguous ([N, K_out] rows for the down projection's row gathers).
+    """w.t() contiguous, recomputed per call (23 MB each way at K=2048, N=5632: ~15 us on H200).
 
-    Recomputed per call (23 MB each way at K=2048, N=5632: ~15 us on H200). Not cached: a
-    cache filled during a cudagraph-tree warm-up would pin graph-pool memory ("tensors in
-    the cudagraph pool not tracked as outputs").
+    The inference paths use ``weight_cache.transposed`` instead (copies made once per weight
+    at compile time, outside any CUDA-graph pool); this uncached form is for weights that
+    change every step (training).
     """
     wt = w.t()
     return wt if wt.is_contiguous() else wt.contiguous()
@@ -115,7 +118,7 @@ def fused(x2: Tensor, pk: Packed, w_gate: Tensor, b_gate: Optional[Tensor], w_up
     n, k_out = w_gate.shape[0], w_down.shape[0]
     nt, slots = pk.vals.shape[1], pk.vals.shape[2]
     tile_n = pk.ovals.shape[1]
-    wdt = _transposed(w_down)
+    wdt = weight_cache.transposed(w_down)
     wu = w_up if w_up is not None else w_gate
     y = torch.empty((m, k_out), dtype=x2.dtype, device=x2.device)
     hsum = torch.empty((m,), dtype=torch.float32, device=x2.device)
@@ -190,7 +193,7 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
 
     m, k = x2.shape
     n, k_out = r.g.shape[1], w_down.shape[0]
-    wdt = _transposed(w_down)
+    wdt = weight_cache.transposed(w_down)
     wu = w_up if w_up is not None else wdt
     y = torch.empty((m, k_out), dtype=x2.dtype, device=x2.device)
     hsum = torch.empty((m,), dtype=torch.float32, device=x2.device)
@@ -257,8 +260,10 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m, n, k_out = x2.shape[0], w_gate.shape[0], w_down.shape[0]
-    if not cuda_policy.shape_ok(x, m, k, k_out, n, tile_n, slots):
-        # Fast path: eager's calls (small M, fp32, unsupported shapes); no policy bookkeeping.
+    decode = cuda_policy.decode_ok(x, m, n)
+    if not decode and not cuda_policy.shape_ok(x, m, k, k_out, n, tile_n, slots):
+        # Fast path: eager's calls (fp32, M between the sparse paths, unsupported shapes); no
+        # policy bookkeeping.
         y, hg, h = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
         if keep_stats:
             per_token = _active(hg).sum(-1)
@@ -266,9 +271,20 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
         return y.reshape(*x.shape[:-1], k_out)
     gated = w_up is not None
     key = (layer, x.device, x.dtype, k, n, k_out, gated)
-    sparse = cuda_policy.use_twell(key, gated)
+    if decode:
+        sparse = cuda_policy.use_decode(key, m, k, n, k_out, gated)
+    else:
+        sparse = cuda_policy.use_twell(key, gated)
     probe = cuda_policy.wants_probe(key, sparse)
-    if sparse:
+    if sparse and decode:
+        from twell_compile.kernels.cuda_decode import decode_forward
+
+        y, tok, hsum = decode_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
+        if keep_stats:
+            stats.record(layer, tok[:m], hsum[0], tok.new_zeros(()), n)
+        if probe:
+            cuda_policy.submit(key, tok[m], m * n)
+    elif sparse:
         width = list_width(n, cuda_policy.density(key) * n)
         y, per_token, hsum = twell_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down,
                                            width=width)

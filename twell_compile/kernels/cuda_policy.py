@@ -1,10 +1,13 @@
-"""Dense-or-TwELL choice for the CUDA inference op, made without a per-call host sync.
+"""Dense-or-sparse choice for the CUDA inference op, made without a per-call host sync.
 
-Two rules, in this order:
+Three rules, in this order:
 
-1. Shape rule (host, from shapes and dtypes only): TwELL only for bf16/fp16 with
-   M >= MIN_TOKENS tokens, K and K_out <= 8192 (the fused kernel holds a whole x row and y
-   row in registers), N <= 65536 (16-bit columns in the per-row lists). Everything else runs dense (eager's own calls, bit-identical to eager).
+1. Shape rule (host, from shapes and dtypes only), bf16/fp16 only:
+   - decode path (kernels/cuda_decode.py) for 1 <= M <= DECODE_MAX_M tokens, any K, N;
+   - per-row TwELL path for M >= MIN_TOKENS, K and K_out <= 8192 (the fused kernel holds a
+     whole x row and y row in registers), N <= 65536 (16-bit columns in the per-row lists).
+   Everything else runs dense (eager's own calls, bit-identical to eager): between the two
+   thresholds dense measured faster than either sparse path (docs/inference.md).
    fp32 stays dense: tl.dot would round its operands to tf32 (about 3e-4 relative error),
    over twice eager fp32's error.
 2. Density rule (per layer, lagged): every probe call, dense or TwELL, writes the layer's
@@ -21,6 +24,18 @@ Two rules, in this order:
    call), so a dense layer never pays for a sparse first call; dense layers re-probe every
    PROBE_EVERY calls, TwELL layers every REFRESH_EVERY calls. The measured density also sets
    the per-row list width (cuda_infer.list_width).
+3. Decode rule (M <= DECODE_MAX_M, same per-layer key and measurement): with u = 1-(1-d)^M
+   the expected fraction of neurons active in at least one of the M rows, the decode path
+   reads W_gate plus u of the W_up / W_down^T rows; it runs while its modelled time
+
+       DEC_FIXED_US + bytes(W_g + u * (W_u + W_d)) / DEC_GBPS
+           <  DEC_MARGIN * (DENSE_FIXED_US + bytes(W_g + W_u + W_d) / DENSE_GBPS)
+
+   (decode_wins). Before the layer's first measurement lands it runs (a ReLU layer the backend
+   rewrote is expected sparse, and a CUDA graph recorded on the second call, as
+   reduce-overhead's cudagraph trees do, would otherwise keep dense forever); its worst case,
+   density 1, is in docs/inference.md. The decode kernels write the non-zero count, so the
+   probe works as on the per-row path.
 
 Under CUDA-graph capture nothing is polled or copied: the graph records the path chosen by
 the calls before capture (torch.compile's reduce-overhead mode runs warm-up calls first).
@@ -47,6 +62,13 @@ PAIR_UNITS = 163.0
 MARGIN = 0.95
 MIN_TOKENS = 8192      # H200 d=0.005: M=4096 twell 0.48 vs dense 0.44 ms, M=1024 0.20 vs 0.12
 MAX_WIDTH = 8192
+# Decode rule (rule 3), H200 bf16: measured with benchmarks/bench_ffn.py --decode.
+DECODE_MAX_M = 64
+DEC_FIXED_US = 6.0
+DEC_GBPS = 3800.0
+DENSE_FIXED_US = 6.0
+DENSE_GBPS = 3800.0
+DEC_MARGIN = 0.95
 MAX_N = 65536          # the per-row lists pack the column in 16 bits
 PROBE_EVERY = 64
 REFRESH_EVERY = 16
@@ -57,6 +79,27 @@ def shape_ok(x: Tensor, m: int, k: int, k_out: int, n: int, tile_n: int = 0, slo
     """tile_n/slots: the op's TwELL config; the per-row path does not depend on them."""
     return (x.is_cuda and x.dtype in DTYPES and m >= MIN_TOKENS and k <= MAX_WIDTH
             and k_out <= MAX_WIDTH and 1 <= n <= MAX_N)
+
+
+def decode_ok(x: Tensor, m: int, n: int) -> bool:
+    """Decode path shape rule: bf16/fp16 CUDA, 1 <= M <= DECODE_MAX_M tokens."""
+    return x.is_cuda and x.dtype in DTYPES and 1 <= m <= DECODE_MAX_M and n >= 1
+
+
+def union_fraction(density: float, m: int) -> float:
+    """Expected fraction of neurons active in at least one of m rows (independent rows)."""
+    d = min(max(float(density), 0.0), 1.0)
+    return 1.0 - (1.0 - d) ** m
+
+
+def decode_wins(density: float, m: int, k: int, n: int, k_out: int, gated: bool) -> bool:
+    g = 1 if gated else 0
+    u = union_fraction(density, m)
+    dec_mb = 2e-6 * n * (k + u * (g * k + k_out))
+    dense_mb = 2e-6 * n * (k * (1 + g) + k_out)
+    t_dec = DEC_FIXED_US + 1e3 * dec_mb / DEC_GBPS
+    t_dense = DENSE_FIXED_US + 1e3 * dense_mb / DENSE_GBPS
+    return t_dec < DEC_MARGIN * t_dense
 
 
 def twell_wins(density: float, gated: bool) -> bool:
@@ -98,6 +141,14 @@ def use_twell(key: tuple, gated: bool) -> bool:
     if not torch.cuda.is_current_stream_capturing():
         _poll(st)
     return st.density is not None and twell_wins(st.density, gated)
+
+
+def use_decode(key: tuple, m: int, k: int, n: int, k_out: int, gated: bool) -> bool:
+    """True: run the decode path this call (also before the first measurement). Never syncs."""
+    st = _state(key)
+    if not torch.cuda.is_current_stream_capturing():
+        _poll(st)
+    return st.density is None or decode_wins(st.density, m, k, n, k_out, gated)
 
 
 def wants_probe(key: tuple, twell: bool) -> bool:

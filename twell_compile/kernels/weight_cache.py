@@ -1,0 +1,134 @@
+"""W_down^T copies ([N, K_out], rows contiguous) made once per weight, for the sparse kernels'
+row gathers (decode path and per-row path).
+
+Transposing per call costs more than the decode FFN itself (23 MB each way at K=2048, N=5632:
+~15 us on H200, vs ~10 us for the whole decode FFN). So the backend registers every rewritten
+CUDA inference FFN's W_down at compile time (``register``): the copy is made there, outside any
+CUDA-graph memory pool (a copy first allocated during a cudagraph-tree warm-up would live in the
+graph's private pool: "tensors in the cudagraph pool not tracked as outputs"). Memory cost: one
+extra copy of W_down per rewritten layer (23 MB per layer at K=2048, N=5632 in bf16).
+
+``transposed(w)`` finds the copy by (data_ptr, shape, stride, dtype, device). The entry keeps a
+weak reference to the registered parameter: if that is gone or now points elsewhere the entry
+is dropped (no stale data from a reused address). If the parameter's version counter moved
+(an in-place update: optimizer step, ``copy_``, ``load_state_dict``) the copy is refreshed in
+place (``copy_``, same address) before use; the version check is host-only, no sync. Weights
+never registered are transposed per call, uncached.
+
+CUDA-graph replays run no host code: a graph captured before an in-place weight update keeps
+reading the copy as it was. Call ``refresh()`` after updating weights in place between replays
+(it rewrites every stale copy at its own address, so captured graphs see the new values).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class _Entry:
+    base: weakref.ref          # the registered parameter (or the tensor w views)
+    base_ptr: int
+    view: tuple                # (storage offset, shape, stride) of w relative to base's storage
+    wt: Tensor                 # w.t() contiguous
+    version: int
+
+
+_lock = threading.Lock()
+_entries: dict[tuple, _Entry] = {}
+
+
+def _key(w: Tensor) -> tuple:
+    return (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, w.device)
+
+
+def _live(key: tuple, e: _Entry) -> Optional[Tensor]:
+    """The entry's parameter if the entry still describes it, else None (entry dropped)."""
+    base = e.base()
+    if base is None or base.data_ptr() != e.base_ptr:
+        with _lock:
+            if _entries.get(key) is e:
+                del _entries[key]
+        return None
+    return base
+
+
+def _view_of(base: Tensor, e: _Entry) -> Tensor:
+    off, shape, stride = e.view
+    return base.as_strided(shape, stride, off)
+
+
+def wanted(w: Tensor) -> bool:
+    """Whether the backend should make a copy: a 2-d CUDA bf16/fp16 weight (the sparse paths)."""
+    from twell_compile.kernels.cuda_policy import DTYPES
+
+    return w.dim() == 2 and w.is_cuda and w.dtype in DTYPES
+
+
+def register(w: Tensor, base: Optional[Tensor] = None) -> bool:
+    """Make (or keep) the W_down^T copy of ``w`` ([K_out, N]). ``base``: the long-lived tensor
+    ``w`` views (default ``w`` itself), whose lifetime and version counter the entry follows.
+    Returns True when a copy is held (False: w.t() is already contiguous, nothing to cache)."""
+    if not isinstance(w, Tensor) or w.dim() != 2:
+        raise TypeError("w must be a 2-d torch.Tensor")
+    base = w if base is None else base
+    if w.t().is_contiguous() or base.is_inference():   # inference tensors keep no version counter
+        return False
+    key = _key(w)
+    with torch.no_grad():
+        e = _entries.get(key)
+        if e is not None and _live(key, e) is base:
+            return True
+        wt = w.t().contiguous()
+        entry = _Entry(weakref.ref(base), base.data_ptr(), (w.storage_offset(), tuple(w.shape), tuple(w.stride())),
+                       wt, base._version)
+        with _lock:
+            _entries[key] = entry
+    return True
+
+
+def transposed(w: Tensor) -> Tensor:
+    """w.t() contiguous: the registered copy (refreshed if w changed in place) or a fresh one."""
+    wt = w.t()
+    if wt.is_contiguous():
+        return wt
+    key = _key(w)
+    e = _entries.get(key)
+    base = None if e is None else _live(key, e)
+    if base is None:
+        return wt.contiguous()
+    if base._version != e.version:
+        with torch.no_grad():
+            e.wt.copy_(wt)
+        e.version = base._version
+    return e.wt
+
+
+def refresh() -> int:
+    """Rewrite every copy whose parameter changed in place since (for CUDA-graph replays).
+    Returns the number of copies rewritten."""
+    done = 0
+    for key, e in list(_entries.items()):
+        base = _live(key, e)
+        if base is not None and base._version != e.version:
+            with torch.no_grad():
+                e.wt.copy_(_view_of(base, e).t())
+            e.version = base._version
+            done += 1
+    return done
+
+
+def cached_bytes() -> int:
+    """Device memory held by the copies."""
+    return sum(e.wt.numel() * e.wt.element_size() for e in _entries.values())
+
+
+def clear() -> None:
+    with _lock:
+        _entries.clear()
