@@ -19,6 +19,10 @@ PASSES = (adopt_prepared, fuse_ffn, report_cuts, scale_l1)
 
 
 def run_passes(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
+    # DDP's graph split gives every piece the same meta dict (torch's propagate_metadata): give
+    # this graph its own, with a fresh report, so pieces do not add up each other's entries.
+    gm.meta = {k: v for k, v in gm.meta.items() if k != "twell_report"}
+    report_of(gm)
     for p in PASSES:
         gm = p(gm, config)
     return gm
