@@ -40,8 +40,9 @@ SPARSE_MAX_DENSITY = 0.012
 MIN_TOKENS = 8192
 PAIRS = 4
 CH = 256          # columns per scan step over g / backup rows
-RCH = 64          # columns per recompute step in the backward (x RBK of K)
-RBK = 64
+RBK = 64          # K per recompute step in the backward (CH columns x RBK)
+FWD_WARPS = 0     # 0: 4 warps for K, K_out <= 2048, else 8
+BWD_WARPS = 0
 EW_BLOCK = 4096
 _MAX_MODES = 4096
 
@@ -56,8 +57,8 @@ def supports(x: Tensor, w_gate: Tensor, w_down: Tensor) -> bool:
             and k_out <= cuda_policy.MAX_WIDTH and 1 <= n <= cuda_policy.MAX_N)
 
 
-def _warps(k: int, k_out: int) -> int:
-    return 8 if _pow2(max(k, k_out)) > 2048 else 4
+def _warps(k: int, k_out: int, fixed: int) -> int:
+    return fixed or (8 if _pow2(max(k, k_out)) > 2048 else 4)
 
 
 def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b_up: Optional[Tensor],
@@ -99,7 +100,7 @@ def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b
             k, n, k_out, width, cap,
             GATED=gated, HAS_BU=b_up is not None, HAS_BD=b_down is not None, Y=compute_y,
             K_P=_pow2(k), KO_P=_pow2(k_out), PAIRS=PAIRS, CH=min(CH, _pow2(n)),
-            num_warps=_warps(k, k_out))
+            num_warps=_warps(k, k_out, FWD_WARPS))
     missing = (ctr[0] - cap).clamp(min=0)
     return y, hsum, cnt, cols, ell_g, ell_u, bidx, bg, bu, missing
 
@@ -216,7 +217,7 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
             k, n, k_out, float(l1c),
             GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
             K_P=_pow2(k), KO_P=_pow2(k_out), PAIRS=PAIRS, CH=min(CH, _pow2(n)),
-            BK=RBK, num_warps=_warps(k, k_out))
+            BK=RBK, num_warps=_warps(k, k_out, BWD_WARPS))
     return (dx, *_weight_grads(x2, dy2, dg, du, h, b_gate, b_up))
 
 
