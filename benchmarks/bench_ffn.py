@@ -4,6 +4,10 @@
     python3 benchmarks/bench_ffn.py --quick              # K=2048 N=5632, M 16384/65536, 4 densities
     python3 benchmarks/bench_ffn.py --M 16384 --density 0.005 0.02 --tail 0 --shapes 2048x5632
 
+    python3 benchmarks/bench_ffn.py --decode             # decode grid (issue 7): M 1..64, CUDA graphs
+    python3 benchmarks/bench_ffn.py --decode --M 64 128 256 512 2048 8192 --density 0.005 \
+        --shapes 2048x5632 --out /tmp/crossover.json    # where dense starts to win
+
 Inputs: benchmarks/synthetic.py (anchors.md's generator), bf16. Times are medians of
 triton.testing.do_bench (CUDA events). twell_ms is the op torch.ops.twell.ffn as the backend
 calls it (policy included: it may run dense); kernel_ms forces the TwELL kernels (per-row path,
@@ -12,6 +16,10 @@ they are hopeless: NaN); tiles_ms (--tiles) the tile path of the first design. r
 ||y - y_fp32|| / ||y_fp32|| against an fp32 reference (TF32 off) on up to 8192 rows;
 dense_rel_err is eager bf16's on the same rows. "% floor" = gate_ms / twell_ms: the dense
 gate GEMM is the floor of any TwELL FFN. Writes benchmarks/results/<gpu>/ffn_inference.json.
+
+--decode (benchmarks/bench_decode.py): dense eager vs the op (policy included) vs the forced
+decode kernels, each captured in a CUDA graph over several layers' weights (more bytes than
+the L2 holds, as in a real model); writes benchmarks/results/<gpu>/ffn_decode.json.
 """
 
 from __future__ import annotations
@@ -59,7 +67,12 @@ def bench(fn, reps: int) -> float:
 def main(argv=None) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    pre.add_argument("--decode", action="store_true")
     known, rest = pre.parse_known_args(argv)
+    if known.decode:   # the decode grid of issue 7 (its own flags, see bench_decode.py)
+        import bench_decode
+
+        return bench_decode.main([a for a in (argv if argv is not None else sys.argv[1:]) if a != "--decode"])
     if known.device == "cpu":  # the CPU grid of issue 9 lives in bench_ffn_cpu.py (its own flags)
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         from benchmarks import bench_ffn_cpu
@@ -68,6 +81,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: run benchmarks/bench_ffn_cpu.py's grid with the remaining flags")
+    ap.add_argument("--decode", action="store_true",
+                    help="the decode grid (benchmarks/bench_decode.py) with the remaining flags")
     ap.add_argument("--M", type=int, nargs="+", default=None)
     ap.add_argument("--density", type=float, nargs="+", default=None)
     ap.add_argument("--tail", type=float, nargs="+", default=None)

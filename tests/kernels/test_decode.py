@@ -332,31 +332,36 @@ def test_decode_cuda_graph_capture_and_replay_with_new_inputs():
 
 @gpu
 def test_weight_updated_in_place_after_caching_gives_new_result():
+    from twell_compile.kernels.cuda_decode import decode_forward
     from twell_compile.reference import ffn_dense
-    cuda_policy.reset()
     weight_cache.clear()
     p = _ffn(2, 512, 1408, 512, 0.01, torch.bfloat16)
     wd = nn.Parameter(p["w_down"], requires_grad=False)
     p["w_down"] = wd
     assert weight_cache.register(wd)
     args = _args(p)
-    torch.ops.twell.ffn(*args, 128, 16, "inplace", False)
+
+    def ok(y):
+        ref = ffn_dense(*(None if a is None else a.float() for a in args))
+        return _rel(y, ref) <= 2 * _rel(ffn_dense(*args), ref) + 1e-6
+
+    assert ok(decode_forward(*args).y)
+    copy = weight_cache.transposed(wd)
     with torch.no_grad():
         wd.mul_(-0.5)
-    y = torch.ops.twell.ffn(*args, 128, 16, "inplace", False)
-    ref = ffn_dense(*(None if a is None else a.float() for a in args))
-    assert _rel(y, ref) <= 2 * _rel(ffn_dense(*args), ref) + 1e-6
+    assert ok(decode_forward(*args).y)
+    assert weight_cache.transposed(wd).data_ptr() == copy.data_ptr()      # refreshed in place
     # graph replays see an in-place update after refresh()
-    graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = torch.ops.twell.ffn(*args, 128, 16, "inplace", False)
+        out = decode_forward(*args).y
     with torch.no_grad():
         wd.add_(0.01)
-    weight_cache.refresh()
+    assert weight_cache.refresh() == 1
+    out.fill_(float("nan"))
     graph.replay()
-    ref = ffn_dense(*(None if a is None else a.float() for a in args))
-    assert _rel(out, ref) <= 2 * _rel(ffn_dense(*args), ref) + 1e-6
+    assert ok(out)
     weight_cache.clear()
 
 
@@ -371,7 +376,7 @@ def test_op_dispatch_by_m_and_density(monkeypatch):
     real = cuda_decode.decode_forward
     monkeypatch.setattr(cuda_decode, "decode_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for m, density, want in ((1, 0.005, [True, True]), (64, 0.5, [True, False]), (300, 0.005, [False, False])):
-        p = _ffn(m, 512, 1408, 512, density, torch.bfloat16)
+        p = _ffn(m, 2048, 5632, 2048, density, torch.bfloat16)
         for want_decode in want:
             calls.clear()
             y = torch.ops.twell.ffn(*_args(p), 128, 16, f"disp{m}", True)
@@ -381,7 +386,7 @@ def test_op_dispatch_by_m_and_density(monkeypatch):
             assert _rel(y, ref) <= 2 * _rel(ffn_dense(*_args(p)), ref) + 1e-6
     import twell_compile
     st = twell_compile.layer_stats()["disp1"]
-    assert st.tokens == 1 and st.hidden == 1408
+    assert st.tokens == 1 and st.hidden == 5632
 
 
 class _MLP(nn.Module):

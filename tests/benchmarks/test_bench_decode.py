@@ -1,0 +1,38 @@
+"""bench_ffn.py --decode argument handling on the CPU (no GPU needed to reject bad flags)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import bench_decode  # noqa: E402
+import bench_ffn  # noqa: E402
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--M", "0"], "--M"),
+    (["--density", "0"], "--density"),
+    (["--density", "1.5"], "--density"),
+    (["--shapes", "2048"], "--shapes"),
+    (["--shapes", "2048xabc"], "--shapes"),
+])
+def test_bad_flags_raise_naming_the_flag(argv, match):
+    with pytest.raises(ValueError, match=match):
+        bench_ffn.main(["--decode", *argv])
+
+
+def test_layers_cover_more_than_the_l2():
+    # K=2048, N=5632 gated: 69 MB of weights per layer -> 4 layers for 256 MB
+    assert bench_decode.layers_for(2048, 5632, 2048, True, 256) == 4
+    assert bench_decode.layers_for(4096, 11008, 4096, True, 256) == 2
+    assert bench_decode.layers_for(64, 64, 64, True, 256) > 1000
+
+
+def test_configs_file_sets_the_decode_configs(tmp_path, monkeypatch):
+    from twell_compile.kernels import cuda_decode
+    monkeypatch.setattr(cuda_decode, "CONFIGS", dict(cuda_decode.CONFIGS))
+    path = tmp_path / "c.json"
+    path.write_text('{"16": [16, 128, 4, 3, 64, 128, 32, 4]}')
+    bench_decode.load_configs(str(path))
+    assert cuda_decode.CONFIGS[16] == cuda_decode.Config(16, 128, 4, 3, 64, 128, 32, 4)
