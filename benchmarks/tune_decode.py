@@ -82,6 +82,8 @@ def main(argv=None) -> int:
             if s < cur_s:
                 cur, cur_s = cfg, s
         best[mp] = list(cur)
+        if args.out:   # after every bucket: a cut-short run keeps what it found
+            Path(args.out).write_text(json.dumps({str(k): v for k, v in best.items()}, indent=1))
         print(f"best M_P={mp}: {tuple(cur)} ({cur_s:.3f} of default {tuple(base)}); default us: "
               + " ".join(f"M{m}:" + ",".join(f"{t * 1e3:.1f}" for t in ref[m]) for m in ms), flush=True)
     for mp in cuda_decode.CONFIGS:
