@@ -104,8 +104,21 @@ def _trace(module: nn.Module) -> tuple[Optional[fx.GraphModule], str]:
             _MetaRun(gm).run(x)
         except _TRACE_ERRORS:
             continue
+        _fold_sizes(gm)
         return gm, ""
     return None, "no input width fits its weights"
+
+
+def _fold_sizes(gm: fx.GraphModule) -> None:
+    """Replace size arithmetic (``x.size()[:-1] + (nf,)`` in GPT-2's Conv1D) by its meta value,
+    as Dynamo's static shapes do: otherwise ``size`` counts as another user of the activation."""
+    for n in list(gm.graph.nodes):
+        v = n.meta.get("val")
+        if n.op in ("call_function", "call_method") and (
+                isinstance(v, (int, torch.Size)) or (isinstance(v, tuple) and all(type(d) is int for d in v))):
+            for user in list(n.users):
+                user.replace_input_with(n, tuple(v) if isinstance(v, torch.Size) else v)
+    gm.graph.eliminate_dead_code()
 
 
 # ------------------------------------------------------------------------------ matching
@@ -245,8 +258,7 @@ def _prepared_forward(self: nn.Module, x: Tensor) -> Tensor:
 
 def _prepared_class(cls: type) -> type:
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Twell{cls.__name__}", (cls,), {"forward": _prepared_forward,
-                                                                "__module__": cls.__module__})
+        _CLASSES[cls] = type(f"Twell{cls.__name__}", (cls,), {"forward": _prepared_forward, "__module__": __name__})
     return _CLASSES[cls]
 
 
@@ -276,7 +288,7 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Re
     config, rest = TwellConfig.from_options(options)
     if rest:
         raise ValueError(f"options: prepare takes only twell.* keys, got {sorted(map(str, rest))}")
-    report = Report()
+    report = Report(by_prepare=True)
     found: list[tuple[nn.Module, FFNSpec]] = []
     taken: list[str] = []                  # prepared module paths: their ancestors are not candidates
     for name, module in reversed(list(model.named_modules())):

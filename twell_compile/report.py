@@ -36,6 +36,7 @@ class Report:
     rejections: list[RejectionEntry] = field(default_factory=list)
     graphs: int = 0                 # graphs compiled (explain counts them; DDP splits one into several)
     rank: Optional[int] = None      # torch.distributed rank of the process that made the report
+    by_prepare: bool = False        # made by twell_compile.prepare: rejections are modules left as they are
 
     def extend(self, other: "Report") -> None:
         self.rewrites.extend(other.rewrites)
@@ -55,8 +56,11 @@ class Report:
         prepared = sum(r.via == "prepare" for r in self.rewrites)
         where = f" in {self.graphs} graph(s)" if self.graphs > 1 else ""
         where += f" on rank {self.rank}" if self.rank is not None else ""
-        lines = [f"twell: {len(self.rewrites)} FFN(s) rewritten" + (f" ({prepared} prepared)" if prepared else "")
-                 + f", {len(self.rejections)} left to Inductor{where}"]
+        if self.by_prepare:
+            lines = [f"twell prepare: {len(self.rewrites)} FFN module(s) prepared, {len(self.rejections)} left as they are"]
+        else:
+            lines = [f"twell: {len(self.rewrites)} FFN(s) rewritten" + (f" ({prepared} prepared)" if prepared else "")
+                     + f", {len(self.rejections)} left to Inductor{where}"]
         many = len({r.graph for r in self.rewrites} | {r.graph for r in self.rejections}) > 1
         if self.rewrites:
             rows = [("layer", "kind", "op", "tokens", "K", "N", "K_out", "dtype") + (("graph",) if many else ())]
@@ -66,7 +70,7 @@ class Report:
             lines += _table(rows)
         if self.rejections:
             lines.append("")
-            lines += _table([("left to Inductor", "reason") + (("graph",) if many else ())]
+            lines += _table([("not prepared" if self.by_prepare else "left to Inductor", "reason") + (("graph",) if many else ())]
                             + [(r.layer or "-", r.reason) + ((r.graph,) if many else ()) for r in self.rejections])
         return "\n".join(lines)
 

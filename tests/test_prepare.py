@@ -1,0 +1,227 @@
+"""twell_compile.prepare without torch.distributed: which modules become one twell op, and a
+prepared model's eager and compiled outputs and gradients equal the unprepared eager model's."""
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import twell_compile
+from twell_compile.prepare import spec_of
+
+sys.path.insert(0, str(Path(__file__).parent / "models"))
+sys.path.insert(0, str(Path(__file__).parent / "passes"))
+
+
+class Gated(nn.Module):
+    def __init__(self, k=16, n=40, bias=True):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(k, n, bias=bias), nn.Linear(k, n, bias=bias), nn.Linear(n, k, bias=bias)
+
+    def forward(self, x):
+        return self.down(F.relu(self.gate(x)) * self.up(x))
+
+
+class Plain(nn.Module):          # non-gated, ReLU as a module
+    def __init__(self, k=16, n=40):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(k, n), nn.ReLU(), nn.Linear(n, k)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Fused(nn.Module):          # Phi-3 style fused gate+up, chunked
+    def __init__(self, k=16, n=40):
+        super().__init__()
+        self.gate_up, self.down = nn.Linear(k, 2 * n, bias=False), nn.Linear(n, k, bias=False)
+
+    def forward(self, x):
+        g, u = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(torch.relu(g) * u)
+
+
+class RawMatmul(nn.Module):      # parameters used directly, one stored transposed
+    def __init__(self, k=16, n=40):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(n, k) / k ** 0.5)
+        self.w3 = nn.Parameter(torch.randn(k, n) / k ** 0.5)   # [K, N]: x @ w3
+        self.w2 = nn.Parameter(torch.randn(k, n) / n ** 0.5)
+
+    def forward(self, x):
+        return (x @ self.w1.t()).relu().mul(x @ self.w3) @ self.w2.t()
+
+
+class Silu(Gated):
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Leaky(Gated):              # the activation has another user
+    def forward(self, x):
+        h = F.relu(self.gate(x))
+        return self.down(h * self.up(x)) + h.mean()
+
+
+class Residual(Gated):           # more than the FFN in forward
+    def forward(self, x):
+        return x + super().forward(x)
+
+
+class Dropout(Gated):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.down(self.drop(F.relu(self.gate(x)) * self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(self.norm(x))
+        return self.head(x)
+
+
+def _pair(*blocks, seed=0):
+    torch.manual_seed(seed)
+    net = Net([b() for b in blocks])
+    return net, copy.deepcopy(net)
+
+
+def _grads(model, out, x):
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+    return torch.autograd.grad(out, [x, *model.parameters()], dy)
+
+
+KINDS = [Gated, Plain, Fused, RawMatmul]
+
+
+def test_prepares_every_spelling_and_reports_it():
+    net, _ = _pair(*KINDS)
+    report = twell_compile.prepare(net)
+    assert [r.layer for r in report.rewrites] == [f"blocks.{i}" for i in range(4)], str(report)
+    assert [r.gated for r in report.rewrites] == [True, False, True, True]
+    assert all(r.via == "prepare" and (r.k, r.n, r.k_out) == (16, 40, 16) for r in report.rewrites), str(report)
+    assert not report.rejections and spec_of(net.norm) is None and spec_of(net) is None
+    assert all(isinstance(b, kind) and spec_of(b) is not None for b, kind in zip(net.blocks, KINDS))
+    # Preparing again changes nothing; the state dict keys are those of the original model.
+    assert not twell_compile.prepare(net).rewrites
+    assert list(net.state_dict()) == list(_pair(*KINDS)[0].state_dict())
+
+
+@pytest.mark.parametrize("near_miss, reason", [(Silu, "SiLU"), (Leaky, "other users"), (Residual, "other than the FFN"),
+                                               (Dropout, "dropout")])
+def test_near_misses_are_not_prepared(near_miss, reason):
+    net, _ = _pair(Gated, near_miss)
+    report = twell_compile.prepare(net)
+    assert [r.layer for r in report.rewrites] == ["blocks.0"], str(report)
+    assert [r.layer for r in report.rejections] == ["blocks.1"] and reason in report.rejections[0].reason, str(report)
+    assert spec_of(net.blocks[1]) is None and type(net.blocks[1]) is near_miss
+
+
+def test_eager_prepared_model_is_exact_and_runs_the_ops():
+    net, ref = _pair(*KINDS)
+    twell_compile.prepare(net)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    twell_compile.reset_stats()
+    out, want = net(x), ref(x)
+    assert set(twell_compile.layer_stats()) == {f"blocks.{i}" for i in range(4)}   # our ops ran
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(_grads(net, out, x), _grads(ref, want, x)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), ref(x), atol=1e-5, rtol=1e-5)
+    assert twell_compile.unprepare(net) == 4 and all(spec_of(b) is None for b in net.blocks)
+    torch.testing.assert_close(net(x), want, atol=0, rtol=0)
+
+
+def test_compiled_prepared_model_matches_unprepared_eager():
+    net, ref = _pair(Gated, Fused)
+    twell_compile.prepare(net)
+    x = torch.randn(4, 16, requires_grad=True)
+    out = torch.compile(net, backend="twell")(x)
+    want = ref(x)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(_grads(net, out, x), _grads(ref, want, x)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    report = twell_compile.explain(net, x)
+    assert [(r.layer, r.op, r.via) for r in report.rewrites] == [
+        ("blocks.0", "twell::ffn_train", "prepare"), ("blocks.1", "twell::ffn_train", "prepare")], str(report)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(net, backend="twell")(x), ref(x), atol=1e-5, rtol=1e-5)
+        assert [r.op for r in twell_compile.explain(net, x).rewrites] == ["twell::ffn"] * 2
+
+
+def test_l1_is_given_to_prepare_not_to_compile():
+    net, ref = _pair(Gated, Gated, Gated, seed=1)
+    coef = 0.05
+    twell_compile.prepare(net, options={"twell.l1": coef})
+    x = torch.randn(2, 7, 16)
+    hs, h_x = [], x
+    for b in ref.blocks:
+        xn = ref.norm(h_x)
+        hs.append(F.relu(b.gate(xn)) * b.up(xn))
+        h_x = h_x + b.down(hs[-1])
+    (ref.head(h_x).sum() + coef * torch.stack([h.abs().mean() for h in hs]).mean()).backward()
+    for run in (net, torch.compile(net, backend="twell")):
+        net.zero_grad()
+        run(x).sum().backward()
+        for a, p in zip(ref.parameters(), net.parameters()):
+            torch.testing.assert_close(p.grad, a.grad, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    with pytest.raises((ValueError, torch._dynamo.exc.BackendCompilerFailed), match="pass twell.l1 to prepare"):
+        torch.compile(net, backend="twell", options={"twell.l1": coef})(x)
+
+
+def test_autocast_matches_unprepared():
+    net, ref = _pair(Gated, Plain)
+    twell_compile.prepare(net)
+    x = torch.randn(6, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = net(x), ref(x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_bad_arguments_name_the_argument():
+    with pytest.raises(TypeError, match="model"):
+        twell_compile.prepare(lambda x: x)
+    with pytest.raises(TypeError, match="options"):
+        twell_compile.prepare(Gated(), options=[("twell.l1", 1.0)])
+    with pytest.raises(ValueError, match="twell.nope"):
+        twell_compile.prepare(Gated(), options={"twell.nope": 1})
+    with pytest.raises(ValueError, match="options"):
+        twell_compile.prepare(Gated(), options={"max_autotune": True})
+    with pytest.raises(ValueError, match="twell.l1"):
+        twell_compile.prepare(Gated(), options={"twell.l1": -1.0})
+    with pytest.raises(TypeError, match="model"):
+        twell_compile.unprepare("model")
+
+
+def test_hf_llama_family_prepared_end_to_end():
+    pytest.importorskip("transformers")
+    from hf_tiny import FAMILIES, VOCAB, build, main_output
+
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    for name in ("llama", "phi3", "gpt2"):
+        model, ref = build(name), build(name)
+        report = twell_compile.prepare(model)
+        layer0 = FAMILIES[name].layer
+        assert [r.layer for r in report.rewrites] == [layer0, layer0.replace(".0.", ".1.")], str(report)
+        with torch.no_grad():
+            torch.testing.assert_close(main_output(model(ids)), main_output(ref(ids)), atol=1e-5, rtol=1e-5)
+    model.train()   # GPT-2 with its resid dropout at p=0: still one FFN
+    out = torch.compile(model, backend="twell")(ids)
+    torch.testing.assert_close(main_output(out), main_output(ref.train()(ids)), atol=1e-5, rtol=1e-5)
