@@ -78,12 +78,13 @@ def peak_mib(fn, cuda: bool) -> float:
 
 
 def parts(ms, ds, ts, k, n, cfg, reps) -> int:
-    """Stage times of the sparse path (forced) at 4 and 8 warps, to see where its time goes."""
+    """Stage times of the sparse path (forced) for a few kernel configurations."""
     from twell_compile.kernels import cuda_train
     from twell_compile.kernels.torch_impl import backup_capacity
 
-    print(f"{'M':>6} {'dens':>6} {'tail':>4} {'warps':>5} {'gate':>7} {'state':>7} {'fwd':>7} {'bwd':>7} "
-          f"{'wgrad':>7} {'zeros':>7} {'bwd_krn':>7} {'total':>7}", flush=True)
+    configs = [(4, 4, 4), (4, 8, 4), (4, 4, 8), (8, 8, 8)]   # (row-kernel warps, wgrad warps, entries)
+    print(f"{'M':>6} {'dens':>6} {'tail':>4} {'config':>9} {'gate':>7} {'state':>7} {'fwd':>7} {'bwd':>7} "
+          f"{'total':>7}", flush=True)
     for m in ms:
         for d in ds:
             for t in ts:
@@ -96,19 +97,16 @@ def parts(ms, ds, ts, k, n, cfg, reps) -> int:
                 _, _, *st, _ = fwd()
                 bwd = lambda: cuda_train.backward_sparse(dy, x, wg, None, wu, None, wd, *st, 0.0)
                 t_gate = bench(lambda: F.linear(x, wg), reps, True)
-                dg, du, h = (torch.randn(m, n, device="cuda", dtype=x.dtype) for _ in range(3))
-                t_wg = bench(lambda: cuda_train._weight_grads(x, dy, dg, du, h, None, None), reps, True)
-                del dg, du, h
-                t_z = bench(lambda: torch.zeros((3, m, n), device="cuda", dtype=x.dtype), reps, True)
-                for warps in (4, 8):
-                    cuda_train.FWD_WARPS = cuda_train.BWD_WARPS = warps
+                for rw, ww, e in configs:
+                    cuda_train.FWD_WARPS = cuda_train.BWD_WARPS = rw
+                    cuda_train.WG_WARPS, cuda_train.WG_ENTRIES = ww, e
                     t_state = bench(lambda: cuda_train._state(x, g, None, wu, None, wd, None, w, cap, True), reps, True)
                     t_fwd = bench(fwd, reps, True)
                     t_bwd = bench(bwd, reps, True)
-                    print(f"{m:>6} {d:>6} {t:>4} {warps:>5} {t_gate:>7.3f} {t_state:>7.3f} {t_fwd:>7.3f} "
-                          f"{t_bwd:>7.3f} {t_wg:>7.3f} {t_z:>7.3f} {t_bwd - t_wg - t_z:>7.3f} "
-                          f"{t_fwd + t_bwd:>7.3f}", flush=True)
-                cuda_train.FWD_WARPS = cuda_train.BWD_WARPS = 0
+                    print(f"{m:>6} {d:>6} {t:>4} {f'{rw}/{ww}/{e}':>9} {t_gate:>7.3f} {t_state:>7.3f} "
+                          f"{t_fwd:>7.3f} {t_bwd:>7.3f} {t_fwd + t_bwd:>7.3f}", flush=True)
+                cuda_train.FWD_WARPS = cuda_train.BWD_WARPS = cuda_train.WG_WARPS = 0
+                cuda_train.WG_ENTRIES = 4
                 del p, x, wg, wu, wd, g, st
     return 0
 
@@ -176,7 +174,7 @@ def main(argv=None) -> int:
                 path = "?"
                 sparse_ms = dpath_ms = float("nan")
                 if cuda:
-                    key = ("train", x.device, x.dtype, k, n, k, True)
+                    key = (x.device, x.dtype, k, n, k, True)
                     path = "sparse" if cuda_train._last.get(key) else "dense"
                     saved = cuda_train.SPARSE_MAX_DENSITY
                     try:

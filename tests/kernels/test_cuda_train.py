@@ -53,6 +53,17 @@ def _ffn(m, k, n, k_out, density, tail, gated=True, bias=True, seed=0, dtype=tor
     return [None if p[a] is None else p[a].to(dtype) for a in NAMES]
 
 
+class _no_tf32:
+    """fp32 references in full fp32 (TF32 off), restored afterwards."""
+
+    def __enter__(self):
+        self.old = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.old
+
+
 def _rel(a, b):
     fin = torch.isfinite(b)
     return float((a.double()[fin] - b.double()[fin]).norm() / b.double()[fin].norm().clamp_min(1e-30))
@@ -87,7 +98,7 @@ def _poison():
 def _check(args, l1=0.0, width=256, backup_rows=16, seed=0):
     m, k_out = args[0].shape[0], args[5].shape[0]
     dy = torch.randn(m, k_out, device="cuda", generator=torch.Generator("cuda").manual_seed(seed + 7)).to(args[0].dtype)
-    with torch.backends.cuda.matmul.flags(allow_tf32=False):
+    with _no_tf32():
         yref, gref = _dense_grads(args, dy, l1, torch.float32)
     yeag, geag = _dense_grads(args, dy, l1, args[0].dtype)
     _poison()
@@ -225,7 +236,7 @@ def test_autocast_fp32_weights(monkeypatch):
     torch.cuda.synchronize()
     got = grads(compiled)
     assert seen["fwd"] >= 2 and seen["sparse_bwd"] >= 1, seen
-    with torch.backends.cuda.matmul.flags(allow_tf32=False):
+    with _no_tf32():
         ref = grads(model, autocast=False)
     eager = grads(model)
     for (nm, p), a, r, e in zip(model.named_parameters(), got, ref, eager):
@@ -251,7 +262,7 @@ def test_hf_gradient_checkpointing(monkeypatch):
         out.loss.backward()
         return {nm: p.grad.float().clone() for nm, p in m.named_parameters()}
 
-    with torch.backends.cuda.matmul.flags(allow_tf32=False):
+    with _no_tf32():
         ref = grads(model, torch.float32)
     eager = grads(model, torch.bfloat16)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -8,9 +8,11 @@ Sparse forward, for x [M, K]:
   2. ``train_fwd_kernel`` (twell_train_fwd.py): per row, u at the listed pairs, y; writes the
      ELL slots; busy rows take a dense-backup slot from an atomic counter (rows past its
      capacity are recomputed in the backward, decided on the device).
-Sparse backward: ``train_bwd_kernel`` (twell_train_bwd.py) gives dx and writes d_g, d_u, h
-into zero-filled dense buffers; cuBLAS then forms dW_g = d_g^T x, dW_u = d_u^T x,
-dW_d = dy^T h and the bias sums.
+Sparse backward: ``train_bwd_kernel`` (twell_train_bwd.py) gives dx and d_g, d_u, h at every
+active pair (quiet rows: at their ELL slots, counted per column); a counting sort groups the
+slots by neuron and ``wgrad_kernel`` (twell_train_wgrad.py) sums dW_g[n], dW_u[n], dW_d^T[n]
+and the bias gradients per neuron from gathered x and dy rows, adding the dense-backup rows'
+cuBLAS products and the recomputed rows' fp32 atomics. No [M, N] buffer anywhere.
 Dense forward: cuBLAS g, u, relu*u (relu_mul.py), y; the same state from the compaction and
 ``train_fwd_kernel`` with Y=False. Dense backward: g and u recomputed by cuBLAS, dh = dy W_d,
 one in-place elementwise pass (twell_train_dense.py), six cuBLAS products.
@@ -43,6 +45,8 @@ CH = 256          # columns per scan step over g / backup rows
 RBK = 64          # K per recompute step in the backward (CH columns x RBK)
 FWD_WARPS = 0     # 0: 4 warps for K, K_out <= 2048, else 8
 BWD_WARPS = 0
+WG_ENTRIES = 4    # entries (x, dy row pairs) per step of the per-neuron weight-gradient kernel
+WG_WARPS = 0
 EW_BLOCK = 4096
 _MAX_MODES = 4096
 
@@ -139,7 +143,7 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
     width = min(ell_width, n)
     cap = int(backup_capacity(m, backup_rows))
     gated = w_up is not None
-    key = ("train", x.device, x.dtype, k, n, k_out, gated)
+    key = ("train", layer, x.device, x.dtype, k, n, k_out, gated)
     sparse = False
     probe = False
     if m >= MIN_TOKENS:
@@ -161,7 +165,7 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
         cuda_policy.submit(key, cnt.sum(), m * n)
     if m >= MIN_TOKENS:
         cuda_policy.tick(key)
-    _remember(cnt, key, sparse)
+    _remember(cnt, key[2:], sparse)
     return (y.reshape(*x.shape[:-1], k_out), cnt, *rest[:-1])
 
 
@@ -191,34 +195,74 @@ def _weight_grads(x2, dy2, dg, du, h, b_gate, b_up):
 
 def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_g, ell_u,
                     bidx, bg, bu, l1c):
+    """(dx, dW_g, db_g, dW_u, db_u, dW_d): per-row kernel, counting sort, per-neuron kernel."""
     from twell_compile.kernels.twell_train_bwd import train_bwd_kernel
+    from twell_compile.kernels.twell_train_wgrad import scatter_kernel, wgrad_kernel
 
     m, k = x2.shape
     n, k_out = w_gate.shape[0], w_down.shape[0]
+    width = cols.shape[1]
     dev, dt = x2.device, x2.dtype
     gated = w_up is not None
     cap = bidx.shape[0]
-    slot_of = torch.full((m + 1,), -1, dtype=torch.int32, device=dev)
-    slot_of.scatter_(0, torch.where(bidx >= 0, bidx, m), torch.arange(cap, dtype=torch.int32, device=dev))
+    f32, i32 = torch.float32, torch.int32
+    slot_of = torch.full((m + 1,), -1, dtype=i32, device=dev)
+    slot_of.scatter_(0, torch.where(bidx >= 0, bidx, m), torch.arange(cap, dtype=i32, device=dev))
     dx = torch.empty((m, k), dtype=dt, device=dev)
-    dg = torch.zeros((m, n), dtype=dt, device=dev)
-    du = torch.zeros((m, n), dtype=dt, device=dev) if gated else None
-    h = torch.zeros((m, n), dtype=dt, device=dev)
+    # quiet rows: values at the ELL slots, ranks in their columns, per-column counts
+    eg = torch.empty((m, width), dtype=dt, device=dev)
+    eu = torch.empty((m, width), dtype=dt, device=dev) if gated else eg
+    eh = torch.empty((m, width), dtype=dt, device=dev)
+    rk = torch.empty((m, width), dtype=i32, device=dev)
+    q = torch.empty((m,), dtype=i32, device=dev)
+    hist = torch.zeros((n,), dtype=i32, device=dev)
+    # backup rows: dense [C, N]; recomputed rows: fp32 atomics
+    sg = torch.zeros((cap, n), dtype=dt, device=dev)
+    su = torch.zeros((cap, n), dtype=dt, device=dev) if gated else sg
+    sh = torch.zeros((cap, n), dtype=dt, device=dev)
+    awg = torch.zeros((n, k), dtype=f32, device=dev)
+    awu = torch.zeros((n, k), dtype=f32, device=dev) if gated else awg
+    awd = torch.zeros((n, k_out), dtype=f32, device=dev)
+    ab = torch.zeros((2, n), dtype=f32, device=dev)
     w_gate = _rows(w_gate)
     wu = _rows(w_up) if gated else w_gate
     wdt = _transposed(w_down)
     if m:
         train_bwd_kernel[(m,)](
-            dy2, dy2.stride(0), x2, x2.stride(0), cnt, cols, ell_g, ell_u, cols.shape[1],
+            dy2, dy2.stride(0), x2, x2.stride(0), cnt, cols, ell_g, ell_u, width,
             slot_of, bg, bu if gated else bg,
             w_gate, w_gate.stride(0), b_gate if b_gate is not None else w_gate,
             wu, wu.stride(0), b_up if b_up is not None else w_gate, wdt, wdt.stride(0),
-            dx, dx.stride(0), dg, du if gated else dg, h,
+            dx, dx.stride(0), eg, eu, eh, rk, q, hist, sg, su, sh, awg, awu, awd, ab[0], ab[1],
             k, n, k_out, float(l1c),
             GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
             K_P=_pow2(k), KO_P=_pow2(k_out), PAIRS=PAIRS, CH=min(CH, _pow2(n)),
             BK=RBK, num_warps=_warps(k, k_out, BWD_WARPS))
-    return (dx, *_weight_grads(x2, dy2, dg, du, h, b_gate, b_up))
+    off = torch.cumsum(hist, 0, dtype=i32) - hist
+    order = torch.empty((max(m * width, 1),), dtype=i32, device=dev)
+    if m:
+        scatter_kernel[(m,)](cols, rk, q, off, order, width, WP=_pow2(width), num_warps=1)
+    # the backup rows' parts: cuBLAS on the gathered x / dy rows (padding slots: zero rows)
+    valid = (bidx >= 0).unsqueeze(1)
+    rows = bidx.clamp(min=0)
+    xb = torch.where(valid, x2[rows], torch.zeros((), dtype=dt, device=dev))
+    dyb = torch.where(valid, dy2[rows], torch.zeros((), dtype=dt, device=dev))
+    bwg = sg.t().mm(xb)
+    bwu = su.t().mm(xb) if gated else bwg
+    bwd = sh.t().mm(dyb)
+    dwg = torch.empty((n, k), dtype=dt, device=dev)
+    dwu = torch.empty((n, k), dtype=dt, device=dev) if gated else None
+    dwdt = torch.empty((n, k_out), dtype=dt, device=dev)
+    db = torch.empty((2, n), dtype=f32, device=dev)
+    wgrad_kernel[(n,)](
+        order, off, hist, width, eg, eu, eh, x2, x2.stride(0), dy2, dy2.stride(0),
+        awg, awu, awd, ab[0], ab[1], bwg, bwu, bwd,
+        dwg, dwu if gated else dwg, dwdt, db[0], db[1], k, k_out,
+        GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
+        K_P=_pow2(k), KO_P=_pow2(k_out), E=WG_ENTRIES, num_warps=WG_WARPS or _warps(k, k_out, 0))
+    db_gate = (db[0] + sg.float().sum(0)).to(dt) if b_gate is not None else None
+    db_up = (db[1] + su.float().sum(0)).to(dt) if (gated and b_up is not None) else None
+    return dx, dwg, db_gate, dwu, db_up, dwdt.t().contiguous()
 
 
 def backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, l1c):
@@ -253,7 +297,7 @@ def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[T
         dy2 = dy2.contiguous()
     m = x2.shape[0]
     l1c = l1_scale / max(m * n, 1) if l1_scale else 0.0
-    key = ("train", x.device, x.dtype, k, n, k_out, w_up is not None)
+    key = (x.device, x.dtype, k, n, k_out, w_up is not None)
     if _mode(counts, key):
         out = backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, counts, cols, ell_g,
                               ell_u, backup_idx, backup_g, backup_u, l1c)

@@ -5,20 +5,21 @@ One program per token row m, dy row and the dx accumulator in registers. For eve
 
     dh  = dy[m] . W_d^T[n]               (+ l1c * sgn(h) with L1)
     d_g = dh * u * [not h_g <= 0]        (non-gated: dh * [...]; NaN passes, as threshold_backward)
-    d_u = dh * h_g
+    d_u = dh * h_g,  h = h_g * u
     dx[m] += d_g * W_g[n] + d_u * W_u[n]
 
-and d_g, d_u, h = h_g * u are written into zero-filled dense [M, N] buffers for the weight
-gradients (cuBLAS products with x and dy on the host side).
-
-Where the active pairs come from:
-  * quiet rows (count <= W, finite x): the ELL slots.
-  * busy rows in the dense backup (slot_of[m] >= 0): the backup row, scanned CH columns at a
-    time, its non-zeros picked with a prefix count (as twell_rows' tail).
-  * busy rows past the backup: g (and u) recomputed from x, CH columns x BK of K per step, in
-    fp32 rounded to the dtype (as cuBLAS rounds its output), then scanned the same way.
-  * rows with non-finite x: every column, so NaN/Inf spread as in dense autograd.
-A non-finite dy row in a gated FFN makes d_u NaN on the whole row (dense: NaN * 0).
+Rows, and where (d_g, d_u, h) go for the weight gradients:
+  * quiet rows (count <= W, finite x and dy): the ELL slots; values written at the same slots
+    (eg, eu, eh), the column's running count taken with an atomic on hist[n] and its old value
+    (the entry's rank in its column, for the counting sort) written to rk. q[m] = count.
+  * busy rows in the dense backup (slot_of[m] >= 0): the backup row scanned CH columns at a
+    time, non-zeros picked with a prefix count (as twell_rows' tail); values into row ``slot``
+    of zero-filled [C, N] buffers (cuBLAS products with the gathered x / dy rows). q[m] = 0.
+  * other busy rows (past the backup, or non-finite dy): g and u recomputed from x, CH columns
+    x BK of K per step, fp32 rounded to the dtype (as cuBLAS rounds); contributions added
+    with fp32 atomics straight into the weight-gradient accumulators. q[m] = 0. Rare by design.
+Rows with non-finite x or dy take every column, so NaN/Inf spread as in dense autograd
+(d_u = NaN * 0 on the whole row of a non-finite dy, 0 * NaN in the products with x).
 """
 
 import triton
@@ -26,29 +27,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _pairs(dxa, m, n, hg, u, live, dyr, wg_ptr, swg_n, wu_ptr, swu_n, wdt_ptr, swd_n,
-           dg_ptr, du_ptr, h_ptr, N, l1c, ks, k_ok, ko, ko_ok,
-           GATED: tl.constexpr, L1: tl.constexpr):
-    """dx += d_g W_g[n] + d_u W_u[n] for PAIRS pairs; writes d_g, d_u, h at (m, n)."""
-    dt = h_ptr.dtype.element_ty
+def _pairs(dxa, n, hg, u, live, dyr, wg_ptr, swg_n, wu_ptr, swu_n, wdt_ptr, swd_n,
+           l1c, ks, k_ok, ko, ko_ok, GATED: tl.constexpr, L1: tl.constexpr):
+    """dx += d_g W_g[n] + d_u W_u[n] for PAIRS pairs; returns (dx, d_g, d_u, h) in fp32."""
     wd = tl.load(wdt_ptr + n[:, None] * swd_n + ko[None, :], mask=live[:, None] & ko_ok[None, :], other=0.0)
     dh = tl.sum(wd.to(tl.float32) * dyr[None, :], axis=1)
     h = hg * u if GATED else hg
     if L1:
         dh += l1c * (tl.where(h > 0.0, 1.0, 0.0) - tl.where(h < 0.0, 1.0, 0.0))
-    dg = tl.where(live & (hg <= 0.0), 0.0, dh * u if GATED else dh)   # threshold_backward: NaN passes
+    dg = tl.where(hg <= 0.0, 0.0, dh * u if GATED else dh)
     dg = tl.where(live, dg, 0.0)
     wg = tl.load(wg_ptr + n[:, None] * swg_n + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
     dxa += tl.sum(dg[:, None] * wg.to(tl.float32), axis=0)
-    off = m * N + n
-    tl.store(dg_ptr + off, dg.to(dt), mask=live)
-    tl.store(h_ptr + off, h.to(dt), mask=live)
+    du = tl.where(live, dh * hg, 0.0)
     if GATED:
-        du = tl.where(live, dh * hg, 0.0)
         wu = tl.load(wu_ptr + n[:, None] * swu_n + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
         dxa += tl.sum(du[:, None] * wu.to(tl.float32), axis=0)
-        tl.store(du_ptr + off, du.to(dt), mask=live)
-    return dxa
+    return dxa, dg, du, h
 
 
 @triton.jit
@@ -73,7 +68,10 @@ def train_bwd_kernel(
     dy_ptr, sdy_m, x_ptr, sx_m, cnt_ptr, cols_ptr, ellg_ptr, ellu_ptr, W,
     slot_ptr, bg_ptr, bu_ptr,
     wg_ptr, swg_n, bgate_ptr, wu_ptr, swu_n, bup_ptr, wdt_ptr, swd_n,
-    dx_ptr, sdx_m, dg_ptr, du_ptr, h_ptr,
+    dx_ptr, sdx_m,
+    eg_ptr, eu_ptr, eh_ptr, rk_ptr, q_ptr, hist_ptr,      # quiet rows: per-slot values, ranks
+    sg_ptr, su_ptr, sh_ptr,                               # backup rows: [C, N] buffers
+    awg_ptr, awu_ptr, awd_ptr, abg_ptr, abu_ptr,          # other busy rows: fp32 accumulators
     K, N, KO, l1c,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, L1: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
@@ -84,30 +82,39 @@ def train_bwd_kernel(
     k_ok = ks < K
     ko = tl.arange(0, KO_P)
     ko_ok = ko < KO
-    dt = h_ptr.dtype.element_ty
+    dt = eh_ptr.dtype.element_ty
     xr = tl.load(x_ptr + m * sx_m + ks, mask=k_ok, other=0.0).to(tl.float32)
-    bad = tl.sum(((xr != xr) | (tl.abs(xr) == float("inf"))).to(tl.int32), axis=0) > 0
     dyr = tl.load(dy_ptr + m * sdy_m + ko, mask=ko_ok, other=0.0).to(tl.float32)
-    bad_dy = tl.sum(((dyr != dyr) | (tl.abs(dyr) == float("inf"))).to(tl.int32), axis=0) > 0
+    bad = (tl.sum(((xr != xr) | (tl.abs(xr) == float("inf"))).to(tl.int32), axis=0)
+           + tl.sum(((dyr != dyr) | (tl.abs(dyr) == float("inf"))).to(tl.int32), axis=0)) > 0
     cnt = tl.load(cnt_ptr + m)
     busy = (cnt > W) | bad
     nl = tl.where(busy, 0, cnt)
+    tl.store(q_ptr + m, nl)
     pa = tl.arange(0, PAIRS)
     dxa = tl.zeros((K_P,), dtype=tl.float32)
     lrow = m * W
 
     # 1. quiet rows: the ELL slots
+    live = pa < nl
+    n = tl.load(cols_ptr + lrow + pa, mask=live, other=0).to(tl.int64)
+    hg = tl.load(ellg_ptr + lrow + pa, mask=live, other=0.0).to(tl.float32)
+    u = tl.load(ellu_ptr + lrow + pa, mask=live, other=0.0).to(tl.float32) if GATED else hg
     for p0 in range(0, nl, PAIRS):
         p = p0 + pa
-        live = p < nl
-        n = tl.load(cols_ptr + lrow + p, mask=live, other=0).to(tl.int64)
-        hg = tl.load(ellg_ptr + lrow + p, mask=live, other=0.0).to(tl.float32)
+        live1 = (p + PAIRS) < nl                # next slots' (col, h_g, u), one step ahead
+        n1 = tl.load(cols_ptr + lrow + p + PAIRS, mask=live1, other=0).to(tl.int64)
+        hg1 = tl.load(ellg_ptr + lrow + p + PAIRS, mask=live1, other=0.0).to(tl.float32)
+        u1 = tl.load(ellu_ptr + lrow + p + PAIRS, mask=live1, other=0.0).to(tl.float32) if GATED else hg1
+        dxa, dg, du, h = _pairs(dxa, n, hg, u, live, dyr, wg_ptr, swg_n, wu_ptr, swu_n, wdt_ptr, swd_n,
+                                l1c, ks, k_ok, ko, ko_ok, GATED, L1)
+        tl.store(eg_ptr + lrow + p, dg.to(dt), mask=live)
+        tl.store(eh_ptr + lrow + p, h.to(dt), mask=live)
         if GATED:
-            u = tl.load(ellu_ptr + lrow + p, mask=live, other=0.0).to(tl.float32)
-        else:
-            u = hg
-        dxa = _pairs(dxa, m, n, hg, u, live, dyr, wg_ptr, swg_n, wu_ptr, swu_n, wdt_ptr, swd_n,
-                     dg_ptr, du_ptr, h_ptr, N, l1c, ks, k_ok, ko, ko_ok, GATED, L1)
+            tl.store(eu_ptr + lrow + p, du.to(dt), mask=live)
+        rank = tl.atomic_add(hist_ptr + n, tl.full((PAIRS,), 1, tl.int32), mask=live)
+        tl.store(rk_ptr + lrow + p, rank, mask=live)
+        n, hg, u, live = n1, hg1, u1, live1
 
     # 2. busy rows: the dense backup row, or g and u recomputed from x
     slot = tl.load(slot_ptr + m)
@@ -143,14 +150,22 @@ def train_bwd_kernel(
             tn = (c0 + tl.sum(tl.where(sel, cc[None, :], 0), axis=1)).to(tl.int64)
             tg = tl.sum(tl.where(sel, hgv[None, :], 0.0), axis=1)
             tu = tl.sum(tl.where(sel, uv[None, :], 0.0), axis=1)
-            dxa = _pairs(dxa, m, tn, tg, tu, t_live, dyr, wg_ptr, swg_n, wu_ptr, swu_n, wdt_ptr, swd_n,
-                         dg_ptr, du_ptr, h_ptr, N, l1c, ks, k_ok, ko, ko_ok, GATED, L1)
-
-    # 3. non-finite dy, gated: d_u = dh * h_g is NaN on the whole row in dense autograd
-    if GATED:
-        nan_row = bad_dy & (N > 0)
-        dxa = tl.where(nan_row, float("nan"), dxa)
-        for c0 in range(0, tl.where(nan_row, N, 0), CH):
-            cn = c0 + cc
-            tl.store(du_ptr + m * N + cn, tl.full((CH,), float("nan"), tl.float32).to(dt), mask=cn < N)
+            dxa, dg, du, h = _pairs(dxa, tn, tg, tu, t_live, dyr, wg_ptr, swg_n, wu_ptr, swu_n,
+                                    wdt_ptr, swd_n, l1c, ks, k_ok, ko, ko_ok, GATED, L1)
+            if ins:
+                tl.store(sg_ptr + brow + tn, dg.to(dt), mask=t_live)
+                tl.store(sh_ptr + brow + tn, h.to(dt), mask=t_live)
+                if GATED:
+                    tl.store(su_ptr + brow + tn, du.to(dt), mask=t_live)
+            else:
+                km = t_live[:, None] & k_ok[None, :]
+                tl.atomic_add(awg_ptr + tn[:, None] * K + ks[None, :], dg[:, None] * xr[None, :], mask=km)
+                tl.atomic_add(awd_ptr + tn[:, None] * KO + ko[None, :], h[:, None] * dyr[None, :],
+                              mask=t_live[:, None] & ko_ok[None, :])
+                if HAS_BG:
+                    tl.atomic_add(abg_ptr + tn, dg, mask=t_live)
+                if GATED:
+                    tl.atomic_add(awu_ptr + tn[:, None] * K + ks[None, :], du[:, None] * xr[None, :], mask=km)
+                    if HAS_BU:
+                        tl.atomic_add(abu_ptr + tn, du, mask=t_live)
     tl.store(dx_ptr + m * sdx_m + ks, dxa.to(dx_ptr.dtype.element_ty), mask=k_ok)

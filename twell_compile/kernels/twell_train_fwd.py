@@ -67,10 +67,12 @@ def train_fwd_kernel(
     lrow = m * W
 
     # 1. the listed pairs: ELL slots, and y unless the row's x is non-finite
+    live = pa < nl
+    pk = tl.load(list_ptr + lrow + pa, mask=live, other=0)
     for p0 in range(0, nl, PAIRS):
         p = p0 + pa
-        live = p < nl
-        pk = tl.load(list_ptr + lrow + p, mask=live, other=0)
+        live1 = (p + PAIRS) < nl                # next pairs' list entries, one step ahead
+        pk1 = tl.load(list_ptr + lrow + p + PAIRS, mask=live1, other=0)
         n = ((pk >> 16) & 0xFFFF).to(tl.int64)
         gq = (pk & 0xFFFF).to(tl.int16).to(dt, bitcast=True)
         gv = gq.to(tl.float32)
@@ -85,6 +87,7 @@ def train_fwd_kernel(
             wd = tl.load(wdt_ptr + n[:, None] * swd_n + ko[None, :], mask=live[:, None] & ko_ok[None, :], other=0.0)
             acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
             hs += tl.abs(h)
+        pk, live = pk1, live1
 
     # 2. scan over g (see the module docstring for which rows and columns)
     over = cnt > W
