@@ -28,7 +28,7 @@ def _load():
 
 E2E = _load()
 DENSITY = 0.1
-CALIB_TOKENS = 2 * 64  # --tiny: calibration batch 2 x seq 64
+CALIB_TOKENS = 64 * 64  # --tiny: 64 calibration sequences of 64 tokens
 
 
 def run(tmp_path_factory, *argv):
@@ -58,10 +58,11 @@ def check_calibration(run_, layers):
     assert len(run_["density_calibration"]) == layers
     for d in run_["density_calibration"]:
         assert abs(d - DENSITY) <= 1.5 / CALIB_TOKENS, run_["density_calibration"]
-    # A different batch of the same distribution lands near the target (measured 0.108, 0.126).
+    # A different batch of the same distribution lands near the target (measured 0.100, 0.107;
+    # with 2 calibration sequences instead of 64 it was 0.108, 0.126, and 10x at 16 layers).
     assert len(run_["density_measured"]) == layers
     for d in run_["density_measured"]:
-        assert 0.5 * DENSITY < d < 2 * DENSITY, run_["density_measured"]
+        assert 0.75 * DENSITY < d < 1.33 * DENSITY, run_["density_measured"]
 
 
 def check_twell_ran(row, layers):
