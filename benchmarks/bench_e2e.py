@@ -276,6 +276,15 @@ def twell_stats_density() -> dict[str, float]:
     return {name: s.density for name, s in twell_compile.layer_stats().items()}
 
 
+def twell_sparse_layers(densities: dict[str, float]) -> Optional[int]:
+    """Layers whose measured density the CUDA policy's cost model sends to the TwELL kernels."""
+    if not torch.cuda.is_available():
+        return None
+    from twell_compile.kernels import cuda_policy
+
+    return sum(cuda_policy.twell_wins(d, gated=True) for d in densities.values())
+
+
 def reset_twell_policy() -> None:
     """Fresh CUDA density policy, as a new process would have: a dense layer re-probes only
     every 64 calls, so a density change between runs would otherwise be seen late. (Statistics
@@ -497,6 +506,7 @@ def run_forward(a: argparse.Namespace, result: dict[str, Any]) -> None:
                            **energy_fields(timing, tokens * timing["reps"], energy, "--no-energy"))
                 if name == "twell":
                     row["twell_layer_density"] = twell_stats_density()
+                    row["twell_sparse_layers_by_policy"] = twell_sparse_layers(row["twell_layer_density"])
                 run["backends"][name] = row
                 print(f"  {name:>8}: {row['median_ms']:8.2f} ms  {row['tokens_per_s']:12.0f} tok/s  "
                       f"max|dlogit| {mx:.3g}  rel {rel:.2e}  first call {first_s:.1f} s  "
