@@ -159,6 +159,14 @@ def run_point(sets, m: int, d: float, reps: int, tag: str) -> dict:
                 layers=layers)
 
 
+def load_policy(path: str) -> None:
+    """Use fitted decode-rule constants for this run (benchmarks/tune_decode.py --policy-out)."""
+    for name, value in json.load(open(path)).items():
+        if name not in ("DEC_FIXED_US", "DEC_GBPS", "DENSE_FIXED_US", "DENSE_GBPS"):
+            raise ValueError(f"--policy: unknown constant {name!r}")
+        setattr(cuda_policy, name, float(value))
+
+
 def load_configs(path: str) -> None:
     """Use tuned decode configs for this run ({padded M: [8 ints]}, benchmarks/tune_decode.py)."""
     for mp, vals in json.load(open(path)).items():
@@ -175,6 +183,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rotate-mb", type=float, default=ROTATE_MB,
                     help="weight bytes one timed pass reads (sets the number of layers)")
     ap.add_argument("--configs", default=None, help="JSON of decode configs to use (tune_decode.py)")
+    ap.add_argument("--policy", default=None, help="JSON of decode-rule constants to use (tune_decode.py)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>/ffn_decode.json)")
     args = ap.parse_args(argv)
     for m in args.M:
@@ -192,6 +201,8 @@ def main(argv=None) -> int:
         shapes.append((k, n))
     if args.configs:
         load_configs(args.configs)
+    if args.policy:
+        load_policy(args.policy)
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = False

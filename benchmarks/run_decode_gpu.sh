@@ -1,13 +1,15 @@
 #!/bin/bash
 # Issue 7 on the device: decode config sweep, the --decode grid with the tuned configs, the M
-# crossover (dense vs decode vs per-row), then GPU tests. Outputs under $OUT (7 files).
+# crossover (dense vs decode vs per-row), then GPU tests. Outputs under $OUT (8 files).
 OUT=${OUT:-/tmp/decode_out}
 mkdir -p "$OUT"
 CFG=""
 if [ -z "$SKIP_TUNE" ]; then
-    timeout ${T_TUNE:-60} python3 benchmarks/tune_decode.py --out "$OUT/decode_configs.json" > "$OUT/tune.log" 2>&1
+    timeout ${T_TUNE:-60} python3 benchmarks/tune_decode.py --out "$OUT/decode_configs.json" \
+        --policy-out "$OUT/decode_policy.json" > "$OUT/tune.log" 2>&1
     echo "tune rc=$?" >> "$OUT/tune.log"
     [ -s "$OUT/decode_configs.json" ] && CFG="--configs $OUT/decode_configs.json"
+    [ -s "$OUT/decode_policy.json" ] && CFG="$CFG --policy $OUT/decode_policy.json"
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv > "$OUT/bench.log" 2>&1
 timeout ${T_BENCH:-90} python3 benchmarks/bench_ffn.py --decode $CFG --reps ${REPS:-40} \
@@ -24,4 +26,4 @@ timeout ${T_TEST:-90} python3 -m pytest -q tests/kernels/test_decode.py tests/te
     $F::test_op_policy_starts_dense_then_twell_and_stays_dense_when_dense ${EXTRA_TESTS} \
     >> "$OUT/tests.log" 2>&1
 echo "pytest rc=$?" >> "$OUT/tests.log"
-grep best "$OUT/tune.log"; tail -n 62 "$OUT/bench.log"; cat "$OUT/crossover.log"; tail -n 25 "$OUT/tests.log"
+grep -E "best|fit" "$OUT/tune.log"; tail -n 62 "$OUT/bench.log"; cat "$OUT/crossover.log"; tail -n 25 "$OUT/tests.log"

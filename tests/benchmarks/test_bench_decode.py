@@ -33,6 +33,6 @@ def test_configs_file_sets_the_decode_configs(tmp_path, monkeypatch):
     from twell_compile.kernels import cuda_decode
     monkeypatch.setattr(cuda_decode, "CONFIGS", dict(cuda_decode.CONFIGS))
     path = tmp_path / "c.json"
-    path.write_text('{"16": [16, 128, 4, 3, 64, 128, 32, 4]}')
+    path.write_text('{"16": [16, 128, 64, 4, 3, 2]}')
     bench_decode.load_configs(str(path))
-    assert cuda_decode.CONFIGS[16] == cuda_decode.Config(16, 128, 4, 3, 64, 128, 32, 4)
+    assert cuda_decode.CONFIGS[16] == cuda_decode.Config(16, 128, 64, 4, 3, 2)

@@ -73,8 +73,9 @@ CASES = [
     (16, 40, 300, 40, True, True, 0.05, True, None),     # NaN and Inf rows
     (3, 40, 70, 40, True, False, 1.0, False, None),      # density 1
     (3, 40, 70, 40, True, True, 0.0, False, None),       # density 0, biases
-    (16, 72, 257, 65, False, True, 0.3, False, (16, 32, 4, 1, 32, 64, 32, 4)),  # several splits, K steps
-    (5, 24, 61, 9, True, True, 0.3, True, (16, 16, 4, 1, 16, 32, 16, 4)),       # tiny tiles
+    (16, 72, 257, 65, False, True, 0.3, False, (32, 32, 16, 4, 1, 3)),    # K_out splits, K steps
+    (5, 24, 61, 9, True, True, 0.3, True, (16, 16, 16, 4, 1, 2)),         # tiny tiles, NaN/Inf
+    (40, 24, 61, 33, True, True, 0.3, True, (16, 16, 16, 4, 1, 2)),       # two row blocks
 ]
 
 
@@ -296,13 +297,15 @@ def test_decode_nan_inf_propagate_like_eager(gated, bad):
 
 
 @gpu
-def test_decode_deterministic_and_fresh_inputs():
+def test_decode_repeatable_and_fresh_inputs():
+    """Same inputs twice agree up to the fp32 atomics' summation order (no race); fresh inputs
+    each give a right answer."""
     from twell_compile.kernels.cuda_decode import decode_forward
     for _ in range(3):
         p = _ffn(16, 1024, 2816, 1024, 0.01, torch.bfloat16)
         a = decode_forward(*_args(p)).y
         b = decode_forward(*_args(p)).y
-        assert torch.equal(a, b)
+        assert _rel(a, b) < 4e-3            # at most last-bit flips of bf16 outputs
         _check(p)
 
 

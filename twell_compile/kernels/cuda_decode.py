@@ -1,10 +1,17 @@
-"""Host side of the decode path (kernels/twell_decode.py): few tokens, bf16/fp16, three launches.
+"""Host side of the decode path (kernels/twell_decode.py): few tokens, bf16/fp16.
 
-For x [M, K] with M <= MAX_M: gate GEMV + ReLU over all of W_gate, then the up projection for
-the union of active neurons only (W_up rows, contiguous in nn.Linear's [N, K] layout), then the
-down projection from W_down^T rows ([N, K_out], made once per weight by ``weight_cache``). No
-host sync, fixed launch shapes per M: CUDA-graph capturable. Exact at any density: a neuron
-is skipped only where relu(g) is 0 in every row (and no row of x holds NaN/Inf).
+For x [M, K] with M <= MAX_M: the gate GEMV by cuBLAS (all of W_gate), then one Triton kernel
+that reads W_up rows (contiguous in nn.Linear's [N, K] layout) and W_down^T rows ([N, K_out],
+made once per weight by ``weight_cache``) for the neurons active in any row only, and a small
+finishing kernel. No host sync, fixed launch shapes per M: CUDA-graph capturable. Exact at any
+density: a neuron is skipped only where relu(g) is 0 in every row of its row block and no
+row of x holds NaN/Inf.
+
+First design (gate GEMV in Triton, down partials per N split, no atomics), replaced after its
+H200 run: 42-60 us per layer at K=2048, N=5632, M=1..32 vs dense 34 us (0.6-0.8x): the Triton
+gate read 23 MB far slower than cuBLAS, and the down kernel's dependent h -> W_d^T loads ran in
+many short, smem-limited waves (time grew with its program count: 704 -> 2816 programs,
+42 -> 72 us).
 """
 
 from __future__ import annotations
@@ -12,33 +19,34 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from twell_compile.kernels import weight_cache
 
-MAX_M = 256           # M_P x BN fp32 gate tile in registers; the policy uses a smaller threshold
+MAX_M = 256           # row blocks of <= 32 rows; the policy uses a smaller threshold
+MAX_MB = 32           # rows per program: M-tiles of 64 would select Hopper's wgmma, which gave
+                      # wrong results at M_P=64 in the first H200 run (Triton 3.6)
 
 
 class Config(NamedTuple):
-    bn: int        # neurons per gate program
-    bk: int        # K step of the gate/up loops
-    gate_warps: int
-    gate_stages: int
-    ch: int        # columns per down step
-    ns: int        # columns per down split (partials: N / ns of [M, K_out] fp32)
-    bko: int       # K_out columns per down program
-    down_warps: int
+    ch: int        # neurons per program
+    bk: int        # K step of the up loop
+    bko: int       # K_out step of the down loop
+    warps: int
+    stages: int
+    ksplit: int    # programs per chunk along K_out (each recomputes the chunk's u from L2)
 
 
-# By padded M. Defaults before tuning on the device; see docs/inference.md "Decode".
+# By padded M. Measured on H200 by benchmarks/tune_decode.py (docs/inference.md "Decode").
 CONFIGS = {
-    16: Config(32, 256, 4, 4, 128, 256, 64, 4),
-    32: Config(32, 256, 4, 3, 128, 512, 64, 4),
-    64: Config(64, 128, 4, 3, 128, 1024, 64, 4),
-    128: Config(32, 64, 8, 3, 128, 1024, 64, 8),
-    256: Config(32, 64, 8, 2, 64, 1024, 64, 8),
+    16: Config(32, 256, 128, 4, 3, 1),
+    32: Config(64, 128, 128, 4, 3, 1),
+    64: Config(64, 128, 128, 4, 3, 1),
+    128: Config(64, 128, 128, 4, 3, 1),
+    256: Config(64, 128, 128, 4, 3, 1),
 }
-FINISH_ELEMS = 8192   # partial elements per finishing program (S_P x BLOCK)
+FINISH_BLOCK = 1024
 
 
 def _pow2(v: int) -> int:
@@ -58,9 +66,10 @@ class Decoded(NamedTuple):
 def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                    b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
                    cfg: Optional[Config] = None) -> Decoded:
-    """The FFN for x2 [M, K], M <= MAX_M, reading W_up / W_down rows of active neurons only."""
-    from twell_compile.kernels.twell_decode import (decode_down_kernel, decode_finish_kernel,
-                                                    decode_gate_kernel)
+    """The FFN for x2 [M, K], M <= MAX_M: cuBLAS gate GEMV, then W_up / W_down rows of active
+    neurons only (four launches: gate GEMM, zeroing of the fp32 accumulator, sparse kernel,
+    finish)."""
+    from twell_compile.kernels.twell_decode import decode_ffn_kernel, decode_finish_kernel
 
     m, k = x2.shape
     n, k_out = w_gate.shape[0], w_down.shape[0]
@@ -73,32 +82,30 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
                        torch.zeros(1, dtype=torch.float32, device=dev))
     mp = m_pad(m)
     c = cfg or CONFIGS[mp]
-    nb = -(-n // c.bn)
-    s = -(-n // c.ns)
-    s_p = _pow2(s)
+    mb = min(mp, MAX_MB)
+    nrb = -(-m // mb)
+    nb = -(-n // c.ch)
+    bko = min(c.bko, max(16, _pow2(k_out)))
+    ksplit_len = -(-(-(-k_out // c.ksplit)) // bko) * bko
+    ksplit = -(-k_out // ksplit_len)
+    g = F.linear(x2, w_gate, b_gate)                      # eager's gate GEMM (cuBLAS)
     wdt = weight_cache.transposed(w_down)
-    h = torch.empty((m, n), dtype=dt, device=dev)
-    f32 = torch.empty(s * m * k_out + nb + 1, dtype=torch.float32, device=dev)
-    part, hs, hsum = f32[: s * m * k_out], f32[s * m * k_out: -1], f32[-1:]
+    acc = torch.zeros((m, k_out), dtype=torch.float32, device=dev)
+    hs = torch.empty(nb * nrb + 1, dtype=torch.float32, device=dev)
     i32 = torch.empty(nb * m + m + 1, dtype=torch.int32, device=dev)
     cnt, tok = i32[: nb * m], i32[nb * m:]
     wu = w_up if w_up is not None else w_gate
-    decode_gate_kernel[(nb,)](
-        x2, x2.stride(0), x2.stride(1),
-        w_gate, w_gate.stride(0), w_gate.stride(1), b_gate if b_gate is not None else x2,
+    decode_ffn_kernel[(nb, nrb, ksplit)](
+        x2, x2.stride(0), x2.stride(1), g, g.stride(0),
         wu, wu.stride(0), wu.stride(1), b_up if b_up is not None else x2,
-        h, h.stride(0), cnt, hs, m, k, n,
-        GATED=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
-        M_P=mp, BN=c.bn, BK=min(c.bk, max(16, _pow2(k))),
-        num_warps=c.gate_warps, num_stages=c.gate_stages)
-    bko = min(c.bko, max(16, _pow2(k_out)))
-    decode_down_kernel[(-(-k_out // bko), s)](
-        h, h.stride(0), wdt, wdt.stride(0), wdt.stride(1), part, m, n, k_out, c.ns,
-        M_P=mp, CH=min(c.ch, c.ns), BKO=bko, num_warps=c.down_warps)
-    block = max(16, min(1024, FINISH_ELEMS // s_p))
-    nb_ch = max(1, min(_pow2(nb), FINISH_ELEMS // mp))
-    decode_finish_kernel[(-(-(m * k_out) // block) + 1,)](
-        part, b_down if b_down is not None else x2, y, y.stride(0), y.stride(1),
-        cnt, hs, tok, hsum, m, k_out, s, nb,
-        HAS_BD=b_down is not None, S_P=s_p, BLOCK=block, M_P=mp, NB_CH=nb_ch, num_warps=4)
-    return Decoded(y, tok, hsum)
+        wdt, wdt.stride(0), wdt.stride(1),
+        acc, cnt, hs, m, k, n, k_out, ksplit_len,
+        GATED=w_up is not None, HAS_BU=b_up is not None,
+        MB=mb, CH=c.ch, BK=min(c.bk, max(16, _pow2(k))), BKO=bko,
+        num_warps=c.warps, num_stages=c.stages)
+    nb_ch = max(1, min(_pow2(max(nb, nb * nrb)), 8192 // mp))
+    decode_finish_kernel[(-(-(m * k_out) // FINISH_BLOCK) + 1,)](
+        acc, b_down if b_down is not None else x2, y, y.stride(0), y.stride(1),
+        cnt, hs, tok, hs[-1:], m, k_out, nb, nb * nrb,
+        HAS_BD=b_down is not None, BLOCK=FINISH_BLOCK, M_P=mp, NB_CH=nb_ch, num_warps=4)
+    return Decoded(y, tok, hs[-1:])
