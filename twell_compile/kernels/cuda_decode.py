@@ -67,10 +67,8 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
                    b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
                    cfg: Optional[Config] = None) -> Decoded:
     """The FFN for x2 [M, K], M <= MAX_M: cuBLAS gate GEMV, then W_up / W_down rows of active
-    neurons only (four launches: gate GEMM, zeroing of the fp32 accumulator, sparse kernel,
-    finish)."""
-    from twell_compile.kernels.twell_decode import decode_ffn_kernel, decode_finish_kernel
-
+    neurons only. Three launches (gate GEMM, sparse kernel, finish) with the layer's persistent
+    accumulator (weight_cache.register), four otherwise (zero-fill of a fresh one)."""
     m, k = x2.shape
     n, k_out = w_gate.shape[0], w_down.shape[0]
     if m > MAX_M:
@@ -82,19 +80,32 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
                        torch.zeros(1, dtype=torch.float32, device=dev))
     mp = m_pad(m)
     c = cfg or CONFIGS[mp]
+    g = F.linear(x2, w_gate, b_gate)                      # eager's gate GEMM (cuBLAS)
+    wdt = weight_cache.transposed(w_down)
+    persistent = weight_cache.accumulator(w_down, m)
+    if persistent is None:
+        acc = torch.zeros((m, k_out), dtype=torch.float32, device=dev)
+        return _launch(x2, g, w_up, b_up, wdt, b_down, y, acc, False, c, m, k, n, k_out, mp)
+    with persistent as acc:
+        return _launch(x2, g, w_up, b_up, wdt, b_down, y, acc, True, c, m, k, n, k_out, mp)
+
+
+def _launch(x2: Tensor, g: Tensor, w_up: Optional[Tensor], b_up: Optional[Tensor], wdt: Tensor,
+            b_down: Optional[Tensor], y: Tensor, acc: Tensor, rezero: bool, c: Config,
+            m: int, k: int, n: int, k_out: int, mp: int) -> Decoded:
+    from twell_compile.kernels.twell_decode import decode_ffn_kernel, decode_finish_kernel
+
+    dev = x2.device
     mb = min(mp, MAX_MB)
     nrb = -(-m // mb)
     nb = -(-n // c.ch)
     bko = min(c.bko, max(16, _pow2(k_out)))
     ksplit_len = -(-(-(-k_out // c.ksplit)) // bko) * bko
     ksplit = -(-k_out // ksplit_len)
-    g = F.linear(x2, w_gate, b_gate)                      # eager's gate GEMM (cuBLAS)
-    wdt = weight_cache.transposed(w_down)
-    acc = torch.zeros((m, k_out), dtype=torch.float32, device=dev)
     hs = torch.empty(nb * nrb + 1, dtype=torch.float32, device=dev)
     i32 = torch.empty(nb * m + m + 1, dtype=torch.int32, device=dev)
     cnt, tok = i32[: nb * m], i32[nb * m:]
-    wu = w_up if w_up is not None else w_gate
+    wu = w_up if w_up is not None else g
     decode_ffn_kernel[(nb, nrb, ksplit)](
         x2, x2.stride(0), x2.stride(1), g, g.stride(0),
         wu, wu.stride(0), wu.stride(1), b_up if b_up is not None else x2,
@@ -107,5 +118,5 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
     decode_finish_kernel[(-(-(m * k_out) // FINISH_BLOCK) + 1,)](
         acc, b_down if b_down is not None else x2, y, y.stride(0), y.stride(1),
         cnt, hs, tok, hs[-1:], m, k_out, nb, nb * nrb,
-        HAS_BD=b_down is not None, BLOCK=FINISH_BLOCK, M_P=mp, NB_CH=nb_ch, num_warps=4)
+        HAS_BD=b_down is not None, BLOCK=FINISH_BLOCK, M_P=mp, NB_CH=nb_ch, REZERO=rezero, num_warps=4)
     return Decoded(y, tok, hs[-1:])
