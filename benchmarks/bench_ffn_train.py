@@ -82,8 +82,9 @@ def parts(ms, ds, ts, k, n, cfg, reps) -> int:
     from twell_compile.kernels import cuda_train
     from twell_compile.kernels.torch_impl import backup_capacity
 
-    configs = [(4, 4, 4), (4, 8, 4), (4, 4, 8), (8, 8, 8)]   # (row-kernel warps, wgrad warps, entries)
-    print(f"{'M':>6} {'dens':>6} {'tail':>4} {'config':>9} {'gate':>7} {'state':>7} {'fwd':>7} {'bwd':>7} "
+    # (row-kernel warps, wgrad warps, wgrad entries per step, wgrad K chunk)
+    configs = [(4, 4, 8, 256), (4, 4, 16, 256), (4, 8, 16, 512), (4, 4, 4, 128), (4, 2, 8, 128)]
+    print(f"{'M':>6} {'dens':>6} {'tail':>4} {'config':>12} {'gate':>7} {'state':>7} {'fwd':>7} {'bwd':>7} "
           f"{'total':>7}", flush=True)
     for m in ms:
         for d in ds:
@@ -97,16 +98,17 @@ def parts(ms, ds, ts, k, n, cfg, reps) -> int:
                 _, _, *st, _ = fwd()
                 bwd = lambda: cuda_train.backward_sparse(dy, x, wg, None, wu, None, wd, *st, 0.0)
                 t_gate = bench(lambda: F.linear(x, wg), reps, True)
-                for rw, ww, e in configs:
+                default = (cuda_train.WG_WARPS, cuda_train.WG_ENTRIES, cuda_train.WG_BK)
+                for rw, ww, e, bk in configs:
                     cuda_train.FWD_WARPS = cuda_train.BWD_WARPS = rw
-                    cuda_train.WG_WARPS, cuda_train.WG_ENTRIES = ww, e
+                    cuda_train.WG_WARPS, cuda_train.WG_ENTRIES, cuda_train.WG_BK = ww, e, bk
                     t_state = bench(lambda: cuda_train._state(x, g, None, wu, None, wd, None, w, cap, True), reps, True)
                     t_fwd = bench(fwd, reps, True)
                     t_bwd = bench(bwd, reps, True)
-                    print(f"{m:>6} {d:>6} {t:>4} {f'{rw}/{ww}/{e}':>9} {t_gate:>7.3f} {t_state:>7.3f} "
+                    print(f"{m:>6} {d:>6} {t:>4} {f'{rw}/{ww}/{e}/{bk}':>12} {t_gate:>7.3f} {t_state:>7.3f} "
                           f"{t_fwd:>7.3f} {t_bwd:>7.3f} {t_fwd + t_bwd:>7.3f}", flush=True)
-                cuda_train.FWD_WARPS = cuda_train.BWD_WARPS = cuda_train.WG_WARPS = 0
-                cuda_train.WG_ENTRIES = 4
+                cuda_train.FWD_WARPS = cuda_train.BWD_WARPS = 0
+                cuda_train.WG_WARPS, cuda_train.WG_ENTRIES, cuda_train.WG_BK = default
                 del p, x, wg, wu, wd, g, st
     return 0
 

@@ -255,12 +255,12 @@ def test_hf_gradient_checkpointing(monkeypatch):
     model = transformers.LlamaForCausalLM(cfg).cuda()
     ids = torch.randint(0, 128, (4, 256), device="cuda")
 
-    def grads(m, dtype):
-        m = m.to(dtype)
-        m.zero_grad()
-        out = m(input_ids=ids, labels=ids, use_cache=False)
+    def grads(fn, dtype):
+        model.to(dtype)
+        model.zero_grad()
+        out = fn(input_ids=ids, labels=ids, use_cache=False)
         out.loss.backward()
-        return {nm: p.grad.float().clone() for nm, p in m.named_parameters()}
+        return {nm: p.grad.float().clone() for nm, p in model.named_parameters()}
 
     with _no_tf32():
         ref = grads(model, torch.float32)

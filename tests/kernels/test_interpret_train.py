@@ -23,6 +23,7 @@ SCRIPT = textwrap.dedent("""
     from twell_compile.kernels import cuda_train as ct
     from twell_compile.kernels.torch_impl import backup_capacity
     from twell_compile.formats import Hybrid, unpack_hybrid
+    ct.WG_BK = 32          # several K chunks per neuron in the weight-gradient kernel
     torch.manual_seed({seed})
     m, k, n, ko, gated, bias, width, brows, bad, l1, dens = {case}
     dt = torch.float16

@@ -12,7 +12,7 @@ Sparse backward: ``train_bwd_kernel`` (twell_train_bwd.py) gives dx and d_g, d_u
 active pair (quiet rows: at their ELL slots, counted per column); a counting sort groups the
 slots by neuron and ``wgrad_kernel`` (twell_train_wgrad.py) sums dW_g[n], dW_u[n], dW_d^T[n]
 and the bias gradients per neuron from gathered x and dy rows, adding the dense-backup rows'
-cuBLAS products and the recomputed rows' fp32 atomics. No [M, N] buffer anywhere.
+cuBLAS products and recomputing the few rows past the backup. No [M, N] buffer anywhere.
 Dense forward: cuBLAS g, u, relu*u (relu_mul.py), y; the same state from the compaction and
 ``train_fwd_kernel`` with Y=False. Dense backward: g and u recomputed by cuBLAS, dh = dy W_d,
 one in-place elementwise pass (twell_train_dense.py), six cuBLAS products.
@@ -37,16 +37,19 @@ from twell_compile.kernels import cuda_policy
 from twell_compile.kernels.cuda_infer import COMPACT_BM, COMPACT_CH, COMPACT_WARPS, _INTERPRET, _pow2, _rows, _transposed
 from twell_compile.kernels.torch_impl import backup_capacity
 
-# Sparse while the layer's measured density is under this (to be replaced by the H200 grid).
-SPARSE_MAX_DENSITY = 0.012
+# Sparse while the layer's measured density is under this. H200, M=16384, K=2048, N=5632
+# (first version of the backward): sparse 4.03 ms at 28 non-zeros/row, 6.31 at 50, about
+# 1.2 + 0.10 ms per non-zero/row; the dense path 6.1-6.2 ms: crossover near 0.0087.
+SPARSE_MAX_DENSITY = 0.0095
 MIN_TOKENS = 8192
 PAIRS = 4
 CH = 256          # columns per scan step over g / backup rows
 RBK = 64          # K per recompute step in the backward (CH columns x RBK)
 FWD_WARPS = 0     # 0: 4 warps for K, K_out <= 2048, else 8
 BWD_WARPS = 0
-WG_ENTRIES = 4    # entries (x, dy row pairs) per step of the per-neuron weight-gradient kernel
-WG_WARPS = 0
+WG_ENTRIES = 8    # entries (x, dy row pairs) per step of the per-neuron weight-gradient kernel
+WG_BK = 256       # its columns of K (and K_out) per program
+WG_WARPS = 4
 EW_BLOCK = 4096
 _MAX_MODES = 4096
 
@@ -216,14 +219,12 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
     rk = torch.empty((m, width), dtype=i32, device=dev)
     q = torch.empty((m,), dtype=i32, device=dev)
     hist = torch.zeros((n,), dtype=i32, device=dev)
-    # backup rows: dense [C, N]; recomputed rows: fp32 atomics
+    # backup rows: dense [C, N]; rows past it: listed for the per-neuron recompute
     sg = torch.zeros((cap, n), dtype=dt, device=dev)
     su = torch.zeros((cap, n), dtype=dt, device=dev) if gated else sg
     sh = torch.zeros((cap, n), dtype=dt, device=dev)
-    awg = torch.zeros((n, k), dtype=f32, device=dev)
-    awu = torch.zeros((n, k), dtype=f32, device=dev) if gated else awg
-    awd = torch.zeros((n, k_out), dtype=f32, device=dev)
-    ab = torch.zeros((2, n), dtype=f32, device=dev)
+    mlist = torch.empty((max(m, 1),), dtype=i32, device=dev)
+    mctr = torch.zeros((1,), dtype=i32, device=dev)
     w_gate = _rows(w_gate)
     wu = _rows(w_up) if gated else w_gate
     wdt = _transposed(w_down)
@@ -233,7 +234,7 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
             slot_of, bg, bu if gated else bg,
             w_gate, w_gate.stride(0), b_gate if b_gate is not None else w_gate,
             wu, wu.stride(0), b_up if b_up is not None else w_gate, wdt, wdt.stride(0),
-            dx, dx.stride(0), eg, eu, eh, rk, q, hist, sg, su, sh, awg, awu, awd, ab[0], ab[1],
+            dx, dx.stride(0), eg, eu, eh, rk, q, hist, sg, su, sh, mlist, mctr,
             k, n, k_out, float(l1c),
             GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
             K_P=_pow2(k), KO_P=_pow2(k_out), PAIRS=PAIRS, CH=min(CH, _pow2(n)),
@@ -242,24 +243,24 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
     order = torch.empty((max(m * width, 1),), dtype=i32, device=dev)
     if m:
         scatter_kernel[(m,)](cols, rk, q, off, order, width, WP=_pow2(width), num_warps=1)
-    # the backup rows' parts: cuBLAS on the gathered x / dy rows (padding slots: zero rows)
+    # the backup rows' parts: cuBLAS on the gathered x / dy rows (padding slots: zero rows),
+    # written into the outputs that wgrad_kernel then completes in place
     valid = (bidx >= 0).unsqueeze(1)
     rows = bidx.clamp(min=0)
     xb = torch.where(valid, x2[rows], torch.zeros((), dtype=dt, device=dev))
     dyb = torch.where(valid, dy2[rows], torch.zeros((), dtype=dt, device=dev))
-    bwg = sg.t().mm(xb)
-    bwu = su.t().mm(xb) if gated else bwg
-    bwd = sh.t().mm(dyb)
-    dwg = torch.empty((n, k), dtype=dt, device=dev)
-    dwu = torch.empty((n, k), dtype=dt, device=dev) if gated else None
-    dwdt = torch.empty((n, k_out), dtype=dt, device=dev)
+    dwg = sg.t().mm(xb)
+    dwu = su.t().mm(xb) if gated else None
+    dwdt = sh.t().mm(dyb)
+    del xb, dyb
     db = torch.empty((2, n), dtype=f32, device=dev)
-    wgrad_kernel[(n,)](
+    wgrad_kernel[(n, -(-max(k, k_out) // WG_BK))](
         order, off, hist, width, eg, eu, eh, x2, x2.stride(0), dy2, dy2.stride(0),
-        awg, awu, awd, ab[0], ab[1], bwg, bwu, bwd,
+        mlist, mctr, w_gate, w_gate.stride(0), b_gate if b_gate is not None else w_gate,
+        wu, wu.stride(0), b_up if b_up is not None else w_gate, wdt, wdt.stride(0), float(l1c),
         dwg, dwu if gated else dwg, dwdt, db[0], db[1], k, k_out,
-        GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
-        K_P=_pow2(k), KO_P=_pow2(k_out), E=WG_ENTRIES, num_warps=WG_WARPS or _warps(k, k_out, 0))
+        GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
+        BKW=WG_BK, E=WG_ENTRIES, num_warps=WG_WARPS)
     db_gate = (db[0] + sg.float().sum(0)).to(dt) if b_gate is not None else None
     db_up = (db[1] + su.float().sum(0)).to(dt) if (gated and b_up is not None) else None
     return dx, dwg, db_gate, dwu, db_up, dwdt.t().contiguous()
@@ -298,7 +299,7 @@ def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[T
     m = x2.shape[0]
     l1c = l1_scale / max(m * n, 1) if l1_scale else 0.0
     key = (x.device, x.dtype, k, n, k_out, w_up is not None)
-    if _mode(counts, key):
+    if m and _mode(counts, key):
         out = backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, counts, cols, ell_g,
                               ell_u, backup_idx, backup_g, backup_u, l1c)
     else:

@@ -16,8 +16,9 @@ Rows, and where (d_g, d_u, h) go for the weight gradients:
     time, non-zeros picked with a prefix count (as twell_rows' tail); values into row ``slot``
     of zero-filled [C, N] buffers (cuBLAS products with the gathered x / dy rows). q[m] = 0.
   * other busy rows (past the backup, or non-finite dy): g and u recomputed from x, CH columns
-    x BK of K per step, fp32 rounded to the dtype (as cuBLAS rounds); contributions added
-    with fp32 atomics straight into the weight-gradient accumulators. q[m] = 0. Rare by design.
+    x BK of K per step, fp32 rounded to the dtype (as cuBLAS rounds), for dx; the row is
+    appended to mlist (atomic counter) and wgrad_kernel recomputes its weight-gradient terms
+    per neuron. q[m] = 0. Rare by design (slow, exact).
 Rows with non-finite x or dy take every column, so NaN/Inf spread as in dense autograd
 (d_u = NaN * 0 on the whole row of a non-finite dy, 0 * NaN in the products with x).
 """
@@ -71,7 +72,7 @@ def train_bwd_kernel(
     dx_ptr, sdx_m,
     eg_ptr, eu_ptr, eh_ptr, rk_ptr, q_ptr, hist_ptr,      # quiet rows: per-slot values, ranks
     sg_ptr, su_ptr, sh_ptr,                               # backup rows: [C, N] buffers
-    awg_ptr, awu_ptr, awd_ptr, abg_ptr, abu_ptr,          # other busy rows: fp32 accumulators
+    mlist_ptr, mctr_ptr,                                  # other busy rows: listed
     K, N, KO, l1c,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, L1: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
@@ -119,6 +120,9 @@ def train_bwd_kernel(
     # 2. busy rows: the dense backup row, or g and u recomputed from x
     slot = tl.load(slot_ptr + m)
     ins = slot >= 0
+    lost = busy & (~ins)
+    at = tl.atomic_add(mctr_ptr, 1, mask=lost)              # listed for wgrad_kernel
+    tl.store(mlist_ptr + tl.where(lost, at, 0), m.to(tl.int32), mask=lost)
     brow = slot.to(tl.int64) * N
     cc = tl.arange(0, CH)
     for c0 in range(tl.where(busy, 0, N), N, CH):
@@ -157,15 +161,4 @@ def train_bwd_kernel(
                 tl.store(sh_ptr + brow + tn, h.to(dt), mask=t_live)
                 if GATED:
                     tl.store(su_ptr + brow + tn, du.to(dt), mask=t_live)
-            else:
-                km = t_live[:, None] & k_ok[None, :]
-                tl.atomic_add(awg_ptr + tn[:, None] * K + ks[None, :], dg[:, None] * xr[None, :], mask=km)
-                tl.atomic_add(awd_ptr + tn[:, None] * KO + ko[None, :], h[:, None] * dyr[None, :],
-                              mask=t_live[:, None] & ko_ok[None, :])
-                if HAS_BG:
-                    tl.atomic_add(abg_ptr + tn, dg, mask=t_live)
-                if GATED:
-                    tl.atomic_add(awu_ptr + tn[:, None] * K + ks[None, :], du[:, None] * xr[None, :], mask=km)
-                    if HAS_BU:
-                        tl.atomic_add(abu_ptr + tn, du, mask=t_live)
     tl.store(dx_ptr + m * sdx_m + ks, dxa.to(dx_ptr.dtype.element_ty), mask=k_ok)

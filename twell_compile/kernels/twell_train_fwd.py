@@ -3,7 +3,8 @@
 
 One program per token row m, x row and y row in registers:
   * busy rows (count > W, or x holding NaN/Inf) take a backup slot from an atomic counter;
-    a slot < C stores the row's relu(g) densely (backup_g) and u at its non-zeros (backup_u);
+    a slot < C stores the row's relu(g) densely (backup_g) and u at its non-zeros (backup_u,
+    every column for non-finite x; zero elsewhere);
     busy rows past C are left to the backward, which recomputes them exactly from x.
   * list loop over the first min(count, W) listed pairs: u = x . W_u[n] (+ b_u), h = g * u,
     y += h * W_d^T[n]; (col, g, u) written to the ELL slots (cols, ell_g, ell_u).
@@ -65,6 +66,7 @@ def train_fwd_kernel(
     acc = tl.zeros((KO_P,), dtype=tl.float32)
     hs = tl.zeros((PAIRS,), dtype=tl.float32)
     lrow = m * W
+    brow = slot.to(tl.int64) * N
 
     # 1. the listed pairs: ELL slots, and y unless the row's x is non-finite
     live = pa < nl
@@ -81,6 +83,7 @@ def train_fwd_kernel(
         tl.store(ellg_ptr + lrow + p, gq, mask=live)
         if GATED:
             tl.store(ellu_ptr + lrow + p, u.to(dt), mask=live)
+            tl.store(bu2_ptr + brow + n, u.to(dt), mask=tl.where(ins, live, False))
         if Y:
             h = gv * u if GATED else gv
             h = tl.where(live & (~bad), h, 0.0)
@@ -96,7 +99,6 @@ def train_fwd_kernel(
         start = tl.where(ins | bad, 0, tl.where(over, last + 1, N))
     else:
         start = tl.where(ins, 0, N)
-    brow = slot.to(tl.int64) * N
     cc = tl.arange(0, CH)
     for c0 in range(start, N, CH):
         cn = c0 + cc
@@ -115,11 +117,12 @@ def train_fwd_kernel(
             t_live = j <= na
             tn = (c0 + tl.sum(tl.where(sel, cc[None, :], 0), axis=1)).to(tl.int64)
             tg = tl.sum(tl.where(sel, vf[None, :], 0.0), axis=1)
-            u = _up(xr, tn, t_live, wu_ptr, swu_n, bu_ptr, ks, k_ok, u_ptr, su_m, m, GATED, HAS_BU, Y)
+            # columns the list loop did not take (all of them for non-finite x)
+            take = tl.where(bad, t_live, tl.where(over, t_live & (tn > last), False))
+            u = _up(xr, tn, take, wu_ptr, swu_n, bu_ptr, ks, k_ok, u_ptr, su_m, m, GATED, HAS_BU, Y)
             if GATED:
-                tl.store(bu2_ptr + brow + tn, u.to(dt), mask=tl.where(ins, t_live, False))
+                tl.store(bu2_ptr + brow + tn, u.to(dt), mask=tl.where(ins, take, False))
             if Y:
-                take = tl.where(bad, t_live, tl.where(over, t_live & (tn > last), False))
                 h = tg * u if GATED else tg
                 h = tl.where(take, h, 0.0)
                 wd = tl.load(wdt_ptr + tn[:, None] * swd_n + ko[None, :], mask=take[:, None] & ko_ok[None, :], other=0.0)
