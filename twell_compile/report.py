@@ -44,9 +44,9 @@ class Report:
 
     def add_rewrite(self, entry: RewriteEntry) -> None:
         self.rewrites.append(entry)
-        log.info("twell: rewrote %s (%s, %s, N=%d, K=%d, %s) -> %s", entry.layer or "<ffn>",
+        log.info("twell: rewrote %s (%s, %s, N=%d, K=%d, %s) -> %s%s", entry.layer or "<ffn>",
                  "gated" if entry.gated else "non-gated", entry.dtype, entry.n, entry.k,
-                 entry.tokens_shape, entry.op)
+                 entry.tokens_shape, entry.op, " (prepared)" if entry.via == "prepare" else "")
 
     def add_rejection(self, entry: RejectionEntry) -> None:
         self.rejections.append(entry)
