@@ -109,6 +109,15 @@ def parts(ms, ds, ts, k, n, cfg, reps) -> int:
                           f"{t_fwd:>7.3f} {t_bwd:>7.3f} {t_fwd + t_bwd:>7.3f}", flush=True)
                 cuda_train.FWD_WARPS = cuda_train.BWD_WARPS = 0
                 cuda_train.WG_WARPS, cuda_train.WG_ENTRIES, cuda_train.WG_BK = default
+                # per-kernel device time of 10 steps, default configuration
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(10):
+                        _, _, *st2, _ = fwd()
+                        bwd()
+                    torch.cuda.synchronize()
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+                del st2
                 del p, x, wg, wu, wd, g, st
     return 0
 
@@ -141,6 +150,13 @@ def main(argv=None) -> int:
         from twell_compile.kernels import cuda_train
     if args.parts:
         return parts(ms, ds, ts, k, n, cfg, args.reps)
+    if args.out:
+        out = Path(args.out)
+    elif cuda:
+        out = Path(__file__).resolve().parent / "results" / gpu_name() / "ffn_training.json"
+    else:
+        out = Path("/tmp/ffn_training_quick.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     hdr = (f"{'M':>6} {'dens':>6} {'tail':>4} {'nnz/r':>6} {'busy%':>5} {'dense':>7} {'induct':>7} {'twell':>7} "
            f"{'sparse':>7} {'dpath':>7} {'x_dns':>6} {'x_ind':>6} {'d_MiB':>7} {'t_MiB':>7} {'mem%':>5} "
@@ -218,6 +234,7 @@ def main(argv=None) -> int:
                            ell_width=cfg.ell_width, path=path,
                            gpu=torch.cuda.get_device_name() if cuda else "cpu")
                 rows.append(row)
+                out.write_text(json.dumps(rows, indent=1))       # after every row: partial runs keep theirs
                 print(f"{m:>6} {d:>6} {t:>4} {nnz:>6.1f} {busy:>5.1f} {dense_ms:>7.3f} {ind_ms:>7.3f} "
                       f"{twell_ms:>7.3f} {sparse_ms:>7.3f} {dpath_ms:>7.3f} {dense_ms / twell_ms:>6.2f} "
                       f"{ind_ms / twell_ms:>6.2f} {dense_peak:>7.0f} {twell_peak:>7.0f} "
@@ -226,13 +243,6 @@ def main(argv=None) -> int:
                 del p, x, wg, wu, wd, params, dy, dense, twell
         del inductor
         torch._dynamo.reset()
-    if args.out:
-        out = Path(args.out)
-    elif cuda:
-        out = Path(__file__).resolve().parent / "results" / gpu_name() / "ffn_training.json"
-    else:
-        out = Path("/tmp/ffn_training_quick.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
     print(f"wrote {out} ({len(rows)} rows)")
     return 0

@@ -26,8 +26,15 @@ Hybrid, for h [M, N] and ELL width ``width``:
     cols       [M, width]  int32    their columns (0 .. N-1); unused slots hold 0
     counts     [M]         int32    non-zeros in the row; may exceed ``width``
     backup_rows[C]         int64    rows with counts > width, ascending, then -1 padding;
-                                    C is the backup capacity (all such rows by default)
+                                    C is the backup capacity (all such rows by default).
+                                    The CUDA training kernels hand out slots with an atomic
+                                    counter: any order there, and rows whose x is non-finite
+                                    count as busy too
     backup     [C, N]      h.dtype  those rows, dense; padding rows are zero
+
+The training op saves this format twice over the same cols/counts/backup_rows: for h_g and
+for the up projection u (u is read only where h_g is non-zero, or on rows with non-finite x;
+the CUDA kernels store zeros elsewhere in the backup, torch_impl the whole row).
 
 Rows with counts > width that do not fit the backup are *missing*: ``unpack_hybrid`` refuses
 them unless a ``recompute`` callback supplies them (the training op recomputes them exactly

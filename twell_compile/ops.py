@@ -22,10 +22,11 @@ from torch import Tensor
 from twell_compile import dispatch
 from twell_compile.kernels.torch_impl import backup_capacity
 
-# The training ops run the plain-PyTorch path on every device today; its hybrid packing and
-# the exact recompute of rows beyond the dense backup use data-dependent indexing (a host
-# sync), so CUDA-graph capture must leave them out: Inductor then splits the graph around
-# them instead of skipping CUDA graphs. Drop the tag once the training kernels are sync-free.
+# The CUDA bf16/fp16 training path (kernels/cuda_train.py) is sync-free and captures in a CUDA
+# graph (tests/kernels/test_cuda_train.py), but tags are per op, not per device or dtype: CUDA
+# fp32 (and widths the kernels do not take) run the plain-PyTorch path, whose hybrid packing
+# and exact recompute use data-dependent indexing (host syncs). So capture must leave these
+# ops out: Inductor splits CUDA graphs around them instead of skipping CUDA graphs.
 _TRAIN_TAGS = (torch.Tag.cudagraph_unsafe,)
 
 
