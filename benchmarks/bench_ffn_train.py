@@ -82,9 +82,10 @@ def parts(ms, ds, ts, k, n, cfg, reps) -> int:
     from twell_compile.kernels import cuda_train
     from twell_compile.kernels.torch_impl import backup_capacity
 
-    # (row-kernel warps, wgrad warps, wgrad entries per step, wgrad K chunk)
-    configs = [(4, 4, 8, 256), (4, 4, 16, 256), (4, 8, 16, 512), (4, 4, 4, 128), (4, 2, 8, 128)]
-    print(f"{'M':>6} {'dens':>6} {'tail':>4} {'config':>12} {'gate':>7} {'state':>7} {'fwd':>7} {'bwd':>7} "
+    configs = [(4, 4, 4, 8, 256), (4, 8, 4, 8, 256), (4, 4, 4, 16, 256), (4, 4, 8, 16, 512),
+               (4, 4, 4, 4, 128), (4, 4, 2, 8, 128)]
+    totals = {c: 0.0 for c in configs}
+    print(f"{'M':>6} {'dens':>6} {'tail':>4} {'config':>14} {'gate':>7} {'state':>7} {'fwd':>7} {'bwd':>7} "
           f"{'total':>7}", flush=True)
     for m in ms:
         for d in ds:
@@ -98,17 +99,16 @@ def parts(ms, ds, ts, k, n, cfg, reps) -> int:
                 _, _, *st, _ = fwd()
                 bwd = lambda: cuda_train.backward_sparse(dy, x, wg, None, wu, None, wd, *st, 0.0)
                 t_gate = bench(lambda: F.linear(x, wg), reps, True)
-                default = (cuda_train.WG_WARPS, cuda_train.WG_ENTRIES, cuda_train.WG_BK)
-                for rw, ww, e, bk in configs:
-                    cuda_train.FWD_WARPS = cuda_train.BWD_WARPS = rw
-                    cuda_train.WG_WARPS, cuda_train.WG_ENTRIES, cuda_train.WG_BK = ww, e, bk
+                default = current_config(cuda_train)
+                for cfg_ in configs:
+                    set_config(cuda_train, cfg_)
                     t_state = bench(lambda: cuda_train._state(x, g, None, wu, None, wd, None, w, cap, True), reps, True)
                     t_fwd = bench(fwd, reps, True)
                     t_bwd = bench(bwd, reps, True)
-                    print(f"{m:>6} {d:>6} {t:>4} {f'{rw}/{ww}/{e}/{bk}':>12} {t_gate:>7.3f} {t_state:>7.3f} "
+                    totals[cfg_] += t_fwd + t_bwd
+                    print(f"{m:>6} {d:>6} {t:>4} {','.join(map(str, cfg_)):>14} {t_gate:>7.3f} {t_state:>7.3f} "
                           f"{t_fwd:>7.3f} {t_bwd:>7.3f} {t_fwd + t_bwd:>7.3f}", flush=True)
-                cuda_train.FWD_WARPS = cuda_train.BWD_WARPS = 0
-                cuda_train.WG_WARPS, cuda_train.WG_ENTRIES, cuda_train.WG_BK = default
+                set_config(cuda_train, default)
                 # per-kernel device time of 10 steps, default configuration
                 from torch.profiler import ProfilerActivity, profile
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -119,7 +119,19 @@ def parts(ms, ds, ts, k, n, cfg, reps) -> int:
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
                 del st2
                 del p, x, wg, wu, wd, g, st
+    best = min(totals, key=totals.get)
+    print("config: row-kernel warps, pairs per step, wgrad warps, wgrad entries per step, wgrad K chunk")
+    print("best config " + ",".join(map(str, best)), flush=True)
     return 0
+
+
+def current_config(ct) -> tuple:
+    return (ct.FWD_WARPS, ct.PAIRS, ct.WG_WARPS, ct.WG_ENTRIES, ct.WG_BK)
+
+
+def set_config(ct, c) -> None:
+    ct.FWD_WARPS = ct.BWD_WARPS = c[0]
+    ct.PAIRS, ct.WG_WARPS, ct.WG_ENTRIES, ct.WG_BK = c[1:]
 
 
 def main(argv=None) -> int:
@@ -134,6 +146,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=100, help="do_bench rep (ms)")
     ap.add_argument("--parts", action="store_true",
                     help="instead of the grid: time each stage of the sparse path at each (M, density, tail)")
+    ap.add_argument("--config", default=None,
+                    help="kernel constants for the grid: warps,pairs,wgrad_warps,wgrad_entries,wgrad_k "
+                         "(as --parts prints them; default: cuda_train's)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>/ffn_training.json)")
     args = ap.parse_args(argv)
     cuda = not args.quick
@@ -150,6 +165,10 @@ def main(argv=None) -> int:
         from twell_compile.kernels import cuda_train
     if args.parts:
         return parts(ms, ds, ts, k, n, cfg, args.reps)
+    if args.config:
+        from twell_compile.kernels import cuda_train as ct
+        set_config(ct, tuple(int(v) for v in args.config.split(",")))
+        print("kernel config", current_config(ct))
     if args.out:
         out = Path(args.out)
     elif cuda:
