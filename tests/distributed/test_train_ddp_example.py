@@ -13,8 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
-def test_train_ddp_example_on_two_cpu_processes(wrap, tmp_path):
+def test_train_ddp_example_on_two_cpu_processes(tmp_path, wrap="ddp"):
+    # ~45 s on 2 cores (compiles dominate); --wrap fsdp2 passes the same checks (run by hand:
+    # FSDP2 itself is covered in test_ddp_fsdp.py).
     out = tmp_path / "summary.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "examples" / "train_ddp.py"), "--device", "cpu", "--tiny", "--wrap", wrap, "--steps", "3",
