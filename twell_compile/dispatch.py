@@ -60,7 +60,8 @@ def static_dense_reason(device: torch.device, dtype: torch.dtype, m: Optional[in
     and the per-row path's minimum, and very wide layers at prefill sizes to eager's dense
     calls, which are slower than letting Inductor compile the FFN (per-call host overhead:
     0.35x of Inductor on a 30M-parameter model at 4096 tokens, H200, docs/training.md).
-    Decode-sized M (<= DECODE_MAX_M) and dynamic M are rewritten.
+    Decode-sized M (<= DECODE_MAX_M) is rewritten where the decode rule can pick the decode
+    path (its cost model at density 0, the best case), dynamic M always.
     """
     if device.type != "cuda":
         return None
@@ -71,6 +72,9 @@ def static_dense_reason(device: torch.device, dtype: torch.dtype, m: Optional[in
     if m is not None and cp.DECODE_MAX_M < m < cp.MIN_TOKENS:
         return (f"{m} tokens: above the decode path's {cp.DECODE_MAX_M} and below the per-row path's "
                 f"{cp.MIN_TOKENS}, where the CUDA sparse kernels lose to dense")
+    if m is not None and 1 <= m <= cp.DECODE_MAX_M and not cp.decode_wins(0.0, m, k, n, k_out, True):
+        return (f"{m} tokens: the CUDA decode path's cost model (measured on H200) has dense "
+                f"faster for this layer even at density 0")
     if m is not None and m >= cp.MIN_TOKENS and (k > cp.MAX_WIDTH or k_out > cp.MAX_WIDTH or n > cp.MAX_N):
         return f"layer too wide for the CUDA sparse kernels (K={k}, K_out={k_out}, N={n})"
     return None
