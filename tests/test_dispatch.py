@@ -20,7 +20,7 @@ def test_cuda_fp32_is_dense():
 def test_cuda_static_tokens_between_the_sparse_paths_are_dense_but_dynamic_tokens_are_not():
     for few in (cuda_policy.DECODE_MAX_M + 1, cuda_policy.MIN_TOKENS - 1):
         assert f"{few} tokens" in dispatch.static_dense_reason(CUDA, torch.bfloat16, few, 2048, 5632, 2048)
-    for m in (1, cuda_policy.DECODE_MAX_M, cuda_policy.MIN_TOKENS, None):   # decode, per-row, dynamic
+    for m in (cuda_policy.MIN_TOKENS, None):   # per-row, dynamic (decode sizes: tests/kernels/test_decode.py)
         assert dispatch.static_dense_reason(CUDA, torch.bfloat16, m, 2048, 5632, 2048) is None
 
 
@@ -28,6 +28,5 @@ def test_cuda_too_wide_is_dense_at_prefill_sizes_only():
     big = cuda_policy.MIN_TOKENS
     assert "wide" in dispatch.static_dense_reason(CUDA, torch.float16, big, cuda_policy.MAX_WIDTH + 1, 64, 64)
     assert "wide" in dispatch.static_dense_reason(CUDA, torch.float16, big, 64, cuda_policy.MAX_N + 1, 64)
-    # the decode path takes any width, and a dynamic M may be decode-sized
-    assert dispatch.static_dense_reason(CUDA, torch.float16, 1, cuda_policy.MAX_WIDTH + 1, 64, 64) is None
+    # a dynamic M may be decode-sized: the decode path takes any width
     assert dispatch.static_dense_reason(CUDA, torch.float16, None, 64, cuda_policy.MAX_N + 1, 64) is None

@@ -168,18 +168,45 @@ def test_weight_cache_view_of_parameter_follows_the_parameter():
     weight_cache.clear()
 
 
-def test_union_fraction_and_decode_cost_model():
+@pytest.fixture
+def decode_wins_everywhere(monkeypatch):
+    """Cost-model constants under which the decode path wins at density 0 for any shape: tests
+    of the mechanism (the H200 constants pick dense for every measured shape)."""
+    monkeypatch.setattr(cuda_policy, "DEC_FIXED_US", 0.0)
+    monkeypatch.setattr(cuda_policy, "DEC_GBPS", cuda_policy.DENSE_GBPS)
+    monkeypatch.setattr(cuda_policy, "DENSE_FIXED_US", 1.0)
+
+
+def test_union_fraction():
     assert cuda_policy.union_fraction(0.005, 1) == pytest.approx(0.005)
     assert cuda_policy.union_fraction(0.2, 64) > 0.999
     assert cuda_policy.union_fraction(0.0, 64) == 0.0
-    # sparse decode wins, dense wins where every neuron is active in some row
+
+
+def test_decode_cost_model_mechanism(monkeypatch):
+    # constants of the first H200 run's policy: decode wins while the union is small
+    for name, value in (("DEC_FIXED_US", 4.5), ("DEC_GBPS", 3500.0), ("DENSE_FIXED_US", 2.0), ("DENSE_GBPS", 3500.0)):
+        monkeypatch.setattr(cuda_policy, name, value)
     assert cuda_policy.decode_wins(0.005, 1, 2048, 5632, 2048, True)
     assert cuda_policy.decode_wins(0.005, 16, 2048, 5632, 2048, True)
     assert not cuda_policy.decode_wins(1.0, 64, 2048, 5632, 2048, True)
     assert not cuda_policy.decode_wins(0.2, 64, 4096, 11008, 4096, True)
+    assert not cuda_policy.decode_wins(0.0, 1, 64, 256, 64, True)      # tiny layer: fixed costs
 
 
-def test_static_dense_reason_lets_decode_sizes_through():
+def test_shipped_decode_constants_pick_the_faster_path_on_the_h200_grid():
+    """Every point of the committed H200 decode grid: the rule says decode exactly where the
+    forced decode kernels beat dense (they never did: see docs/inference.md, Decode)."""
+    import json
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200" / "ffn_decode.json"
+    rows = json.loads(path.read_text())
+    assert len(rows) == 56
+    for r in rows:
+        faster = r["kernel_ms"] < r["dense_ms"]
+        assert cuda_policy.decode_wins(r["density"], r["M"], r["K"], r["N"], r["K"], True) == faster, r
+
+
+def test_static_dense_reason_for_decode_sizes(decode_wins_everywhere, monkeypatch):
     cuda = torch.device("cuda")
     cp = cuda_policy
     for m in (1, 16, cp.DECODE_MAX_M, None):
@@ -190,6 +217,12 @@ def test_static_dense_reason_lets_decode_sizes_through():
     assert dispatch.static_dense_reason(cuda, torch.float16, 1, cp.MAX_WIDTH + 1, 64, 64) is None
     assert "wide" in dispatch.static_dense_reason(cuda, torch.float16, cp.MIN_TOKENS, cp.MAX_WIDTH + 1, 64, 64)
     assert "float32" in dispatch.static_dense_reason(cuda, torch.float32, 1, 2048, 5632, 2048)
+    # with the shipped (H200) constants, a static decode-sized FFN of these shapes stays with
+    # Inductor; a dynamic M is still rewritten
+    monkeypatch.undo()
+    why = dispatch.static_dense_reason(cuda, torch.bfloat16, 1, 2048, 5632, 2048)
+    assert why and "1 tokens" in why and "decode" in why
+    assert dispatch.static_dense_reason(cuda, torch.bfloat16, None, 2048, 5632, 2048) is None
 
 
 def test_backend_registers_w_down_of_rewritten_ffns(monkeypatch):
@@ -397,11 +430,15 @@ def test_weight_updated_in_place_after_caching_gives_new_result():
 
 @gpu
 def test_op_dispatch_by_m_and_density(monkeypatch):
-    """M <= DECODE_MAX_M runs the decode kernels (also before any measurement); the lagged
-    density then switches a busy layer at M = 64 to dense; M between the paths runs dense."""
+    """M <= DECODE_MAX_M runs the decode kernels where the rule says so (before any
+    measurement: at density 0); the lagged density then switches a busy layer at M = 64 to
+    dense; M between the paths runs dense. Constants of the first H200 run's policy (under
+    the shipped ones every point here runs dense)."""
     from twell_compile.kernels import cuda_decode
     from twell_compile.reference import ffn_dense
     cuda_policy.reset()
+    for name, value in (("DEC_FIXED_US", 4.5), ("DEC_GBPS", 3500.0), ("DENSE_FIXED_US", 2.0), ("DENSE_GBPS", 3500.0)):
+        monkeypatch.setattr(cuda_policy, name, value)
     calls = []
     real = cuda_decode.decode_forward
     monkeypatch.setattr(cuda_decode, "decode_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -437,7 +474,7 @@ class _MLP(nn.Module):
 
 
 @gpu
-def test_compile_reduce_overhead_decode(monkeypatch):
+def test_compile_reduce_overhead_decode(monkeypatch, decode_wins_everywhere):
     from torch._dynamo.utils import counters
     from twell_compile.kernels import cuda_decode
     cuda_policy.reset()

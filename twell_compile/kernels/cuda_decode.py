@@ -38,11 +38,13 @@ class Config(NamedTuple):
     ksplit: int    # programs per chunk along K_out (each recomputes the chunk's u from L2)
 
 
-# By padded M. Measured on H200 by benchmarks/tune_decode.py (docs/inference.md "Decode").
+# By padded M: the winners of benchmarks/tune_decode.py on H200 (results/h200/decode_run2/
+# tune.log; K=2048 N=5632 M=1, d 0.005: 46.9 us vs 38.6-54.5 us for the other variants, best
+# mean over both shapes). 128 and 256 (M above the policy's threshold) untuned.
 CONFIGS = {
-    16: Config(32, 256, 128, 4, 3, 1),
-    32: Config(64, 128, 128, 4, 3, 1),
-    64: Config(64, 128, 128, 4, 3, 1),
+    16: Config(128, 64, 128, 4, 3, 1),
+    32: Config(128, 64, 128, 4, 3, 1),
+    64: Config(128, 64, 128, 4, 3, 1),
     128: Config(64, 128, 128, 4, 3, 1),
     256: Config(64, 128, 128, 4, 3, 1),
 }

@@ -31,11 +31,14 @@ Three rules, in this order:
        DEC_FIXED_US + bytes(W_g + u * (W_u + W_d)) / DEC_GBPS
            <  DEC_MARGIN * (DENSE_FIXED_US + bytes(W_g + W_u + W_d) / DENSE_GBPS)
 
-   (decode_wins). Before the layer's first measurement lands it runs (a ReLU layer the backend
-   rewrote is expected sparse, and a CUDA graph recorded on the second call, as
-   reduce-overhead's cudagraph trees do, would otherwise keep dense forever); its worst case,
-   density 1, is in docs/inference.md. The decode kernels write the non-zero count, so the
-   probe works as on the per-row path.
+   (decode_wins). Before the layer's first measurement lands the rule is evaluated at density
+   0, the best case (a ReLU layer the backend rewrote is expected sparse, and a CUDA graph
+   recorded on the second call, as reduce-overhead's cudagraph trees do, would otherwise keep
+   dense forever). The decode kernels write the non-zero count, so the probe works as on the
+   per-row path. The constants are a least-squares fit to the H200 run (tune_decode.py): there
+   the decode kernels measured slower than dense at every point (docs/inference.md,
+   "Decode"), so the rule picks dense for every measured shape, density 0 included, and
+   dispatch.static_dense_reason leaves static decode-sized FFNs of such shapes to Inductor.
 
 Under CUDA-graph capture nothing is polled or copied: the graph records the path chosen by
 the calls before capture (torch.compile's reduce-overhead mode runs warm-up calls first).
@@ -63,11 +66,15 @@ MARGIN = 0.95
 MIN_TOKENS = 8192      # H200 d=0.005: M=4096 twell 0.48 vs dense 0.44 ms, M=1024 0.20 vs 0.12
 MAX_WIDTH = 8192
 # Decode rule (rule 3), H200 bf16: measured with benchmarks/bench_ffn.py --decode.
+# Fit (benchmarks/tune_decode.py, results/h200/decode_run2/decode_policy.json) to 18 CUDA-graph
+# timings per path, K=2048/N=5632 and K=4096/N=11008, M 1/16/64, d 0.005/0.05/0.2: dense 34.0 us
+# at K=2048 M=1 (69 MB), decode 46.8 us whatever the density (its kernels are latency-bound,
+# ~36 us of fixed cost): decode never wins at these shapes.
 DECODE_MAX_M = 64
-DEC_FIXED_US = 4.5     # 3 launches (gate, down, finish) in a graph, vs dense's 3 GEMMs + relu*up
-DEC_GBPS = 3500.0
-DENSE_FIXED_US = 2.0
-DENSE_GBPS = 3500.0
+DEC_FIXED_US = 36.1
+DEC_GBPS = 1863.0
+DENSE_FIXED_US = 17.08
+DENSE_GBPS = 3841.0
 DEC_MARGIN = 0.95
 MAX_N = 65536          # the per-row lists pack the column in 16 bits
 PROBE_EVERY = 64
@@ -144,11 +151,12 @@ def use_twell(key: tuple, gated: bool) -> bool:
 
 
 def use_decode(key: tuple, m: int, k: int, n: int, k_out: int, gated: bool) -> bool:
-    """True: run the decode path this call (also before the first measurement). Never syncs."""
+    """True: run the decode path this call (before the first measurement: if it wins at
+    density 0). Never syncs."""
     st = _state(key)
     if not torch.cuda.is_current_stream_capturing():
         _poll(st)
-    return st.density is None or decode_wins(st.density, m, k, n, k_out, gated)
+    return decode_wins(0.0 if st.density is None else st.density, m, k, n, k_out, gated)
 
 
 def wants_probe(key: tuple, twell: bool) -> bool:
