@@ -300,7 +300,7 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Re
         gm, why = _trace(module)
         spec = None
         if gm is not None:
-            spec, why = _spec_of(module, gm, name, config)
+            spec, why = _spec_of(module, gm, name or "ffn", config)   # "ffn": the model itself is one FFN
         if spec is None:
             if why and gm is not None:
                 report.add_rejection(RejectionEntry(name, why, ""))
