@@ -19,6 +19,7 @@ ops (exact), and the twell backend reports these nodes as "prepared" rewrites.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -313,7 +314,7 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Re
         return report
     scale = config.l1 / (config.l1_layers or len(found))
     for module, spec in reversed(found):
-        spec = FFNSpec(**{**spec.__dict__, "l1_scale": float(scale)})
+        spec = dataclasses.replace(spec, l1_scale=float(scale))
         setattr(module, _SPEC, spec)
         module.__class__ = _prepared_class(type(module))
         wg = _get(module, spec.gate.weight)
