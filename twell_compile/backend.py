@@ -110,10 +110,13 @@ def _real_tensor(node: Any, gm: fx.GraphModule, inputs: dict[fx.Node, Any]) -> O
 
 
 def reserve_weight_copies(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
-    """Make the W_down^T copy (kernels/weight_cache.py) of every rewritten CUDA bf16/fp16
-    inference FFN now, outside any CUDA-graph pool: +1 copy of W_down per layer. Weights inside
-    subgraphs or computed in the graph are not found here and are transposed per call."""
-    from twell_compile.kernels import weight_cache
+    """Make the W_down^T copy and decode accumulator (kernels/weight_cache.py) of every
+    rewritten CUDA bf16/fp16 inference FFN whose decode path can win (the decode rule at M=1,
+    density 0: its best case) now, outside any CUDA-graph pool: +1 copy of W_down per such
+    layer. Other layers (on H200 every measured shape) keep transposing per call on the per-row
+    path (~15 us of ~1.2 ms). Weights inside subgraphs or computed in the graph are not found
+    here and are transposed per call."""
+    from twell_compile.kernels import cuda_policy, weight_cache
     from twell_compile.ops import arg_index
 
     op = torch.ops.twell.ffn.default
@@ -122,9 +125,18 @@ def reserve_weight_copies(gm: fx.GraphModule, example_inputs: list[Any]) -> None
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is not op:
             continue
-        wd_node = node.args[arg_index(op, "w_down")]
-        wd = _real_tensor(wd_node, gm, inputs)
+        wd = _real_tensor(node.args[arg_index(op, "w_down")], gm, inputs)
         if wd is None or not weight_cache.wanted(wd):
+            continue
+        gate = node.args[arg_index(op, "w_gate")]
+        wg = _real_tensor(gate, gm, inputs)
+        if wg is None and isinstance(gate, fx.Node):
+            wg = gate.meta.get("example_value", gate.meta.get("val"))
+        if not isinstance(wg, torch.Tensor) or wg.dim() != 2:
+            continue
+        (n, k), k_out = wg.shape, wd.shape[0]
+        gated = node.args[arg_index(op, "w_up")] is not None
+        if not cuda_policy.decode_wins(0.0, 1, int(k), int(n), int(k_out), gated):
             continue
         base = wd if wd._base is None else wd._base
         weight_cache.register(wd.detach(), base=base)

@@ -225,8 +225,9 @@ def test_static_dense_reason_for_decode_sizes(decode_wins_everywhere, monkeypatc
     assert dispatch.static_dense_reason(cuda, torch.bfloat16, None, 2048, 5632, 2048) is None
 
 
-def test_backend_registers_w_down_of_rewritten_ffns(monkeypatch):
-    """The compile-time hook finds the real W_down parameter behind each rewritten FFN."""
+def test_backend_registers_w_down_of_rewritten_ffns(monkeypatch, decode_wins_everywhere):
+    """The compile-time hook finds the real W_down parameter behind each rewritten FFN whose
+    decode path can win (and none where the cost model says it cannot)."""
     from twell_compile import backend
 
     seen = []
@@ -259,6 +260,10 @@ def test_backend_registers_w_down_of_rewritten_ffns(monkeypatch):
     assert len(seen) == 1
     w, base = seen[0]
     assert base is model.down_proj.weight and w.data_ptr() == base.data_ptr()
+    monkeypatch.setattr(cuda_policy, "DEC_FIXED_US", 1e6)     # decode can never win
+    seen.clear()
+    backend.reserve_weight_copies(captured["gm"], captured["inputs"])
+    assert not seen
 
 
 # ----------------------------------------------------------------------------- GPU
