@@ -38,17 +38,22 @@ from twell_compile.kernels.cuda_infer import COMPACT_BM, COMPACT_CH, COMPACT_WAR
 from twell_compile.kernels.torch_impl import backup_capacity
 
 # Sparse while the layer's measured density is under this. H200, M=16384, K=2048, N=5632
-# (first version of the backward): sparse 4.03 ms at 28 non-zeros/row, 6.31 at 50, about
-# 1.2 + 0.10 ms per non-zero/row; the dense path 6.1-6.2 ms: crossover near 0.0087.
-SPARSE_MAX_DENSITY = 0.0095
+# (run 2, benchmarks/results/h200/ffn_training_parts_run2.log): sparse 4.03 ms at 28
+# non-zeros/row, 6.31 at 50, about 1.2 + 0.10 ms per non-zero/row; the dense path 6.1-6.2 ms:
+# crossover near 49 non-zeros/row, density 0.0087.
+SPARSE_MAX_DENSITY = 0.0085
 MIN_TOKENS = 8192
 PAIRS = 4
 CH = 256          # columns per scan step over g / backup rows
 RBK = 64          # K per recompute step in the backward (CH columns x RBK)
 FWD_WARPS = 0     # 0: 4 warps for K, K_out <= 2048, else 8
 BWD_WARPS = 0
-WG_ENTRIES = 8    # entries (x, dy row pairs) per step of the per-neuron weight-gradient kernel
-WG_BK = 256       # its columns of K (and K_out) per program
+# Per-neuron weight-gradient kernel: entries (x, dy row pairs) per step, columns of K per
+# program (capped at pow2(max(K, K_out))), warps. Whole rows, 4 entries, 4 warps is the layout
+# measured in the first version (H200, M=16384 d=0.005: whole backward 2.66 ms); chunks of
+# 128/256 columns measured 5.7-14.6 ms for the backward (twell_train_wgrad.py says why).
+WG_ENTRIES = 4
+WG_BK = 2048
 WG_WARPS = 4
 EW_BLOCK = 4096
 _MAX_MODES = 4096
@@ -254,13 +259,14 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
     dwdt = sh.t().mm(dyb)
     del xb, dyb
     db = torch.empty((2, n), dtype=f32, device=dev)
-    wgrad_kernel[(n, -(-max(k, k_out) // WG_BK))](
+    bkw = min(WG_BK, _pow2(max(k, k_out)))
+    wgrad_kernel[(n, -(-max(k, k_out) // bkw))](
         order, off, hist, width, eg, eu, eh, x2, x2.stride(0), dy2, dy2.stride(0),
         mlist, mctr, w_gate, w_gate.stride(0), b_gate if b_gate is not None else w_gate,
         wu, wu.stride(0), b_up if b_up is not None else w_gate, wdt, wdt.stride(0), float(l1c),
         dwg, dwu if gated else dwg, dwdt, db[0], db[1], k, k_out,
         GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
-        BKW=WG_BK, E=WG_ENTRIES, num_warps=WG_WARPS)
+        BKW=bkw, E=WG_ENTRIES, num_warps=WG_WARPS)
     db_gate = (db[0] + sg.float().sum(0)).to(dt) if b_gate is not None else None
     db_up = (db[1] + su.float().sum(0)).to(dt) if (gated and b_up is not None) else None
     return dx, dwg, db_gate, dwu, db_up, dwdt.t().contiguous()
