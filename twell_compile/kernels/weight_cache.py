@@ -1,12 +1,13 @@
 """W_down^T copies ([N, K_out], rows contiguous) made once per weight, for the sparse kernels'
 row gathers (decode path and per-row path).
 
-Transposing per call costs more than the decode FFN itself (23 MB each way at K=2048, N=5632:
-~15 us on H200, vs ~10 us for the whole decode FFN). So the backend registers every rewritten
-CUDA inference FFN's W_down at compile time (``register``): the copy is made there, outside any
-CUDA-graph memory pool (a copy first allocated during a cudagraph-tree warm-up would live in the
-graph's private pool: "tensors in the cudagraph pool not tracked as outputs"). Memory cost: one
-extra copy of W_down per rewritten layer (23 MB per layer at K=2048, N=5632 in bf16).
+Transposing per call (23 MB each way at K=2048, N=5632: ~15 us on H200) would cost half of a
+dense decode FFN (34 us). So the backend registers W_down at compile time (``register``) for
+each rewritten CUDA inference FFN whose decode path can win (backend.reserve_weight_copies): the
+copy is made there, outside any CUDA-graph memory pool (a copy first allocated during a
+cudagraph-tree warm-up would live in the graph's private pool: "tensors in the cudagraph pool
+not tracked as outputs"). Memory cost: one extra copy of W_down per registered layer (23 MB at
+K=2048, N=5632 in bf16; 90 MB at K=4096, N=11008).
 
 ``transposed(w)`` finds the copy by (data_ptr, shape, stride, dtype, device). The entry keeps a
 weak reference to the registered parameter: if that is gone or now points elsewhere the entry
