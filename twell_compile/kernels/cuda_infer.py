@@ -274,7 +274,10 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m, n, k_out = x2.shape[0], w_gate.shape[0], w_down.shape[0]
-    decode = cuda_policy.decode_ok(x, m, n)
+    gated = w_up is not None
+    # decode sizes: only where the decode rule can pick decode at all (density 0, its best
+    # case; never for the measured shapes on H200), else the bookkeeping-free dense path
+    decode = cuda_policy.decode_ok(x, m, n) and cuda_policy.decode_wins(0.0, m, k, n, k_out, gated)
     if not decode and not cuda_policy.shape_ok(x, m, k, k_out, n, tile_n, slots):
         # Fast path: eager's calls (fp32, M between the sparse paths, unsupported shapes); no
         # policy bookkeeping.
@@ -282,7 +285,6 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
         if keep_stats:
             stats.record(layer, per_token, hsum.sum(), per_token.new_zeros(()), n)
         return y.reshape(*x.shape[:-1], k_out)
-    gated = w_up is not None
     key = (layer, x.device, x.dtype, k, n, k_out, gated)
     if decode:
         sparse = cuda_policy.use_decode(key, m, k, n, k_out, gated)
