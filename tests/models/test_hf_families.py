@@ -2,8 +2,9 @@
 SiLU/GELU ones are left alone with a reason, and logits and gradients match eager.
 
 Most checks run the rewritten graph eagerly (PassBackend: the rewrite and our autograd formula,
-without Inductor's compile time); Llama and OPT also go end to end through backend="twell" in
-the default run, the other families under ``-m slow``.
+without Inductor's compile time); every family also goes end to end through backend="twell".
+The other families' end-to-end tests are marked ``slow``; they run by default (CI included),
+and ``-m "not slow"`` leaves them out for a quick local run.
 """
 
 from __future__ import annotations
