@@ -17,11 +17,12 @@ backup rows' part is already in the outputs (cuBLAS products written there first
 neuron with no entries keeps exactly that part.
 
 The [E, BKW] tiles must lie along K inside each warp (BKW >= 256 x warps): the sums over the E
-entries then stay in registers. H200, M=16384, d=0.005: full rows (BKW 2048, E 4, 4 warps)
-about 1 ms; BKW 128-256 with 2-4 warps split E across warps (a shared-memory reduction per
-step) and took 3.7-12.8 ms (per-kernel profile, run 3). The 1 ms is by difference: the
-first version's whole backward took 2.66 ms with this layout, its per-row kernel ~1.5 ms.
-"""
+entries then stay in registers. Compiled for sm_90 (Triton 3.9, CPU-side check of the TTGIR):
+BKW 2048 / E 4 / 4 warps gives warpsPerCTA [1, 4] and 6 bar.sync in the kernel; BKW 256 / 4
+warps gives warpsPerCTA [4, 1] (warps along E) and 42 bar.sync, BKW 128 / 2 warps 30. H200,
+M=16384, d=0.005: the chunked layouts took 3.7-12.8 ms for this kernel (run 3 profile); the
+whole-row layout about 1 ms, by difference (run 2: whole backward 2.66 ms with it, the per-row
+kernel ~1.5 ms). BKW 256 with 1 warp also keeps warps along K (0 bar.sync); not timed."""
 
 import triton
 import triton.language as tl
