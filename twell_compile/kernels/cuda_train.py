@@ -17,7 +17,7 @@ Dense forward: cuBLAS g, u, relu*u (relu_mul.py), y; the same state from the com
 ``train_fwd_kernel`` with Y=False. Dense backward: g and u recomputed by cuBLAS, dh = dy W_d,
 one in-place elementwise pass (twell_train_dense.py), six cuBLAS products.
 
-Choice: the shape rule of cuda_policy (bf16/fp16, M >= MIN_TOKENS, widths) and the layer's
+Choice: bf16/fp16 within cuda_policy's widths (``supports``), M >= MIN_TOKENS, and the layer's
 lagged density (cuda_policy's sync-free probes, under a "train" key) against
 SPARSE_MAX_DENSITY. The backward takes the path its forward took (looked up by the saved
 counts tensor), else the last forward's of that shape.
@@ -42,7 +42,7 @@ from twell_compile.kernels.torch_impl import backup_capacity
 # non-zeros/row, 6.31 at 50, about 1.2 + 0.10 ms per non-zero/row; the dense path 6.1-6.2 ms:
 # crossover near 49 non-zeros/row, density 0.0087.
 SPARSE_MAX_DENSITY = 0.0085
-MIN_TOKENS = 8192
+MIN_TOKENS = 8192  # the inference rule's; at 1024 tokens both paths trail eager (launch-bound)
 PAIRS = 4
 CH = 256          # columns per scan step over g / backup rows
 RBK = 64          # K per recompute step in the backward (CH columns x RBK)
@@ -50,7 +50,7 @@ FWD_WARPS = 0     # 0: 4 warps for K, K_out <= 2048, else 8
 BWD_WARPS = 0
 # Per-neuron weight-gradient kernel: entries (x, dy row pairs) per step, columns of K per
 # program (capped at pow2(max(K, K_out))), warps. Whole rows, 4 entries, 4 warps is the layout
-# measured in the first version (H200, M=16384 d=0.005: whole backward 2.66 ms); chunks of
+# measured in run 2 (H200, M=16384 d=0.005: whole backward 2.66 ms); chunks of
 # 128/256 columns measured 5.7-14.6 ms for the backward (twell_train_wgrad.py says why).
 WG_ENTRIES = 4
 WG_BK = 2048
