@@ -16,6 +16,7 @@ SCRIPT = textwrap.dedent("""
     import torch
     from twell_compile.kernels import cuda_infer
     cuda_infer.DENSE_BLOCK = 64          # several column steps on small rows
+    cuda_infer.DENSE_PROGRAMS = {programs}  # 1: one span per row; 64: rows split into spans
     torch.manual_seed({seed})
     m, n, gated, strided, bad = {case}
     dt = torch.float16
@@ -48,10 +49,11 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("programs", [1, 64])
 @pytest.mark.parametrize("case", CASES)
-def test_relu_mul_rows_under_interpreter(case):
+def test_relu_mul_rows_under_interpreter(case, programs):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "-c", SCRIPT.format(seed=sum(case[:2]), case=case)],
+    r = subprocess.run([sys.executable, "-c", SCRIPT.format(seed=sum(case[:2]), case=case, programs=programs)],
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert r.stdout.startswith("ok")

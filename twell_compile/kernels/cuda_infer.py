@@ -228,7 +228,8 @@ def twell_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
     return y, r.cnt, hsum
 
 
-DENSE_BLOCK = 1024   # columns per step of relu_mul_rows_kernel (one row per program)
+DENSE_BLOCK = 1024     # columns per step of relu_mul_rows_kernel
+DENSE_PROGRAMS = 264   # split rows into column spans below this many programs (2 per H200/H100 SM)
 
 
 def dense_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
@@ -246,8 +247,13 @@ def dense_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
 
 
 def relu_mul_rows(g: Tensor, u: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """(relu(g) * u, or relu(g) when u is None; its non-zero count per row; sum |h| per row)
-    for 2-D g, u with unit column stride."""
+    """(relu(g) * u, or relu(g) when u is None; its non-zero count per row [M] int32; sum |h|
+    per row [M] fp32) for 2-D g, u.
+
+    One program per (row, span of columns); a row is split into spans while there are fewer
+    than DENSE_PROGRAMS rows, and the spans' counts and sums are then added atomically into
+    zeroed buffers (one memset).
+    """
     from twell_compile.kernels.relu_mul import relu_mul_rows_kernel
 
     m, n = g.shape
@@ -256,15 +262,19 @@ def relu_mul_rows(g: Tensor, u: Optional[Tensor]) -> tuple[Tensor, Tensor, Tenso
     if u is not None and u.stride(-1) != 1:
         u = u.contiguous()
     h = torch.empty((m, n), dtype=g.dtype, device=g.device)
-    cnt = torch.empty((m,), dtype=torch.int32, device=g.device)
-    asum = torch.empty((m,), dtype=torch.float32, device=g.device)
+    block = min(DENSE_BLOCK, _pow2(n)) if n else 1
+    steps = -(-n // block)
+    split = max(1, min(steps, -(-DENSE_PROGRAMS // max(m, 1))))
+    span = -(-steps // split) * block
+    split = -(-n // span) if n else 1
+    # counts and sums share one int32 buffer (zero bits are 0.0f): one memset when split > 1
+    buf = (torch.zeros if split > 1 or not n else torch.empty)((2, m), dtype=torch.int32, device=g.device)
+    cnt, asum = buf[0], buf[1].view(torch.float32)
     if m and n:
         uu = u if u is not None else g
-        relu_mul_rows_kernel[(m,)](g, uu, h, cnt, asum, n, g.stride(0), uu.stride(0), h.stride(0),
-                                   GATED=u is not None, BLOCK=min(DENSE_BLOCK, _pow2(n)), num_warps=4)
-    elif m:
-        cnt.zero_()
-        asum.zero_()
+        relu_mul_rows_kernel[(m, split)](g, uu, h, cnt, asum, n, span, g.stride(0), uu.stride(0),
+                                         h.stride(0), GATED=u is not None, ATOMIC=split > 1,
+                                         BLOCK=block, num_warps=4)
     return h, cnt, asum
 
 
