@@ -110,7 +110,7 @@ def _real_tensor(node: Any, gm: fx.GraphModule, inputs: dict[fx.Node, Any]) -> O
 
 
 def reserve_weight_copies(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
-    """Make the W_down^T copy and decode accumulator (kernels/weight_cache.py) of every
+    """Make the W_down^T copy (kernels/weight_cache.py) of every
     rewritten CUDA bf16/fp16 inference FFN whose decode path can win (the decode rule at M=1,
     density 0: its best case) now, outside any CUDA-graph pool: +1 copy of W_down per such
     layer. Other layers (on H200 every measured shape) keep transposing per call on the per-row

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import twell_compile.ops  # noqa: F401  (registers torch.ops.twell when this file runs alone)
 from twell_compile import dispatch
 from twell_compile.kernels import cuda_policy, weight_cache
 
@@ -45,11 +46,9 @@ SCRIPT = textwrap.dedent("""
     if bad:
         x[1, 3] = float("nan"); x[0, 5] = float("inf")
     args = (x, wg, bg, wu, bu, wd, bd)
-    if m % 2:    # odd M: through the layer's persistent accumulator, twice (re-zeroed between)
+    if m % 2:    # odd M: through the registered W_down^T copy
         from twell_compile.kernels import weight_cache
         assert weight_cache.register(wd)
-        decode_forward(*args, cfg=None if cfg is None else Config(*cfg))
-        assert (weight_cache.accumulator(wd, m).e.acc == 0).all(), "accumulator not re-zeroed"
     y, tok, hsum = decode_forward(*args, cfg=None if cfg is None else Config(*cfg))
     eager = ffn_dense(*args)
     assert torch.equal(torch.isnan(y), torch.isnan(eager)), "nan pattern"
@@ -114,7 +113,7 @@ def test_weight_cache_registered_copy_is_reused_and_refreshed_in_place():
     with torch.no_grad():
         w.add_(1.0)
     assert weight_cache.refresh() == 1 and torch.equal(a, w.t())   # graph replays read a
-    assert weight_cache.cached_bytes() == 24 * 40 * 4 + weight_cache.ACC_ROWS * 24 * 4
+    assert weight_cache.cached_bytes() == 24 * 40 * 4
     weight_cache.clear()
 
 
@@ -133,28 +132,9 @@ def test_weight_cache_unregistered_or_dead_weights_are_transposed_per_call():
     # a weight whose transpose is already contiguous needs no copy
     weight_cache.clear()
     wt_view = torch.randn(12, 8).t()
-    assert weight_cache.register(wt_view, with_acc=False) and weight_cache.cached_bytes() == 0
+    assert weight_cache.register(wt_view) and weight_cache.cached_bytes() == 0
     assert weight_cache.transposed(wt_view).data_ptr() == wt_view.data_ptr()
     weight_cache.clear()
-
-
-def test_persistent_accumulator_is_zeroed_after_an_interrupted_call():
-    import weakref
-    w = torch.randn(3, 5)
-    e = weight_cache._Entry(weakref.ref(w), w.data_ptr(), (0, (3, 5), (5, 1)), None, 0, torch.ones(4, 3))
-    with weight_cache.Accumulator(e, 2) as acc:      # previous calls left it clean: used as is
-        assert acc.shape == (2, 3) and e.dirty
-        acc.fill_(7.0)                                # "kernels ran"; the finish would re-zero
-        acc.zero_()
-    assert not e.dirty
-    with pytest.raises(RuntimeError):
-        with weight_cache.Accumulator(e, 4) as acc:
-            acc.fill_(5.0)                            # cut short before the finishing kernel
-            raise RuntimeError("interrupted")
-    assert e.dirty
-    with weight_cache.Accumulator(e, 4) as acc:
-        assert (acc == 0).all()                       # zero-filled before use
-    assert weight_cache.accumulator(torch.randn(3, 5), 1) is None   # not registered
 
 
 def test_weight_cache_view_of_parameter_follows_the_parameter():
@@ -499,7 +479,7 @@ def test_compile_reduce_overhead_decode(monkeypatch, decode_wins_everywhere):
         ref = model.float()(x.float())
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert calls, "the decode kernels were not used"
-    # W_down^T and the decode accumulator, made at compile time
-    assert weight_cache.cached_bytes() == 1408 * 512 * 2 + weight_cache.ACC_ROWS * 512 * 4
+    # W_down^T, made at compile time
+    assert weight_cache.cached_bytes() == 1408 * 512 * 2
     assert _rel(y, ref) < 2e-2
     weight_cache.clear()

@@ -69,8 +69,8 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
                    b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
                    cfg: Optional[Config] = None) -> Decoded:
     """The FFN for x2 [M, K], M <= MAX_M: cuBLAS gate GEMV, then W_up / W_down rows of active
-    neurons only. Three launches (gate GEMM, sparse kernel, finish) with the layer's persistent
-    accumulator (weight_cache.register), four otherwise (zero-fill of a fresh one)."""
+    neurons only. Four launches: gate GEMM, zero-fill of the fp32 accumulator, sparse kernel,
+    finish."""
     m, k = x2.shape
     n, k_out = w_gate.shape[0], w_down.shape[0]
     if m > MAX_M:
@@ -84,16 +84,12 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
     c = cfg or CONFIGS[mp]
     g = F.linear(x2, w_gate, b_gate)                      # eager's gate GEMM (cuBLAS)
     wdt = weight_cache.transposed(w_down)
-    persistent = weight_cache.accumulator(w_down, m)
-    if persistent is None:
-        acc = torch.zeros((m, k_out), dtype=torch.float32, device=dev)
-        return _launch(x2, g, w_up, b_up, wdt, b_down, y, acc, False, c, m, k, n, k_out, mp)
-    with persistent as acc:
-        return _launch(x2, g, w_up, b_up, wdt, b_down, y, acc, True, c, m, k, n, k_out, mp)
+    acc = torch.zeros((m, k_out), dtype=torch.float32, device=dev)
+    return _launch(x2, g, w_up, b_up, wdt, b_down, y, acc, c, m, k, n, k_out, mp)
 
 
 def _launch(x2: Tensor, g: Tensor, w_up: Optional[Tensor], b_up: Optional[Tensor], wdt: Tensor,
-            b_down: Optional[Tensor], y: Tensor, acc: Tensor, rezero: bool, c: Config,
+            b_down: Optional[Tensor], y: Tensor, acc: Tensor, c: Config,
             m: int, k: int, n: int, k_out: int, mp: int) -> Decoded:
     from twell_compile.kernels.twell_decode import decode_ffn_kernel, decode_finish_kernel
 
@@ -120,5 +116,5 @@ def _launch(x2: Tensor, g: Tensor, w_up: Optional[Tensor], b_up: Optional[Tensor
     decode_finish_kernel[(-(-(m * k_out) // FINISH_BLOCK) + 1,)](
         acc, b_down if b_down is not None else x2, y, y.stride(0), y.stride(1),
         cnt, hs, tok, hs[-1:], m, k_out, nb, nb * nrb,
-        HAS_BD=b_down is not None, BLOCK=FINISH_BLOCK, M_P=mp, NB_CH=nb_ch, REZERO=rezero, num_warps=4)
+        HAS_BD=b_down is not None, BLOCK=FINISH_BLOCK, M_P=mp, NB_CH=nb_ch, num_warps=4)
     return Decoded(y, tok, hs[-1:])

@@ -14,8 +14,7 @@ for neurons active in at least one row.
   has an active column, y_acc[rows, split] += h @ W_d^T[chunk, split] by fp32 atomics (relaxed,
   y_acc zero on entry). Split 0 also writes per (chunk, row) the non-zero count of v and
   per (chunk, row block) sum |h|.
-``decode_finish_kernel``: y = y_acc + b_d, cast (and y_acc zeroed again when it is the layer's
-  persistent accumulator, weight_cache.py); one extra program sums the counts into
+``decode_finish_kernel``: y = y_acc + b_d, cast; one extra program sums the counts into
   non-zeros per token (tok[:M]) and their total (tok[M], the policy's probe) and sum |h|.
 The atomics make the last bits of y depend on the order programs finish (fp32 sums in varying
 order); the error bound does not change.
@@ -108,15 +107,12 @@ def decode_finish_kernel(
     cnt_ptr, hs_ptr, tok_ptr, hsum_ptr,
     M, KO, NB, NHS,
     HAS_BD: tl.constexpr, BLOCK: tl.constexpr, M_P: tl.constexpr, NB_CH: tl.constexpr,
-    REZERO: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < tl.cdiv(M * KO, BLOCK):
         idx = pid * BLOCK + tl.arange(0, BLOCK)
         ok = idx < M * KO
         acc = tl.load(acc_ptr + idx, mask=ok, other=0.0)
-        if REZERO:   # a persistent accumulator: zero again for the next call
-            tl.store(acc_ptr + idx, tl.zeros((BLOCK,), dtype=tl.float32), mask=ok)
         m = idx // KO
         ko = idx % KO
         if HAS_BD:

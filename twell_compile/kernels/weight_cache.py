@@ -20,11 +20,9 @@ CUDA-graph replays run no host code: a graph captured before an in-place weight 
 reading the copy as it was. Call ``refresh()`` after updating weights in place between replays
 (it rewrites every stale copy at its own address, so captured graphs see the new values).
 
-Each entry also holds the decode path's fp32 accumulator ([ACC_ROWS, K_out], 0.5 MB at
-K_out=2048), kept zero between calls: the decode kernels add into it and the finishing kernel
-writes the zeros back, which saves a zero-fill launch per call (~1.5 us of a ~15 us decode FFN).
-One stream at a time per layer (as a model runs); a call cut short between the two launches
-marks it dirty and the next call zero-fills it first (host flag, no sync).
+(A persistent, re-zeroed decode accumulator per entry was tried to save the zero-fill launch:
+under CUDA-graph replay it gave wrong sums on some replays (H200, 1 of 3 replays at 12x the
+error bound), so the decode path zero-fills a fresh accumulator per call.)
 """
 
 from __future__ import annotations
@@ -38,9 +36,6 @@ import torch
 from torch import Tensor
 
 
-ACC_ROWS = 64                  # cuda_policy.DECODE_MAX_M: larger M zero-fills per call
-
-
 @dataclass
 class _Entry:
     base: weakref.ref          # the registered parameter (or the tensor w views)
@@ -48,8 +43,6 @@ class _Entry:
     view: tuple                # (storage offset, shape, stride) of w relative to base's storage
     wt: Optional[Tensor]       # w.t() contiguous (None: w.t() already is)
     version: int
-    acc: Optional[Tensor] = None   # [ACC_ROWS, K_out] fp32, zero between decode calls
-    dirty: bool = False
 
 
 _lock = threading.Lock()
@@ -83,8 +76,9 @@ def wanted(w: Tensor) -> bool:
     return w.dim() == 2 and w.is_cuda and w.dtype in DTYPES
 
 
-def register(w: Tensor, base: Optional[Tensor] = None, with_acc: bool = True) -> bool:
-    """Make (or keep) the W_down^T copy of ``w`` ([K_out, N]) and the decode accumulator. ``base``: the long-lived tensor ``w`` views (default ``w`` itself), whose
+def register(w: Tensor, base: Optional[Tensor] = None) -> bool:
+    """Make (or keep) the W_down^T copy of ``w`` ([K_out, N]). ``base``: the long-lived
+    tensor ``w`` views (default ``w`` itself), whose
     lifetime and version counter the entry follows. Returns True when an entry is held (False:
     an inference tensor, which keeps no version counter)."""
     if not isinstance(w, Tensor) or w.dim() != 2:
@@ -98,10 +92,8 @@ def register(w: Tensor, base: Optional[Tensor] = None, with_acc: bool = True) ->
         if e is not None and _live(key, e) is base:
             return True
         wt = None if w.t().is_contiguous() else w.t().contiguous()
-        acc = (torch.zeros((ACC_ROWS, w.shape[0]), dtype=torch.float32, device=w.device)
-               if with_acc else None)
         entry = _Entry(weakref.ref(base), base.data_ptr(), (w.storage_offset(), tuple(w.shape), tuple(w.stride())),
-                       wt, base._version, acc)
+                       wt, base._version)
         with _lock:
             _entries[key] = entry
     return True
@@ -130,34 +122,6 @@ def transposed(w: Tensor) -> Tensor:
     return e.wt
 
 
-class Accumulator:
-    """The decode path's zeroed fp32 accumulator of a registered W_down, as a context: entering
-    gives acc[:m] (zero-filled first if a previous call was cut short), leaving normally marks
-    it clean (the finishing kernel has written the zeros back)."""
-
-    def __init__(self, e: _Entry, m: int):
-        self.e, self.m = e, m
-
-    def __enter__(self) -> Tensor:
-        if self.e.dirty:
-            self.e.acc.zero_()
-        self.e.dirty = True
-        return self.e.acc[: self.m]
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.e.dirty = False
-
-
-def accumulator(w: Tensor, m: int) -> Optional[Accumulator]:
-    """The persistent accumulator for W_down ``w`` and m rows, or None (not registered, or
-    m > ACC_ROWS): then the caller zero-fills its own."""
-    found = _entry(w)
-    if found is None or found[0].acc is None or m > found[0].acc.shape[0]:
-        return None
-    return Accumulator(found[0], m)
-
-
 def refresh() -> int:
     """Rewrite every copy whose parameter changed in place since (for CUDA-graph replays).
     Returns the number of copies rewritten."""
@@ -173,8 +137,8 @@ def refresh() -> int:
 
 
 def cached_bytes() -> int:
-    """Memory held by the copies and accumulators."""
-    return sum(t.numel() * t.element_size() for e in _entries.values() for t in (e.wt, e.acc) if t is not None)
+    """Memory held by the copies."""
+    return sum(e.wt.numel() * e.wt.element_size() for e in _entries.values() if e.wt is not None)
 
 
 def clear() -> None:
