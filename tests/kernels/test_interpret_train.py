@@ -109,8 +109,12 @@ SCRIPT = textwrap.dedent("""
     assert hsum.shape == (m,)
     state_ok("sparse", st)
     check("sparse/sparse", y, backward(True, st))
-    yd, h, (*std, missd) = ct.forward_dense(*args, width, cap)
+    yd, hsumd, (*std, missd) = ct.forward_dense(*args, width, cap)
     state_ok("dense", std)
+    hd = torch.relu(F.linear(args[0], args[1], args[2]))
+    if args[3] is not None:
+        hd = hd * F.linear(args[0], args[3], args[4])
+    assert torch.allclose(hsumd, hd.float().abs().sum(1), rtol=1e-3, atol=1e-3, equal_nan=True), "dense |h| sums"
     assert int(missing) == int(missd), (int(missing), int(missd))
     check("dense/dense", yd, backward(False, std))
     check("dense->sparse", None, backward(True, std))
