@@ -30,3 +30,15 @@ def test_cuda_too_wide_is_dense_at_prefill_sizes_only():
     assert "wide" in dispatch.static_dense_reason(CUDA, torch.float16, big, 64, cuda_policy.MAX_N + 1, 64)
     # a dynamic M may be decode-sized: the decode path takes any width
     assert dispatch.static_dense_reason(CUDA, torch.float16, None, 64, cuda_policy.MAX_N + 1, 64) is None
+
+
+def test_training_reasons_on_cuda_only_for_slow_paths():
+    from twell_compile.kernels import cuda_train
+    cpu = torch.device("cpu")
+    assert dispatch.static_dense_train_reason(cpu, torch.float32, 16, 2048, 5632, 2048) is None
+    assert "float32" in dispatch.static_dense_train_reason(CUDA, torch.float32, 65536, 2048, 5632, 2048)
+    few = cuda_train.MIN_TOKENS - 1
+    assert f"{few} tokens" in dispatch.static_dense_train_reason(CUDA, torch.bfloat16, few, 2048, 5632, 2048)
+    assert "wide" in dispatch.static_dense_train_reason(CUDA, torch.float16, None, cuda_policy.MAX_WIDTH + 1, 64, 64)
+    for m in (cuda_train.MIN_TOKENS, None):   # the sparse branch is reachable: keep the rewrite
+        assert dispatch.static_dense_train_reason(CUDA, torch.bfloat16, m, 2048, 5632, 2048) is None

@@ -38,9 +38,11 @@ class TwellConfig:
     stats [True]: keep per-layer statistics on the device (see ``twell_compile.layer_stats``).
     mode [""]: a torch.compile mode ("reduce-overhead", "max-autotune", ...) to apply together
         with twell options: torch.compile refuses ``mode=`` and ``options=`` in one call.
-    skip_dense [True]: leave an inference FFN to Inductor when its compile-time shapes, dtype
-        and device mean our op would surely run its dense path (CUDA: fp32, a static token
-        count under the sparse kernels' threshold); ``explain`` gives the reason.
+    skip_dense [True]: leave an FFN to Inductor when its compile-time shapes, dtype and device
+        mean our op would surely run a path slower than Inductor's (CUDA: fp32, a static token
+        count under the sparse kernels' threshold, too wide); ``explain`` gives the reason.
+        Training FFNs are always rewritten when ``l1`` is set (the penalty lives in our
+        backward).
     """
 
     enabled: bool = True

@@ -80,6 +80,34 @@ def static_dense_reason(device: torch.device, dtype: torch.dtype, m: Optional[in
     return None
 
 
+def static_dense_train_reason(device: torch.device, dtype: torch.dtype, m: Optional[int], k: int,
+                              n: int, k_out: int) -> Optional[str]:
+    """Why the training op would surely run a path slower than Inductor's dense FFN for these
+    compile-time facts, or None. CUDA only (the CPU keeps the rewrite: tests and the recipe
+    run there). The pass asks only when no L1 penalty is set (the penalty lives in our
+    backward, so such an FFN is always rewritten).
+
+    H200 (docs/training-design.md): the CUDA training path's dense branch runs 0.73-0.81x of
+    eager at 16k-64k tokens and 0.23-0.45x at 1024; fp32 and very wide layers train on the
+    plain-PyTorch path (host syncs). Only a static token count >= cuda_train.MIN_TOKENS of
+    bf16/fp16 within the kernels' widths can reach the sparse branch.
+    """
+    if device.type != "cuda":
+        return None
+    from twell_compile.kernels import cuda_policy as cp
+    from twell_compile.kernels import cuda_train as ct
+
+    if dtype not in cp.DTYPES:
+        return (f"{str(dtype).replace('torch.', '')} training on CUDA runs the plain-PyTorch path "
+                f"(the sparse training kernels take bf16/fp16, e.g. under autocast)")
+    if k > cp.MAX_WIDTH or k_out > cp.MAX_WIDTH or n > cp.MAX_N:
+        return f"layer too wide for the CUDA sparse training kernels (K={k}, K_out={k_out}, N={n})"
+    if m is not None and m < ct.MIN_TOKENS:
+        return (f"{m} tokens: below the {ct.MIN_TOKENS} where the CUDA sparse training kernels "
+                f"can win (no twell.l1 penalty needs our backward)")
+    return None
+
+
 def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
               tile_n: int, slots: int, layer: str, keep_stats: bool) -> Tensor:

@@ -146,6 +146,26 @@ def test_options_turn_rewrites_off(monkeypatch) -> None:
     assert not backend.twell_ops() and torch.equal(got, model(x).detach())
 
 
+def test_skip_dense_applies_to_training_only_without_l1(monkeypatch) -> None:
+    """Where the training op would surely run slower than Inductor (CUDA facts; stood in for
+    here on the CPU), the FFN is left to Inductor with the reason, unless an L1 penalty needs
+    our backward or skip_dense is off. Inference asks its own rule."""
+    from twell_compile import dispatch
+    monkeypatch.setattr(dispatch, "static_dense_train_reason", lambda *a: "slow training path (test)")
+    monkeypatch.setattr(dispatch, "static_dense_reason", lambda *a: None)
+    spec = Spec(k=8, n=12, k_out=8, batch=(4,))
+    model = build(spec)
+    x = torch.randn(4, 8)
+    skipped = twell_compile.explain(model, x)
+    assert not skipped.rewrites and "slow training path (test)" in skipped.rejections[0].reason
+    assert "skip_dense=False" in skipped.rejections[0].reason
+    for options in ({"twell.l1": 1e-3}, {"twell.skip_dense": False}):
+        kept = twell_compile.explain(model, x, options=options)
+        assert len(kept.rewrites) == 1 and kept.rewrites[0].op == "twell::ffn_train", (options, str(kept))
+    with torch.no_grad():
+        assert len(twell_compile.explain(model, x).rewrites) == 1   # inference: its own rule
+
+
 # ------------------------------------------------------------------------------ subgraphs
 class GatedMLP(nn.Module):
     def __init__(self, k: int = 16, n: int = 40):
