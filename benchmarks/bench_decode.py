@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synthetic import make_ffn  # noqa: E402
+from timing import gpu_name, median_ms, rel  # noqa: E402
 
 import twell_compile.ops  # noqa: E402,F401  (registers torch.ops.twell)
 from twell_compile.kernels import cuda_decode, cuda_infer, cuda_policy, weight_cache  # noqa: E402
@@ -46,21 +47,8 @@ DECODE_S = ["2048x5632", "4096x11008"]
 ROTATE_MB = 256
 
 
-def gpu_name() -> str:
-    name = torch.cuda.get_device_name().lower()
-    for tag in ("h200", "h100", "a100", "l40", "l4", "b200"):
-        if tag in name:
-            return tag
-    return name.replace(" ", "_")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
 def bench(fn, reps: int) -> float:
-    from triton.testing import do_bench
-    return float(do_bench(fn, warmup=max(5, reps // 4), rep=reps, return_mode="median"))
+    return median_ms(fn, reps, warmup=max(5, reps // 4))
 
 
 def peak_gbps(reps: int) -> float:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synthetic import load_profile, make_ffn, make_ffn_profile  # noqa: E402
+from timing import gpu_name, median_ms, rel  # noqa: E402
 
 import twell_compile.ops  # noqa: E402,F401  (registers torch.ops.twell)
 from twell_compile.kernels import cuda_infer, cuda_policy  # noqa: E402
@@ -47,21 +48,8 @@ FULL_S = ["2048x5632", "4096x11008"]
 ERR_ROWS = 8192
 
 
-def gpu_name() -> str:
-    name = torch.cuda.get_device_name().lower()
-    for tag in ("h200", "h100", "a100", "l40", "l4", "b200"):
-        if tag in name:
-            return tag
-    return name.replace(" ", "_")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
 def bench(fn, reps: int) -> float:
-    from triton.testing import do_bench
-    return float(do_bench(fn, warmup=max(10, reps // 4), rep=reps, return_mode="median"))
+    return median_ms(fn, reps)
 
 
 def main(argv=None) -> int:

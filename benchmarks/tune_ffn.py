@@ -18,17 +18,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synthetic import make_ffn  # noqa: E402
+from timing import median_ms, rel  # noqa: E402
 
 from twell_compile.kernels import cuda_infer  # noqa: E402
 
 
 def bench(fn) -> float:
-    from triton.testing import do_bench
-    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
-def rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    return median_ms(fn, 100, warmup=25)
 
 
 def cases(a):
