@@ -126,7 +126,8 @@ def forward_sparse(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap):
 def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap):
     """cuBLAS forward, bit-identical to eager: (y, sum |h| per row [M] fp32, hybrid state).
     relu(*up) is the inference dense path's pass, which also sums |h| per row (the statistics
-    took a separate abs/float/sum over [M, N] before: ~0.3 ms per layer at 16k tokens)."""
+    took a separate abs/float/sum over [M, N] before; the inference path lost ~1 ms per layer
+    at 16k tokens to such passes (H200, bench_e2e.py). This path's gain is not yet measured)."""
     from twell_compile.kernels.cuda_infer import relu_mul_rows
 
     g = F.linear(x2, w_gate, b_gate)
