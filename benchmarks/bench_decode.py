@@ -150,7 +150,7 @@ def run_point(sets, m: int, d: float, reps: int, tag: str) -> dict:
 def load_policy(path: str) -> None:
     """Use fitted decode-rule constants for this run (benchmarks/tune_decode.py --policy-out)."""
     for name, value in json.load(open(path)).items():
-        if name not in ("DEC_FIXED_US", "DEC_GBPS", "DENSE_FIXED_US", "DENSE_GBPS"):
+        if name not in ("DEC_FIXED_US", "DEC_GATE_GBPS", "DEC_ENTRY_US", "DENSE_FIXED_US", "DENSE_GBPS"):
             raise ValueError(f"--policy: unknown constant {name!r}")
         setattr(cuda_policy, name, float(value))
 

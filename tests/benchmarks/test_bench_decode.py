@@ -33,6 +33,16 @@ def test_configs_file_sets_the_decode_configs(tmp_path, monkeypatch):
     from twell_compile.kernels import cuda_decode
     monkeypatch.setattr(cuda_decode, "CONFIGS", dict(cuda_decode.CONFIGS))
     path = tmp_path / "c.json"
-    path.write_text('{"16": [16, 128, 64, 4, 3, 2]}')
+    path.write_text('{"16": [16, 128, 2, 32, 64, 2, 4, 3]}')
     bench_decode.load_configs(str(path))
-    assert cuda_decode.CONFIGS[16] == cuda_decode.Config(16, 128, 64, 4, 3, 2)
+    assert cuda_decode.CONFIGS[16] == cuda_decode.Config(16, 128, 2, 32, 64, 2, 4, 3)
+
+
+def test_shipped_decode_rule_constants_are_the_fit_of_the_committed_grid():
+    """cuda_policy's decode-rule constants come from the committed H200 grid (no GPU needed)."""
+    import tune_decode
+    from twell_compile.kernels import cuda_policy
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200" / "ffn_decode.json"
+    fit = tune_decode.fit_from_bench(str(path))
+    for name, value in fit.items():
+        assert getattr(cuda_policy, name) == pytest.approx(value, rel=2e-3), name

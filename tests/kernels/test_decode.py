@@ -73,13 +73,14 @@ SCRIPT = textwrap.dedent("""
 CASES = [
     # m, k, n, k_out, gated, bias, density, nan/inf rows, config (None: default)
     (1, 33, 130, 17, True, True, 0.3, False, None),      # M = 1, odd K, N, K_out
+    (2, 100, 130, 17, True, True, 0.3, True, (16, 16, 4, 16, 16, 1, 4, 1)),  # K splits, NaN/Inf
     (3, 40, 100, 24, False, False, 0.3, False, None),    # non-gated, a row with no active neuron
     (16, 40, 300, 40, True, True, 0.05, True, None),     # NaN and Inf rows
     (3, 40, 70, 40, True, False, 1.0, False, None),      # density 1
     (3, 40, 70, 40, True, True, 0.0, False, None),       # density 0, biases
-    (16, 72, 257, 65, False, True, 0.3, False, (32, 32, 16, 4, 1, 3)),    # K_out splits, K steps
-    (5, 24, 61, 9, True, True, 0.3, True, (16, 16, 16, 4, 1, 2)),         # tiny tiles, NaN/Inf
-    (40, 24, 61, 33, True, True, 0.3, True, (16, 16, 16, 4, 1, 2)),       # two row blocks
+    (16, 72, 257, 65, False, True, 0.3, False, (32, 32, 3, 16, 32, 3, 4, 1)),   # gate K splits, down splits
+    (5, 24, 61, 9, True, True, 0.3, True, (16, 16, 2, 16, 16, 2, 4, 1)),  # tiny tiles, NaN/Inf
+    (40, 24, 61, 33, True, True, 0.3, True, (16, 16, 2, 16, 16, 2, 4, 1)),  # two row blocks
 ]
 
 
@@ -151,9 +152,10 @@ def test_weight_cache_view_of_parameter_follows_the_parameter():
 @pytest.fixture
 def decode_wins_everywhere(monkeypatch):
     """Cost-model constants under which the decode path wins at density 0 for any shape: tests
-    of the mechanism (the H200 constants pick dense for every measured shape)."""
+    of the mechanism (the H200 constants pick decode only for large, sparse layers)."""
     monkeypatch.setattr(cuda_policy, "DEC_FIXED_US", 0.0)
-    monkeypatch.setattr(cuda_policy, "DEC_GBPS", cuda_policy.DENSE_GBPS)
+    monkeypatch.setattr(cuda_policy, "DEC_GATE_GBPS", cuda_policy.DENSE_GBPS)
+    monkeypatch.setattr(cuda_policy, "DEC_ENTRY_US", 0.0)
     monkeypatch.setattr(cuda_policy, "DENSE_FIXED_US", 1.0)
 
 
@@ -165,7 +167,7 @@ def test_union_fraction():
 
 def test_decode_cost_model_mechanism(monkeypatch):
     # constants of the first H200 run's policy: decode wins while the union is small
-    for name, value in (("DEC_FIXED_US", 4.5), ("DEC_GBPS", 3500.0), ("DENSE_FIXED_US", 2.0), ("DENSE_GBPS", 3500.0)):
+    for name, value in (("DEC_FIXED_US", 4.5), ("DEC_GATE_GBPS", 3500.0), ("DEC_ENTRY_US", 0.01), ("DENSE_FIXED_US", 2.0), ("DENSE_GBPS", 3500.0)):
         monkeypatch.setattr(cuda_policy, name, value)
     assert cuda_policy.decode_wins(0.005, 1, 2048, 5632, 2048, True)
     assert cuda_policy.decode_wins(0.005, 16, 2048, 5632, 2048, True)
@@ -175,15 +177,21 @@ def test_decode_cost_model_mechanism(monkeypatch):
 
 
 def test_shipped_decode_constants_pick_the_faster_path_on_the_h200_grid():
-    """Every point of the committed H200 decode grid: the rule says decode exactly where the
-    forced decode kernels beat dense (they never did: see docs/inference.md, Decode)."""
+    """Every point of the committed H200 decode grid: the rule never picks decode where the
+    forced decode kernels ran below 0.97x of dense, and picks it wherever they were >= 1.25x
+    faster (between the two, either path is within noise of the other)."""
     import json
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200" / "ffn_decode.json"
     rows = json.loads(path.read_text())
     assert len(rows) == 56
+    picked = 0
     for r in rows:
-        faster = r["kernel_ms"] < r["dense_ms"]
-        assert cuda_policy.decode_wins(r["density"], r["M"], r["K"], r["N"], r["K"], True) == faster, r
+        speedup = r["dense_ms"] / r["kernel_ms"]
+        wins = cuda_policy.decode_wins(r["density"], r["M"], r["K"], r["N"], r["K"], True)
+        picked += wins
+        assert not (wins and speedup < 0.97), r
+        assert wins or speedup < 1.25, r
+    assert picked >= 10
 
 
 def test_static_dense_reason_for_decode_sizes(decode_wins_everywhere, monkeypatch):
@@ -197,12 +205,13 @@ def test_static_dense_reason_for_decode_sizes(decode_wins_everywhere, monkeypatc
     assert dispatch.static_dense_reason(cuda, torch.float16, 1, cp.MAX_WIDTH + 1, 64, 64) is None
     assert "wide" in dispatch.static_dense_reason(cuda, torch.float16, cp.MIN_TOKENS, cp.MAX_WIDTH + 1, 64, 64)
     assert "float32" in dispatch.static_dense_reason(cuda, torch.float32, 1, 2048, 5632, 2048)
-    # with the shipped (H200) constants, a static decode-sized FFN of these shapes stays with
-    # Inductor; a dynamic M is still rewritten
+    # with the shipped (H200) constants: a static decode-sized FFN where decode can win at
+    # density 0 is rewritten; a small layer (fixed costs dominate) stays with Inductor
     monkeypatch.undo()
-    why = dispatch.static_dense_reason(cuda, torch.bfloat16, 1, 2048, 5632, 2048)
+    assert dispatch.static_dense_reason(cuda, torch.bfloat16, 1, 2048, 5632, 2048) is None
+    why = dispatch.static_dense_reason(cuda, torch.bfloat16, 1, 256, 1024, 256)
     assert why and "1 tokens" in why and "decode" in why
-    assert dispatch.static_dense_reason(cuda, torch.bfloat16, None, 2048, 5632, 2048) is None
+    assert dispatch.static_dense_reason(cuda, torch.bfloat16, None, 256, 1024, 256) is None
 
 
 def test_backend_registers_w_down_of_rewritten_ffns(monkeypatch, decode_wins_everywhere):
@@ -281,12 +290,12 @@ def _poison():
     del junk
 
 
-def _check(p):
-    from twell_compile.kernels.cuda_decode import decode_forward
+def _check(p, cfg=None):
+    from twell_compile.kernels.cuda_decode import Config, decode_forward
     from twell_compile.reference import ffn_dense
     args = _args(p)
     _poison()
-    y, tok, hsum = decode_forward(*args)
+    y, tok, hsum = decode_forward(*args, cfg=None if cfg is None else Config(*cfg))
     ref = ffn_dense(*(None if a is None else a.float() for a in args))
     eager = ffn_dense(*args)
     assert torch.isfinite(y).all(), "unwritten or non-finite output"
@@ -306,6 +315,16 @@ def _check(p):
 @pytest.mark.parametrize("density", [0.0, 0.005, 0.05, 0.3, 1.0])
 def test_decode_grid(m, density, dtype):
     _check(_ffn(m, 512, 1408, 512, density, dtype))
+
+
+@gpu
+@pytest.mark.parametrize("cfg", [(32, 256, 4, 32, 128, 1, 4, 3), (16, 64, 8, 16, 64, 4, 4, 2),
+                                 (64, 128, 2, 32, 128, 8, 4, 3)])
+@pytest.mark.parametrize("m", [1, 16, 40])
+@pytest.mark.parametrize("density", [0.005, 0.3])
+def test_decode_split_configs(cfg, m, density):
+    # gate split over K (ticket: the last program sums the partials) and down split over the list
+    _check(_ffn(m, 2048, 5632, 2048, density, torch.bfloat16, tail=0.2), cfg)
 
 
 @gpu
@@ -422,7 +441,7 @@ def test_op_dispatch_by_m_and_density(monkeypatch):
     from twell_compile.kernels import cuda_decode
     from twell_compile.reference import ffn_dense
     cuda_policy.reset()
-    for name, value in (("DEC_FIXED_US", 4.5), ("DEC_GBPS", 3500.0), ("DENSE_FIXED_US", 2.0), ("DENSE_GBPS", 3500.0)):
+    for name, value in (("DEC_FIXED_US", 4.5), ("DEC_GATE_GBPS", 3500.0), ("DEC_ENTRY_US", 0.01), ("DENSE_FIXED_US", 2.0), ("DENSE_GBPS", 3500.0)):
         monkeypatch.setattr(cuda_policy, name, value)
     calls = []
     real = cuda_decode.decode_forward

@@ -1,17 +1,19 @@
 """Host side of the decode path (kernels/twell_decode.py): few tokens, bf16/fp16.
 
-For x [M, K] with M <= MAX_M: the gate GEMV by cuBLAS (all of W_gate), then one Triton kernel
-that reads W_up rows (contiguous in nn.Linear's [N, K] layout) and W_down^T rows ([N, K_out],
-made once per weight by ``weight_cache``) for the neurons active in any row only, and a small
-finishing kernel. No host sync, fixed launch shapes per M: CUDA-graph capturable. Exact at any
-density: a neuron is skipped only where relu(g) is 0 in every row of its row block and no
-row of x holds NaN/Inf.
+For x [M, K] with M <= MAX_M: one zero-fill of the counters, then ``decode_gate_up_kernel``
+(all of W_gate; W_up rows of active neurons only, contiguous in nn.Linear's [N, K] layout),
+which appends (neuron, h) pairs to a list per row block, then ``decode_down_kernel`` over the
+lists (W_down^T rows, [N, K_out], made once per weight by ``weight_cache``), plus a summing
+kernel when the down kernel is split. No host sync, fixed launch shapes per M: CUDA-graph
+capturable. Exact at any density: a neuron is skipped only where relu(g) is 0 and g finite
+in every row of its row block.
 
-First design (gate GEMV in Triton, down partials per N split, no atomics), replaced after its
-H200 run: 42-60 us per layer at K=2048, N=5632, M=1..32 vs dense 34 us (0.6-0.8x): the Triton
-gate read 23 MB far slower than cuBLAS, and the down kernel's dependent h -> W_d^T loads ran in
-many short, smem-limited waves (time grew with its program count: 704 -> 2816 programs,
-42 -> 72 us).
+H200, K=2048, N=5632, M=1, d=0.005 (benchmarks/results/h200/decode_run3/): 22.2 us vs dense
+34.0 us; parts: zero-fill 2.1, gate GEMV 12.1 (cuBLAS alone 11.3), up for active neurons 5.3,
+down 4.2 (M=16: 14.6 with one split). Earlier designs, both slower than dense everywhere:
+v1 (Triton gate, down over N splits of every column: 42-60 us) and v2 (cuBLAS gate + one
+kernel looping over all K and K_out per neuron chunk with fp32 atomics: 46.8 us, of which
+~36 us did not depend on bytes).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from twell_compile.kernels import weight_cache
@@ -30,25 +31,26 @@ MAX_MB = 32           # rows per program: M-tiles of 64 would select Hopper's wg
 
 
 class Config(NamedTuple):
-    ch: int        # neurons per program
-    bk: int        # K step of the up loop
-    bko: int       # K_out step of the down loop
+    bn: int        # neurons per gate/up program
+    bk: int        # K step of the gate and up loops
+    ks: int        # splits of K for the gate (programs per neuron block)
+    e: int         # list entries per tl.dot in the down kernel
+    bko: int       # K_out columns per down program
+    splits: int    # down programs per K_out block (each takes every splits-th E entries)
     warps: int
     stages: int
-    ksplit: int    # programs per chunk along K_out (each recomputes the chunk's u from L2)
 
 
-# By padded M: the winners of benchmarks/tune_decode.py on H200 (results/h200/decode_run2/
-# tune.log; K=2048 N=5632 M=1, d 0.005: 46.9 us vs 38.6-54.5 us for the other variants, best
-# mean over both shapes). 128 and 256 (M above the policy's threshold) untuned.
+# By padded M. Untuned starting points (the kernels were redesigned; benchmarks/tune_decode.py
+# picks among VARIANTS on the device).
 CONFIGS = {
-    16: Config(128, 64, 128, 4, 3, 1),
-    32: Config(128, 64, 128, 4, 3, 1),
-    64: Config(128, 64, 128, 4, 3, 1),
-    128: Config(64, 128, 128, 4, 3, 1),
-    256: Config(64, 128, 128, 4, 3, 1),
+    16: Config(32, 256, 1, 32, 128, 1, 4, 3),
+    32: Config(32, 256, 1, 32, 128, 4, 4, 3),
+    64: Config(32, 256, 1, 32, 128, 4, 4, 3),
+    128: Config(32, 256, 1, 32, 128, 4, 4, 3),
+    256: Config(32, 256, 1, 32, 128, 4, 4, 3),
 }
-FINISH_BLOCK = 1024
+SUM_BLOCK = 1024
 
 
 def _pow2(v: int) -> int:
@@ -68,9 +70,11 @@ class Decoded(NamedTuple):
 def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                    b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
                    cfg: Optional[Config] = None) -> Decoded:
-    """The FFN for x2 [M, K], M <= MAX_M: cuBLAS gate GEMV, then W_up / W_down rows of active
-    neurons only. Four launches: gate GEMM, zero-fill of the fp32 accumulator, sparse kernel,
-    finish."""
+    """The FFN for x2 [M, K], M <= MAX_M: gate (all of W_gate) and up (active W_up rows) in one
+    kernel, down over the active W_down^T rows in a second. Three launches (one zero-fill of the
+    counters, two kernels), four with split down partials."""
+    from twell_compile.kernels.twell_decode import decode_down_kernel, decode_gate_up_kernel, decode_sum_kernel
+
     m, k = x2.shape
     n, k_out = w_gate.shape[0], w_down.shape[0]
     if m > MAX_M:
@@ -82,39 +86,38 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
                        torch.zeros(1, dtype=torch.float32, device=dev))
     mp = m_pad(m)
     c = cfg or CONFIGS[mp]
-    g = F.linear(x2, w_gate, b_gate)                      # eager's gate GEMM (cuBLAS)
-    wdt = weight_cache.transposed(w_down)
-    acc = torch.zeros((m, k_out), dtype=torch.float32, device=dev)
-    return _launch(x2, g, w_up, b_up, wdt, b_down, y, acc, c, m, k, n, k_out, mp)
-
-
-def _launch(x2: Tensor, g: Tensor, w_up: Optional[Tensor], b_up: Optional[Tensor], wdt: Tensor,
-            b_down: Optional[Tensor], y: Tensor, acc: Tensor, c: Config,
-            m: int, k: int, n: int, k_out: int, mp: int) -> Decoded:
-    from twell_compile.kernels.twell_decode import decode_ffn_kernel, decode_finish_kernel
-
-    dev = x2.device
     mb = min(mp, MAX_MB)
     nrb = -(-m // mb)
-    nb = -(-n // c.ch)
+    wdt = weight_cache.transposed(w_down)
+    bk = min(c.bk, max(16, _pow2(k)))
+    ksl = -(-(-(-k // max(1, c.ks))) // bk) * bk          # K per split, a multiple of BK
+    ks = -(-k // ksl)
+    nb = -(-n // c.bn)
+    # one zero-fill: per-token non-zeros [M], their total, list length per row block, split-K
+    # tickets per (row block, neuron block), sum |h| (fp32 bits)
+    ib = torch.zeros(m + 2 + nrb + nrb * nb, dtype=torch.int32, device=dev)
+    tk = ib[m + 1 + nrb:m + 1 + nrb + nrb * nb]
+    hs = ib[m + 1 + nrb + nrb * nb:].view(torch.float32)
+    gp = torch.empty((ks, m, n), dtype=torch.float32, device=dev) if ks > 1 else ib
+    idx = torch.empty(nrb * n, dtype=torch.int32, device=dev)
+    hl = torch.empty((nrb * n, mb), dtype=dt, device=dev)
+    wu = w_up if w_up is not None else w_gate
+    decode_gate_up_kernel[(nb, ks, nrb)](
+        x2, x2.stride(0), x2.stride(1), w_gate, w_gate.stride(0), w_gate.stride(1),
+        b_gate if b_gate is not None else w_gate, wu, wu.stride(0), wu.stride(1),
+        b_up if b_up is not None else w_gate, idx, hl, ib, hs, gp, tk, m, k, n, ksl,
+        GATED=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
+        MB=mb, BN=c.bn, BK=bk, KS=ks, num_warps=c.warps, num_stages=c.stages)
     bko = min(c.bko, max(16, _pow2(k_out)))
-    ksplit_len = -(-(-(-k_out // c.ksplit)) // bko) * bko
-    ksplit = -(-k_out // ksplit_len)
-    hs = torch.empty(nb * nrb + 1, dtype=torch.float32, device=dev)
-    i32 = torch.empty(nb * m + m + 1, dtype=torch.int32, device=dev)
-    cnt, tok = i32[: nb * m], i32[nb * m:]
-    wu = w_up if w_up is not None else g
-    decode_ffn_kernel[(nb, nrb, ksplit)](
-        x2, x2.stride(0), x2.stride(1), g, g.stride(0),
-        wu, wu.stride(0), wu.stride(1), b_up if b_up is not None else x2,
-        wdt, wdt.stride(0), wdt.stride(1),
-        acc, cnt, hs, m, k, n, k_out, ksplit_len,
-        GATED=w_up is not None, HAS_BU=b_up is not None,
-        MB=mb, CH=c.ch, BK=min(c.bk, max(16, _pow2(k))), BKO=bko,
+    splits = max(1, c.splits)
+    part = y if splits == 1 else torch.empty((splits, m, k_out), dtype=torch.float32, device=dev)
+    bd = b_down if b_down is not None else y
+    decode_down_kernel[(-(-k_out // bko), splits, nrb)](
+        idx, hl, ib, wdt, wdt.stride(0), wdt.stride(1), bd, y, y.stride(0), y.stride(1), part,
+        m, n, k_out, HAS_BD=b_down is not None, MB=mb, E=c.e, BKO=bko, S=splits,
         num_warps=c.warps, num_stages=c.stages)
-    nb_ch = max(1, min(_pow2(max(nb, nb * nrb)), 8192 // mp))
-    decode_finish_kernel[(-(-(m * k_out) // FINISH_BLOCK) + 1,)](
-        acc, b_down if b_down is not None else x2, y, y.stride(0), y.stride(1),
-        cnt, hs, tok, hs[-1:], m, k_out, nb, nb * nrb,
-        HAS_BD=b_down is not None, BLOCK=FINISH_BLOCK, M_P=mp, NB_CH=nb_ch, num_warps=4)
-    return Decoded(y, tok, hs[-1:])
+    if splits > 1:
+        decode_sum_kernel[(-(-(m * k_out) // SUM_BLOCK),)](
+            part, bd, y, y.stride(0), y.stride(1), m, k_out,
+            HAS_BD=b_down is not None, S=splits, BLOCK=SUM_BLOCK, num_warps=4)
+    return Decoded(y, ib[:m + 1], hs)

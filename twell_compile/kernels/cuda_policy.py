@@ -26,21 +26,20 @@ Three rules, in this order:
    call), so a dense layer never pays for a sparse first call; dense layers re-probe every
    PROBE_EVERY calls, TwELL layers every REFRESH_EVERY calls. The measured density also sets
    the per-row list width (cuda_infer.list_width).
-3. Decode rule (M <= DECODE_MAX_M, same per-layer key and measurement): with u = 1-(1-d)^M
-   the expected fraction of neurons active in at least one of the M rows, the decode path
-   reads W_gate plus u of the W_up / W_down^T rows; it runs while its modelled time
+3. Decode rule (M <= DECODE_MAX_M, same per-layer key and measurement): with u = 1-(1-d)^R
+   the expected fraction of neurons active in at least one of a row block's R <= 32 rows
+   (B row blocks, S down-kernel splits: cuda_decode.CONFIGS), the decode path runs while
 
-       DEC_FIXED_US + bytes(W_g + u * (W_u + W_d)) / DEC_GBPS
+       DEC_FIXED_US + B * bytes(W_g) / DEC_GATE_GBPS + DEC_ENTRY_US * u * N * B / S
            <  DEC_MARGIN * (DENSE_FIXED_US + bytes(W_g + W_u + W_d) / DENSE_GBPS)
 
    (decode_wins). Before the layer's first measurement lands the rule is evaluated at density
    0, the best case (a ReLU layer the backend rewrote is expected sparse, and a CUDA graph
    recorded on the second call, as reduce-overhead's cudagraph trees do, would otherwise keep
    dense forever). The decode kernels write the non-zero count, so the probe works as on the
-   per-row path. The constants are a least-squares fit to the H200 run (tune_decode.py): there
-   the decode kernels measured slower than dense at every point (docs/inference.md,
-   "Decode"), so the rule picks dense for every measured shape, density 0 included, and
-   dispatch.static_dense_reason leaves static decode-sized FFNs of such shapes to Inductor.
+   per-row path. The constants are a least-squares fit to the H200 run (tune_decode.py,
+   docs/inference.md "Decode"); where even density 0 cannot win, dispatch.static_dense_reason
+   leaves static decode-sized FFNs to Inductor.
 
 Under CUDA-graph capture nothing is polled or copied: the graph records the path chosen by
 the calls before capture (torch.compile's reduce-overhead mode runs warm-up calls first).
@@ -67,17 +66,22 @@ PAIR_UNITS = 163.0
 MARGIN = 0.95
 MIN_TOKENS = 8192      # H200 d=0.005: M=4096 twell 0.48 vs dense 0.44 ms, M=1024 0.20 vs 0.12
 MAX_WIDTH = 8192
-# Decode rule (rule 3), H200 bf16: measured with benchmarks/bench_ffn.py --decode.
-# Fit (benchmarks/tune_decode.py, results/h200/decode_run2/decode_policy.json) to 18 CUDA-graph
-# timings per path, K=2048/N=5632 and K=4096/N=11008, M 1/16/64, d 0.005/0.05/0.2: dense 34.0 us
-# at K=2048 M=1 (69 MB), decode 46.8 us whatever the density (its kernels are latency-bound,
-# ~36 us of fixed cost): decode never wins at these shapes.
+# Decode rule (rule 3), H200 bf16: measured with benchmarks/bench_ffn.py --decode, fitted by
+# benchmarks/tune_decode.py (results/h200/decode_run3/): the decode kernels' time is a fixed
+# part (launches, counter zero-fill, the dependent list -> weight-row loads), the W_gate read
+# (once per row block of <= 32 rows) and a per-entry part (each active neuron of a row block's
+# list is one step of the down kernel, spread over its splits): 17.4 us + W_gate / 2555 GB/s +
+# 0.0208 us per entry, fitted to the 37 grid points within 1.6x of dense (max error 57% far
+# from the boundary; `tune_decode.py --fit-from results/h200/ffn_decode.json`). Dense: 16.4 us + bytes / 3880 GB/s. MARGIN 0.9: on the 56-point grid
+# no pick below 0.97x of dense, 3 wins over 10% missed. K=2048, N=5632, M=1, d=0.005: decode
+# 22.5 us vs dense 33.5 us (1.49x).
 DECODE_MAX_M = 64
-DEC_FIXED_US = 36.1
-DEC_GBPS = 1863.0
-DENSE_FIXED_US = 17.08
-DENSE_GBPS = 3841.0
-DEC_MARGIN = 0.95
+DEC_FIXED_US = 17.41
+DEC_GATE_GBPS = 2555.0
+DEC_ENTRY_US = 0.0208
+DENSE_FIXED_US = 16.42
+DENSE_GBPS = 3880.0
+DEC_MARGIN = 0.9
 MAX_N = 65536          # the per-row lists pack the column in 16 bits
 PROBE_EVERY = 64
 REFRESH_EVERY = 16
@@ -102,12 +106,15 @@ def union_fraction(density: float, m: int) -> float:
 
 
 def decode_wins(density: float, m: int, k: int, n: int, k_out: int, gated: bool) -> bool:
+    from twell_compile.kernels import cuda_decode
+
     g = 1 if gated else 0
-    u = union_fraction(density, m)
-    dec_mb = 2e-6 * n * (k + u * (g * k + k_out))
-    dense_mb = 2e-6 * n * (k * (1 + g) + k_out)
-    t_dec = DEC_FIXED_US + 1e3 * dec_mb / DEC_GBPS
-    t_dense = DENSE_FIXED_US + 1e3 * dense_mb / DENSE_GBPS
+    mb = min(cuda_decode.m_pad(m), cuda_decode.MAX_MB)
+    blocks = -(-m // mb)
+    splits = cuda_decode.CONFIGS[cuda_decode.m_pad(min(m, cuda_decode.MAX_M))].splits
+    entries = union_fraction(density, min(m, mb)) * n * blocks / max(1, splits)
+    t_dec = DEC_FIXED_US + 1e3 * 2e-6 * n * k * blocks / DEC_GATE_GBPS + DEC_ENTRY_US * entries
+    t_dense = DENSE_FIXED_US + 1e3 * 2e-6 * n * (k * (1 + g) + k_out) / DENSE_GBPS
     return t_dec < DEC_MARGIN * t_dense
 
 
