@@ -31,11 +31,11 @@ from twell_compile.kernels import cuda_decode, weight_cache  # noqa: E402
 from twell_compile.kernels.cuda_decode import Config  # noqa: E402
 from twell_compile.reference import ffn_dense  # noqa: E402
 
-# (bn, bk, ks, e, bko, splits, warps, stages): cuda_decode.Config
-VARIANTS = [(32, 256, 1, 32, 128, 1, 4, 3), (32, 256, 2, 32, 128, 1, 4, 3), (32, 256, 4, 32, 128, 1, 4, 3),
-            (16, 256, 4, 32, 128, 1, 4, 3), (32, 128, 4, 32, 64, 1, 4, 4), (64, 256, 4, 32, 128, 1, 4, 3),
-            (32, 256, 8, 32, 128, 1, 4, 3), (32, 256, 4, 32, 128, 4, 4, 3), (32, 256, 4, 32, 64, 4, 4, 3),
-            (32, 256, 2, 32, 64, 8, 4, 3)]
+# cuda_decode.Config fields: (bn, bk, bku, bko, finish_max, warps, stages)
+VARIANTS = [(32, 128, 256, 128, 8192, 4, 3), (16, 128, 256, 128, 8192, 4, 3), (64, 128, 256, 128, 8192, 4, 3),
+            (32, 256, 256, 128, 8192, 4, 3), (32, 128, 512, 256, 8192, 4, 3), (32, 128, 256, 256, 8192, 4, 4),
+            (32, 128, 256, 128, 8192, 8, 3), (32, 64, 256, 128, 8192, 4, 5), (32, 128, 256, 128, 0, 4, 3),
+            (32, 128, 256, 128, 1 << 20, 4, 3), (16, 256, 512, 256, 8192, 4, 2), (16, 128, 128, 512, 8192, 4, 4)]
 BUCKETS = {16: [1, 16], 32: [32], 64: [64]}
 
 
@@ -49,9 +49,8 @@ def fit_policy(points: list[dict], near: float = 1.6) -> dict[str, float]:
     """The decode rule's constants (kernels/cuda_policy.py) from measured points, each a dict
     with M, K, N, union (neurons active in some row), dense_us, decode_us.
     Dense: t = fixed + bytes(3 weights) / rate. Decode: t = fixed + blocks x bytes(W_g) / rate
-    + entry x union x blocks / splits (blocks: row blocks of <= MAX_MB rows; splits: the down
-    kernel's, from cuda_decode.CONFIGS), fitted to the points within ``near`` x of dense, where
-    the rule's decisions are made."""
+    + entry x union x blocks (blocks: row blocks of <= MAX_MB rows), fitted to the points within
+    ``near`` x of dense, where the rule's decisions are made."""
     dense = _lstsq([[1.0, 2e-6 * p["N"] * 3 * p["K"]] for p in points], [p["dense_us"] for p in points])
     rows, ts = [], []
     for p in points:
@@ -59,8 +58,7 @@ def fit_policy(points: list[dict], near: float = 1.6) -> dict[str, float]:
             continue
         mp = cuda_decode.m_pad(p["M"])
         blocks = -(-p["M"] // min(mp, cuda_decode.MAX_MB))
-        splits = max(1, cuda_decode.CONFIGS[mp].splits)
-        rows.append([1.0, 2e-6 * p["N"] * p["K"] * blocks, p["union"] * blocks / splits])
+        rows.append([1.0, 2e-6 * p["N"] * p["K"] * blocks, p["union"] * blocks])
         ts.append(p["decode_us"])
     if len(rows) < 3:
         raise SystemExit(f"only {len(rows)} decode points within {near}x of dense: nothing to fit")
@@ -77,11 +75,46 @@ def fit_from_bench(path: str) -> dict[str, float]:
                             decode_us=r["kernel_ms"] * 1e3) for r in rows if r.get("kernel") == "decode"])
 
 
+def parts(sets, shapes, reps) -> None:
+    """Where the time goes at d = 0.005 (tuned configs), per layer, CUDA graphs over all layers:
+    cuBLAS gate GEMV alone, the decode path with nothing active (gate + launch + finish: W_gate's
+    column 0 pushed to -1e4 on copies of the weights), the decode path, dense; and an empty
+    Triton launch (the graph's per-launch cost)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _empty(p):
+        pass
+
+    dummy = torch.empty(1, device="cuda")
+    t_empty = graph_ms(lambda: [_empty[(132,)](dummy) for _ in range(8)], reps) / 8 * 1e3
+    print(f"parts: empty Triton launch {t_empty:.2f} us each in a graph of 8", flush=True)
+    for k, n in shapes:
+        ws = sets[(k, n, 0.005)]
+        quiet = []
+        for p in ws:
+            wg = p["w_gate"].clone()
+            wg[:, 0] = -1e4
+            quiet.append(wg)
+        for m in (1, 16, 64):
+            a = [(p["x"][:m].contiguous(), p["w_gate"], None, p["w_up"], None, p["w_down"], None) for p in ws]
+            aq = [(x[0], wq) + x[2:] for x, wq in zip(a, quiet)]
+            t_cublas = graph_ms(lambda: [F.linear(x[0], x[1]) for x in a], reps) / len(ws) * 1e3
+            t_quiet = graph_ms(lambda: [cuda_decode.decode_forward(*x) for x in aq], reps) / len(ws) * 1e3
+            t_dec = graph_ms(lambda: [cuda_decode.decode_forward(*x) for x in a], reps) / len(ws) * 1e3
+            t_dense = graph_ms(lambda: [ffn_dense(*x) for x in a], reps) / len(ws) * 1e3
+            print(f"parts K={k} N={n} M={m} d=0.005: cuBLAS gate {t_cublas:.1f} us, decode with nothing active "
+                  f"{t_quiet:.1f} us ({2e-3 * n * k / t_quiet:.0f} GB/s of W_gate), decode {t_dec:.1f} us, "
+                  f"dense {t_dense:.1f} us ({t_dense / t_dec:.2f}x)", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["2048x5632", "4096x11008"])
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--rotate-mb", type=float, default=256)
+    ap.add_argument("--buckets", type=int, nargs="+", default=list(BUCKETS), help="padded-M buckets to tune")
     ap.add_argument("--out", default=None, help="JSON of the best config per padded M")
     ap.add_argument("--policy-out", default=None, help="JSON of the fitted cost-model constants")
     ap.add_argument("--fit-from", default=None, metavar="BENCH_JSON",
@@ -116,31 +149,37 @@ def main(argv=None) -> int:
         derr = float((ffn_dense(*x).double() - ref).norm() / ref.norm())
         return "" if err <= 2 * derr + 1e-6 else f"rel. error {err:.2e} > 2 x eager's {derr:.2e} (M={m})"
 
-    best = {}
-    for mp, ms in BUCKETS.items():
+    def evaluate(mp, ms, cfg, base_times):
+        """Mean time ratio of cfg to base_times over the bucket's M x shapes (None: not exact)."""
+        bad = [wrong(ws, m, cfg) for m in ms for ws in (sets[(k, n, 0.005)] for k, n in shapes)]
+        if any(bad):      # a config that is not exact never wins
+            print(f"M_P={mp} {tuple(cfg)}: REJECTED, {[b for b in bad if b][0]}", flush=True)
+            return None, None
+        ts = [t_decode(sets[(k, n, 0.005)], m, cfg) for m in ms for k, n in shapes]
+        ratio = 1.0 if base_times is None else sum(t / t0 for t, t0 in zip(ts, base_times)) / len(ts)
+        print(f"M_P={mp} {tuple(cfg)}: {ratio:.3f} of default; us " + " ".join(f"{t * 1e3:.1f}" for t in ts),
+              flush=True)
+        return ratio, ts
+
+    for mp in args.buckets:
+        ms = BUCKETS[mp]
         base = cuda_decode.CONFIGS[mp]
-        cands = [base] + [Config(*v) for v in VARIANTS if Config(*v) != base]
-        times = {}
-        for cfg in list(cands):
-            bad = [wrong(ws, m, cfg) for m in ms for ws in (sets[(k, n, 0.005)] for k, n in shapes)]
-            if any(bad):      # a config that is not exact never wins
-                print(f"M_P={mp} {tuple(cfg)}: REJECTED, {[b for b in bad if b][0]}", flush=True)
-                cands.remove(cfg)
+        _, base_times = evaluate(mp, ms, base, None)
+        if base_times is None:
+            raise SystemExit(f"the default decode config for M_P={mp} is not exact")
+        win, win_ratio = base, 1.0
+        for v in VARIANTS:
+            cfg = Config(*v)
+            if cfg == base:
                 continue
-            times[cfg] = [t_decode(sets[(k, n, 0.005)], m, cfg) for m in ms for k, n in shapes]
-            ref = times[base] if base in times else next(iter(times.values()))
-            ratio = sum(t / t0 for t, t0 in zip(times[cfg], ref)) / len(ref)
-            print(f"M_P={mp} {tuple(cfg)}: {ratio:.3f} of default; us "
-                  + " ".join(f"{t * 1e3:.1f}" for t in times[cfg]), flush=True)
-        if not cands:
-            raise SystemExit(f"no exact decode config for M_P={mp}")
-        ref = next(iter(times.values()))
-        win = min(cands, key=lambda c: sum(t / t0 for t, t0 in zip(times[c], ref)))
-        best[mp] = win
+            ratio, _ = evaluate(mp, ms, cfg, base_times)
+            if ratio is not None and ratio < win_ratio:
+                win, win_ratio = cfg, ratio
         cuda_decode.CONFIGS[mp] = win
-        print(f"best M_P={mp}: {tuple(win)}", flush=True)
+        print(f"best M_P={mp}: {tuple(win)} ({win_ratio:.3f} of default)", flush=True)
         if args.out:   # after every bucket: a cut-short run keeps what it found
             Path(args.out).write_text(json.dumps({str(k): list(v) for k, v in cuda_decode.CONFIGS.items()}, indent=1))
+    parts(sets, shapes, args.reps)
 
     points = []
     for (k, n, d), ws in sets.items():

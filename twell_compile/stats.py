@@ -56,6 +56,17 @@ def record(layer: str, counts: Tensor, abs_sum: Tensor, overflows: Tensor, hidde
     torch.stack([counts.sum(dtype=f64), mx, abs_sum.to(f64), overflows.to(f64)], out=buf)
 
 
+def device_buffer(layer: str, device: torch.device, tokens: int, hidden: int) -> Tensor:
+    """The layer's float64 [4] buffer for a kernel that writes the fields itself (the decode
+    kernel: no extra launches), with this call's host-side shape facts recorded."""
+    buf = _buffers.get((layer, device))
+    if buf is None:
+        buf = reserve(layer, device)
+    _hidden[layer] = hidden
+    _tokens[layer] = tokens
+    return buf
+
+
 def reserve(layer: str, device: torch.device) -> Tensor:
     """Allocate a layer's buffer now. The backend calls this at compile time: a buffer first
     allocated inside a CUDA-graph warm-up would live in the graph's private memory pool."""

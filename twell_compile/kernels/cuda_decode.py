@@ -1,19 +1,22 @@
 """Host side of the decode path (kernels/twell_decode.py): few tokens, bf16/fp16.
 
-For x [M, K] with M <= MAX_M: one zero-fill of the counters, then ``decode_gate_up_kernel``
-(all of W_gate; W_up rows of active neurons only, contiguous in nn.Linear's [N, K] layout),
-which appends (neuron, h) pairs to a list per row block, then ``decode_down_kernel`` over the
-lists (W_down^T rows, [N, K_out], made once per weight by ``weight_cache``), plus a summing
-kernel when the down kernel is split. No host sync, fixed launch shapes per M: CUDA-graph
-capturable. Exact at any density: a neuron is skipped only where relu(g) is 0 and g finite
-in every row of its row block.
+For x [M, K] with M <= MAX_M: ``decode_fused_kernel``, one program per neuron block: gate over
+all of K, relu, the active set, W_up rows of active neurons only (contiguous in nn.Linear's
+[N, K] layout), h, and the down projection over W_down^T rows ([N, K_out], made once per weight
+by ``weight_cache``) added into an fp32 accumulator by atomics; the row block's last program
+(ticket) writes y, the statistics and zeroes the accumulator again. One launch per FFN when the
+weight is registered (its persistent accumulator, ``weight_cache.decode_state``) and the finish
+is small (one row block, M x K_out <= FINISH_MAX); otherwise a zero-fill and/or a separate
+finishing launch. No host sync, fixed launch shapes per M: CUDA-graph capturable. Exact at any
+density: a neuron is skipped only where relu(g) is 0 and g finite in every row of its row block.
 
-H200, K=2048, N=5632, M=1, d=0.005 (benchmarks/results/h200/decode_run3/): 22.2 us vs dense
-34.0 us; parts: zero-fill 2.1, gate GEMV 12.1 (cuBLAS alone 11.3), up for active neurons 5.3,
-down 4.2 (M=16: 14.6 with one split). Earlier designs, both slower than dense everywhere:
-v1 (Triton gate, down over N splits of every column: 42-60 us) and v2 (cuBLAS gate + one
-kernel looping over all K and K_out per neuron chunk with fp32 atomics: 46.8 us, of which
-~36 us did not depend on bytes).
+History (H200, K=2048, N=5632, M=1, d=0.005, CUDA graphs over 4 layers; dense 34.0 us): v1 Triton
+gate + down over N splits of every column (42-60 us); v2 cuBLAS gate + one kernel looping over K
+and K_out per neuron chunk with fp32 atomics (46.8 us); v3 gate + up in one kernel appending to a
+list per row block, then a down kernel over the list (22.2 us: memset 2.1, gate 12.1, up 5.3,
+down 4.2); v4 three launches, gate / up-down over K_out splits / finish (26.7 us: the gate alone
+11.0 us, the same as cuBLAS's 11.4; each further launch costs ~4-5 us in a graph, fitted from
+the GEMV times at two sizes: 4.8 us + bytes / 3.5 TB/s). v5 (this) is one launch.
 """
 
 from __future__ import annotations
@@ -31,26 +34,25 @@ MAX_MB = 32           # rows per program: M-tiles of 64 would select Hopper's wg
 
 
 class Config(NamedTuple):
-    bn: int        # neurons per gate/up program
-    bk: int        # K step of the gate and up loops
-    ks: int        # splits of K for the gate (programs per neuron block)
-    e: int         # list entries per tl.dot in the down kernel
-    bko: int       # K_out columns per down program
-    splits: int    # down programs per K_out block (each takes every splits-th E entries)
+    bn: int        # neurons per program
+    bk: int        # K step of the gate loop
+    bku: int       # K step of the up loop
+    bko: int       # K_out step of the down loop
+    finish_max: int  # finish in the kernel (last program) up to M x K_out elements, else a launch
     warps: int
     stages: int
 
 
-# By padded M. Untuned starting points (the kernels were redesigned; benchmarks/tune_decode.py
-# picks among VARIANTS on the device).
+# By padded M. Starting points until benchmarks/tune_decode.py has run on the device.
 CONFIGS = {
-    16: Config(32, 256, 1, 32, 128, 1, 4, 3),
-    32: Config(32, 256, 1, 32, 128, 4, 4, 3),
-    64: Config(32, 256, 1, 32, 128, 4, 4, 3),
-    128: Config(32, 256, 1, 32, 128, 4, 4, 3),
-    256: Config(32, 256, 1, 32, 128, 4, 4, 3),
+    16: Config(32, 128, 256, 128, 8192, 4, 3),
+    32: Config(32, 128, 256, 128, 8192, 4, 3),
+    64: Config(32, 128, 256, 128, 8192, 4, 3),
+    128: Config(32, 128, 256, 128, 8192, 4, 3),
+    256: Config(32, 128, 256, 128, 8192, 4, 3),
 }
-SUM_BLOCK = 1024
+FINISH_BLOCK = 1024   # accumulator elements per step of a finishing program
+STAT_BLOCKS = 256     # neuron blocks per step of the statistics sum
 
 
 def _pow2(v: int) -> int:
@@ -69,11 +71,10 @@ class Decoded(NamedTuple):
 
 def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                    b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
-                   cfg: Optional[Config] = None) -> Decoded:
-    """The FFN for x2 [M, K], M <= MAX_M: gate (all of W_gate) and up (active W_up rows) in one
-    kernel, down over the active W_down^T rows in a second. Three launches (one zero-fill of the
-    counters, two kernels), four with split down partials."""
-    from twell_compile.kernels.twell_decode import decode_down_kernel, decode_gate_up_kernel, decode_sum_kernel
+                   cfg: Optional[Config] = None, stats_buf: Optional[Tensor] = None) -> Decoded:
+    """The FFN for x2 [M, K], M <= MAX_M. ``stats_buf``: a layer's float64 [4] statistics buffer
+    (stats.py) that the kernels fill in place (sum and max of non-zeros per token, sum |h|, 0)."""
+    from twell_compile.kernels.twell_decode import decode_finish_kernel, decode_fused_kernel
 
     m, k = x2.shape
     n, k_out = w_gate.shape[0], w_down.shape[0]
@@ -88,36 +89,37 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
     c = cfg or CONFIGS[mp]
     mb = min(mp, MAX_MB)
     nrb = -(-m // mb)
-    wdt = weight_cache.transposed(w_down)
-    bk = min(c.bk, max(16, _pow2(k)))
-    ksl = -(-(-(-k // max(1, c.ks))) // bk) * bk          # K per split, a multiple of BK
-    ks = -(-k // ksl)
     nb = -(-n // c.bn)
-    # one zero-fill: per-token non-zeros [M], their total, list length per row block, split-K
-    # tickets per (row block, neuron block), sum |h| (fp32 bits)
-    ib = torch.zeros(m + 2 + nrb + nrb * nb, dtype=torch.int32, device=dev)
-    tk = ib[m + 1 + nrb:m + 1 + nrb + nrb * nb]
-    hs = ib[m + 1 + nrb + nrb * nb:].view(torch.float32)
-    gp = torch.empty((ks, m, n), dtype=torch.float32, device=dev) if ks > 1 else ib
-    idx = torch.empty(nrb * n, dtype=torch.int32, device=dev)
-    hl = torch.empty((nrb * n, mb), dtype=dt, device=dev)
+    wdt = weight_cache.transposed(w_down)
+    state = weight_cache.decode_state(w_down, m)
+    if state is None:                   # unregistered weight: a fresh zeroed accumulator
+        acc, tk = torch.zeros(m * k_out + 8, dtype=torch.float32, device=dev).split([m * k_out, 8])
+        tk = tk.view(torch.int32)
+    else:
+        acc, tk = state
+    finish = nrb == 1 and m * k_out <= c.finish_max
+    # per (row block, neuron block): non-zeros per row, sum |h|; then tok [M + 1], sum |h|
+    iw = torch.empty(nrb * nb * mb + m + 1, dtype=torch.int32, device=dev)
+    rc, tok = iw[:nrb * nb * mb], iw[nrb * nb * mb:]
+    fw = torch.empty(nrb * nb + 1, dtype=torch.float32, device=dev)
+    hs, hsum = fw[:-1], fw[-1:]
+    st = stats_buf if stats_buf is not None else fw
+    bk = min(c.bk, max(16, _pow2(k)))
+    bku = min(c.bku, max(16, _pow2(k)))
+    bko = min(c.bko, max(16, _pow2(k_out)))
     wu = w_up if w_up is not None else w_gate
-    decode_gate_up_kernel[(nb, ks, nrb)](
+    flags = dict(HAS_BD=b_down is not None, CLEAN=state is not None, HAS_ST=stats_buf is not None)
+    bd = b_down if b_down is not None else y
+    decode_fused_kernel[(nb, nrb)](
         x2, x2.stride(0), x2.stride(1), w_gate, w_gate.stride(0), w_gate.stride(1),
         b_gate if b_gate is not None else w_gate, wu, wu.stride(0), wu.stride(1),
-        b_up if b_up is not None else w_gate, idx, hl, ib, hs, gp, tk, m, k, n, ksl,
-        GATED=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
-        MB=mb, BN=c.bn, BK=bk, KS=ks, num_warps=c.warps, num_stages=c.stages)
-    bko = min(c.bko, max(16, _pow2(k_out)))
-    splits = max(1, c.splits)
-    part = y if splits == 1 else torch.empty((splits, m, k_out), dtype=torch.float32, device=dev)
-    bd = b_down if b_down is not None else y
-    decode_down_kernel[(-(-k_out // bko), splits, nrb)](
-        idx, hl, ib, wdt, wdt.stride(0), wdt.stride(1), bd, y, y.stride(0), y.stride(1), part,
-        m, n, k_out, HAS_BD=b_down is not None, MB=mb, E=c.e, BKO=bko, S=splits,
+        b_up if b_up is not None else w_gate, wdt, wdt.stride(0), wdt.stride(1), bd,
+        acc, tk, rc, hs, y, y.stride(0), y.stride(1), tok, hsum, st, m, k, n, k_out,
+        GATED=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, FINISH=finish,
+        MB=mb, BN=c.bn, BK=bk, BKU=bku, BKO=bko, FB=FINISH_BLOCK, RB=STAT_BLOCKS, **flags,
         num_warps=c.warps, num_stages=c.stages)
-    if splits > 1:
-        decode_sum_kernel[(-(-(m * k_out) // SUM_BLOCK),)](
-            part, bd, y, y.stride(0), y.stride(1), m, k_out,
-            HAS_BD=b_down is not None, S=splits, BLOCK=SUM_BLOCK, num_warps=4)
-    return Decoded(y, ib[:m + 1], hs)
+    if not finish:
+        decode_finish_kernel[(-(-(m * k_out) // FINISH_BLOCK) + 1,)](
+            acc, bd, y, y.stride(0), y.stride(1), rc, hs, tok, hsum, st, m, k_out, nb, nrb,
+            MB=mb, BLOCK=FINISH_BLOCK, RB=STAT_BLOCKS, **flags, num_warps=4)
+    return Decoded(y, tok, hsum)

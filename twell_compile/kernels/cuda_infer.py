@@ -304,9 +304,9 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     if sparse and decode:
         from twell_compile.kernels.cuda_decode import decode_forward
 
-        y, tok, hsum = decode_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
-        if keep_stats:
-            stats.record(layer, tok[:m], hsum[0], tok.new_zeros(()), n)
+        # the kernel fills the layer's statistics buffer itself: no extra launches
+        sbuf = stats.device_buffer(layer, x.device, m, n) if keep_stats else None
+        y, tok, hsum = decode_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, stats_buf=sbuf)
         if probe:
             cuda_policy.submit(key, tok[m], m * n)
     elif sparse:

@@ -28,16 +28,16 @@ Three rules, in this order:
    the per-row list width (cuda_infer.list_width).
 3. Decode rule (M <= DECODE_MAX_M, same per-layer key and measurement): with u = 1-(1-d)^R
    the expected fraction of neurons active in at least one of a row block's R <= 32 rows
-   (B row blocks, S down-kernel splits: cuda_decode.CONFIGS), the decode path runs while
+   (B row blocks), the decode path runs while
 
-       DEC_FIXED_US + B * bytes(W_g) / DEC_GATE_GBPS + DEC_ENTRY_US * u * N * B / S
+       DEC_FIXED_US + B * bytes(W_g) / DEC_GATE_GBPS + DEC_ENTRY_US * u * N * B
            <  DEC_MARGIN * (DENSE_FIXED_US + bytes(W_g + W_u + W_d) / DENSE_GBPS)
 
    (decode_wins). Before the layer's first measurement lands the rule is evaluated at density
    0, the best case (a ReLU layer the backend rewrote is expected sparse, and a CUDA graph
    recorded on the second call, as reduce-overhead's cudagraph trees do, would otherwise keep
    dense forever). The decode kernels write the non-zero count, so the probe works as on the
-   per-row path. The constants are a least-squares fit to the H200 run (tune_decode.py,
+   per-row path. The constants are a least-squares fit to a device run (tune_decode.py,
    docs/inference.md "Decode"); where even density 0 cannot win, dispatch.static_dense_reason
    leaves static decode-sized FFNs to Inductor.
 
@@ -111,8 +111,7 @@ def decode_wins(density: float, m: int, k: int, n: int, k_out: int, gated: bool)
     g = 1 if gated else 0
     mb = min(cuda_decode.m_pad(m), cuda_decode.MAX_MB)
     blocks = -(-m // mb)
-    splits = cuda_decode.CONFIGS[cuda_decode.m_pad(min(m, cuda_decode.MAX_M))].splits
-    entries = union_fraction(density, min(m, mb)) * n * blocks / max(1, splits)
+    entries = union_fraction(density, min(m, mb)) * n * blocks
     t_dec = DEC_FIXED_US + 1e3 * 2e-6 * n * k * blocks / DEC_GATE_GBPS + DEC_ENTRY_US * entries
     t_dense = DENSE_FIXED_US + 1e3 * 2e-6 * n * (k * (1 + g) + k_out) / DENSE_GBPS
     return t_dec < DEC_MARGIN * t_dense

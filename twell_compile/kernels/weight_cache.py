@@ -20,9 +20,13 @@ CUDA-graph replays run no host code: a graph captured before an in-place weight 
 reading the copy as it was. Call ``refresh()`` after updating weights in place between replays
 (it rewrites every stale copy at its own address, so captured graphs see the new values).
 
-(A persistent, re-zeroed decode accumulator per entry was tried to save the zero-fill launch:
-under CUDA-graph replay it gave wrong sums on some replays (H200, 1 of 3 replays at 12x the
-error bound), so the decode path zero-fills a fresh accumulator per call.)
+Each entry also holds the decode path's persistent state (``decode_state``): an fp32
+accumulator [STATE_ROWS, K_out] plus one ticket per row block, all zero between calls (the
+decode kernel's last program writes the zeros back), so no launch zero-fills them: 0.5 MB at
+K_out=2048. One stream at a time per layer, as a model runs. (A first try of this in the v2
+decode kernels, re-zeroed by a separate finishing launch, gave wrong sums on 1 of 3 CUDA-graph
+replays on the H200, cause not found; tests/kernels/test_decode.py replays the v5 kernel many
+times against eager.)
 """
 
 from __future__ import annotations
@@ -43,10 +47,13 @@ class _Entry:
     view: tuple                # (storage offset, shape, stride) of w relative to base's storage
     wt: Optional[Tensor]       # w.t() contiguous (None: w.t() already is)
     version: int
+    state: Optional[Tensor] = None   # decode accumulator + tickets, zero between calls
 
 
 _lock = threading.Lock()
 _entries: dict[tuple, _Entry] = {}
+STATE_ROWS = 64       # cuda_policy.DECODE_MAX_M: larger M gets a fresh zero-filled accumulator
+STATE_TICKETS = 8     # row blocks of the state (>= STATE_ROWS / cuda_decode.MAX_MB)
 
 
 def _key(w: Tensor) -> tuple:
@@ -92,8 +99,9 @@ def register(w: Tensor, base: Optional[Tensor] = None) -> bool:
         if e is not None and _live(key, e) is base:
             return True
         wt = None if w.t().is_contiguous() else w.t().contiguous()
+        state = torch.zeros(STATE_ROWS * w.shape[0] + STATE_TICKETS, dtype=torch.float32, device=w.device)
         entry = _Entry(weakref.ref(base), base.data_ptr(), (w.storage_offset(), tuple(w.shape), tuple(w.stride())),
-                       wt, base._version)
+                       wt, base._version, state)
         with _lock:
             _entries[key] = entry
     return True
@@ -122,6 +130,17 @@ def transposed(w: Tensor) -> Tensor:
     return e.wt
 
 
+def decode_state(w: Tensor, rows: int) -> Optional[tuple[Tensor, Tensor]]:
+    """The registered W_down's persistent decode state for ``rows`` <= STATE_ROWS rows: (fp32
+    accumulator [rows * K_out], int32 tickets [STATE_TICKETS]), zero between calls; None if
+    ``w`` is not registered or rows is larger (then the caller zero-fills its own)."""
+    found = _entry(w)
+    if found is None or found[0].state is None or rows > STATE_ROWS:
+        return None
+    st = found[0].state
+    return st[:rows * w.shape[0]], st[STATE_ROWS * w.shape[0]:].view(torch.int32)
+
+
 def refresh() -> int:
     """Rewrite every copy whose parameter changed in place since (for CUDA-graph replays).
     Returns the number of copies rewritten."""
@@ -134,6 +153,11 @@ def refresh() -> int:
             e.version = base._version
             done += 1
     return done
+
+
+def state_bytes() -> int:
+    """Memory held by the decode states."""
+    return sum(e.state.numel() * 4 for e in _entries.values() if e.state is not None)
 
 
 def cached_bytes() -> int:
