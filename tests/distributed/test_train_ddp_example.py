@@ -2,6 +2,7 @@
 buckets (0.5 MB weights: splits inside FFNs) the prepared model keeps every FFN on every rank."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,3 +28,33 @@ def test_train_ddp_example_on_two_cpu_processes(tmp_path, wrap="ddp"):
         assert rank["prepared"] == ["model.layers.0.mlp", "model.layers.1.mlp"], rank
         assert sorted(rank["rewritten"]) == [f"model.layers.{i}.mlp -> twell::ffn_train (prepared)" for i in (0, 1)], rank
         assert not rank["left_to_inductor"] and rank["peak_memory_mb"] > 0, rank
+
+
+def _train(tmp_path, name, *argv, nproc=None):
+    out = tmp_path / f"{name}.json"
+    launch = [sys.executable] if nproc is None else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     "--nproc-per-node", str(nproc)]
+    cmd = [*launch, str(ROOT / "examples" / "train_ddp.py"), "--device", "cpu", "--tiny", "--backend", "eager",
+           "--density", "0.1", "--global-batch", "4", "--steps", "3", "--warmup", "1", "--fixed-batch",
+           "--calib-cache", str(tmp_path / "gate_bias.pt"), "--out", str(out), *argv]
+    subprocess.run(cmd, check=True, cwd=ROOT, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_one_process_with_accumulation_matches_two_ranks(tmp_path):
+    """The reference run of benchmarks/run_multi_gpu.sh: 1 process (no torchrun, no wrapper), 2
+    micro-batches, sees the tokens of 2 DDP / FSDP2 ranks and averages the same gradients. The
+    model is bench_e2e's with gate biases calibrated to 0.1, computed once and then read from
+    the cache (~45 s on 2 cores: eager, no compiles)."""
+    one = _train(tmp_path, "one", "--wrap", "none", "--accum", "2")
+    assert one["world"] == 1 and one["accum"] == 2 and one["size"]["batch"] == 2 and one["complete"]
+    assert one["calibration_source"] == "calibrated" and abs(one["density_calibration_mean"] - 0.1) < 1e-3
+    assert all(0.05 < d < 0.2 for d in one["density_first_batch"]), one["density_first_batch"]
+    assert one["losses"][-1] < one["losses"][0] - 0.05, one["losses"]   # one fixed batch: the loss falls
+    for wrap in ("ddp", "fsdp2"):
+        two = _train(tmp_path, wrap, "--wrap", wrap, nproc=2)
+        assert two["world"] == 2 and two["size"]["batch"] == 2 and two["calibration_source"] == "cache"
+        assert two["density_first_batch"] == one["density_first_batch"]
+        assert two["losses"] == pytest.approx(one["losses"], abs=1e-4), (wrap, two["losses"], one["losses"])
+        assert all(r["peak_memory_mb"] > 0 for r in two["ranks"])
