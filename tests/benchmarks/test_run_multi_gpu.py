@@ -1,0 +1,39 @@
+"""benchmarks/run_multi_gpu.sh on the CPU (DEVICE=cpu TINY=1, gloo), two of its six runs: the
+layout under $OUT, the rc lines, and a summary whose 2-process losses equal the 1-process ones.
+About 65 s on 2 cores (two twell compiles of the tiny model)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="bash, torchrun with gloo")
+def test_script_on_cpu_tiny(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "WORK": str(tmp_path / "work"), "DEVICE": "cpu", "TINY": "1",
+           "SKIP_INSTALL": "1", "CONFIGS": "single_twell ddp_twell", "STEPS": "3"}
+    res = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_multi_gpu.sh")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert files == ["multi_gpu_summary.json", "run.log", "runs/ddp_twell.json", "runs/single_twell.json"], files
+    log = (out / "run.log").read_text()
+    assert "### end single_twell rc=0" in log and "### end ddp_twell rc=0" in log
+    assert "NCCL_NVLS_ENABLE=0" in log
+    s = json.loads((out / "multi_gpu_summary.json").read_text())
+    rows = {r["config"]: r for r in s["rows"]}
+    assert rows["single_twell"]["complete"] and rows["ddp_twell"]["complete"]
+    assert rows["ddp_twell"]["ffns_rewritten_per_rank"] == [2, 2]
+    assert rows["single_twell"]["ffns_rewritten_per_rank"] == [2]
+    agree = s["loss_agreement"]["ddp_twell"]
+    assert agree["steps_compared"] == 3 and agree["max_abs"] < 1e-4, agree
+    assert s["settings"]["fixed_batch"] and s["settings"]["density_target"] == 0.1
+    assert "| 2x cpu | DDP | twell (prepared) |" in res.stdout
