@@ -112,7 +112,8 @@ def run_point(sets, m: int, d: float, reps: int, tag: str) -> dict:
         torch.cuda.synchronize()
     key = (names[0], xs[0].device, xs[0].dtype, k, n, k_out, gated)
     if cuda_policy.decode_ok(xs[0], m, n):
-        path = "decode" if cuda_policy.use_decode(key, m, k, n, k_out, gated) else "dense"
+        rows = cuda_policy.use_decode(key, m, k, n, k_out, gated)
+        path = "dense" if rows is None else "decode-rows" if rows else "decode-tiles"
     elif cuda_policy.shape_ok(xs[0], m, k, k_out, n):
         path = "rows" if cuda_policy.use_twell(key, gated) else "dense"
     else:
@@ -137,7 +138,7 @@ def run_point(sets, m: int, d: float, reps: int, tag: str) -> dict:
     g = 1 if gated else 0
     dense_bytes = 2 * n * (k * (1 + g) + k_out)
     dec_bytes = 2 * (n * k + union * (g * k + k_out))
-    op_bytes = dec_bytes if path == "decode" else dense_bytes
+    op_bytes = dec_bytes if path.startswith("decode") else dense_bytes
     return dict(M=m, K=k, N=n, density=d, dense_ms=dense_ms, twell_ms=twell_ms, kernel_ms=kernel_ms,
                 kernel=kname, path=path, rel_err=rel(y_op, ref), dense_rel_err=rel(ffn_dense(*a0), ref),
                 kernel_rel_err=rel(y_k, ref), nnz_per_row=sum(nnz) / layers, union=union,
@@ -150,7 +151,8 @@ def run_point(sets, m: int, d: float, reps: int, tag: str) -> dict:
 def load_policy(path: str) -> None:
     """Use fitted decode-rule constants for this run (benchmarks/tune_decode.py --policy-out)."""
     for name, value in json.load(open(path)).items():
-        if name not in ("DEC_FIXED_US", "DEC_GATE_GBPS", "DEC_ENTRY_US", "DENSE_FIXED_US", "DENSE_GBPS"):
+        if not (name.startswith(("DEC_ROWS_", "DEC_TILES_")) or name in ("DENSE_FIXED_US", "DENSE_GBPS")) \
+                or not hasattr(cuda_policy, name):
             raise ValueError(f"--policy: unknown constant {name!r}")
         setattr(cuda_policy, name, float(value))
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import graph_ms, layers_for, weight_sets  # noqa: E402
@@ -31,12 +32,15 @@ from twell_compile.kernels import cuda_decode, weight_cache  # noqa: E402
 from twell_compile.kernels.cuda_decode import Config  # noqa: E402
 from twell_compile.reference import ffn_dense  # noqa: E402
 
-# cuda_decode.Config fields: (bn, bk, bku, bko, finish_max, warps, stages)
-VARIANTS = [(32, 128, 256, 128, 8192, 4, 3), (16, 128, 256, 128, 8192, 4, 3), (64, 128, 256, 128, 8192, 4, 3),
-            (32, 256, 256, 128, 8192, 4, 3), (32, 128, 512, 256, 8192, 4, 3), (32, 128, 256, 256, 8192, 4, 4),
-            (32, 128, 256, 128, 8192, 8, 3), (32, 64, 256, 128, 8192, 4, 5), (32, 128, 256, 128, 0, 4, 3),
-            (32, 128, 256, 128, 1 << 20, 4, 3), (16, 256, 512, 256, 8192, 4, 2), (16, 128, 128, 512, 8192, 4, 4)]
-BUCKETS = {16: [1, 16], 32: [32], 64: [64]}
+# cuda_decode.Config fields: (bn, bk, bku, bko, vec_m, finish_max, warps, stages)
+ROWS = [(32, 128, 256, 256, 4, 0, 4, 3), (32, 128, 256, 256, 4, 8192, 4, 3), (32, 128, 256, 256, 2, 0, 4, 3),
+        (32, 128, 256, 256, 1, 0, 4, 3), (32, 128, 256, 256, 4, 0, 8, 3), (16, 128, 256, 256, 4, 0, 4, 3),
+        (64, 128, 256, 256, 4, 0, 4, 3), (32, 256, 256, 256, 4, 0, 4, 3), (32, 64, 256, 256, 4, 0, 4, 5),
+        (16, 128, 256, 256, 4, 0, 8, 3), (32, 128, 256, 256, 16, 0, 8, 3), (32, 128, 256, 256, 8, 0, 8, 3)]
+TILES = [(32, 128, 256, 256, 0, 0, 4, 3), (64, 128, 256, 256, 0, 8192, 4, 3), (64, 128, 256, 256, 0, 0, 4, 3),
+         (32, 128, 512, 512, 0, 0, 8, 3), (64, 128, 512, 256, 0, 0, 8, 3), (32, 128, 256, 256, 0, 8192, 4, 3)]
+VARIANTS = {16: ROWS + TILES, 32: TILES, 64: TILES}
+BUCKETS = {16: [1, 4, 16], 32: [32], 64: [64]}
 
 
 def _lstsq(rows: list[list[float]], ts: list[float]) -> list[float]:
@@ -47,25 +51,42 @@ def _lstsq(rows: list[list[float]], ts: list[float]) -> list[float]:
 
 def fit_policy(points: list[dict], near: float = 1.6) -> dict[str, float]:
     """The decode rule's constants (kernels/cuda_policy.py) from measured points, each a dict
-    with M, K, N, union (neurons active in some row), dense_us, decode_us.
-    Dense: t = fixed + bytes(3 weights) / rate. Decode: t = fixed + blocks x bytes(W_g) / rate
-    + entry x union x blocks (blocks: row blocks of <= MAX_MB rows), fitted to the points within
-    ``near`` x of dense, where the rule's decisions are made."""
+    with M, K, N, union (neurons active in some row), dense_us, decode_us, fitted to the points
+    within ``near`` x of dense (where the rule's decisions are made). Dense: fixed + bytes(3
+    weights) / rate. Decode, by the up/down part the kernel ran (M <= vec_m: rows): rows =
+    fixed + bytes(W_g) / rate + step x u x BN x (K + M_P x K_out) / 4096; tiles = fixed +
+    blocks x bytes(W_g) / rate + (row x rows + entry x union) x blocks x (K + K_out) / 4096
+    (u = union / N; BN, vec_m, blocks of <= MAX_MB rows: cuda_decode). A variant with fewer
+    than 4 points keeps its constants."""
     dense = _lstsq([[1.0, 2e-6 * p["N"] * 3 * p["K"]] for p in points], [p["dense_us"] for p in points])
-    rows, ts = [], []
+    out = {"DENSE_FIXED_US": round(dense[0], 2), "DENSE_GBPS": round(1e3 / dense[1], 0)}
+    rows, rows_t, tiles, tiles_t = [], [], [], []
     for p in points:
         if p["decode_us"] > near * p["dense_us"]:
             continue
         mp = cuda_decode.m_pad(p["M"])
+        c = cuda_decode.CONFIGS[mp]
         blocks = -(-p["M"] // min(mp, cuda_decode.MAX_MB))
-        rows.append([1.0, 2e-6 * p["N"] * p["K"] * blocks, p["union"] * blocks])
-        ts.append(p["decode_us"])
-    if len(rows) < 3:
-        raise SystemExit(f"only {len(rows)} decode points within {near}x of dense: nothing to fit")
-    fixed, per_mb, entry = _lstsq(rows, ts)
-    return {"DENSE_FIXED_US": round(dense[0], 2), "DENSE_GBPS": round(1e3 / dense[1], 0),
-            "DEC_FIXED_US": round(fixed, 2), "DEC_GATE_GBPS": round(1e3 / per_mb, 0),
-            "DEC_ENTRY_US": round(entry, 4)}
+        gate_mb = 2e-6 * p["N"] * p["K"] * blocks
+        if p["M"] <= c.vec_m:
+            step = p["union"] / p["N"] * c.bn * (p["K"] + cuda_decode.m_pad_rows(p["M"]) * p.get("K_out", p["K"])) / 4096
+            rows.append([1.0, gate_mb, step])
+            rows_t.append(p["decode_us"])
+        else:
+            w = blocks * (p["K"] + p.get("K_out", p["K"])) / 4096
+            tiles.append([1.0, gate_mb, min(p["M"], cuda_decode.MAX_MB) * w, p["union"] * w])
+            tiles_t.append(p["decode_us"])
+    if len(rows) >= 3:
+        fixed, per_mb, step = _lstsq(rows, rows_t)
+        out.update(DEC_ROWS_FIXED_US=round(fixed, 2), DEC_ROWS_GATE_GBPS=round(1e3 / per_mb, 0),
+                   DEC_ROWS_STEP_US=round(step, 4))
+    if len(tiles) >= 4:
+        fixed, per_mb, row, entry = _lstsq(tiles, tiles_t)
+        out.update(DEC_TILES_FIXED_US=round(fixed, 2), DEC_TILES_GATE_GBPS=round(1e3 / per_mb, 0),
+                   DEC_TILES_ROW_US=round(row, 4), DEC_TILES_ENTRY_US=round(entry, 4))
+    if len(out) == 2:
+        raise SystemExit(f"too few decode points within {near}x of dense: nothing to fit")
+    return out
 
 
 def fit_from_bench(path: str) -> dict[str, float]:
@@ -151,7 +172,11 @@ def main(argv=None) -> int:
 
     def evaluate(mp, ms, cfg, base_times):
         """Mean time ratio of cfg to base_times over the bucket's M x shapes (None: not exact)."""
-        bad = [wrong(ws, m, cfg) for m in ms for ws in (sets[(k, n, 0.005)] for k, n in shapes)]
+        try:
+            bad = [wrong(ws, m, cfg) for m in ms for ws in (sets[(k, n, 0.005)] for k, n in shapes)]
+        except triton.runtime.errors.OutOfResources as e:     # e.g. shared memory: not a candidate
+            print(f"M_P={mp} {tuple(cfg)}: REJECTED, {e}", flush=True)
+            return None, None
         if any(bad):      # a config that is not exact never wins
             print(f"M_P={mp} {tuple(cfg)}: REJECTED, {[b for b in bad if b][0]}", flush=True)
             return None, None
@@ -168,7 +193,7 @@ def main(argv=None) -> int:
         if base_times is None:
             raise SystemExit(f"the default decode config for M_P={mp} is not exact")
         win, win_ratio = base, 1.0
-        for v in VARIANTS:
+        for v in VARIANTS[mp]:
             cfg = Config(*v)
             if cfg == base:
                 continue

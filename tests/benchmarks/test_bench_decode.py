@@ -33,9 +33,9 @@ def test_configs_file_sets_the_decode_configs(tmp_path, monkeypatch):
     from twell_compile.kernels import cuda_decode
     monkeypatch.setattr(cuda_decode, "CONFIGS", dict(cuda_decode.CONFIGS))
     path = tmp_path / "c.json"
-    path.write_text('{"16": [16, 128, 64, 64, 4096, 4, 3]}')
+    path.write_text('{"16": [16, 128, 64, 64, 2, 4096, 4, 3]}')
     bench_decode.load_configs(str(path))
-    assert cuda_decode.CONFIGS[16] == cuda_decode.Config(16, 128, 64, 64, 4096, 4, 3)
+    assert cuda_decode.CONFIGS[16] == cuda_decode.Config(16, 128, 64, 64, 2, 4096, 4, 3)
 
 
 def test_shipped_decode_rule_constants_are_the_fit_of_the_committed_grid():

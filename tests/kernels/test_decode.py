@@ -80,17 +80,18 @@ SCRIPT = textwrap.dedent("""
 
 CASES = [
     # m, k, n, k_out, gated, bias, density, nan/inf rows, config (None: default): cuda_decode.Config
-    # (bn, bk, bku, bko, finish_max, warps, stages); odd M: registered W_down (persistent state)
-    (1, 33, 130, 17, True, True, 0.3, False, None),      # M = 1, odd K, N, K_out
-    (2, 100, 130, 17, True, True, 0.3, True, (16, 16, 32, 16, 0, 4, 1)),  # finishing launch, NaN/Inf
+    # (bn, bk, bku, bko, vec_m, finish_max, warps, stages); odd M: registered W_down (persistent state)
+    (1, 33, 130, 17, True, True, 0.3, False, None),      # M = 1, odd K, N, K_out (per-neuron path)
+    (2, 100, 130, 17, True, True, 0.3, True, (16, 16, 32, 16, 0, 0, 4, 1)),  # tiles, finishing launch, NaN/Inf
     (3, 40, 100, 24, False, False, 0.3, False, None),    # non-gated, a row with no active neuron
     (16, 40, 300, 40, True, True, 0.05, True, None),     # NaN and Inf rows
     (3, 40, 70, 40, True, False, 1.0, False, None),      # density 1
     (3, 40, 70, 40, True, True, 0.0, False, None),       # density 0, biases
-    (17, 72, 257, 65, False, True, 0.3, False, (32, 32, 16, 32, 64, 4, 1)),   # M x K_out > finish_max
-    (5, 24, 61, 9, True, True, 0.3, True, (16, 16, 16, 16, 1 << 20, 4, 1)),  # tiny tiles, NaN/Inf
-    (40, 24, 61, 33, True, True, 0.3, True, (16, 16, 16, 16, 1 << 20, 4, 1)),  # two row blocks
+    (17, 72, 257, 65, False, True, 0.3, False, (32, 32, 16, 32, 0, 64, 4, 1)),   # M x K_out > finish_max
+    (5, 24, 61, 9, True, True, 0.3, True, (16, 16, 16, 16, 8, 1 << 20, 4, 1)),  # per-neuron M=5 (8 rows), NaN/Inf
+    (40, 24, 61, 33, True, True, 0.3, True, (16, 16, 16, 16, 0, 1 << 20, 4, 1)),  # two row blocks
     (33, 24, 61, 33, True, True, 0.3, False, None),      # two row blocks, registered
+    (4, 24, 61, 33, False, True, 0.3, True, (16, 16, 16, 16, 4, 1 << 20, 4, 1)),  # per-neuron, non-gated, NaN/Inf
 ]
 
 
@@ -163,10 +164,20 @@ def test_weight_cache_view_of_parameter_follows_the_parameter():
 def decode_wins_everywhere(monkeypatch):
     """Cost-model constants under which the decode path wins at density 0 for any shape: tests
     of the mechanism (the H200 constants pick decode only for large, sparse layers)."""
-    monkeypatch.setattr(cuda_policy, "DEC_FIXED_US", 0.0)
-    monkeypatch.setattr(cuda_policy, "DEC_GATE_GBPS", cuda_policy.DENSE_GBPS)
-    monkeypatch.setattr(cuda_policy, "DEC_ENTRY_US", 0.0)
+    for var in ("ROWS", "TILES"):
+        monkeypatch.setattr(cuda_policy, f"DEC_{var}_FIXED_US", 0.0)
+        monkeypatch.setattr(cuda_policy, f"DEC_{var}_GATE_GBPS", cuda_policy.DENSE_GBPS)
+    monkeypatch.setattr(cuda_policy, "DEC_ROWS_STEP_US", 0.0)
+    monkeypatch.setattr(cuda_policy, "DEC_TILES_ENTRY_US", 0.0)
+    monkeypatch.setattr(cuda_policy, "DEC_TILES_ROW_US", 0.0)
     monkeypatch.setattr(cuda_policy, "DENSE_FIXED_US", 1.0)
+
+
+# a cost model under which decode wins while the union is small (mechanism tests)
+_MECHANISM_CONSTANTS = (("DEC_ROWS_FIXED_US", 4.5), ("DEC_ROWS_GATE_GBPS", 3500.0), ("DEC_ROWS_STEP_US", 0.5),
+                        ("DEC_TILES_FIXED_US", 5.0), ("DEC_TILES_GATE_GBPS", 3500.0), ("DEC_TILES_ENTRY_US", 0.01),
+                        ("DEC_TILES_ROW_US", 0.01),
+                        ("DENSE_FIXED_US", 2.0), ("DENSE_GBPS", 3500.0))
 
 
 def test_union_fraction():
@@ -177,7 +188,7 @@ def test_union_fraction():
 
 def test_decode_cost_model_mechanism(monkeypatch):
     # constants of the first H200 run's policy: decode wins while the union is small
-    for name, value in (("DEC_FIXED_US", 4.5), ("DEC_GATE_GBPS", 3500.0), ("DEC_ENTRY_US", 0.01), ("DENSE_FIXED_US", 2.0), ("DENSE_GBPS", 3500.0)):
+    for name, value in _MECHANISM_CONSTANTS:
         monkeypatch.setattr(cuda_policy, name, value)
     assert cuda_policy.decode_wins(0.005, 1, 2048, 5632, 2048, True)
     assert cuda_policy.decode_wins(0.005, 16, 2048, 5632, 2048, True)
@@ -186,22 +197,44 @@ def test_decode_cost_model_mechanism(monkeypatch):
     assert not cuda_policy.decode_wins(0.0, 1, 64, 256, 64, True)      # tiny layer: fixed costs
 
 
-def test_shipped_decode_constants_pick_the_faster_path_on_the_h200_grid():
-    """Every point of the committed H200 decode grid: the rule never picks decode where the
-    forced decode kernels ran below 0.97x of dense, and picks it wherever they were >= 1.25x
-    faster (between the two, either path is within noise of the other)."""
+def test_shipped_decode_rule_reproduces_the_committed_h200_grid():
+    """The committed H200 decode grid (bench_ffn.py --decode, forced decode kernels and the op
+    with its policy, one run): the shipped rule, evaluated at each point's measured density,
+    takes the path the op took there; the op never ran below 0.97x of dense; and wherever the
+    forced kernels (rows path up to vec_m, as the rule would run them) were >= 1.25x faster,
+    the rule picks decode."""
     import json
+    from twell_compile.kernels import cuda_decode
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200" / "ffn_decode.json"
     rows = json.loads(path.read_text())
     assert len(rows) == 56
     picked = 0
     for r in rows:
-        speedup = r["dense_ms"] / r["kernel_ms"]
-        wins = cuda_policy.decode_wins(r["density"], r["M"], r["K"], r["N"], r["K"], True)
+        d = r["nnz_per_row"] / r["N"]
+        wins = cuda_policy.decode_wins(d, r["M"], r["K"], r["N"], r["K"], True)
+        on_rows = cuda_policy.decode_rows(d, r["M"], r["K"], r["N"], r["K"])
+        want = "dense" if not wins else "decode-rows" if on_rows else "decode-tiles"
+        assert r["path"] == want, (r["M"], r["K"], r["density"], r["path"], want)
+        assert r["dense_ms"] / r["twell_ms"] >= 0.97, r
+        kernel_rows = r["M"] <= cuda_decode.CONFIGS[cuda_decode.m_pad(r["M"])].vec_m
+        if r["dense_ms"] / r["kernel_ms"] >= 1.25 and kernel_rows == on_rows:
+            assert wins, r
         picked += wins
-        assert not (wins and speedup < 0.97), r
-        assert wins or speedup < 1.25, r
     assert picked >= 10
+
+
+def test_decode_rows_rule():
+    """Rows path (one active neuron at a time) for few rows with few active neurons per program,
+    tiles otherwise: whichever the fitted cost model predicts faster."""
+    from twell_compile.kernels import cuda_decode
+    vec_m = cuda_decode.CONFIGS[16].vec_m
+    assert vec_m >= 1
+    assert cuda_policy.decode_rows(0.005, 1, 2048, 5632, 2048)
+    assert cuda_policy.decode_rows(0.0, vec_m, 2048, 5632, 2048)
+    assert not cuda_policy.decode_rows(0.0, vec_m + 1, 2048, 5632, 2048)      # no rows variant
+    assert not cuda_policy.decode_rows(0.3, vec_m, 2048, 5632, 2048)          # ~20 active per block
+    tiles, rows = cuda_policy.decode_us(0.05, 1, 2048, 5632, 2048)
+    assert rows is not None and tiles > 0 and rows > cuda_policy.decode_us(0.005, 1, 2048, 5632, 2048)[1]
 
 
 def test_static_dense_reason_for_decode_sizes(decode_wins_everywhere, monkeypatch):
@@ -215,13 +248,16 @@ def test_static_dense_reason_for_decode_sizes(decode_wins_everywhere, monkeypatc
     assert dispatch.static_dense_reason(cuda, torch.float16, 1, cp.MAX_WIDTH + 1, 64, 64) is None
     assert "wide" in dispatch.static_dense_reason(cuda, torch.float16, cp.MIN_TOKENS, cp.MAX_WIDTH + 1, 64, 64)
     assert "float32" in dispatch.static_dense_reason(cuda, torch.float32, 1, 2048, 5632, 2048)
-    # with the shipped (H200) constants: a static decode-sized FFN where decode can win at
-    # density 0 is rewritten; a small layer (fixed costs dominate) stays with Inductor
-    monkeypatch.undo()
-    assert dispatch.static_dense_reason(cuda, torch.bfloat16, 1, 2048, 5632, 2048) is None
+    # where decode cannot win even at density 0 (here: fixed costs far above dense's), a static
+    # decode-sized FFN stays with Inductor; a dynamic one is rewritten and decided per call
+    for var in ("ROWS", "TILES"):
+        monkeypatch.setattr(cp, f"DEC_{var}_FIXED_US", 1e3)
     why = dispatch.static_dense_reason(cuda, torch.bfloat16, 1, 256, 1024, 256)
     assert why and "1 tokens" in why and "decode" in why
     assert dispatch.static_dense_reason(cuda, torch.bfloat16, None, 256, 1024, 256) is None
+    # with the shipped (H200) constants the measured shape is rewritten
+    monkeypatch.undo()
+    assert dispatch.static_dense_reason(cuda, torch.bfloat16, 1, 2048, 5632, 2048) is None
 
 
 def test_backend_registers_w_down_of_rewritten_ffns(monkeypatch, decode_wins_everywhere):
@@ -259,7 +295,8 @@ def test_backend_registers_w_down_of_rewritten_ffns(monkeypatch, decode_wins_eve
     assert len(seen) == 1
     w, base = seen[0]
     assert base is model.down_proj.weight and w.data_ptr() == base.data_ptr()
-    monkeypatch.setattr(cuda_policy, "DEC_FIXED_US", 1e6)     # decode can never win
+    monkeypatch.setattr(cuda_policy, "DEC_ROWS_FIXED_US", 1e6)     # decode can never win
+    monkeypatch.setattr(cuda_policy, "DEC_TILES_FIXED_US", 1e6)
     seen.clear()
     backend.reserve_weight_copies(captured["gm"], captured["inputs"])
     assert not seen
@@ -328,8 +365,8 @@ def test_decode_grid(m, density, dtype):
 
 
 @gpu
-@pytest.mark.parametrize("cfg", [(32, 256, 256, 128, 8192, 4, 3), (16, 64, 64, 64, 0, 4, 2),
-                                 (64, 128, 512, 256, 1 << 20, 8, 3)])
+@pytest.mark.parametrize("cfg", [(32, 256, 256, 128, 0, 8192, 4, 3), (16, 64, 64, 64, 4, 0, 4, 2),
+                                 (64, 128, 512, 256, 16, 1 << 20, 8, 3)])
 @pytest.mark.parametrize("m", [1, 16, 40])
 @pytest.mark.parametrize("density", [0.005, 0.3])
 @pytest.mark.parametrize("registered", [False, True])
@@ -489,7 +526,7 @@ def test_op_dispatch_by_m_and_density(monkeypatch):
     from twell_compile.kernels import cuda_decode
     from twell_compile.reference import ffn_dense
     cuda_policy.reset()
-    for name, value in (("DEC_FIXED_US", 4.5), ("DEC_GATE_GBPS", 3500.0), ("DEC_ENTRY_US", 0.01), ("DENSE_FIXED_US", 2.0), ("DENSE_GBPS", 3500.0)):
+    for name, value in _MECHANISM_CONSTANTS:
         monkeypatch.setattr(cuda_policy, name, value)
     calls = []
     real = cuda_decode.decode_forward

@@ -36,20 +36,21 @@ MAX_MB = 32           # rows per program: M-tiles of 64 would select Hopper's wg
 class Config(NamedTuple):
     bn: int        # neurons per program
     bk: int        # K step of the gate loop
-    bku: int       # K step of the up loop
-    bko: int       # K_out step of the down loop
+    bku: int       # K step of the up loop (tile path)
+    bko: int       # K_out step of the down loop (tile path)
+    vec_m: int     # M <= vec_m: up/down one active neuron at a time with whole-row loads
     finish_max: int  # finish in the kernel (last program) up to M x K_out elements, else a launch
     warps: int
     stages: int
 
 
-# By padded M. Starting points until benchmarks/tune_decode.py has run on the device.
+# By padded M: tuned on the H200 (benchmarks/tune_decode.py, results/h200/decode_run5/).
 CONFIGS = {
-    16: Config(32, 128, 256, 128, 8192, 4, 3),
-    32: Config(32, 128, 256, 128, 8192, 4, 3),
-    64: Config(32, 128, 256, 128, 8192, 4, 3),
-    128: Config(32, 128, 256, 128, 8192, 4, 3),
-    256: Config(32, 128, 256, 128, 8192, 4, 3),
+    16: Config(32, 256, 256, 256, 4, 0, 4, 3),
+    32: Config(64, 128, 256, 256, 0, 0, 4, 3),
+    64: Config(64, 128, 256, 256, 0, 8192, 4, 3),
+    128: Config(64, 128, 256, 256, 0, 8192, 4, 3),
+    256: Config(64, 128, 256, 256, 0, 8192, 4, 3),
 }
 FINISH_BLOCK = 1024   # accumulator elements per step of a finishing program
 STAT_BLOCKS = 256     # neuron blocks per step of the statistics sum
@@ -63,6 +64,11 @@ def m_pad(m: int) -> int:
     return max(16, _pow2(m))
 
 
+def m_pad_rows(m: int) -> int:
+    """Rows of the per-neuron (rows) up/down path for M rows."""
+    return _pow2(m)
+
+
 class Decoded(NamedTuple):
     y: Tensor        # [M, K_out]
     tok: Tensor      # [M + 1] int32: non-zeros of relu(g) per token, then their total
@@ -71,9 +77,12 @@ class Decoded(NamedTuple):
 
 def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                    b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
-                   cfg: Optional[Config] = None, stats_buf: Optional[Tensor] = None) -> Decoded:
+                   cfg: Optional[Config] = None, stats_buf: Optional[Tensor] = None,
+                   rows: Optional[bool] = None) -> Decoded:
     """The FFN for x2 [M, K], M <= MAX_M. ``stats_buf``: a layer's float64 [4] statistics buffer
-    (stats.py) that the kernels fill in place (sum and max of non-zeros per token, sum |h|, 0)."""
+    (stats.py) that the kernels fill in place (sum and max of non-zeros per token, sum |h|, 0).
+    ``rows``: up/down one active neuron at a time (only for M <= cfg.vec_m) or as tiles; None:
+    rows whenever M <= cfg.vec_m (the policy decides by density, cuda_policy.decode_rows)."""
     from twell_compile.kernels.twell_decode import decode_finish_kernel, decode_fused_kernel
 
     m, k = x2.shape
@@ -104,6 +113,8 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
     fw = torch.empty(nrb * nb + 1, dtype=torch.float32, device=dev)
     hs, hsum = fw[:-1], fw[-1:]
     st = stats_buf if stats_buf is not None else fw
+    use_rows = m <= c.vec_m and (rows is None or rows)
+    ms = m_pad_rows(m) if use_rows else 0         # rows of the per-neuron up/down path
     bk = min(c.bk, max(16, _pow2(k)))
     bku = min(c.bku, max(16, _pow2(k)))
     bko = min(c.bko, max(16, _pow2(k_out)))
@@ -116,7 +127,8 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
         b_up if b_up is not None else w_gate, wdt, wdt.stride(0), wdt.stride(1), bd,
         acc, tk, rc, hs, y, y.stride(0), y.stride(1), tok, hsum, st, m, k, n, k_out,
         GATED=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, FINISH=finish,
-        MB=mb, BN=c.bn, BK=bk, BKU=bku, BKO=bko, FB=FINISH_BLOCK, RB=STAT_BLOCKS, **flags,
+        MB=mb, BN=c.bn, BK=bk, BKU=bku, BKO=bko, MS=ms, KP=_pow2(k) if ms else 1, KOP=_pow2(k_out) if ms else 1,
+        FB=FINISH_BLOCK, RB=STAT_BLOCKS, **flags,
         num_warps=c.warps, num_stages=c.stages)
     if not finish:
         decode_finish_kernel[(-(-(m * k_out) // FINISH_BLOCK) + 1,)](

@@ -27,19 +27,25 @@ Three rules, in this order:
    PROBE_EVERY calls, TwELL layers every REFRESH_EVERY calls. The measured density also sets
    the per-row list width (cuda_infer.list_width).
 3. Decode rule (M <= DECODE_MAX_M, same per-layer key and measurement): with u = 1-(1-d)^R
-   the expected fraction of neurons active in at least one of a row block's R <= 32 rows
-   (B row blocks), the decode path runs while
+   the expected fraction of neurons active in at least one of a row block's R <= 32 rows, B row
+   blocks, BN neurons per program and vec_m (cuda_decode.CONFIGS), two predicted times for the
+   decode kernel, by its up/down part:
 
-       DEC_FIXED_US + B * bytes(W_g) / DEC_GATE_GBPS + DEC_ENTRY_US * u * N * B
-           <  DEC_MARGIN * (DENSE_FIXED_US + bytes(W_g + W_u + W_d) / DENSE_GBPS)
+       tiles: DEC_TILES_FIXED_US + B * bytes(W_g) / DEC_TILES_GATE_GBPS
+              + (DEC_TILES_ROW_US * min(M, 32) + DEC_TILES_ENTRY_US * u * N) * B * (K + K_out) / 4096
+       rows (M <= vec_m: one active neuron at a time, whole-row loads, a chain of u * BN steps per
+             program, each moving a W_u row, M x K_out atomics and a W_d^T row):
+             DEC_ROWS_FIXED_US + bytes(W_g) / DEC_ROWS_GATE_GBPS + DEC_ROWS_STEP_US * u * BN * (K + M_P * K_out) / 4096
 
-   (decode_wins). Before the layer's first measurement lands the rule is evaluated at density
-   0, the best case (a ReLU layer the backend rewrote is expected sparse, and a CUDA graph
-   recorded on the second call, as reduce-overhead's cudagraph trees do, would otherwise keep
-   dense forever). The decode kernels write the non-zero count, so the probe works as on the
-   per-row path. The constants are a least-squares fit to a device run (tune_decode.py,
-   docs/inference.md "Decode"); where even density 0 cannot win, dispatch.static_dense_reason
-   leaves static decode-sized FFNs to Inductor.
+   The faster variant is the one run (decode_rows), and the decode path runs while its time is
+   under DEC_MARGIN * (DENSE_FIXED_US + bytes(W_g + W_u + W_d) / DENSE_GBPS) (decode_wins).
+   Before the layer's first measurement lands the rule is evaluated at density 0, the best
+   case (a ReLU layer the backend rewrote is expected sparse, and a CUDA graph recorded on the
+   second call, as reduce-overhead's cudagraph trees do, would otherwise keep dense forever).
+   The decode kernels write the non-zero count, so the probe works as on the per-row path. The
+   constants are least-squares fits to a device run (tune_decode.py, docs/inference.md
+   "Decode"); where even density 0 cannot win, dispatch.static_dense_reason leaves static
+   decode-sized FFNs to Inductor.
 
 Under CUDA-graph capture nothing is polled or copied: the graph records the path chosen by
 the calls before capture (torch.compile's reduce-overhead mode runs warm-up calls first).
@@ -66,21 +72,21 @@ PAIR_UNITS = 163.0
 MARGIN = 0.95
 MIN_TOKENS = 8192      # H200 d=0.005: M=4096 twell 0.48 vs dense 0.44 ms, M=1024 0.20 vs 0.12
 MAX_WIDTH = 8192
-# Decode rule (rule 3), H200 bf16: measured with benchmarks/bench_ffn.py --decode, fitted by
-# benchmarks/tune_decode.py (results/h200/decode_run3/): the decode kernels' time is a fixed
-# part (launches, counter zero-fill, the dependent list -> weight-row loads), the W_gate read
-# (once per row block of <= 32 rows) and a per-entry part (each active neuron of a row block's
-# list is one step of the down kernel, spread over its splits): 17.4 us + W_gate / 2555 GB/s +
-# 0.0208 us per entry, fitted to the 37 grid points within 1.6x of dense (max error 57% far
-# from the boundary; `tune_decode.py --fit-from results/h200/ffn_decode.json`). Dense: 16.4 us + bytes / 3880 GB/s. MARGIN 0.9: on the 56-point grid
-# no pick below 0.97x of dense, 3 wins over 10% missed. K=2048, N=5632, M=1, d=0.005: decode
-# 22.5 us vs dense 33.5 us (1.49x).
+# Decode rule (rule 3), H200 bf16, decode kernel v5 (one launch): fitted by
+# benchmarks/tune_decode.py --fit-from results/h200/ffn_decode.json (the 56-point grid, points
+# within 1.6x of dense; max error 16% (rows), 22% (tiles, an over-estimate at M=64)). Dense: 16.5 us + bytes / 3862 GB/s. K=2048,
+# N=5632, M=1, d=0.005: decode 16.8 us (predicted 16.7) vs dense 34.0 us (2.02x). MARGIN 0.9:
+# on the grid no pick below 0.97x of dense, none >= 1.25x missed (test_decode.py).
 DECODE_MAX_M = 64
-DEC_FIXED_US = 17.41
-DEC_GATE_GBPS = 2555.0
-DEC_ENTRY_US = 0.0208
-DENSE_FIXED_US = 16.42
-DENSE_GBPS = 3880.0
+DEC_ROWS_FIXED_US = 7.58
+DEC_ROWS_GATE_GBPS = 2666.0
+DEC_ROWS_STEP_US = 2.621
+DEC_TILES_FIXED_US = 6.35
+DEC_TILES_GATE_GBPS = 1425.0
+DEC_TILES_ROW_US = 0.385
+DEC_TILES_ENTRY_US = 0.0013
+DENSE_FIXED_US = 16.48
+DENSE_GBPS = 3862.0
 DEC_MARGIN = 0.9
 MAX_N = 65536          # the per-row lists pack the column in 16 bits
 PROBE_EVERY = 64
@@ -105,14 +111,36 @@ def union_fraction(density: float, m: int) -> float:
     return 1.0 - (1.0 - d) ** m
 
 
-def decode_wins(density: float, m: int, k: int, n: int, k_out: int, gated: bool) -> bool:
+def decode_us(density: float, m: int, k: int, n: int, k_out: int) -> tuple[float, Optional[float]]:
+    """Predicted decode-kernel time (us) with the tiles up/down part and with the rows part
+    (None where M > vec_m)."""
     from twell_compile.kernels import cuda_decode
 
-    g = 1 if gated else 0
-    mb = min(cuda_decode.m_pad(m), cuda_decode.MAX_MB)
+    mp = cuda_decode.m_pad(min(m, cuda_decode.MAX_M))
+    c = cuda_decode.CONFIGS[mp]
+    mb = min(mp, cuda_decode.MAX_MB)
     blocks = -(-m // mb)
-    entries = union_fraction(density, min(m, mb)) * n * blocks
-    t_dec = DEC_FIXED_US + 1e3 * 2e-6 * n * k * blocks / DEC_GATE_GBPS + DEC_ENTRY_US * entries
+    u = union_fraction(density, min(m, mb))
+    gate_mb = 2e-6 * n * k * blocks
+    tiles = (DEC_TILES_FIXED_US + 1e3 * gate_mb / DEC_TILES_GATE_GBPS
+             + (DEC_TILES_ROW_US * min(m, mb) + DEC_TILES_ENTRY_US * u * n) * blocks * (k + k_out) / 4096)
+    if m > c.vec_m:
+        return tiles, None
+    rows = (DEC_ROWS_FIXED_US + 1e3 * gate_mb / DEC_ROWS_GATE_GBPS
+            + DEC_ROWS_STEP_US * u * c.bn * (k + cuda_decode.m_pad_rows(m) * k_out) / 4096)
+    return tiles, rows
+
+
+def decode_rows(density: float, m: int, k: int, n: int, k_out: int) -> bool:
+    """Whether the decode kernel's up/down part should run one active neuron at a time."""
+    tiles, rows = decode_us(density, m, k, n, k_out)
+    return rows is not None and rows <= tiles
+
+
+def decode_wins(density: float, m: int, k: int, n: int, k_out: int, gated: bool) -> bool:
+    g = 1 if gated else 0
+    tiles, rows = decode_us(density, m, k, n, k_out)
+    t_dec = tiles if rows is None else min(tiles, rows)
     t_dense = DENSE_FIXED_US + 1e3 * 2e-6 * n * (k * (1 + g) + k_out) / DENSE_GBPS
     return t_dec < DEC_MARGIN * t_dense
 
@@ -158,13 +186,14 @@ def use_twell(key: tuple, gated: bool) -> bool:
     return st.density is not None and twell_wins(st.density, gated)
 
 
-def use_decode(key: tuple, m: int, k: int, n: int, k_out: int, gated: bool) -> bool:
-    """True: run the decode path this call (before the first measurement: if it wins at
-    density 0). Never syncs."""
+def use_decode(key: tuple, m: int, k: int, n: int, k_out: int, gated: bool) -> Optional[bool]:
+    """None: run dense this call; else run the decode path, with its rows (True) or tiles
+    (False) up/down part (before the first measurement: as at density 0). Never syncs."""
     st = _state(key)
     if not torch.cuda.is_current_stream_capturing():
         _poll(st)
-    return decode_wins(0.0 if st.density is None else st.density, m, k, n, k_out, gated)
+    d = 0.0 if st.density is None else st.density
+    return decode_rows(d, m, k, n, k_out) if decode_wins(d, m, k, n, k_out, gated) else None
 
 
 def wants_probe(key: tuple, twell: bool) -> bool:
