@@ -558,7 +558,7 @@ def run_generate(a: argparse.Namespace, result: dict[str, Any]) -> None:
     mode = "reduce-overhead" if dev.type == "cuda" else None  # CUDA graphs exist only on CUDA
     decode_tokens = a.batch * (a.new_tokens - 1)
     for d in a.density:
-        achieved = calibrate(model, calib, d, amp, a.batch)
+        achieved = calibrate(model, calib, d, amp, max(a.batch, 16))   # 16 sequences per forward
         dens = measure_density(model, prompt, amp)
         print_density(d, achieved, dens)
         run = dict(density_target=d, density_calibration=achieved, density_measured=dens,

@@ -74,19 +74,19 @@ MIN_TOKENS = 8192      # H200 d=0.005: M=4096 twell 0.48 vs dense 0.44 ms, M=102
 MAX_WIDTH = 8192
 # Decode rule (rule 3), H200 bf16, decode kernel v5 (one launch): fitted by
 # benchmarks/tune_decode.py --fit-from results/h200/ffn_decode.json (the 56-point grid, points
-# within 1.6x of dense; max error 16% (rows), 22% (tiles, an over-estimate at M=64)). Dense: 16.5 us + bytes / 3862 GB/s. K=2048,
+# within 1.6x of dense; max error 16% (rows), 22% (tiles, an over-estimate at M=64)). Dense: 16.5 us + bytes / 3860 GB/s. K=2048,
 # N=5632, M=1, d=0.005: decode 16.8 us (predicted 16.7) vs dense 34.0 us (2.02x). MARGIN 0.9:
 # on the grid no pick below 0.97x of dense, none >= 1.25x missed (test_decode.py).
 DECODE_MAX_M = 64
-DEC_ROWS_FIXED_US = 7.58
-DEC_ROWS_GATE_GBPS = 2666.0
-DEC_ROWS_STEP_US = 2.621
-DEC_TILES_FIXED_US = 6.35
-DEC_TILES_GATE_GBPS = 1425.0
-DEC_TILES_ROW_US = 0.385
+DEC_ROWS_FIXED_US = 7.63
+DEC_ROWS_GATE_GBPS = 2670.0
+DEC_ROWS_STEP_US = 2.618
+DEC_TILES_FIXED_US = 6.39
+DEC_TILES_GATE_GBPS = 1424.0
+DEC_TILES_ROW_US = 0.3817
 DEC_TILES_ENTRY_US = 0.0013
-DENSE_FIXED_US = 16.48
-DENSE_GBPS = 3862.0
+DENSE_FIXED_US = 16.47
+DENSE_GBPS = 3860.0
 DEC_MARGIN = 0.9
 MAX_N = 65536          # the per-row lists pack the column in 16 bits
 PROBE_EVERY = 64
