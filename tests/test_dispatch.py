@@ -24,8 +24,12 @@ def test_cuda_static_tokens_between_the_sparse_paths_are_dense_but_dynamic_token
         assert dispatch.static_dense_reason(CUDA, torch.bfloat16, m, 2048, 5632, 2048) is None
 
 
-def test_cuda_too_wide_is_dense_at_prefill_sizes_only():
+def test_cuda_width_limits_apply_at_prefill_sizes_only():
     big = cuda_policy.MIN_TOKENS
+    narrow = dispatch.static_dense_reason(CUDA, torch.bfloat16, big, 512, 1408, 512)
+    assert narrow and "K=512" in narrow                    # issue 6's model: 0.71x on the per-row path
+    assert dispatch.static_dense_reason(CUDA, torch.bfloat16, None, 512, 1408, 512) is None
+    assert dispatch.static_dense_reason(CUDA, torch.bfloat16, 1, 512, 1408, 512) is None   # decode: 1.5x+
     assert "wide" in dispatch.static_dense_reason(CUDA, torch.float16, big, cuda_policy.MAX_WIDTH + 1, 64, 64)
     assert "wide" in dispatch.static_dense_reason(CUDA, torch.float16, big, 64, cuda_policy.MAX_N + 1, 64)
     # a dynamic M may be decode-sized: the decode path takes any width

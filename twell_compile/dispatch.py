@@ -77,6 +77,9 @@ def static_dense_reason(device: torch.device, dtype: torch.dtype, m: Optional[in
                 f"faster for this layer even at density 0")
     if m is not None and m >= cp.MIN_TOKENS and (k > cp.MAX_WIDTH or k_out > cp.MAX_WIDTH or n > cp.MAX_N):
         return f"layer too wide for the CUDA sparse kernels (K={k}, K_out={k_out}, N={n})"
+    if m is not None and m >= cp.MIN_TOKENS and k < cp.MIN_WIDTH:
+        return (f"K={k}: below the {cp.MIN_WIDTH} where the CUDA per-row kernels beat dense at "
+                f"{m} tokens (measured on H200)")
     return None
 
 

@@ -32,6 +32,7 @@ def _fresh_policy(monkeypatch):
     # Exercise the policy's mechanism at test sizes: small M allowed, a cost model under which
     # TwELL wins at low density (the measured constants route these shapes dense).
     monkeypatch.setattr(cuda_policy, "MIN_TOKENS", 1024)
+    monkeypatch.setattr(cuda_policy, "MIN_WIDTH", 1)
     monkeypatch.setattr(cuda_policy, "GATE_UNITS", 1.1)
     monkeypatch.setattr(cuda_policy, "FIXED_UNITS", 0.2)
     monkeypatch.setattr(cuda_policy, "PAIR_UNITS", 80.0)

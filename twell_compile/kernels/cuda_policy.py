@@ -4,8 +4,9 @@ Three rules, in this order:
 
 1. Shape rule (host, from shapes and dtypes only), bf16/fp16 only:
    - decode path (kernels/cuda_decode.py) for 1 <= M <= DECODE_MAX_M tokens, any K, N;
-   - per-row TwELL path for M >= MIN_TOKENS, K and K_out <= 8192 (the fused kernel holds a
-     whole x row and y row in registers), N <= 65536 (16-bit columns in the per-row lists).
+   - per-row TwELL path for M >= MIN_TOKENS, MIN_WIDTH <= K (narrower layers measured slower
+     than dense), K and K_out <= 8192 (the fused kernel holds a whole x row and y row in
+     registers), N <= 65536 (16-bit columns in the per-row lists).
    Everything else runs dense (eager's own calls, bit-identical to eager). Between the two
    thresholds (H200, K=2048, N=5632, CUDA graphs, docs/inference.md "Decode"): decode forced
    0.17-0.57x of dense at M 64-256, per-row path 0.90x at M=512 but 1.18x at M=2048 for
@@ -71,6 +72,10 @@ FIXED_UNITS = 0.31
 PAIR_UNITS = 163.0
 MARGIN = 0.95
 MIN_TOKENS = 8192      # H200 d=0.005: M=4096 twell 0.48 vs dense 0.44 ms, M=1024 0.20 vs 0.12
+MIN_WIDTH = 2048       # per-row path measured winning at K = 2048 and 4096 (1.36x, 1.21x); at
+                       # K=512, N=1408 (issue 6's model, 16384 tokens, density 0.003, H200) the
+                       # whole forward ran 0.71x of Inductor: its fixed per-row costs don't shrink
+                       # with K as the dense GEMMs do
 MAX_WIDTH = 8192
 # Decode rule (rule 3), H200 bf16, decode kernel v5 (one launch): fitted by
 # benchmarks/tune_decode.py --fit-from results/h200/ffn_decode.json (the 56-point grid, points
@@ -96,7 +101,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 
 def shape_ok(x: Tensor, m: int, k: int, k_out: int, n: int, tile_n: int = 0, slots: int = 0) -> bool:
     """tile_n/slots: the op's TwELL config; the per-row path does not depend on them."""
-    return (x.is_cuda and x.dtype in DTYPES and m >= MIN_TOKENS and k <= MAX_WIDTH
+    return (x.is_cuda and x.dtype in DTYPES and m >= MIN_TOKENS and MIN_WIDTH <= k <= MAX_WIDTH
             and k_out <= MAX_WIDTH and 1 <= n <= MAX_N)
 
 
