@@ -10,10 +10,12 @@ padded to MB >= 16 (tl.dot's minimum) and split in row blocks of MB <= 32.
   when some row has v != 0 or a non-finite g: a row of x holding NaN/Inf makes every g of that
   row NaN/Inf (0 * Inf = NaN in the dot), so such rows activate every neuron and the result
   propagates as dense's 0 * Inf does, with no separate check of x. A block with an active
-  neuron then runs u = x W_u[active]^T (+ b_u) with masked loads (inactive W_u rows never leave
-  memory), h = v * u rounded to x's dtype (as eager rounds h for the down GEMM), and adds
-  h W_d^T[active] into the fp32 accumulator with relaxed atomics (`red`). Statistics per
-  (row block, neuron block) are written, not added: non-zeros per row, sum |h|.
+  neuron then computes u = x W_u[active]^T (+ b_u), h = v * u rounded to x's dtype (as eager
+  rounds h for the down GEMM), and adds h W_d^T[active] into the fp32 accumulator with relaxed
+  atomics (`red`), in one of two forms: ``_up_down_rows`` (M <= MS rows: one active neuron at
+  a time, its whole W_u and W_d^T rows in one round trip of loads) or ``_up_down_tiles``
+  (tl.dot over K and K_out with masked rows: inactive neurons' rows never leave memory).
+  Statistics per (row block, neuron block) are written, not added: non-zeros per row, sum |h|.
   FINISH: every program then takes a ticket of its row block (acq_rel atomic after a CTA
   barrier); the last one writes y = acc + b_d in x's dtype, zeroes acc again and resets the
   ticket (CLEAN: the accumulator is a persistent one, kept zero between calls, so no launch
