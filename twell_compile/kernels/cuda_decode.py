@@ -1,22 +1,23 @@
 """Host side of the decode path (kernels/twell_decode.py): few tokens, bf16/fp16.
 
 For x [M, K] with M <= MAX_M: ``decode_fused_kernel``, one program per neuron block: gate over
-all of K, relu, the active set, W_up rows of active neurons only (contiguous in nn.Linear's
-[N, K] layout), h, and the down projection over W_down^T rows ([N, K_out], made once per weight
-by ``weight_cache``) added into an fp32 accumulator by atomics; the row block's last program
-(ticket) writes y, the statistics and zeroes the accumulator again. One launch per FFN when the
-weight is registered (its persistent accumulator, ``weight_cache.decode_state``) and the finish
-is small (one row block, M x K_out <= FINISH_MAX); otherwise a zero-fill and/or a separate
+all of K, relu, the active set, then up/down for the active neurons only (W_up rows contiguous
+in nn.Linear's [N, K] layout, W_down^T rows [N, K_out] made once per weight by
+``weight_cache``), one neuron at a time with whole-row loads ("rows", M <= cfg.vec_m) or as
+tl.dot tiles, added into an fp32 accumulator by atomics; the row block's last program (ticket)
+writes y, the statistics and zeroes the accumulator again. One launch per FFN when the weight
+is registered (its persistent accumulator, ``weight_cache.decode_state``) and the finish is
+small (one row block, M x K_out <= cfg.finish_max); otherwise a zero-fill and/or a separate
 finishing launch. No host sync, fixed launch shapes per M: CUDA-graph capturable. Exact at any
 density: a neuron is skipped only where relu(g) is 0 and g finite in every row of its row block.
 
-History (H200, K=2048, N=5632, M=1, d=0.005, CUDA graphs over 4 layers; dense 34.0 us): v1 Triton
-gate + down over N splits of every column (42-60 us); v2 cuBLAS gate + one kernel looping over K
-and K_out per neuron chunk with fp32 atomics (46.8 us); v3 gate + up in one kernel appending to a
-list per row block, then a down kernel over the list (22.2 us: memset 2.1, gate 12.1, up 5.3,
-down 4.2); v4 three launches, gate / up-down over K_out splits / finish (26.7 us: the gate alone
-11.0 us, the same as cuBLAS's 11.4; each further launch costs ~4-5 us in a graph, fitted from
-the GEMV times at two sizes: 4.8 us + bytes / 3.5 TB/s). v5 (this) is one launch.
+History (H200, K=2048, N=5632, M=1, d=0.005, CUDA graphs over 4 layers; dense 34.0 us;
+docs/inference.md "Decode"): v1 Triton gate + down over N splits (42-60 us); v2 cuBLAS gate +
+one kernel looping over K and K_out (46.8 us); v3 gate + up in one kernel appending to a list,
+then a down kernel (22.2 us); v4 gate / up-down / finish in three launches (26.7 us); v5 (this)
+one launch: 25.1 us with tile loops for up/down, 16.9 us with the rows form (2.01x;
+``benchmarks/bench_ffn.py --decode``). An empty launch costs 1.4 us in a graph
+(``benchmarks/tune_decode.py`` parts).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor
 
 from twell_compile.kernels import weight_cache
+from twell_compile.kernels.cuda_infer import _pow2
 
 MAX_M = 256           # row blocks of <= 32 rows; the policy uses a smaller threshold
 MAX_MB = 32           # rows per program: M-tiles of 64 would select Hopper's wgmma, which gave
@@ -54,10 +56,6 @@ CONFIGS = {
 }
 FINISH_BLOCK = 1024   # accumulator elements per step of a finishing program
 STAT_BLOCKS = 256     # neuron blocks per step of the statistics sum
-
-
-def _pow2(v: int) -> int:
-    return 1 << max(0, (int(v) - 1).bit_length())
 
 
 def m_pad(m: int) -> int:
