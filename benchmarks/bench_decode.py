@@ -13,7 +13,8 @@ backend does at compile time.
   dense_ms   eager's calls (ffn_dense), graph-captured
   twell_ms   torch.ops.twell.ffn as the backend calls it (policy included, warmed up so the
              layer's density has landed before capture): path says what it ran
-  kernel_ms  the sparse kernels forced: decode path for M <= cuda_decode.MAX_M, else the
+  kernel_ms  the sparse kernels forced: decode path for M <= cuda_decode.MAX_M (each of its
+             up/down forms timed, form_ms; kernel_ms is the fastest, kernel_form), else the
              per-row path (kernel column)
 Bandwidth: peak_GBps is a 1 GiB device-to-device copy (read + write bytes) in the same run;
 dense_GBps counts W_gate + W_up + W_down once; twell_GBps counts W_gate plus the W_up and
@@ -112,35 +113,42 @@ def run_point(sets, m: int, d: float, reps: int, tag: str) -> dict:
         torch.cuda.synchronize()
     key = (names[0], xs[0].device, xs[0].dtype, k, n, k_out, gated)
     if cuda_policy.decode_ok(xs[0], m, n):
-        rows = cuda_policy.use_decode(key, m, k, n, k_out, gated)
-        path = "dense" if rows is None else "decode-rows" if rows else "decode-tiles"
+        form = cuda_policy.use_decode(key, m, k, n, k_out, gated)
+        path = "dense" if form is None else f"decode-{form}"
     elif cuda_policy.shape_ok(xs[0], m, k, k_out, n):
         path = "rows" if cuda_policy.use_twell(key, gated) else "dense"
     else:
         path = "dense"
     kname = "decode" if m <= cuda_decode.MAX_M else "rows"
     nnz = [float((F.linear(x, p["w_gate"]) > 0).sum()) / m for x, p in zip(xs, sets)]
-    if kname == "decode":
-        kern = lambda: [cuda_decode.decode_forward(*a) for a in args]  # noqa: E731
-    else:
-        widths = [cuda_infer.list_width(n, v) for v in nnz]
-        kern = lambda: [cuda_infer.twell_forward(*a, width=w) for a, w in zip(args, widths)]  # noqa: E731
     dense_ms = graph_ms(dense, reps) / layers
     twell_ms = graph_ms(op, reps) / layers
-    kernel_ms = graph_ms(kern, reps) / layers
-    # accuracy (layer 0, fresh outputs)
     a0 = args[0]
+    form_ms = {}
+    if kname == "decode":      # every up/down form the decode path has for this M, forced
+        forms = [f for f in cuda_decode.FORMS
+                 if f != "rows" or m <= cuda_decode.CONFIGS[cuda_decode.m_pad(m)].vec_m]
+        for f in forms:
+            form_ms[f] = graph_ms(lambda: [cuda_decode.decode_forward(*a, form=f) for a in args], reps) / layers
+        kform = min(form_ms, key=form_ms.get)
+        kernel_ms = form_ms[kform]
+        y_k = cuda_decode.decode_forward(*a0, form=kform).y
+    else:
+        kform = None
+        widths = [cuda_infer.list_width(n, v) for v in nnz]
+        kernel_ms = graph_ms(lambda: [cuda_infer.twell_forward(*a, width=w) for a, w in zip(args, widths)],
+                             reps) / layers
+        y_k = cuda_infer.twell_forward(*a0, width=widths[0])[0]
+    # accuracy (layer 0, fresh outputs)
     ref = ffn_dense(*(None if t is None else t.float() for t in a0))
     y_op = torch.ops.twell.ffn(*a0, 128, 16, names[0], False)
-    y_k = kern()[0]
-    y_k = y_k.y if kname == "decode" else y_k[0]
     union = sum(float((F.linear(x, p["w_gate"]) > 0).any(0).sum()) for x, p in zip(xs, sets)) / layers
     g = 1 if gated else 0
     dense_bytes = 2 * n * (k * (1 + g) + k_out)
     dec_bytes = 2 * (n * k + union * (g * k + k_out))
     op_bytes = dec_bytes if path.startswith("decode") else dense_bytes
     return dict(M=m, K=k, N=n, density=d, dense_ms=dense_ms, twell_ms=twell_ms, kernel_ms=kernel_ms,
-                kernel=kname, path=path, rel_err=rel(y_op, ref), dense_rel_err=rel(ffn_dense(*a0), ref),
+                kernel=kname, kernel_form=kform, form_ms=form_ms, path=path, rel_err=rel(y_op, ref), dense_rel_err=rel(ffn_dense(*a0), ref),
                 kernel_rel_err=rel(y_k, ref), nnz_per_row=sum(nnz) / layers, union=union,
                 union_frac=union / n, dense_GBps=dense_bytes / (dense_ms * 1e-3) / 1e9,
                 twell_GBps=op_bytes / (twell_ms * 1e-3) / 1e9,
@@ -151,7 +159,7 @@ def run_point(sets, m: int, d: float, reps: int, tag: str) -> dict:
 def load_policy(path: str) -> None:
     """Use fitted decode-rule constants for this run (benchmarks/tune_decode.py --policy-out)."""
     for name, value in json.load(open(path)).items():
-        if not (name.startswith(("DEC_ROWS_", "DEC_TILES_")) or name in ("DENSE_FIXED_US", "DENSE_GBPS")) \
+        if not (name.startswith(("DEC_ROWS_", "DEC_TILES_", "DEC_LIST_")) or name in ("DENSE_FIXED_US", "DENSE_GBPS")) \
                 or not hasattr(cuda_policy, name):
             raise ValueError(f"--policy: unknown constant {name!r}")
         setattr(cuda_policy, name, float(value))
@@ -217,7 +225,8 @@ def main(argv=None) -> int:
                       f"{row['dense_ms'] / row['twell_ms']:>5.2f} {row['dense_ms'] / row['kernel_ms']:>5.2f} "
                       f"{row['dense_GBps']:>6.0f} {row['twell_GBps']:>6.0f} {100 * row['twell_GBps'] / peak:>4.0f}% "
                       f"{row['rel_err']:>8.1e} {row['dense_rel_err']:>8.1e} {row['path']}"
-                      + ("  ERR>2x" if row["rel_err"] > 2 * row["dense_rel_err"] else ""), flush=True)
+                      + ("  ERR>2x" if row["rel_err"] > 2 * row["dense_rel_err"] else "")
+                      + "".join(f" {f} {t * 1e3:.1f}u" for f, t in row["form_ms"].items()), flush=True)
                 out.write_text(json.dumps(rows, indent=1))     # after every row: partial runs keep data
             del sets
             weight_cache.clear()

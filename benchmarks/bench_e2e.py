@@ -721,6 +721,9 @@ def main(argv=None) -> dict[str, Any]:
     print(f"bench_e2e --{a.mode}: {a.layers} layers, hidden {a.hidden}, ffn {a.ffn}, vocab {a.vocab}, "
           f"batch {a.batch} x seq {a.seq}, {a.dtype if a.mode != 'train' else 'float32+autocast'} on "
           f"{result['env']['device']}", flush=True)
+    import twell_compile
+
+    twell_compile.reset_stats()     # report only this run's layers (stats are process-wide)
     {"forward": run_forward, "generate": run_generate, "train": run_train}[a.mode](a, result)
     write(a.out, result)
     summary(result)

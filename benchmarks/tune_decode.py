@@ -51,49 +51,59 @@ def _lstsq(rows: list[list[float]], ts: list[float]) -> list[float]:
 
 def fit_policy(points: list[dict], near: float = 1.6) -> dict[str, float]:
     """The decode rule's constants (kernels/cuda_policy.py) from measured points, each a dict
-    with M, K, N, union (neurons active in some row), dense_us, decode_us, fitted to the points
-    within ``near`` x of dense (where the rule's decisions are made). Dense: fixed + bytes(3
-    weights) / rate. Decode, by the up/down part the kernel ran (M <= vec_m: rows): rows =
-    fixed + bytes(W_g) / rate + step x u x BN x (K + M_P x K_out) / 4096; tiles = fixed +
-    blocks x bytes(W_g) / rate + (row x rows + entry x union) x blocks x (K + K_out) / 4096
-    (u = union / N; BN, vec_m, blocks of <= MAX_MB rows: cuda_decode). A variant with fewer
-    than 4 points keeps its constants."""
+    with M, K, N, K_out, union (neurons active in some row), density, dense_us and forms
+    ({form: decode us}, each form forced), each form fitted to its points within ``near`` x of
+    dense (where the rule's decisions are made). Dense: fixed + bytes(3 weights) / rate. With
+    u = union / N, B row blocks of <= MAX_MB rows and the configs of cuda_decode:
+      rows  = fixed + bytes(W_g) / rate + step x u x BN x (K + M_P x K_out) / 4096
+      tiles = fixed + B x bytes(W_g) / rate + (row x rows + entry x union) x B x (K + K_out) / 4096
+      list  = fixed + B x bytes(W_g) / rate + pair x d x rows x LBN x K / 4096 + entry x d x N x K_out / 4096
+    A form with fewer points than constants + 1 keeps its constants."""
     dense = _lstsq([[1.0, 2e-6 * p["N"] * 3 * p["K"]] for p in points], [p["dense_us"] for p in points])
     out = {"DENSE_FIXED_US": round(dense[0], 2), "DENSE_GBPS": round(1e3 / dense[1], 0)}
-    rows, rows_t, tiles, tiles_t = [], [], [], []
+    feats: dict[str, tuple[list, list]] = {"rows": ([], []), "tiles": ([], []), "list": ([], [])}
     for p in points:
-        if p["decode_us"] > near * p["dense_us"]:
-            continue
         mp = cuda_decode.m_pad(p["M"])
         c = cuda_decode.CONFIGS[mp]
-        blocks = -(-p["M"] // min(mp, cuda_decode.MAX_MB))
+        mb = min(mp, cuda_decode.MAX_MB)
+        rows = min(p["M"], mb)
+        blocks = -(-p["M"] // mb)
+        ko = p.get("K_out", p["K"])
         gate_mb = 2e-6 * p["N"] * p["K"] * blocks
-        if p["M"] <= c.vec_m:
-            step = p["union"] / p["N"] * c.bn * (p["K"] + cuda_decode.m_pad_rows(p["M"]) * p.get("K_out", p["K"])) / 4096
-            rows.append([1.0, gate_mb, step])
-            rows_t.append(p["decode_us"])
-        else:
-            w = blocks * (p["K"] + p.get("K_out", p["K"])) / 4096
-            tiles.append([1.0, gate_mb, min(p["M"], cuda_decode.MAX_MB) * w, p["union"] * w])
-            tiles_t.append(p["decode_us"])
-    if len(rows) >= 3:
-        fixed, per_mb, step = _lstsq(rows, rows_t)
-        out.update(DEC_ROWS_FIXED_US=round(fixed, 2), DEC_ROWS_GATE_GBPS=round(1e3 / per_mb, 0),
-                   DEC_ROWS_STEP_US=round(step, 4))
-    if len(tiles) >= 4:
-        fixed, per_mb, row, entry = _lstsq(tiles, tiles_t)
-        out.update(DEC_TILES_FIXED_US=round(fixed, 2), DEC_TILES_GATE_GBPS=round(1e3 / per_mb, 0),
-                   DEC_TILES_ROW_US=round(row, 4), DEC_TILES_ENTRY_US=round(entry, 4))
+        u = p["union"] / p["N"]
+        d = p["density"]
+        for form, us in p["forms"].items():
+            if us > near * p["dense_us"]:
+                continue
+            if form == "rows":
+                f = [1.0, gate_mb, u * c.bn * (p["K"] + cuda_decode.m_pad_rows(p["M"]) * ko) / 4096]
+            elif form == "tiles":
+                w = blocks * (p["K"] + ko) / 4096
+                f = [1.0, gate_mb, rows * w, p["union"] * w]
+            else:
+                f = [1.0, gate_mb, d * rows * c.lbn * p["K"] / 4096, d * p["N"] * ko / 4096]
+            feats[form][0].append(f)
+            feats[form][1].append(us)
+    names = {"rows": ("DEC_ROWS_FIXED_US", "DEC_ROWS_GATE_GBPS", "DEC_ROWS_STEP_US"),
+             "tiles": ("DEC_TILES_FIXED_US", "DEC_TILES_GATE_GBPS", "DEC_TILES_ROW_US", "DEC_TILES_ENTRY_US"),
+             "list": ("DEC_LIST_FIXED_US", "DEC_LIST_GATE_GBPS", "DEC_LIST_PAIR_US", "DEC_LIST_ENTRY_US")}
+    for form, (a, t) in feats.items():
+        if len(a) <= len(names[form]):
+            continue
+        sol = _lstsq(a, t)
+        for i, (name, v) in enumerate(zip(names[form], sol)):
+            out[name] = round(1e3 / v, 0) if i == 1 else round(v, 2 if i == 0 else 4)
     if len(out) == 2:
         raise SystemExit(f"too few decode points within {near}x of dense: nothing to fit")
     return out
 
 
 def fit_from_bench(path: str) -> dict[str, float]:
-    """fit_policy on a bench_decode.py JSON (its kernel_ms column is the forced decode path)."""
+    """fit_policy on a bench_decode.py JSON (its form_ms column: each decode form forced)."""
     rows = json.loads(Path(path).read_text())
-    return fit_policy([dict(M=r["M"], K=r["K"], N=r["N"], union=r["union"], dense_us=r["dense_ms"] * 1e3,
-                            decode_us=r["kernel_ms"] * 1e3) for r in rows if r.get("kernel") == "decode"])
+    return fit_policy([dict(M=r["M"], K=r["K"], N=r["N"], union=r["union"], density=r["nnz_per_row"] / r["N"],
+                            dense_us=r["dense_ms"] * 1e3, forms={f: t * 1e3 for f, t in r["form_ms"].items()})
+                       for r in rows if r.get("kernel") == "decode"])
 
 
 def parts(sets, shapes, reps) -> None:
@@ -211,9 +221,12 @@ def main(argv=None) -> int:
         for m in (1, 16, 64):
             a = args_of(ws, m)
             td = graph_ms(lambda: [ffn_dense(*x) for x in a], args.reps) / len(ws) * 1e3
-            tk = t_decode(ws, m, None) * 1e3
             union = sum(float((F.linear(x[0], x[1]) > 0).any(0).sum()) for x in a) / len(a)
-            points.append(dict(M=m, K=k, N=n, union=union, dense_us=td, decode_us=tk))
+            nnz = sum(float((F.linear(x[0], x[1]) > 0).sum()) for x in a) / len(a) / m
+            forms = {f: graph_ms(lambda: [cuda_decode.decode_forward(*x, form=f) for x in a], args.reps) / len(a) * 1e3
+                     for f in cuda_decode.FORMS if f != "rows" or m <= cuda_decode.CONFIGS[cuda_decode.m_pad(m)].vec_m}
+            tk = min(forms.values())
+            points.append(dict(M=m, K=k, N=n, union=union, density=nnz / n, dense_us=td, forms=forms))
             print(f"K={k} N={n} d={d} M={m}: dense {td:.1f} us, decode {tk:.1f} us "
                   f"(union {100 * union / n:.1f}%): {td / tk:.2f}x", flush=True)
     pol = fit_policy(points)

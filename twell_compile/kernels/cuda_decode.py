@@ -44,6 +44,15 @@ class Config(NamedTuple):
     finish_max: int  # finish in the kernel (last program) up to M x K_out elements, else a launch
     warps: int
     stages: int
+    # the list form (twell_decode_list.py); H200 sweep (results/h200/decode_run7/probe2.json):
+    # K=2048, M=16, d=0.005 25.9 us at (pb 4, le 32, bo 128), 26.5 at le 64, 30.0 at le 128;
+    # K=4096 57.0 at le 32, 54.9 at le 64; bn 64 and 8 gather warps slower everywhere
+    pb: int = 4        # active (row, neuron) pairs per gather step of the up projection
+    kc: int = 2048     # K per step of that gather
+    le: int = 64       # list entries per step of the down gather
+    bo: int = 128      # K_out per down-gather program
+    gwarps: int = 4    # warps of the down-gather kernel
+    lbn: int = 32      # neurons per program of the list form's gate kernel
 
 
 # By padded M: tuned on the H200 (benchmarks/tune_decode.py, results/h200/decode_run5/).
@@ -73,20 +82,26 @@ class Decoded(NamedTuple):
     hsum: Tensor     # [1] fp32: sum |h|
 
 
+FORMS = ("rows", "tiles", "list")
+
+
 def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                    b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
                    cfg: Optional[Config] = None, stats_buf: Optional[Tensor] = None,
-                   rows: Optional[bool] = None) -> Decoded:
+                   form: Optional[str] = None) -> Decoded:
     """The FFN for x2 [M, K], M <= MAX_M. ``stats_buf``: a layer's float64 [4] statistics buffer
     (stats.py) that the kernels fill in place (sum and max of non-zeros per token, sum |h|, 0).
-    ``rows``: up/down one active neuron at a time (only for M <= cfg.vec_m) or as tiles; None:
-    rows whenever M <= cfg.vec_m (the policy decides by density, cuda_policy.decode_rows)."""
+    ``form``: how up/down run: "rows" (one active neuron at a time, only for M <= cfg.vec_m),
+    "tiles" (tl.dot tiles, atomics) or "list" (per-token lists, a gather launch); None: rows
+    where M <= cfg.vec_m, else tiles (the policy decides by density, cuda_policy.decode_form)."""
     from twell_compile.kernels.twell_decode import decode_finish_kernel, decode_fused_kernel
 
     m, k = x2.shape
     n, k_out = w_gate.shape[0], w_down.shape[0]
     if m > MAX_M:
         raise ValueError(f"decode path takes M <= {MAX_M} rows, got x with {m}")
+    if form not in (None,) + FORMS:
+        raise ValueError(f"form must be one of {FORMS} or None, got {form!r}")
     dev, dt = x2.device, x2.dtype
     y = torch.empty((m, k_out), dtype=dt, device=dev)
     if m == 0:
@@ -94,6 +109,12 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
                        torch.zeros(1, dtype=torch.float32, device=dev))
     mp = m_pad(m)
     c = cfg or CONFIGS[mp]
+    if form is None:
+        form = "rows" if m <= c.vec_m else "tiles"
+    elif form == "rows" and m > c.vec_m:
+        raise ValueError(f"form='rows' takes M <= cfg.vec_m = {c.vec_m} rows, got {m}")
+    if form == "list":
+        return _decode_list(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, c, stats_buf)
     mb = min(mp, MAX_MB)
     nrb = -(-m // mb)
     nb = -(-n // c.bn)
@@ -111,8 +132,7 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
     fw = torch.empty(nrb * nb + 1, dtype=torch.float32, device=dev)
     hs, hsum = fw[:-1], fw[-1:]
     st = stats_buf if stats_buf is not None else fw
-    use_rows = m <= c.vec_m and (rows is None or rows)
-    ms = m_pad_rows(m) if use_rows else 0         # rows of the per-neuron up/down path
+    ms = m_pad_rows(m) if form == "rows" else 0   # rows of the per-neuron up/down path
     bk = min(c.bk, max(16, _pow2(k)))
     bku = min(c.bku, max(16, _pow2(k)))
     bko = min(c.bko, max(16, _pow2(k_out)))
@@ -132,4 +152,46 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
         decode_finish_kernel[(-(-(m * k_out) // FINISH_BLOCK) + 1,)](
             acc, bd, y, y.stride(0), y.stride(1), rc, hs, tok, hsum, st, m, k_out, nb, nrb,
             MB=mb, BLOCK=FINISH_BLOCK, RB=STAT_BLOCKS, **flags, num_warps=4)
+    return Decoded(y, tok, hsum)
+
+
+def _decode_list(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+                 b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], c: Config,
+                 stats_buf: Optional[Tensor]) -> Decoded:
+    """The list form (twell_decode_list.py): gate + up into per-token lists, then a gather
+    launch for the down projection. Lists hold N slots per token (4 + 4 bytes each: 0.7 MB at
+    M=16, N=5632), allocated per call (no launch); nothing is zero-filled."""
+    from twell_compile.kernels.twell_decode_list import decode_gather_kernel, decode_pairs_kernel
+
+    m, k = x2.shape
+    n, k_out = w_gate.shape[0], w_down.shape[0]
+    dev, dt = x2.device, x2.dtype
+    mb = min(m_pad(m), MAX_MB)
+    nrb = -(-m // mb)
+    nb = -(-n // c.lbn)
+    y = torch.empty((m, k_out), dtype=dt, device=dev)
+    wdt = weight_cache.transposed(w_down)
+    # int32: list neuron indices [M, N], counts per (token, block) [M, NB], non-zeros per
+    # (row block, block, row), then tok [M + 1]; fp32: list h [M, N], sum |h| per block, total
+    iw = torch.empty(m * n + m * nb + nrb * nb * mb + m + 1, dtype=torch.int32, device=dev)
+    ln, lc, rc, tok = iw.split([m * n, m * nb, nrb * nb * mb, m + 1])
+    fw = torch.empty(m * n + nrb * nb + 1, dtype=torch.float32, device=dev)
+    lh, hs, hsum = fw.split([m * n, nrb * nb, 1])
+    st = stats_buf if stats_buf is not None else fw
+    wu = w_up if w_up is not None else w_gate
+    bk = min(c.bk, max(16, _pow2(k)))
+    kc = min(c.kc, max(16, _pow2(k)))
+    decode_pairs_kernel[(nb, nrb)](
+        x2, x2.stride(0), x2.stride(1), w_gate, w_gate.stride(0), w_gate.stride(1),
+        b_gate if b_gate is not None else w_gate, wu, wu.stride(0), wu.stride(1),
+        b_up if b_up is not None else w_gate, ln, lh, lc, rc, hs, m, k, n, nb,
+        GATED=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
+        MB=mb, BN=c.lbn, BK=bk, PB=c.pb, KC=kc, num_warps=c.warps, num_stages=c.stages)
+    bo = min(c.bo, max(16, _pow2(k_out)))
+    no = -(-k_out // bo)
+    decode_gather_kernel[(m * no + 1,)](
+        ln, lh, lc, wdt, wdt.stride(0), wdt.stride(1), b_down if b_down is not None else y,
+        y, y.stride(0), y.stride(1), rc, hs, tok, hsum, st, m, n, k_out, nb, no, nrb,
+        HAS_BD=b_down is not None, HAS_ST=stats_buf is not None, MB=mb, BN=c.lbn,
+        NBP=max(16, _pow2(nb)), LE=c.le, BO=bo, RB=STAT_BLOCKS, num_warps=c.gwarps)
     return Decoded(y, tok, hsum)

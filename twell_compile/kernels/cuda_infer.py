@@ -297,8 +297,8 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
         return y.reshape(*x.shape[:-1], k_out)
     key = (layer, x.device, x.dtype, k, n, k_out, gated)
     if decode:
-        rows = cuda_policy.use_decode(key, m, k, n, k_out, gated)
-        sparse = rows is not None
+        form = cuda_policy.use_decode(key, m, k, n, k_out, gated)
+        sparse = form is not None
     else:
         sparse = cuda_policy.use_twell(key, gated)
     probe = cuda_policy.wants_probe(key, sparse)
@@ -308,7 +308,7 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
         # the kernel fills the layer's statistics buffer itself: no extra launches
         sbuf = stats.device_buffer(layer, x.device, m, n) if keep_stats else None
         y, tok, hsum = decode_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, stats_buf=sbuf,
-                                      rows=rows)
+                                      form=form)
         if probe:
             cuda_policy.submit(key, tok[m], m * n)
     elif sparse:

@@ -27,18 +27,22 @@ Three rules, in this order:
    call), so a dense layer never pays for a sparse first call; dense layers re-probe every
    PROBE_EVERY calls, TwELL layers every REFRESH_EVERY calls. The measured density also sets
    the per-row list width (cuda_infer.list_width).
-3. Decode rule (M <= DECODE_MAX_M, same per-layer key and measurement): with u = 1-(1-d)^R
-   the expected fraction of neurons active in at least one of a row block's R <= 32 rows, B row
-   blocks, BN neurons per program and vec_m (cuda_decode.CONFIGS), two predicted times for the
-   decode kernel, by its up/down part:
+3. Decode rule (M <= DECODE_MAX_M, same per-layer key and measurement): with d the density,
+   u = 1-(1-d)^R the expected fraction of neurons active in at least one of a row block's
+   R <= 32 rows, B row blocks, BN / LBN neurons per program and vec_m (cuda_decode.CONFIGS),
+   one predicted time per up/down form of the decode path (decode_us):
 
        tiles: DEC_TILES_FIXED_US + B * bytes(W_g) / DEC_TILES_GATE_GBPS
-              + (DEC_TILES_ROW_US * min(M, 32) + DEC_TILES_ENTRY_US * u * N) * B * (K + K_out) / 4096
+              + (DEC_TILES_ROW_US * R + DEC_TILES_ENTRY_US * u * N) * B * (K + K_out) / 4096
        rows (M <= vec_m: one active neuron at a time, whole-row loads, a chain of u * BN steps per
              program, each moving a W_u row, M x K_out atomics and a W_d^T row):
              DEC_ROWS_FIXED_US + bytes(W_g) / DEC_ROWS_GATE_GBPS + DEC_ROWS_STEP_US * u * BN * (K + M_P * K_out) / 4096
+       list (two launches: gate + up per active pair into per-token lists, then a gather per
+             token; steps grow with the pairs per program and the entries per token):
+             DEC_LIST_FIXED_US + B * bytes(W_g) / DEC_LIST_GATE_GBPS
+             + DEC_LIST_PAIR_US * d * R * LBN * K / 4096 + DEC_LIST_ENTRY_US * d * N * K_out / 4096
 
-   The faster variant is the one run (decode_rows), and the decode path runs while its time is
+   The fastest form is the one run (decode_form), and the decode path runs while its time is
    under DEC_MARGIN * (DENSE_FIXED_US + bytes(W_g + W_u + W_d) / DENSE_GBPS) (decode_wins).
    Before the layer's first measurement lands the rule is evaluated at density 0, the best
    case (a ReLU layer the backend rewrote is expected sparse, and a CUDA graph recorded on the
@@ -77,21 +81,26 @@ MIN_WIDTH = 2048       # per-row path measured winning at K = 2048 and 4096 (1.3
                        # whole forward ran 0.71x of Inductor: its fixed per-row costs don't shrink
                        # with K as the dense GEMMs do
 MAX_WIDTH = 8192
-# Decode rule (rule 3), H200 bf16, decode kernel v5 (one launch): fitted by
-# benchmarks/tune_decode.py --fit-from results/h200/ffn_decode.json (the 56-point grid, points
-# within 1.6x of dense; max error 16% (rows), 22% (tiles, an over-estimate at M=64)). Dense: 16.5 us + bytes / 3860 GB/s. K=2048,
-# N=5632, M=1, d=0.005: decode 16.8 us (predicted 16.7) vs dense 34.0 us (2.02x). MARGIN 0.9:
-# on the grid no pick below 0.97x of dense, none >= 1.25x missed (test_decode.py).
+# Decode rule (rule 3), H200 bf16, decode kernels v5 (rows, tiles: one launch) and the list
+# form (two launches): fitted by benchmarks/tune_decode.py --fit-from results/h200/ffn_decode.json
+# (the 56-point grid of run 7, each form forced at each point; points within 1.6x of dense).
+# Dense: 16.1 us + bytes / 3783 GB/s. K=2048, N=5632, d=0.005: M=1 rows 16.8 us, M=16 list
+# 26.8 us vs dense 34.2 (1.28x; tiles 31.9). MARGIN 0.9: on the grid no pick below 0.99x of
+# dense (test_decode.py).
 DECODE_MAX_M = 64
-DEC_ROWS_FIXED_US = 7.63
-DEC_ROWS_GATE_GBPS = 2670.0
-DEC_ROWS_STEP_US = 2.618
-DEC_TILES_FIXED_US = 6.39
-DEC_TILES_GATE_GBPS = 1424.0
-DEC_TILES_ROW_US = 0.3817
-DEC_TILES_ENTRY_US = 0.0013
-DENSE_FIXED_US = 16.47
-DENSE_GBPS = 3860.0
+DEC_ROWS_FIXED_US = 7.25
+DEC_ROWS_GATE_GBPS = 2631.0
+DEC_ROWS_STEP_US = 2.614
+DEC_TILES_FIXED_US = 8.49
+DEC_TILES_GATE_GBPS = 1645.0
+DEC_TILES_ROW_US = 0.4626
+DEC_TILES_ENTRY_US = 0.0014
+DEC_LIST_FIXED_US = 14.19
+DEC_LIST_GATE_GBPS = 2542.0
+DEC_LIST_PAIR_US = 4.6163
+DEC_LIST_ENTRY_US = 0.0235
+DENSE_FIXED_US = 16.12
+DENSE_GBPS = 3783.0
 DEC_MARGIN = 0.9
 MAX_N = 65536          # the per-row lists pack the column in 16 bits
 PROBE_EVERY = 64
@@ -116,36 +125,40 @@ def union_fraction(density: float, m: int) -> float:
     return 1.0 - (1.0 - d) ** m
 
 
-def decode_us(density: float, m: int, k: int, n: int, k_out: int) -> tuple[float, Optional[float]]:
-    """Predicted decode-kernel time (us) with the tiles up/down part and with the rows part
-    (None where M > vec_m)."""
+def decode_us(density: float, m: int, k: int, n: int, k_out: int) -> dict[str, float]:
+    """Predicted decode time (us) of each up/down form the decode path can run for M rows
+    ("rows" only where M <= vec_m)."""
     from twell_compile.kernels import cuda_decode
 
     mp = cuda_decode.m_pad(min(m, cuda_decode.MAX_M))
     c = cuda_decode.CONFIGS[mp]
     mb = min(mp, cuda_decode.MAX_MB)
     blocks = -(-m // mb)
-    u = union_fraction(density, min(m, mb))
+    d = min(max(float(density), 0.0), 1.0)
+    u = union_fraction(d, min(m, mb))
     gate_mb = 2e-6 * n * k * blocks
-    tiles = (DEC_TILES_FIXED_US + 1e3 * gate_mb / DEC_TILES_GATE_GBPS
-             + (DEC_TILES_ROW_US * min(m, mb) + DEC_TILES_ENTRY_US * u * n) * blocks * (k + k_out) / 4096)
-    if m > c.vec_m:
-        return tiles, None
-    rows = (DEC_ROWS_FIXED_US + 1e3 * gate_mb / DEC_ROWS_GATE_GBPS
-            + DEC_ROWS_STEP_US * u * c.bn * (k + cuda_decode.m_pad_rows(m) * k_out) / 4096)
-    return tiles, rows
+    out = {
+        "tiles": DEC_TILES_FIXED_US + 1e3 * gate_mb / DEC_TILES_GATE_GBPS
+        + (DEC_TILES_ROW_US * min(m, mb) + DEC_TILES_ENTRY_US * u * n) * blocks * (k + k_out) / 4096,
+        "list": DEC_LIST_FIXED_US + 1e3 * gate_mb / DEC_LIST_GATE_GBPS
+        + DEC_LIST_PAIR_US * d * min(m, mb) * c.lbn * k / 4096
+        + DEC_LIST_ENTRY_US * d * n * k_out / 4096,
+    }
+    if m <= c.vec_m:
+        out["rows"] = (DEC_ROWS_FIXED_US + 1e3 * gate_mb / DEC_ROWS_GATE_GBPS
+                       + DEC_ROWS_STEP_US * u * c.bn * (k + cuda_decode.m_pad_rows(m) * k_out) / 4096)
+    return out
 
 
-def decode_rows(density: float, m: int, k: int, n: int, k_out: int) -> bool:
-    """Whether the decode kernel's up/down part should run one active neuron at a time."""
-    tiles, rows = decode_us(density, m, k, n, k_out)
-    return rows is not None and rows <= tiles
+def decode_form(density: float, m: int, k: int, n: int, k_out: int) -> str:
+    """The decode path's up/down form predicted fastest (cuda_decode.FORMS)."""
+    t = decode_us(density, m, k, n, k_out)
+    return min(t, key=t.get)
 
 
 def decode_wins(density: float, m: int, k: int, n: int, k_out: int, gated: bool) -> bool:
     g = 1 if gated else 0
-    tiles, rows = decode_us(density, m, k, n, k_out)
-    t_dec = tiles if rows is None else min(tiles, rows)
+    t_dec = min(decode_us(density, m, k, n, k_out).values())
     t_dense = DENSE_FIXED_US + 1e3 * 2e-6 * n * (k * (1 + g) + k_out) / DENSE_GBPS
     return t_dec < DEC_MARGIN * t_dense
 
@@ -191,14 +204,14 @@ def use_twell(key: tuple, gated: bool) -> bool:
     return st.density is not None and twell_wins(st.density, gated)
 
 
-def use_decode(key: tuple, m: int, k: int, n: int, k_out: int, gated: bool) -> Optional[bool]:
-    """None: run dense this call; else run the decode path, with its rows (True) or tiles
-    (False) up/down part (before the first measurement: as at density 0). Never syncs."""
+def use_decode(key: tuple, m: int, k: int, n: int, k_out: int, gated: bool) -> Optional[str]:
+    """None: run dense this call; else run the decode path in the returned up/down form
+    (before the first measurement: as at density 0). Never syncs."""
     st = _state(key)
     if not torch.cuda.is_current_stream_capturing():
         _poll(st)
     d = 0.0 if st.density is None else st.density
-    return decode_rows(d, m, k, n, k_out) if decode_wins(d, m, k, n, k_out, gated) else None
+    return decode_form(d, m, k, n, k_out) if decode_wins(d, m, k, n, k_out, gated) else None
 
 
 def wants_probe(key: tuple, twell: bool) -> bool:

@@ -85,6 +85,30 @@ def _finish_stats(rc_ptr, hs_ptr, tok_ptr, hsum_ptr, st_ptr, M, NB, NRB,
 
 
 @triton.jit
+def _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
+                HAS_BG: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """g = x W_g^T + b_g for MB rows x BN neurons over all of K (fp32, tl.dot); v = relu(g)
+    (NaN kept); nz: v != 0 (NaN counted, as eager's count); act: nz or g non-finite (a row of
+    x holding NaN/Inf: the pair must reach the down projection so the result propagates)."""
+    rk = tl.arange(0, BK)
+    wg_base = wg_ptr + rn.to(tl.int64)[:, None] * swg_n
+    g = tl.zeros((MB, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        k_ok = kk < K
+        xk = tl.load(xbase + kk[None, :] * sx_k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(wg_base + kk[None, :] * swg_k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        g = tl.dot(xk, tl.trans(w), g)
+    if HAS_BG:
+        g += tl.load(bg_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    valid = m_ok[:, None] & n_ok[None, :]
+    v = tl.where(g < 0.0, 0.0, g)
+    nz = (v != 0.0) & valid
+    act = (nz | ~(tl.abs(g) < float("inf"))) & valid
+    return g, v, nz, act
+
+
+@triton.jit
 def _up_down_tiles(x_ptr, sx_k, xbase, wu_ptr, swu_n, swu_k, bu_ptr, wdt_ptr, swd_n, swd_k, acc_ptr,
                    v, col, valid, rn, rm, m_ok, K, KO,
                    GATED: tl.constexpr, HAS_BU: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr,
@@ -176,21 +200,8 @@ def decode_fused_kernel(
     m_ok = rm < M
     valid = m_ok[:, None] & n_ok[None, :]
     xbase = x_ptr + rm.to(tl.int64)[:, None] * sx_m
-    # gate: all of K for BN neurons
-    rk = tl.arange(0, BK)
-    wg_base = wg_ptr + rn.to(tl.int64)[:, None] * swg_n
-    g = tl.zeros((MB, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + rk
-        k_ok = kk < K
-        xk = tl.load(xbase + kk[None, :] * sx_k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(wg_base + kk[None, :] * swg_k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        g = tl.dot(xk, tl.trans(w), g)
-    if HAS_BG:
-        g += tl.load(bg_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    v = tl.where(g < 0.0, 0.0, g)                          # relu, NaN kept
-    nz = (v != 0.0) & valid                                # NaN != 0: counted, as eager's count
-    act = (nz | ~(tl.abs(g) < float("inf"))) & valid       # + non-finite g (x row with NaN/Inf)
+    g, v, nz, act = _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
+                                HAS_BG, MB, BN, BK)
     col = tl.max(act.to(tl.int32), axis=0) > 0             # [BN]: active in some row
     blk = pid_r * nb + pid_n
     tl.store(rc_ptr + blk.to(tl.int64) * MB + tl.arange(0, MB), tl.sum(nz.to(tl.int32), axis=1))
