@@ -87,6 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--twell-opt", action="append", default=[], metavar="KEY=VALUE",
                     help="twell option, e.g. twell.stats=false (repeatable)")
     ap.add_argument("--no-energy", action="store_true")
+    ap.add_argument("--step-loop", action="store_true",
+                    help="--generate: also time a greedy loop of the compiled model's one-token forward "
+                         "(static cache, no generate() host work between steps)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
@@ -545,6 +548,37 @@ class StepTimer:
         return (self.marks[-1] - self.marks[0]) * 1e3
 
 
+def step_loop_ms(m, compiled, prompt: torch.Tensor, steps: int, reps: int) -> float:
+    """Median time (ms) of ``steps`` greedy one-token forwards of ``compiled`` (the model
+    compiled as generate() compiles it) over a static KV cache after an eager prefill: the
+    next token and its position stay on the device and nothing syncs inside the loop, so the
+    time is the GPU's per-step work plus what the host cannot hide (guards, graph replay).
+    What generate() adds per step (logits processors, stopping criteria, its own syncs) is
+    not in it."""
+    import transformers
+
+    dev = prompt.device
+    b, length = prompt.shape
+    times = []
+    for r in range(reps + 2):           # 2 warm-up rounds: compile, record CUDA graphs
+        cache = transformers.StaticCache(config=m.config, max_cache_len=length + steps + 1)
+        with torch.no_grad():
+            out = m(input_ids=prompt, past_key_values=cache, use_cache=True,
+                    cache_position=torch.arange(length, device=dev))
+            tok = out.logits[:, -1:].argmax(-1)
+            pos = torch.full((1,), length, device=dev, dtype=torch.long)
+            sync(dev)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out = compiled(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos)
+                tok = out.logits[:, -1:].argmax(-1)
+                pos = pos + 1
+            sync(dev)
+        if r >= 2:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def run_generate(a: argparse.Namespace, result: dict[str, Any]) -> None:
     import transformers
 
@@ -610,6 +644,13 @@ def run_generate(a: argparse.Namespace, result: dict[str, Any]) -> None:
                        **energy_fields(timing, a.batch * a.new_tokens * timing["reps"], energy, "--no-energy"))
             if row["energy_j_per_token"] is not None:
                 row["energy_note"] = "whole generate() calls (prefill included) per generated token"
+            if a.step_loop:
+                compiled = m if name == "eager" else m.get_compiled_call(kw["compile_config"])
+                loop_ms = step_loop_ms(m, compiled, prompt, a.new_tokens - 1, max(3, a.reps))
+                row.update(step_loop_ms_per_step=loop_ms / (a.new_tokens - 1),
+                           step_loop_tokens_per_s=decode_tokens / (loop_ms / 1e3))
+                print(f"  {name:>8}: step loop {row['step_loop_tokens_per_s']:10.0f} tok/s "
+                      f"({row['step_loop_ms_per_step']:.3f} ms/step)", flush=True)
             if name == "twell":
                 row["twell_layer_density"] = twell_stats_density()
             run["backends"][name] = row
@@ -625,6 +666,11 @@ def run_generate(a: argparse.Namespace, result: dict[str, Any]) -> None:
             ratio = b["twell"]["decode_tokens_per_s"] / b["inductor"]["decode_tokens_per_s"]
             run["speedup_twell_over_inductor"] = ratio
             print(f"  twell / inductor: {run['speedup_twell_over_inductor']:.3f}x decode tokens/s", flush=True)
+            if a.step_loop:
+                run["step_loop_speedup_twell_over_inductor"] = (b["twell"]["step_loop_tokens_per_s"]
+                                                               / b["inductor"]["step_loop_tokens_per_s"])
+                print(f"  twell / inductor: {run['step_loop_speedup_twell_over_inductor']:.3f}x step-loop tokens/s",
+                      flush=True)
         write(a.out, result)
 
 

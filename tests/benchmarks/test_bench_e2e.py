@@ -45,7 +45,7 @@ def forward(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def generate(tmp_path_factory):
-    return run(tmp_path_factory, "--generate", "--backends", "twell")
+    return run(tmp_path_factory, "--generate", "--backends", "twell", "--step-loop")
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +107,10 @@ def test_generate_gives_eager_greedy_tokens(generate):
         assert row["greedy_leading_agreement"] == [new] * generate["config"]["batch"]
         assert row["decode_tokens_per_s"] > 0
         assert row["decode_ms_per_step"] == pytest.approx(row["decode_median_ms"] / (new - 1))
+        # --step-loop: the compiled one-token forward in a device-side greedy loop
+        assert row["step_loop_ms_per_step"] > 0
+        assert row["step_loop_tokens_per_s"] == pytest.approx(
+            generate["config"]["batch"] * 1e3 / row["step_loop_ms_per_step"])
     check_twell_ran(b["twell"], layers)
 
 
