@@ -89,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-energy", action="store_true")
     ap.add_argument("--step-loop", action="store_true",
                     help="--generate: also time a greedy loop of the compiled model's one-token forward "
-                         "(static cache, no generate() host work between steps)")
+                         "(static cache, no generate() host work between steps; compiled backends only)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
@@ -644,8 +644,8 @@ def run_generate(a: argparse.Namespace, result: dict[str, Any]) -> None:
                        **energy_fields(timing, a.batch * a.new_tokens * timing["reps"], energy, "--no-energy"))
             if row["energy_j_per_token"] is not None:
                 row["energy_note"] = "whole generate() calls (prefill included) per generated token"
-            if a.step_loop:
-                compiled = m if name == "eager" else m.get_compiled_call(kw["compile_config"])
+            if a.step_loop and name != "eager":
+                compiled = m.get_compiled_call(kw["compile_config"])
                 loop_ms = step_loop_ms(m, compiled, prompt, a.new_tokens - 1, max(3, a.reps))
                 row.update(step_loop_ms_per_step=loop_ms / (a.new_tokens - 1),
                            step_loop_tokens_per_s=decode_tokens / (loop_ms / 1e3))
