@@ -87,8 +87,8 @@ def _finish_stats(rc_ptr, hs_ptr, tok_ptr, hsum_ptr, st_ptr, M, NB, NRB,
 @triton.jit
 def _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
                 HAS_BG: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """g = x W_g^T + b_g for MB rows x BN neurons over all of K (fp32, tl.dot); v = relu(g)
-    (NaN kept); nz: v != 0 (NaN counted, as eager's count); act: nz or g non-finite (a row of
+    """Returns (v, nz, act) for MB rows x BN neurons: g = x W_g^T + b_g over all of K (fp32,
+    tl.dot); v = relu(g) (NaN kept); nz: v != 0 (NaN counted, as eager's count); act: nz or g non-finite (a row of
     x holding NaN/Inf: the pair must reach the down projection so the result propagates)."""
     rk = tl.arange(0, BK)
     wg_base = wg_ptr + rn.to(tl.int64)[:, None] * swg_n
@@ -105,7 +105,7 @@ def _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
     v = tl.where(g < 0.0, 0.0, g)
     nz = (v != 0.0) & valid
     act = (nz | ~(tl.abs(g) < float("inf"))) & valid
-    return g, v, nz, act
+    return v, nz, act
 
 
 @triton.jit
@@ -200,7 +200,7 @@ def decode_fused_kernel(
     m_ok = rm < M
     valid = m_ok[:, None] & n_ok[None, :]
     xbase = x_ptr + rm.to(tl.int64)[:, None] * sx_m
-    g, v, nz, act = _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
+    v, nz, act = _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
                                 HAS_BG, MB, BN, BK)
     col = tl.max(act.to(tl.int32), axis=0) > 0             # [BN]: active in some row
     blk = pid_r * nb + pid_n

@@ -41,7 +41,7 @@ def decode_pairs_kernel(
     rm = pid_r * MB + tl.arange(0, MB)
     m_ok = rm < M
     xbase = x_ptr + rm.to(tl.int64)[:, None] * sx_m
-    g, v, nz, act = _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
+    v, nz, act = _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
                                 HAS_BG, MB, BN, BK)
     blk = pid_r * tl.num_programs(0) + pid_n
     tl.store(rc_ptr + blk.to(tl.int64) * MB + tl.arange(0, MB), tl.sum(nz.to(tl.int32), axis=1))
