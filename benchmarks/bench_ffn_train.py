@@ -70,8 +70,8 @@ def parts(ms, ds, ts, k, n, cfg, reps) -> int:
     from twell_compile.kernels import cuda_train
     from twell_compile.kernels.torch_impl import backup_capacity
 
-    configs = [(4, 4, 4, 8, 256), (4, 8, 4, 8, 256), (4, 4, 4, 16, 256), (4, 4, 8, 16, 512),
-               (4, 4, 4, 4, 128), (4, 4, 2, 8, 128)]
+    configs = [current_config(cuda_train), (4, 4, 4, 4, 2048, 4), (4, 4, 4, 4, 1024, 4), (4, 4, 2, 4, 512, 4),
+               (4, 4, 4, 8, 1024, 4), (4, 4, 4, 4, 1024, 8), (4, 8, 4, 4, 1024, 4)]
     totals = {c: 0.0 for c in configs}
     print(f"{'M':>6} {'dens':>6} {'tail':>4} {'config':>14} {'gate':>7} {'state':>7} {'fwd':>7} {'bwd':>7} "
           f"{'total':>7}", flush=True)
@@ -108,18 +108,22 @@ def parts(ms, ds, ts, k, n, cfg, reps) -> int:
                 del st2
                 del p, x, wg, wu, wd, g, st
     best = min(totals, key=totals.get)
-    print("config: row-kernel warps, pairs per step, wgrad warps, wgrad entries per step, wgrad K chunk")
+    print("config: row-kernel warps, pairs per step, wgrad warps, wgrad entries per step, wgrad K chunk, "
+          "dx pairs per step")
     print("best config " + ",".join(map(str, best)), flush=True)
     return 0
 
 
 def current_config(ct) -> tuple:
-    return (ct.FWD_WARPS, ct.PAIRS, ct.WG_WARPS, ct.WG_ENTRIES, ct.WG_BK)
+    return (ct.FWD_WARPS, ct.PAIRS, ct.WG_WARPS, ct.WG_ENTRIES, ct.WG_BK, ct.DX_PAIRS)
 
 
 def set_config(ct, c) -> None:
+    """c = (row-kernel warps, pairs per step, wgrad warps, wgrad entries, wgrad K chunk[, dx pairs])."""
     ct.FWD_WARPS = ct.BWD_WARPS = c[0]
-    ct.PAIRS, ct.WG_WARPS, ct.WG_ENTRIES, ct.WG_BK = c[1:]
+    ct.PAIRS, ct.WG_WARPS, ct.WG_ENTRIES, ct.WG_BK = c[1:5]
+    if len(c) > 5:
+        ct.DX_PAIRS = c[5]
 
 
 def main(argv=None) -> int:
@@ -135,7 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", action="store_true",
                     help="instead of the grid: time each stage of the sparse path at each (M, density, tail)")
     ap.add_argument("--config", default=None,
-                    help="kernel constants for the grid: warps,pairs,wgrad_warps,wgrad_entries,wgrad_k "
+                    help="kernel constants for the grid: warps,pairs,wgrad_warps,wgrad_entries,wgrad_k[,dx_pairs] "
                          "(as --parts prints them; default: cuda_train's)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>/ffn_training.json)")
     args = ap.parse_args(argv)

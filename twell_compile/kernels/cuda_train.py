@@ -8,11 +8,14 @@ Sparse forward, for x [M, K]:
   2. ``train_fwd_kernel`` (twell_train_fwd.py): per row, u at the listed pairs, y; writes the
      ELL slots; busy rows take a dense-backup slot from an atomic counter (rows past its
      capacity are recomputed in the backward, decided on the device).
-Sparse backward: ``train_bwd_kernel`` (twell_train_bwd.py) gives dx and d_g, d_u, h at every
-active pair (quiet rows: at their ELL slots, counted per column); a counting sort groups the
-slots by neuron and ``wgrad_kernel`` (twell_train_wgrad.py) sums dW_g[n], dW_u[n], dW_d^T[n]
-and the bias gradients per neuron from gathered x and dy rows, adding the dense-backup rows'
-cuBLAS products and recomputing the few rows past the backup. No [M, N] buffer anywhere.
+Sparse backward: ``rank_kernel`` (twell_train_bwd.py) ranks the quiet rows' ELL slots in
+their columns and lists the busy rows, which ``train_bwd_kernel`` does whole (dense backup,
+or recomputed); a counting sort
+groups the slots by neuron; ``wgrad_kernel`` (twell_train_wgrad.py) runs twice per neuron:
+the DY pass (dh, d_g, d_u at each slot, dW_d^T[n], bias grads; dy rows gathered) and the X
+pass (dW_g[n], dW_u[n]; x rows gathered), on top of the dense-backup rows' cuBLAS products,
+recomputing the few rows past the backup; ``dx_rows_kernel`` gives the quiet rows' dx from
+W_g and W_u rows. No [M, N] buffer anywhere.
 Dense forward: cuBLAS g, u, relu*u (relu_mul.py), y; the same state from the compaction and
 ``train_fwd_kernel`` with Y=False. Dense backward: g and u recomputed by cuBLAS, dh = dy W_d,
 one in-place elementwise pass (twell_train_dense.py), six cuBLAS products.
@@ -48,13 +51,19 @@ CH = 256          # columns per scan step over g / backup rows
 RBK = 64          # K per recompute step in the backward (CH columns x RBK)
 FWD_WARPS = 0     # 0: 4 warps for K, K_out <= 2048, else 8
 BWD_WARPS = 0
-# Per-neuron weight-gradient kernel: entries (x, dy row pairs) per step, columns of K per
-# program (capped at pow2(max(K, K_out))), warps. Whole rows, 4 entries, 4 warps is the layout
-# measured in run 2 (H200, M=16384 d=0.005: whole backward 2.66 ms); chunks of
-# 128/256 columns measured 5.7-14.6 ms for the backward (twell_train_wgrad.py says why).
+# Per-neuron weight-gradient passes: entries (gathered rows) per step, columns of K per
+# program in the X pass (chunks run one after another, so a chunk's x columns are the
+# pass's working set: 32 MB for 1024 of 2048 columns at M=16384 bf16) (the DY pass takes whole rows of K_out, warps = max(WG_WARPS,
+# pow2(K_out) / 512)), warps. Whole rows, 4 entries, 4 warps is the layout measured in run 2
+# (H200, M=16384 d=0.005: whole backward 2.66 ms); chunks of 128/256 columns measured
+# 5.7-14.6 ms for the backward (twell_train_wgrad.py says why).
 WG_ENTRIES = 4
 WG_BK = 2048
 WG_WARPS = 4
+DX_PAIRS = 4      # slots per step of dx_rows_kernel
+RANK_BM, RANK_BP = 8, 32    # rank_kernel: rows per program, slots per step
+BUSY_PROGRAMS = 1024        # the busy-row kernel's fixed grid (it strides over the busy rows)
+DX_WARPS = 0      # 0: 4 warps for K <= 2048, else 8
 EW_BLOCK = 4096
 _MAX_MODES = 4096
 
@@ -201,8 +210,11 @@ def _weight_grads(x2, dy2, dg, du, h, b_gate, b_up):
 
 def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_g, ell_u,
                     bidx, bg, bu, l1c):
-    """(dx, dW_g, db_g, dW_u, db_u, dW_d): per-row kernel, counting sort, per-neuron kernel."""
-    from twell_compile.kernels.twell_train_bwd import train_bwd_kernel
+    """(dx, dW_g, db_g, dW_u, db_u, dW_d): ranks and the busy rows, counting sort, the
+    per-neuron DY pass (dh, d_g, d_u, dW_d, bias grads), the per-neuron X pass (dW_g, dW_u),
+    then dx of the quiet rows. Each gathering pass reads rows of one tensor only (dy; x;
+    W_g and W_u), so its working set is about the L2's size."""
+    from twell_compile.kernels.twell_train_bwd import dx_rows_kernel, rank_kernel, train_bwd_kernel
     from twell_compile.kernels.twell_train_wgrad import scatter_kernel, wgrad_kernel
 
     m, k = x2.shape
@@ -215,13 +227,12 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
     slot_of = torch.full((m + 1,), -1, dtype=i32, device=dev)
     slot_of.scatter_(0, torch.where(bidx >= 0, bidx, m), torch.arange(cap, dtype=i32, device=dev))
     dx = torch.empty((m, k), dtype=dt, device=dev)
-    # quiet rows: values at the ELL slots, ranks in their columns, per-column counts
-    eg = torch.empty((m, width), dtype=dt, device=dev)
-    eu = torch.empty((m, width), dtype=dt, device=dev) if gated else eg
-    eh = torch.empty((m, width), dtype=dt, device=dev)
+    # quiet rows: ranks in their columns, per-column counts; d_g, d_u per slot (fp32)
     rk = torch.empty((m, width), dtype=i32, device=dev)
     q = torch.empty((m,), dtype=i32, device=dev)
     hist = torch.zeros((n,), dtype=i32, device=dev)
+    eg = torch.empty((m, width), dtype=f32, device=dev)
+    eu = torch.empty((m, width), dtype=f32, device=dev) if gated else eg
     # backup rows: dense [C, N]; rows past it: listed for the per-neuron recompute
     sg = torch.zeros((cap, n), dtype=dt, device=dev)
     su = torch.zeros((cap, n), dtype=dt, device=dev) if gated else sg
@@ -231,13 +242,18 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
     w_gate = _rows(w_gate)
     wu = _rows(w_up) if gated else w_gate
     wdt = _transposed(w_down)
+    blist = torch.empty((max(m, 1),), dtype=i32, device=dev)
+    bctr = torch.zeros((1,), dtype=i32, device=dev)
     if m:
-        train_bwd_kernel[(m,)](
-            dy2, dy2.stride(0), x2, x2.stride(0), cnt, cols, ell_g, ell_u, width,
+        rank_kernel[(-(-m // RANK_BM),)](
+            x2, x2.stride(0), dy2, dy2.stride(0), cnt, cols, width, q, rk, hist, blist, bctr, m, k, k_out,
+            BM=RANK_BM, BK=min(256, _pow2(max(k, k_out))), BP=RANK_BP, num_warps=4)
+        train_bwd_kernel[(min(m, BUSY_PROGRAMS),)](
+            dy2, dy2.stride(0), x2, x2.stride(0), cnt, width, blist, bctr,
             slot_of, bg, bu if gated else bg,
             w_gate, w_gate.stride(0), b_gate if b_gate is not None else w_gate,
             wu, wu.stride(0), b_up if b_up is not None else w_gate, wdt, wdt.stride(0),
-            dx, dx.stride(0), eg, eu, eh, rk, q, hist, sg, su, sh, mlist, mctr,
+            dx, dx.stride(0), sg, su, sh, mlist, mctr,
             k, n, k_out, float(l1c),
             GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
             K_P=_pow2(k), KO_P=_pow2(k_out), PAIRS=PAIRS, CH=min(CH, _pow2(n)),
@@ -257,17 +273,24 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
     dwdt = sh.t().mm(dyb)
     del xb, dyb
     db = torch.empty((2, n), dtype=f32, device=dev)
-    bkw = min(WG_BK, _pow2(max(k, k_out)))
-    wgrad_kernel[(n, -(-max(k, k_out) // bkw))](
-        order, off, hist, width, eg, eu, eh, x2, x2.stride(0), dy2, dy2.stride(0),
-        mlist, mctr, w_gate, w_gate.stride(0), b_gate if b_gate is not None else w_gate,
-        wu, wu.stride(0), b_up if b_up is not None else w_gate, wdt, wdt.stride(0), float(l1c),
-        dwg, dwu if gated else dwg, dwdt, db[0], db[1], k, k_out,
-        GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
-        BKW=bkw, E=WG_ENTRIES, num_warps=WG_WARPS)
+    common = dict(GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
+                  E=WG_ENTRIES)
+    args = (order, off, hist, width, ell_g, ell_u if gated else ell_g, eg, eu, x2, x2.stride(0),
+            dy2, dy2.stride(0), mlist, mctr, w_gate, w_gate.stride(0),
+            b_gate if b_gate is not None else w_gate, wu, wu.stride(0),
+            b_up if b_up is not None else w_gate, wdt, wdt.stride(0), float(l1c),
+            dwg, dwu if gated else dwg, dwdt, db[0], db[1], k, k_out)
+    bk_dy = _pow2(k_out)                       # the DY pass needs whole dy rows for dh
+    wgrad_kernel[(n, 1)](*args, DY=True, BKW=bk_dy, num_warps=max(WG_WARPS, bk_dy // 512), **common)
+    bkw = min(WG_BK, _pow2(k))
+    wgrad_kernel[(n, -(-k // bkw))](*args, DY=False, BKW=bkw, num_warps=WG_WARPS, **common)
+    if m:
+        dx_rows_kernel[(m,)](q, cols, eg, eu, width, w_gate, w_gate.stride(0), wu, wu.stride(0),
+                             dx, dx.stride(0), k, GATED=gated, K_P=_pow2(k), PAIRS=DX_PAIRS,
+                             num_warps=_warps(k, k, DX_WARPS))
     db_gate = (db[0] + sg.float().sum(0)).to(dt) if b_gate is not None else None
     db_up = (db[1] + su.float().sum(0)).to(dt) if (gated and b_up is not None) else None
-    return dx, dwg, db_gate, dwu, db_up, dwdt.t().contiguous()
+    return dx, dwg, db_gate, dwu, db_up, _transposed(dwdt)
 
 
 def backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, l1c):

@@ -1,0 +1,39 @@
+#!/bin/bash
+# Issue 4 on the device: training GPU tests first (a wrong kernel is not worth timing), then the
+# sparse path's stage times (--parts, with a per-kernel profile), the training grid (POINTS=full
+# for all 30 points, else the target points) and, unless SKIP_E2E is set, bench_e2e --train at
+# full size. Everything under $OUT/w, tarred into $OUT/train_gpu.tgz (the device returns 8 files).
+OUT=${OUT:-/tmp/train_out}
+W="$OUT/w"
+mkdir -p "$W"
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$W/install.log" 2>&1
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" > "$W/tests.log" 2>&1
+if [ -z "$SKIP_TESTS" ]; then
+    timeout ${T_TEST:-240} python3 -m pytest -q -x tests/kernels/test_cuda_train.py ${EXTRA_TESTS} >> "$W/tests.log" 2>&1
+    echo "pytest rc=$?" >> "$W/tests.log"
+fi
+tail -n 5 "$W/tests.log"
+if [ -z "$SKIP_PARTS" ]; then
+    timeout ${T_PARTS:-150} python3 benchmarks/bench_ffn_train.py --parts --M 16384 --density 0.005 \
+        --tail ${PARTS_TAILS:-0} --reps ${REPS:-50} > "$W/parts.log" 2>&1
+    echo "parts rc=$?" >> "$W/parts.log"
+    grep -E "^ *16384|best|rc=" "$W/parts.log"
+fi
+if [ "${POINTS:-targets}" = full ]; then
+    SEL=""
+else
+    SEL="--M 16384 65536 --density 0.005 0.02 --tail 0 0.2"
+fi
+if [ -z "$SKIP_GRID" ]; then
+    timeout ${T_GRID:-240} python3 benchmarks/bench_ffn_train.py $SEL --reps ${REPS:-50} ${GRID_ARGS} \
+        --out "$W/ffn_training.json" > "$W/grid.log" 2>&1
+    echo "grid rc=$?" >> "$W/grid.log"
+    cat "$W/grid.log"
+fi
+if [ -z "$SKIP_E2E" ]; then
+    timeout ${T_E2E:-420} python3 benchmarks/bench_e2e.py --train --density 0.005 ${E2E_ARGS} \
+        --out "$W/e2e_train.json" > "$W/e2e_train.log" 2>&1
+    echo "e2e rc=$?" >> "$W/e2e_train.log"
+    tail -n 20 "$W/e2e_train.log"
+fi
+tar -czf "$OUT/train_gpu.tgz" -C "$W" .
