@@ -2,7 +2,7 @@
 # Issue 4 on the device: training GPU tests first (a wrong kernel is not worth timing), then the
 # sparse path's stage times (--parts, with a per-kernel profile), the training grid (POINTS=full
 # for all 30 points, else the target points) and, unless SKIP_E2E is set, bench_e2e --train at
-# full size. Everything under $OUT/w, tarred into $OUT/train_gpu.tgz (the device returns 8 files).
+# full size, once per learning rate in E2E_LRS. Everything under $OUT/w, tarred into $OUT/train_gpu.tgz (the device returns 8 files).
 OUT=${OUT:-/tmp/train_out}
 W="$OUT/w"
 mkdir -p "$W"
@@ -31,9 +31,11 @@ if [ -z "$SKIP_GRID" ]; then
     cat "$W/grid.log"
 fi
 if [ -z "$SKIP_E2E" ]; then
-    timeout ${T_E2E:-420} python3 benchmarks/bench_e2e.py --train --density 0.005 ${E2E_ARGS} \
-        --out "$W/e2e_train.json" > "$W/e2e_train.log" 2>&1
-    echo "e2e rc=$?" >> "$W/e2e_train.log"
-    tail -n 20 "$W/e2e_train.log"
+    for lr in ${E2E_LRS:-3e-4}; do
+        timeout ${T_E2E:-420} python3 benchmarks/bench_e2e.py --train --density 0.005 --lr $lr ${E2E_ARGS} \
+            --out "$W/e2e_train_lr$lr.json" > "$W/e2e_train_lr$lr.log" 2>&1
+        echo "e2e rc=$?" >> "$W/e2e_train_lr$lr.log"
+        tail -n 8 "$W/e2e_train_lr$lr.log"
+    done
 fi
 tar -czf "$OUT/train_gpu.tgz" -C "$W" .

@@ -146,6 +146,32 @@ def test_rows_past_the_backup_are_recomputed(monkeypatch):
     _check(args, width=4, backup_rows=256)
 
 
+def test_policy_follows_density_and_rows_past_the_backup():
+    """The shipped rule (MIN_TOKENS lowered by the fixture): a layer starts dense, goes sparse once
+    a low density lands, turns dense one call after its density rises (a probe every call),
+    and turns dense at low density when rows overflow the backup (LOST_ROW_PAIRS)."""
+    def run(args, width, backup_rows, layer):
+        x, wg, bg, wu, bu, wd, bd = args
+        out = torch.ops.twell.ffn_train(x, wg, bg, wu, bu, wd, bd, width, backup_rows, 0.0, layer, False)
+        torch.cuda.synchronize()                  # lets the probe land before the next call
+        return cuda_train._last[(x.device, x.dtype, x.shape[-1], wg.shape[0], wd.shape[0], True)], out
+
+    low = _ffn(4096, 256, 1024, 256, 0.004, 0.0, seed=21)
+    assert run(low, 64, 16, "pol")[0] is False   # nothing measured yet: dense
+    assert run(low, 64, 16, "pol")[0] is True
+    density = cuda_policy.density(("train", "pol", low[0].device, low[0].dtype, 256, 1024, 256, True))
+    assert density < cuda_train.SPARSE_MAX_DENSITY
+    # the gate bias raised (as training moves it): dense from the call after it lands
+    busy = list(low)
+    busy[2] = low[2] + 3.0
+    assert run(busy, 64, 16, "pol")[0] is True   # decided on the density measured before
+    assert run(busy, 64, 16, "pol")[0] is False
+    # low density, but ELL width 2 and a 2-row backup: ~all busy rows are past it
+    for _ in range(2):
+        sparse, out = run(low, 2, 4096, "lost")
+    assert sparse is False
+
+
 def test_nan_inf_propagate_like_dense(monkeypatch):
     _force(monkeypatch, True)
     args = _ffn(600, 256, 500, 256, 0.02, 0.0, seed=5)

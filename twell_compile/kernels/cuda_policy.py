@@ -214,12 +214,14 @@ def use_decode(key: tuple, m: int, k: int, n: int, k_out: int, gated: bool) -> O
     return decode_form(d, m, k, n, k_out) if decode_wins(d, m, k, n, k_out, gated) else None
 
 
-def wants_probe(key: tuple, twell: bool) -> bool:
-    """Whether this call should measure the layer's density (cheap for TwELL, one pass dense)."""
+def wants_probe(key: tuple, twell: bool, every: Optional[int] = None) -> bool:
+    """Whether this call should measure the layer's density (cheap for TwELL, one pass dense).
+    ``every``: probe interval in calls (default REFRESH_EVERY / PROBE_EVERY by path); one
+    probe is in flight at a time."""
     st = _state(key)
     if torch.cuda.is_current_stream_capturing() or st.pending is not None:
         return False
-    every = REFRESH_EVERY if twell else PROBE_EVERY
+    every = every or (REFRESH_EVERY if twell else PROBE_EVERY)
     return st.density is None or st.calls % every == 0
 
 

@@ -41,10 +41,19 @@ from twell_compile.kernels.cuda_infer import COMPACT_BM, COMPACT_CH, COMPACT_WAR
 from twell_compile.kernels.torch_impl import backup_capacity
 
 # Sparse while the layer's measured density is under this. H200, M=16384, K=2048, N=5632
-# (run 2, benchmarks/results/h200/ffn_training_parts_run2.log): sparse 4.03 ms at 28
-# non-zeros/row, 6.31 at 50, about 1.2 + 0.10 ms per non-zero/row; the dense path 6.1-6.2 ms:
-# crossover near 49 non-zeros/row, density 0.0087.
-SPARSE_MAX_DENSITY = 0.0085
+# (run 9, benchmarks/results/h200/train_run9/): sparse 3.29 ms at 28 non-zeros/row, 5.34 at
+# 50 (tail 0.2, 1.7% busy rows), 8.83 at 115; the dense path 6.2-6.4 ms: crossover near
+# 75 non-zeros/row (0.013); 0.011 keeps a margin. (Run 2's kernels: 0.0085.)
+SPARSE_MAX_DENSITY = 0.011
+# Both paths have the per-row counts, so a probe is one sum and an async copy: every call.
+# Training moves densities fast (bench_e2e --train, lr 3e-4, no L1: 0.006 -> 0.016-0.027
+# in 20 steps), and at 16 calls between probes a layer ran sparse at 0.017 (8.8 ms vs 6.3).
+PROBE_EVERY = 1
+# A row past the dense backup is recomputed per neuron in the backward: ~55 us each (run 9,
+# d=0.02 tail 0.2: ~1600 such rows, 95 ms) against ~3.9 ns per listed (row, neuron) pair
+# (slope of run 9's sparse times). The probe counts each such row as this many pairs, so
+# a layer with rows past the backup turns dense as its cost says, not as its density does.
+LOST_ROW_PAIRS = 14000
 MIN_TOKENS = 8192  # the inference rule's; at 1024 tokens both paths trail eager (launch-bound)
 PAIRS = 4
 CH = 256          # columns per scan step over g / backup rows
@@ -165,7 +174,7 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
         cuda_policy.use_twell(key, gated)               # polls the lagged measurement
         d = cuda_policy.density(key)
         sparse = d is not None and d < SPARSE_MAX_DENSITY
-        probe = cuda_policy.wants_probe(key, sparse)
+        probe = cuda_policy.wants_probe(key, sparse, every=PROBE_EVERY)
     if sparse:
         y, hsum, cnt, *rest = forward_sparse(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap)
         missing = rest[-1]
@@ -177,7 +186,7 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
         if keep_stats:
             stats.record(layer, cnt, hsum.sum(), missing, n)
     if probe:
-        cuda_policy.submit(key, cnt.sum(), m * n)
+        cuda_policy.submit(key, cnt.sum() + missing * LOST_ROW_PAIRS, m * n)
     if m >= MIN_TOKENS:
         cuda_policy.tick(key)
     _remember(cnt, key[2:], sparse)
