@@ -207,7 +207,7 @@ def main(argv=None) -> int:
                     path = "sparse" if cuda_train._last.get(key) else "dense"
                     saved = cuda_train.SPARSE_MAX_DENSITY
                     try:
-                        for forced, limit in (("dense", -1.0), ("sparse", 2.0)):
+                        for forced, limit in (("dense", -1.0), ("sparse", float("inf"))):
                             if forced == "sparse" and (d >= 0.05 or m < cuda_train.MIN_TOKENS):
                                 continue
                             cuda_train.SPARSE_MAX_DENSITY = limit

@@ -2,9 +2,10 @@
 # Issue 4 on the device: training GPU tests first (a wrong kernel is not worth timing), then the
 # sparse path's stage times (--parts, with a per-kernel profile), the training grid (POINTS=full
 # for all 30 points, else the target points) and, unless SKIP_E2E is set, bench_e2e --train at
-# full size, once per learning rate in E2E_LRS. Everything under $OUT/w, tarred into $OUT/train_gpu.tgz (the device returns 8 files).
+# full size, once per learning rate in E2E_LRS. Logs and JSON go to a work folder, tarred
+# into $OUT/${TAG}train_gpu.tgz (the device returns at most 8 files).
 OUT=${OUT:-/tmp/train_out}
-W="$OUT/w"
+W=$(mktemp -d /tmp/train_work.XXXX)
 mkdir -p "$W"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$W/install.log" 2>&1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" > "$W/tests.log" 2>&1
@@ -38,4 +39,5 @@ if [ -z "$SKIP_E2E" ]; then
         tail -n 8 "$W/e2e_train_lr$lr.log"
     done
 fi
-tar -czf "$OUT/train_gpu.tgz" -C "$W" .
+mkdir -p "$OUT"
+tar -czf "$OUT/${TAG}train_gpu.tgz" -C "$W" .

@@ -37,7 +37,7 @@ def _fresh(monkeypatch):
 
 def _force(monkeypatch, sparse: bool) -> None:
     """Sparse (or dense) on every call once a density has landed."""
-    monkeypatch.setattr(cuda_train, "SPARSE_MAX_DENSITY", 2.0 if sparse else -1.0)
+    monkeypatch.setattr(cuda_train, "SPARSE_MAX_DENSITY", float("inf") if sparse else -1.0)
 
 
 def _ffn(m, k, n, k_out, density, tail, gated=True, bias=True, seed=0, dtype=torch.bfloat16):
