@@ -380,6 +380,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if rank == 0:
         print(json.dumps(summary, indent=1))
         write_out()
+    # without it a rank may tear gloo down while its peer still writes: on the CPU, 1 in 3
+    # two-rank FSDP2 runs aborted at exit ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
     return summary
 
