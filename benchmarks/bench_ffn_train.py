@@ -70,7 +70,7 @@ def parts(ms, ds, ts, k, n, cfg, reps) -> int:
     from twell_compile.kernels import cuda_train
     from twell_compile.kernels.torch_impl import backup_capacity
 
-    configs = [current_config(cuda_train), (4, 4, 4, 4, 2048, 4), (4, 4, 4, 4, 1024, 4), (4, 4, 2, 4, 512, 4),
+    configs = [current_config(cuda_train), (4, 4, 4, 4, 1024, 4), (4, 4, 2, 4, 512, 4),
                (4, 4, 4, 8, 1024, 4), (4, 4, 4, 4, 1024, 8), (4, 8, 4, 4, 1024, 4)]
     totals = {c: 0.0 for c in configs}
     print(f"{'M':>6} {'dens':>6} {'tail':>4} {'config':>14} {'gate':>7} {'state':>7} {'fwd':>7} {'bwd':>7} "

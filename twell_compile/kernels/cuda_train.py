@@ -258,7 +258,7 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
             x2, x2.stride(0), dy2, dy2.stride(0), cnt, cols, width, q, rk, hist, blist, bctr, m, k, k_out,
             BM=RANK_BM, BK=min(256, _pow2(max(k, k_out))), BP=RANK_BP, num_warps=4)
         train_bwd_kernel[(min(m, BUSY_PROGRAMS),)](
-            dy2, dy2.stride(0), x2, x2.stride(0), cnt, width, blist, bctr,
+            dy2, dy2.stride(0), x2, x2.stride(0), blist, bctr,
             slot_of, bg, bu if gated else bg,
             w_gate, w_gate.stride(0), b_gate if b_gate is not None else w_gate,
             wu, wu.stride(0), b_up if b_up is not None else w_gate, wdt, wdt.stride(0),

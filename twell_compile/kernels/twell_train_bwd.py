@@ -108,7 +108,7 @@ def rank_kernel(x_ptr, sx_m, dy_ptr, sdy_m, cnt_ptr, cols_ptr, W, q_ptr, rk_ptr,
 
 @triton.jit
 def train_bwd_kernel(
-    dy_ptr, sdy_m, x_ptr, sx_m, cnt_ptr, W, blist_ptr, bctr_ptr,
+    dy_ptr, sdy_m, x_ptr, sx_m, blist_ptr, bctr_ptr,
     slot_ptr, bg_ptr, bu_ptr,
     wg_ptr, swg_n, bgate_ptr, wu_ptr, swu_n, bup_ptr, wdt_ptr, swd_n,
     dx_ptr, sdx_m,
