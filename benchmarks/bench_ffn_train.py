@@ -203,8 +203,8 @@ def main(argv=None) -> int:
                 path = "?"
                 sparse_ms = dpath_ms = float("nan")
                 if cuda:
-                    key = (x.device, x.dtype, k, n, k, True)
-                    path = "sparse" if cuda_train._last.get(key) else "dense"
+                    key = ("train", layer, x.device, x.dtype, k, n, k, True)
+                    path = "sparse" if cuda_train.last_sparse.get(key) else "dense"
                     saved = cuda_train.SPARSE_MAX_DENSITY
                     try:
                         for forced, limit in (("dense", -1.0), ("sparse", float("inf"))):

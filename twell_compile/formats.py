@@ -34,7 +34,10 @@ Hybrid, for h [M, N] and ELL width ``width``:
 
 The training op saves this format twice over the same cols/counts/backup_rows: for h_g and
 for the up projection u (u is read only where h_g is non-zero, or on rows with non-finite x;
-the CUDA kernels store zeros elsewhere in the backup, torch_impl the whole row).
+the CUDA kernels store zeros elsewhere in the backup, torch_impl the whole row). The CUDA
+dense path saves a degenerate form instead: C = M, backup_rows = 0..M-1, the backups holding
+the gate pre-activation g and u of every row, values/cols unwritten; a backup of M rows marks
+it (the sparse path runs only with C < M).
 
 Rows with counts > width that do not fit the backup are *missing*: ``unpack_hybrid`` refuses
 them unless a ``recompute`` callback supplies them (the training op recomputes them exactly

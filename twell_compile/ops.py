@@ -98,13 +98,32 @@ def ffn_train(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
                                       ell_width, backup_rows, layer, stats)
 
 
+def _backup_rows(capacity):
+    """Rows of the saved backup: the capacity when the forward ran sparse (and on the CPU), M
+    when the CUDA dense path ran (it saves g and u whole, so its backward is eager's six GEMMs,
+    not eight). The policy picks per call on the host, from lagged measurements: a fake tensor
+    cannot know which, so under a ShapeEnv (torch.compile, export) this is one unbacked size for
+    all three tensors. ``ctx.new_dynamic_size()`` is not used: it refuses whenever Dynamo's
+    ShapeEnv was made without capture_dynamic_output_shape_ops, and the op only appears after
+    Dynamo, inside our backend. Meta tensors (no ShapeEnv) get the capacity."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
+
+    env = getattr(detect_fake_mode(), "shape_env", None)
+    if env is None:
+        return capacity
+    rows = env.create_unbacked_symint()
+    _constrain_range_for_size(rows, min=0)
+    return rows
+
+
 @ffn_train.register_fake
 def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, ell_width, backup_rows, l1_scale, layer, stats):
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
     m = math.prod(x.shape[:-1])
     n = w_gate.shape[0]
     width = min(ell_width, n)
-    cap = backup_capacity(m, backup_rows)
+    rows = _backup_rows(backup_capacity(m, backup_rows))
     nu = 0 if w_up is None else None
     return (
         x.new_empty((*x.shape[:-1], w_down.shape[0])),
@@ -112,9 +131,9 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, ell_width, backup_rows, l1_
         x.new_empty((m, width), dtype=torch.int32),
         x.new_empty((m, width)),
         x.new_empty((m, width if nu is None else 0)),
-        x.new_empty((cap,), dtype=torch.int64),
-        x.new_empty((cap, n)),
-        x.new_empty((cap, n if nu is None else 0)),
+        x.new_empty((rows,), dtype=torch.int64),
+        x.new_empty((rows, n)),
+        x.new_empty((rows, n if nu is None else 0)),
     )
 
 
@@ -151,12 +170,20 @@ def arg_index(op: torch._ops.OpOverload, name: str) -> int:
 def _train_setup_context(ctx, inputs: Sequence, output: Sequence) -> None:
     x, w_gate, b_gate, w_up, b_up, w_down, b_down, _w, _b, l1_scale, _layer, _stats = inputs
     ctx.save_for_backward(x, w_gate, b_gate, w_up, b_up, w_down, *output[1:])
+    # The saved state is not differentiable, and eager autograd would still hand the backward
+    # zero-filled grads for its float outputs ([M, N] each on the dense path: +368 MB at
+    # M=16384, run 12-13): no materialised grads (AOTAutograd turns them off by itself).
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+    ctx.y_shape = output[0].shape
     ctx.l1_scale = l1_scale
     ctx.has_b_down = b_down is not None
 
 
-def _train_backward(ctx, dy: Tensor, *_unused: Tensor):
+def _train_backward(ctx, dy: Optional[Tensor], *_unused: Optional[Tensor]):
     x, w_gate, b_gate, w_up, b_up, w_down, *saved = ctx.saved_tensors
+    if dy is None:              # grads are not materialised (setup_context)
+        dy = x.new_zeros(ctx.y_shape)
     grads = list(torch.ops.twell.ffn_train_bwd(dy, x, w_gate, b_gate, w_up, b_up, w_down, *saved, ctx.l1_scale))
     present = [True, True, b_gate is not None, w_up is not None, b_up is not None, True, ctx.has_b_down]
     out = [g if keep and need else None for g, keep, need in zip(grads, present, ctx.needs_input_grad)]

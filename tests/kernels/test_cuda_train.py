@@ -29,8 +29,7 @@ NAMES = ["x", "w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down"]
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch):
     cuda_policy.reset()
-    cuda_train._modes.clear()
-    cuda_train._last.clear()
+    cuda_train.last_sparse.clear()
     monkeypatch.setattr(cuda_train, "MIN_TOKENS", 1)
     yield
 
@@ -154,7 +153,10 @@ def test_policy_follows_density_and_rows_past_the_backup():
         x, wg, bg, wu, bu, wd, bd = args
         out = torch.ops.twell.ffn_train(x, wg, bg, wu, bu, wd, bd, width, backup_rows, 0.0, layer, False)
         torch.cuda.synchronize()                  # lets the probe land before the next call
-        return cuda_train._last[(x.device, x.dtype, x.shape[-1], wg.shape[0], wd.shape[0], True)], out
+        sparse = cuda_train.last_sparse[("train", layer, x.device, x.dtype, x.shape[-1], wg.shape[0],
+                                          wd.shape[0], True)]
+        assert (out[5].shape[0] < x.shape[0]) == sparse       # the saved backup says the path
+        return sparse, out
 
     low = _ffn(4096, 256, 1024, 256, 0.004, 0.0, seed=21)
     assert run(low, 64, 16, "pol")[0] is False   # nothing measured yet: dense
@@ -302,3 +304,35 @@ def test_hf_gradient_checkpointing(monkeypatch):
     for nm in ref:
         if ".mlp." in nm:
             assert _rel(got[nm], ref[nm]) <= 2 * _rel(eager[nm], ref[nm]) + 1e-6, (nm, _rel(got[nm], ref[nm]), _rel(eager[nm], ref[nm]))
+
+
+def test_checkpoint_recompute_takes_its_forwards_path():
+    """Non-reentrant checkpointing checks that the recompute saves tensors of the same shapes.
+    The dense and sparse paths save backups of different row counts, so the recompute (run
+    inside the backward) must not poll the policy: here a measurement that would turn the
+    layer dense lands between the checkpointed forward and its recompute."""
+    from torch.utils.checkpoint import checkpoint
+
+    low = _ffn(4096, 256, 1024, 256, 0.004, 0.0, seed=23)
+    busy = list(low)
+    busy[2] = low[2] + 3.0
+
+    def call(args):
+        return torch.ops.twell.ffn_train(*args, 64, 16, 0.0, "ck", False)[0]
+
+    for _ in range(2):                     # dense, then sparse once the low density landed
+        call(low)
+        torch.cuda.synchronize()
+    key = ("train", "ck", low[0].device, low[0].dtype, 256, 1024, 256, True)
+    leaves = [a.detach().requires_grad_() for a in low]
+    y = checkpoint(lambda *a: call(a), *leaves, use_reentrant=False)
+    assert cuda_train.last_sparse[key] is True
+    call(busy)                              # polls low's probe, submits busy's (dense-worthy)
+    torch.cuda.synchronize()
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, leaves, dy)   # the recompute: sparse again, same shapes
+    assert cuda_train.last_sparse[key] is True
+    ref = torch.autograd.grad(call(leaves), leaves, dy)
+    assert cuda_train.last_sparse[key] is False  # outside a backward the landed density counts
+    for g, r in zip(grads, ref):
+        assert _rel(g, r) < 1e-2, _rel(g, r)

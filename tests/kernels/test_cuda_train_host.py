@@ -12,15 +12,6 @@ from twell_compile import dispatch  # noqa: E402
 from twell_compile.kernels import cuda_train  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    cuda_train._modes.clear()
-    cuda_train._last.clear()
-    yield
-    cuda_train._modes.clear()
-    cuda_train._last.clear()
-
-
 def test_cpu_and_fp32_stay_on_torch_impl():
     x = torch.randn(4, 8)
     wg, wd = torch.randn(16, 8), torch.randn(8, 16)
@@ -29,22 +20,43 @@ def test_cpu_and_fp32_stay_on_torch_impl():
     assert not cuda_train.supports(x.bfloat16(), wg.bfloat16(), wd.bfloat16())   # CPU bf16 too
 
 
-def test_backward_takes_its_forwards_path():
-    key = ("cpu", torch.bfloat16, 8, 16, 8, True)
-    a, b = torch.zeros(5, dtype=torch.int32), torch.zeros(7, dtype=torch.int32)
-    cuda_train._remember(a, key, True)
-    cuda_train._remember(b, key, False)
-    assert cuda_train._mode(a, key) is True       # by the saved counts tensor, not the last call
-    assert cuda_train._mode(b, key) is False
-    # looked up once: a second backward over the same tensor falls back to the last forward
-    assert cuda_train._mode(a, key) is False
+def _saved(m, rows, n=16, width=4):
+    """A training op's saved state for m tokens with a backup of ``rows`` rows (CPU stand-ins)."""
+    i32, bf = torch.int32, torch.bfloat16
+    return (torch.zeros(m, dtype=i32), torch.zeros(m, width, dtype=i32), torch.zeros(m, width, dtype=bf),
+            torch.zeros(m, width, dtype=bf), torch.arange(rows), torch.randn(rows, n).to(bf),
+            torch.randn(rows, n).to(bf))
 
 
-def test_mode_table_is_bounded(monkeypatch):
-    monkeypatch.setattr(cuda_train, "_MAX_MODES", 3)
-    key = ("cpu", torch.bfloat16, 8, 16, 8, True)
-    keep = [torch.zeros(i + 1, dtype=torch.int32) for i in range(5)]
-    for t in keep:
-        cuda_train._remember(t, key, True)
-    assert len(cuda_train._modes) == 3
-    assert keep[0].data_ptr() not in cuda_train._modes
+@pytest.mark.parametrize("rows, path", [(3, "sparse"), (9, "dense"), (0, "sparse")])
+def test_backward_reads_its_path_from_the_saved_backup(monkeypatch, rows, path):
+    """A backup of M rows is the dense forward's g and u (used as saved, nothing recomputed);
+    fewer rows is the sparse forward's hybrid state."""
+    seen = {}
+
+    def fake(name):
+        def f(dy2, x2, wg, bg, wu, bu, wd, *rest):
+            seen[name] = rest
+            m, k = x2.shape
+            return (torch.zeros(m, k), torch.zeros_like(wg), None, torch.zeros_like(wu), None, torch.zeros_like(wd))
+        return f
+
+    monkeypatch.setattr(cuda_train, "backward_sparse", fake("sparse"))
+    monkeypatch.setattr(cuda_train, "backward_dense", fake("dense"))
+    m, k, n = 9, 8, 16
+    x, dy = torch.randn(m, k).bfloat16(), torch.randn(m, k).bfloat16()
+    wg, wu, wd = torch.randn(n, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(k, n).bfloat16()
+    st = _saved(m, rows)
+    cuda_train.ffn_train_backward(dy, x, wg, None, wu, None, wd, *st, 0.0)
+    assert list(seen) == [path]
+    if path == "dense":
+        g, u, _ = seen["dense"]
+        assert g is st[5] and u is st[6]
+
+
+def test_backward_refuses_a_backup_larger_than_m():
+    m, k, n = 4, 8, 16
+    x = torch.randn(m, k).bfloat16()
+    w = torch.randn(n, k).bfloat16()
+    with pytest.raises(ValueError, match="backup_idx"):
+        cuda_train.ffn_train_backward(x, x, w, None, w, None, w.t().contiguous(), *_saved(m, 5), 0.0)

@@ -1,10 +1,10 @@
 """The CUDA training kernels (kernels/cuda_train.py) on the CPU under TRITON_INTERPRET=1, tiny
 odd shapes, one subprocess per case (the interpreter is chosen when kernels are defined).
 
-Each case runs the sparse forward + sparse backward, the dense forward + dense backward, and
-the dense forward's state into the sparse backward, against fp64 autograd of the same loss
-(sum(y * dy) + l1 * mean|h|): every gradient within 2x of fp16 eager autograd's error, NaN
-patterns equal to eager's, the saved state unpacking bit for bit to relu(g). fp16 only (see
+Each case runs the sparse forward + sparse backward and the dense forward + dense backward
+against fp64 autograd of the same loss (sum(y * dy) + l1 * mean|h|): every gradient within 2x
+of fp16 eager autograd's error, NaN patterns equal to eager's, the sparse state unpacking bit
+for bit to relu(g), the dense state holding g and u bit for bit. fp16 only (see
 test_interpret.py)."""
 
 from __future__ import annotations
@@ -100,8 +100,10 @@ SCRIPT = textwrap.dedent("""
         assert same[fin].all(), (tag, "state != relu(g)")
 
     def backward(sparse, st):
-        out = (ct.backward_sparse if sparse else lambda *a: ct.backward_dense(*a[:7], a[-1]))(
-            dy, args[0], args[1], args[2], args[3], args[4], args[5], *st, l1s / (m * n))
+        if sparse:
+            out = ct.backward_sparse(dy, *args[:6], *st, l1s / (m * n))
+        else:
+            out = ct.backward_dense(dy, *args[:6], st[5], st[6] if gated else None, l1s / (m * n))
         dx, dwg, dbg, dwu, dbu, dwd = out
         return [dx, dwg, dbg, dwu, dbu, dwd, dy.sum(0) if bias else None]
 
@@ -110,14 +112,20 @@ SCRIPT = textwrap.dedent("""
     state_ok("sparse", st)
     check("sparse/sparse", y, backward(True, st))
     yd, hsumd, (*std, missd) = ct.forward_dense(*args, width, cap)
-    state_ok("dense", std)
+    cnt_d, _, _, _, bidx_d, g_d, u_d = std
+    g = F.linear(args[0], args[1], args[2])
+    assert torch.equal(bidx_d, torch.arange(m)), "dense state rows"
+    assert int(missd) == int(missing), ("rows past the backup", int(missd), int(missing))
+    assert torch.equal(g_d.view(torch.int16), g.view(torch.int16)), "dense state g"
+    if gated:
+        assert torch.equal(u_d.view(torch.int16), F.linear(args[0], args[3], args[4]).view(torch.int16)), "dense u"
+    fin = torch.isfinite(args[0]).all(1)
+    assert torch.equal(cnt_d[fin], (torch.relu(g[fin]) != 0).sum(1).int()), "dense counts"
     hd = torch.relu(F.linear(args[0], args[1], args[2]))
     if args[3] is not None:
         hd = hd * F.linear(args[0], args[3], args[4])
     assert torch.allclose(hsumd, hd.float().abs().sum(1), rtol=1e-3, atol=1e-3, equal_nan=True), "dense |h| sums"
-    assert int(missing) == int(missd), (int(missing), int(missd))
     check("dense/dense", yd, backward(False, std))
-    check("dense->sparse", None, backward(True, std))
     print("ok missing", int(missing), "busy", int((st[0] > width).sum()))
 """)
 

@@ -1,6 +1,8 @@
 """CUDA training FFN (twell::ffn_train / ffn_train_bwd), bf16/fp16: sparse or dense per call,
-no host sync. Both paths save the same exact hybrid state (formats.Hybrid), so the backward
-may take either path whatever the forward took.
+no host sync. The sparse forward saves the hybrid state (formats.Hybrid); the dense forward
+saves g and u whole, as a backup of all M rows (backup_idx = 0..M-1; the ELL part unwritten).
+The backward reads the path from the backup's row count: M means dense (the sparse path
+needs cap < M and runs only then).
 
 Sparse forward, for x [M, K]:
   1. cuBLAS gate GEMM g = x W_g^T + b_g, then ``compact_rows_kernel`` (twell_rows.py): the
@@ -16,19 +18,20 @@ the DY pass (dh, d_g, d_u at each slot, dW_d^T[n], bias grads; dy rows gathered)
 pass (dW_g[n], dW_u[n]; x rows gathered), on top of the dense-backup rows' cuBLAS products,
 recomputing the few rows past the backup; ``dx_rows_kernel`` gives the quiet rows' dx from
 W_g and W_u rows. No [M, N] buffer anywhere.
-Dense forward: cuBLAS g, u, relu*u (relu_mul.py), y; the same state from the compaction and
-``train_fwd_kernel`` with Y=False. Dense backward: g and u recomputed by cuBLAS, dh = dy W_d,
-one in-place elementwise pass (twell_train_dense.py), six cuBLAS products.
+Dense forward: cuBLAS g, u, relu*u (relu_mul.py, which also counts the non-zeros per row), y;
+g and u are saved. Dense backward: dh = dy W_d, one elementwise pass (twell_train_dense.py),
+five more cuBLAS products: eager's six GEMMs. (Until session 7 the dense forward saved the
+hybrid state and its backward recomputed g and u: eight GEMMs, 0.69-0.82x of eager.)
 
 Choice: bf16/fp16 within cuda_policy's widths (``supports``), M >= MIN_TOKENS, and the layer's
 lagged density (cuda_policy's sync-free probes, under a "train" key) against
-SPARSE_MAX_DENSITY. The backward takes the path its forward took (looked up by the saved
-counts tensor), else the last forward's of that shape.
+SPARSE_MAX_DENSITY. Inside a backward pass (activation checkpointing's recompute) the policy
+is not polled, so the recompute takes the path its forward took and saves tensors of the same
+shapes (non-reentrant checkpointing checks them).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Optional
 
 import torch
@@ -74,10 +77,10 @@ RANK_BM, RANK_BP = 8, 32    # rank_kernel: rows per program, slots per step
 BUSY_PROGRAMS = 1024        # the busy-row kernel's fixed grid (it strides over the busy rows)
 DX_WARPS = 0      # 0: 4 warps for K <= 2048, else 8
 EW_BLOCK = 4096
-_MAX_MODES = 4096
 
-_modes: "OrderedDict[int, bool]" = OrderedDict()    # counts.data_ptr() -> sparse?
-_last: dict[tuple, bool] = {}
+# The path each layer's last forward took, by policy key: for benchmarks and tests to report
+# (the backward reads its path from the saved shapes, never from here).
+last_sparse: dict[tuple, bool] = {}
 
 
 def supports(x: Tensor, w_gate: Tensor, w_down: Tensor) -> bool:
@@ -142,18 +145,30 @@ def forward_sparse(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap):
 
 
 def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap):
-    """cuBLAS forward, bit-identical to eager: (y, sum |h| per row [M] fp32, hybrid state).
-    relu(*up) is the inference dense path's pass, which also sums |h| per row (the statistics
-    took a separate abs/float/sum over [M, N] before; the inference path lost ~1 ms per layer
-    at 16k tokens to such passes (H200, bench_e2e.py). This path's gain is not yet measured)."""
+    """cuBLAS forward, bit-identical to eager: (y, sum |h| per row [M] fp32, state). The state
+    is (counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u, missing [0-d]) with g and u
+    as a backup of all M rows; cols and the ELL values are left unwritten (the dense backward
+    reads g and u only). relu(g)*u is the inference dense path's pass, which also counts
+    non-zeros and sums |h| per row (the probe and the statistics). ``missing`` is the rows the
+    sparse path could not have kept (rows over ``width`` past a backup of ``cap``), so the
+    policy's lost-row penalty sees them from dense calls too: without it a layer flipped back
+    to sparse every other call (run 12)."""
     from twell_compile.kernels.cuda_infer import relu_mul_rows
 
+    m = x2.shape[0]
+    n, dev, dt = w_gate.shape[0], x2.device, x2.dtype
     g = F.linear(x2, w_gate, b_gate)
     u = None if w_up is None else F.linear(x2, w_up, b_up)
-    h, _, hsum = relu_mul_rows(g, u)
+    h, cnt, hsum = relu_mul_rows(g, u)
     y = F.linear(h, w_down, b_down)
-    _, _, *state = _state(x2, g, u, w_up, b_up, w_down, b_down, width, cap, False)
-    return y, hsum, state
+    del h
+    cols = torch.empty((m, width), dtype=torch.int32, device=dev)
+    ell_g = torch.empty((m, width), dtype=dt, device=dev)
+    ell_u = torch.empty((m, width if u is not None else 0), dtype=dt, device=dev)
+    bidx = torch.arange(m, dtype=torch.int64, device=dev)
+    bu = u if u is not None else g.new_empty((m, 0))
+    missing = ((cnt > width).sum(dtype=torch.int32) - cap).clamp(min=0)
+    return y, hsum, (cnt, cols, ell_g, ell_u, bidx, g, bu, missing)
 
 
 def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
@@ -170,8 +185,9 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
     key = ("train", layer, x.device, x.dtype, k, n, k_out, gated)
     sparse = False
     probe = False
-    if m >= MIN_TOKENS:
-        cuda_policy.use_twell(key, gated)               # polls the lagged measurement
+    if m >= MIN_TOKENS and cap < m:
+        if torch._C._current_graph_task_id() == -1:     # not in a backward (checkpoint recompute)
+            cuda_policy.use_twell(key, gated)           # polls the lagged measurement
         d = cuda_policy.density(key)
         sparse = d is not None and d < SPARSE_MAX_DENSITY
         probe = cuda_policy.wants_probe(key, sparse, every=PROBE_EVERY)
@@ -182,39 +198,15 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
             stats.record(layer, cnt, hsum.sum(), missing, n)
     else:
         y, hsum, (cnt, *rest) = forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap)
-        missing = rest[-1]
+        missing = rest[-1]                 # what sparse would have lost: for the probe only
         if keep_stats:
-            stats.record(layer, cnt, hsum.sum(), missing, n)
+            stats.record(layer, cnt, hsum.sum(), torch.zeros_like(missing), n)
     if probe:
         cuda_policy.submit(key, cnt.sum() + missing * LOST_ROW_PAIRS, m * n)
-    if m >= MIN_TOKENS:
+    if m >= MIN_TOKENS and cap < m:
         cuda_policy.tick(key)
-    _remember(cnt, key[2:], sparse)
+    last_sparse[key] = sparse
     return (y.reshape(*x.shape[:-1], k_out), cnt, *rest[:-1])
-
-
-def _remember(cnt: Tensor, key: tuple, sparse: bool) -> None:
-    _last[key] = sparse
-    if cnt.numel():
-        _modes[cnt.data_ptr()] = sparse
-        _modes.move_to_end(cnt.data_ptr())
-        while len(_modes) > _MAX_MODES:
-            _modes.popitem(last=False)
-
-
-def _mode(cnt: Tensor, key: tuple) -> bool:
-    if cnt.numel() and cnt.data_ptr() in _modes:
-        return _modes.pop(cnt.data_ptr())
-    return _last.get(key, False)
-
-
-def _weight_grads(x2, dy2, dg, du, h, b_gate, b_up):
-    dw_gate = dg.t().mm(x2)
-    db_gate = dg.sum(0) if b_gate is not None else None
-    dw_up = du.t().mm(x2) if du is not None else None
-    db_up = du.sum(0) if (du is not None and b_up is not None) else None
-    dw_down = dy2.t().mm(h)
-    return dw_gate, db_gate, dw_up, db_up, dw_down
 
 
 def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_g, ell_u,
@@ -302,23 +294,32 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
     return dx, dwg, db_gate, dwu, db_up, _transposed(dwdt)
 
 
-def backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, l1c):
+def backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, g, u, l1c):
+    """Eager's backward from the saved g [M, N] and u (None when non-gated). Three [M, N]
+    buffers (dh, later h; dg; du) beside the saved two; h goes once dW_d has it, before dx and
+    the other weight grads are allocated (run 14: 1106 MiB extra peak at M=16384 d=0.02 with
+    h kept to the end, eager 966)."""
     from twell_compile.kernels.twell_train_dense import train_dense_bwd_kernel
 
     gated = w_up is not None
-    g = F.linear(x2, w_gate, b_gate)
-    u = F.linear(x2, w_up, b_up) if gated else None
-    dh = dy2.mm(w_down)
+    h = dy2.mm(w_down)                                  # dh; the kernel leaves h in its place
+    dg = torch.empty_like(g)
+    du = torch.empty_like(u) if gated else None
     numel = g.numel()
     if numel:
         train_dense_bwd_kernel[(-(-numel // EW_BLOCK),)](
-            g, u if gated else g, dh, numel, float(l1c), GATED=gated, L1=bool(l1c),
-            BLOCK=EW_BLOCK, num_warps=8)
-    dg, du, h = g, u, dh
+            g, u if gated else g, h, dg, du if gated else dg, numel, float(l1c),
+            GATED=gated, L1=bool(l1c), BLOCK=EW_BLOCK, num_warps=8)
+    dw_down = dy2.t().mm(h)
+    del h
     dx = dg.mm(w_gate)
     if gated:
         dx.addmm_(du, w_up)
-    return (dx, *_weight_grads(x2, dy2, dg, du, h, b_gate, b_up))
+    dw_gate = dg.t().mm(x2)
+    db_gate = dg.sum(0) if b_gate is not None else None
+    dw_up = du.t().mm(x2) if gated else None
+    db_up = du.sum(0) if (gated and b_up is not None) else None
+    return dx, dw_gate, db_gate, dw_up, db_up, dw_down
 
 
 def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
@@ -334,11 +335,14 @@ def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[T
         dy2 = dy2.contiguous()
     m = x2.shape[0]
     l1c = l1_scale / max(m * n, 1) if l1_scale else 0.0
-    key = (x.device, x.dtype, k, n, k_out, w_up is not None)
-    if m and _mode(counts, key):
+    if backup_idx.shape[0] < m:         # the sparse forward ran (it needs capacity < M)
         out = backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, counts, cols, ell_g,
                               ell_u, backup_idx, backup_g, backup_u, l1c)
     else:
-        out = backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, l1c)
+        if backup_idx.shape[0] != m:
+            raise ValueError(f"backup_idx: {backup_idx.shape[0]} rows saved for {m} tokens; the "
+                             "CUDA dense forward saves exactly M, the sparse one fewer")
+        out = backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, backup_g,
+                             backup_u if w_up is not None else None, l1c)
     dx, dw_gate, db_gate, dw_up, db_up, dw_down = out
     return dx.reshape(x.shape), dw_gate, db_gate, dw_up, db_up, dw_down, dy2.sum(0)

@@ -1,12 +1,12 @@
-"""Triton device code: the dense training backward's elementwise step, one pass, in place.
+"""Triton device code: the dense training backward's elementwise step, one pass.
 
-From the recomputed gate pre-activation g, up projection u and dh = dy W_d (all [M, N]):
+From the saved gate pre-activation g, up projection u and dh = dy W_d (all [M, N]):
 
     h_g = relu(g), h = h_g * u (non-gated: h = h_g), dh' = dh (+ l1c * sgn(h))
-    d_g = dh' * u * [not h_g <= 0] -> g's buffer;  d_u = dh' * h_g -> u's buffer;  h -> dh's buffer
+    d_g = dh' * u * [not h_g <= 0] -> dg;  d_u = dh' * h_g -> du;  h -> dh's buffer (in place)
 
 Eager runs relu, mul, two mul backwards and threshold_backward as separate passes; this reads
-3 and writes 3 [M, N] tensors once. Products in fp32, rounded once to the dtype.
+3 and writes 3 [M, N] tensors once. g and u are the forward's saved outputs: never written. Products in fp32, rounded once to the dtype.
 """
 
 import triton
@@ -14,7 +14,7 @@ import triton.language as tl
 
 
 @triton.jit
-def train_dense_bwd_kernel(g_ptr, u_ptr, dh_ptr, numel, l1c,
+def train_dense_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, numel, l1c,
                            GATED: tl.constexpr, L1: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
@@ -31,7 +31,7 @@ def train_dense_bwd_kernel(g_ptr, u_ptr, dh_ptr, numel, l1c,
     if L1:
         dh += l1c * (tl.where(h > 0.0, 1.0, 0.0) - tl.where(h < 0.0, 1.0, 0.0))
     dg = tl.where(hg <= 0.0, 0.0, dh * u if GATED else dh)   # threshold_backward: NaN passes
-    tl.store(g_ptr + offs, dg.to(dt), mask=ok)
+    tl.store(dg_ptr + offs, dg.to(dt), mask=ok)
     if GATED:
-        tl.store(u_ptr + offs, (dh * hg).to(dt), mask=ok)
+        tl.store(du_ptr + offs, (dh * hg).to(dt), mask=ok)
     tl.store(dh_ptr + offs, h.to(dt), mask=ok)
