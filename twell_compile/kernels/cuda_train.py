@@ -46,7 +46,10 @@ from twell_compile.kernels.torch_impl import backup_capacity
 # Sparse while the layer's measured density is under this. H200, M=16384, K=2048, N=5632
 # (run 9, benchmarks/results/h200/train_run9/): sparse 3.29 ms at 28 non-zeros/row, 5.34 at
 # 50 (tail 0.2, 1.7% busy rows), 8.83 at 115; the dense path 6.2-6.4 ms: crossover near
-# 75 non-zeros/row (0.013); 0.011 keeps a margin. (Run 2's kernels: 0.0085.)
+# 75 non-zeros/row (0.013); 0.011 keeps a margin. (Run 2's kernels: 0.0085.) Run 15's dense
+# path saves g and u: 4.9-5.0 ms, which moves the crossover to ~58 non-zeros/row (0.010) at
+# M=16384 (tail 0.2 at 50: sparse 5.13 vs dense 4.95) but not at M=65536 (19.2 vs 20.8-22.4):
+# not retuned; 0.011 costs <= 5% in that band at 16k tokens.
 SPARSE_MAX_DENSITY = 0.011
 # Both paths have the per-row counts, so a probe is one sum and an async copy: every call.
 # Training moves densities fast (bench_e2e --train, lr 3e-4, no L1: 0.006 -> 0.016-0.027
