@@ -34,9 +34,11 @@ def _fresh(monkeypatch):
     yield
 
 
-def _force(monkeypatch, sparse: bool) -> None:
-    """Sparse (or dense) on every call once a density has landed."""
-    monkeypatch.setattr(cuda_train, "SPARSE_MAX_DENSITY", float("inf") if sparse else -1.0)
+def _force(monkeypatch, sparse) -> None:
+    """Once a density has landed, every call: sparse (True, "sparse"), dense saving g and u
+    (False, "dense") or dense saving the compact state ("compact")."""
+    monkeypatch.setattr(cuda_train, "SPARSE_MAX_DENSITY", float("inf") if sparse in (True, "sparse") else -1.0)
+    monkeypatch.setattr(cuda_train, "COMPACT_MAX_LOST", float("inf") if sparse == "compact" else -1.0)
 
 
 def _ffn(m, k, n, k_out, density, tail, gated=True, bias=True, seed=0, dtype=torch.bfloat16):
@@ -113,7 +115,7 @@ def _check(args, l1=0.0, width=256, backup_rows=16, seed=0):
         assert e <= 2 * d + 1e-6, (nm, e, d)
 
 
-@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("sparse", ["sparse", "dense", "compact"])
 @pytest.mark.parametrize("density,tail", [(0.0, 0.0), (0.005, 0.0), (0.02, 0.2), (0.05, 0.2), (1.0, 0.0)])
 @pytest.mark.parametrize("gated,bias", [(True, True), (False, False)])
 def test_gradient_grid(monkeypatch, sparse, density, tail, gated, bias):
@@ -122,7 +124,7 @@ def test_gradient_grid(monkeypatch, sparse, density, tail, gated, bias):
     _check(args, width=64, backup_rows=8)
 
 
-@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("sparse", ["sparse", "dense", "compact"])
 def test_l1_and_fp16(monkeypatch, sparse):
     _force(monkeypatch, sparse)
     args = _ffn(777, 256, 700, 256, 0.03, 0.2, True, True, seed=3, dtype=torch.float16)
@@ -135,9 +137,11 @@ def test_tiny_m(monkeypatch, m):
     _check(_ffn(m, 128, 300, 96, 0.05, 0.0, seed=m), width=8, backup_rows=16)
 
 
-def test_rows_past_the_backup_are_recomputed(monkeypatch):
-    """ELL width 4 and a backup of M/256 rows: most busy rows go to the exact recompute."""
-    _force(monkeypatch, True)
+@pytest.mark.parametrize("path", ["sparse", "compact"])
+def test_rows_past_the_backup_are_recomputed(monkeypatch, path):
+    """ELL width 4 and a backup of M/256 rows: most busy rows go to the exact recompute (per
+    neuron in the sparse backward, per row in the densifying one)."""
+    _force(monkeypatch, path)
     args = _ffn(2048, 384, 900, 384, 0.02, 0.3, seed=11)
     st = cuda_train.forward_sparse(*[a.contiguous() if a is not None else None for a in args],
                                    4, int(backup_capacity(2048, 256)))

@@ -28,10 +28,12 @@ def _saved(m, rows, n=16, width=4):
             torch.randn(rows, n).to(bf))
 
 
-@pytest.mark.parametrize("rows, path", [(3, "sparse"), (9, "dense"), (0, "sparse")])
-def test_backward_reads_its_path_from_the_saved_backup(monkeypatch, rows, path):
+@pytest.mark.parametrize("rows, hint, path", [(3, None, "sparse"), (3, True, "densify"), (3, False, "sparse"),
+                                             (9, None, "dense"), (0, None, "sparse")])
+def test_backward_reads_its_path_from_the_saved_backup(monkeypatch, rows, hint, path):
     """A backup of M rows is the dense forward's g and u (used as saved, nothing recomputed);
-    fewer rows is the sparse forward's hybrid state."""
+    fewer rows is a compact hybrid state: densified when a dense forward saved it (a hint by
+    address), else the sparse backward."""
     seen = {}
 
     def fake(name):
@@ -43,10 +45,13 @@ def test_backward_reads_its_path_from_the_saved_backup(monkeypatch, rows, path):
 
     monkeypatch.setattr(cuda_train, "backward_sparse", fake("sparse"))
     monkeypatch.setattr(cuda_train, "backward_dense", fake("dense"))
+    monkeypatch.setattr(cuda_train, "backward_densify", fake("densify"))
     m, k, n = 9, 8, 16
     x, dy = torch.randn(m, k).bfloat16(), torch.randn(m, k).bfloat16()
     wg, wu, wd = torch.randn(n, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(k, n).bfloat16()
     st = _saved(m, rows)
+    if hint is not None:
+        cuda_train._densify_hint(st[4], hint)
     cuda_train.ffn_train_backward(dy, x, wg, None, wu, None, wd, *st, 0.0)
     assert list(seen) == [path]
     if path == "dense":
@@ -60,3 +65,12 @@ def test_backward_refuses_a_backup_larger_than_m():
     w = torch.randn(n, k).bfloat16()
     with pytest.raises(ValueError, match="backup_idx"):
         cuda_train.ffn_train_backward(x, x, w, None, w, None, w.t().contiguous(), *_saved(m, 5), 0.0)
+
+
+def test_densify_hint_table_is_bounded(monkeypatch):
+    monkeypatch.setattr(cuda_train, "_MAX_HINTS", 3)
+    monkeypatch.setattr(cuda_train, "_densify", type(cuda_train._densify)())
+    keep = [torch.arange(i + 2) for i in range(5)]
+    for t in keep:
+        cuda_train._densify_hint(t, True)
+    assert len(cuda_train._densify) == 3 and keep[0].data_ptr() not in cuda_train._densify

@@ -1,8 +1,8 @@
 """The CUDA training kernels (kernels/cuda_train.py) on the CPU under TRITON_INTERPRET=1, tiny
 odd shapes, one subprocess per case (the interpreter is chosen when kernels are defined).
 
-Each case runs the sparse forward + sparse backward and the dense forward + dense backward
-against fp64 autograd of the same loss (sum(y * dy) + l1 * mean|h|): every gradient within 2x
+Each case runs the sparse forward + sparse backward, the dense forward + dense backward, and
+the dense forward's compact state (and the sparse one's) into the densifying backward, against fp64 autograd of the same loss (sum(y * dy) + l1 * mean|h|): every gradient within 2x
 of fp16 eager autograd's error, NaN patterns equal to eager's, the sparse state unpacking bit
 for bit to relu(g), the dense state holding g and u bit for bit. fp16 only (see
 test_interpret.py)."""
@@ -100,7 +100,9 @@ SCRIPT = textwrap.dedent("""
         assert same[fin].all(), (tag, "state != relu(g)")
 
     def backward(sparse, st):
-        if sparse:
+        if sparse == "densify":
+            out = ct.backward_densify(dy, *args[:6], *st, l1s / (m * n))
+        elif sparse:
             out = ct.backward_sparse(dy, *args[:6], *st, l1s / (m * n))
         else:
             out = ct.backward_dense(dy, *args[:6], st[5], st[6] if gated else None, l1s / (m * n))
@@ -126,6 +128,11 @@ SCRIPT = textwrap.dedent("""
         hd = hd * F.linear(args[0], args[3], args[4])
     assert torch.allclose(hsumd, hd.float().abs().sum(1), rtol=1e-3, atol=1e-3, equal_nan=True), "dense |h| sums"
     check("dense/dense", yd, backward(False, std))
+    yc, _, (*stc, missc) = ct.forward_dense(*args, width, cap, compact=True)
+    state_ok("compact", stc)
+    assert int(missc) == int(missing), ("compact lost rows", int(missc), int(missing))
+    check("compact/densify", yc, backward("densify", stc))
+    check("sparse/densify", None, backward("densify", st))
     print("ok missing", int(missing), "busy", int((st[0] > width).sum()))
 """)
 

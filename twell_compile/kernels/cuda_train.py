@@ -32,6 +32,7 @@ shapes (non-reentrant checkpointing checks them).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Optional
 
 import torch
@@ -80,10 +81,29 @@ RANK_BM, RANK_BP = 8, 32    # rank_kernel: rows per program, slots per step
 BUSY_PROGRAMS = 1024        # the busy-row kernel's fixed grid (it strides over the busy rows)
 DX_WARPS = 0      # 0: 4 warps for K <= 2048, else 8
 EW_BLOCK = 4096
+DENSIFY_CH = 2048   # columns per streamed step of train_densify_kernel (16 per thread at 4 warps)
+
+# Dense layers save the compact hybrid state (not g and u) while their last measurement lost
+# at most this many rows past the backup (rows that backward_densify recomputes one by one,
+# ~55 us each): sparse-path memory at dense speed. -1: always g and u; inf: always compact.
+COMPACT_MAX_LOST = 0
 
 # The path each layer's last forward took, by policy key: for benchmarks and tests to report
 # (the backward reads its path from the saved shapes, never from here).
 last_sparse: dict[tuple, bool] = {}
+# A compact state's backward: densify (the forward ran dense) or sparse, by the saved
+# backup_idx's address. Only a speed hint: both backward paths are exact for any hybrid state,
+# and a miss (an address reused, a table overflow) takes the sparse one.
+_densify: "OrderedDict[int, bool]" = OrderedDict()
+_MAX_HINTS = 4096
+
+
+def _densify_hint(bidx: Tensor, densify: bool) -> None:
+    if bidx.numel():
+        _densify[bidx.data_ptr()] = densify
+        _densify.move_to_end(bidx.data_ptr())
+        while len(_densify) > _MAX_HINTS:
+            _densify.popitem(last=False)
 
 
 def supports(x: Tensor, w_gate: Tensor, w_down: Tensor) -> bool:
@@ -147,7 +167,7 @@ def forward_sparse(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap):
     return _state(x2, g, None, w_up, b_up, w_down, b_down, width, cap, True)
 
 
-def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap):
+def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap, compact=False):
     """cuBLAS forward, bit-identical to eager: (y, sum |h| per row [M] fp32, state). The state
     is (counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u, missing [0-d]) with g and u
     as a backup of all M rows; cols and the ELL values are left unwritten (the dense backward
@@ -155,7 +175,11 @@ def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap):
     non-zeros and sums |h| per row (the probe and the statistics). ``missing`` is the rows the
     sparse path could not have kept (rows over ``width`` past a backup of ``cap``), so the
     policy's lost-row penalty sees them from dense calls too: without it a layer flipped back
-    to sparse every other call (run 12)."""
+    to sparse every other call (run 12).
+
+    ``compact``: save the hybrid state instead (the compaction and ``train_fwd_kernel`` with
+    Y=False over g and u, as before session 7): a sparse path's memory at dense speed, its
+    backward ``backward_densify``; taken while the layer's last measurement lost no rows."""
     from twell_compile.kernels.cuda_infer import relu_mul_rows
 
     m = x2.shape[0]
@@ -165,6 +189,9 @@ def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap):
     h, cnt, hsum = relu_mul_rows(g, u)
     y = F.linear(h, w_down, b_down)
     del h
+    if compact:
+        _, _, *state = _state(x2, g, u, w_up, b_up, w_down, b_down, width, cap, False)
+        return y, hsum, tuple(state)
     cols = torch.empty((m, width), dtype=torch.int32, device=dev)
     ell_g = torch.empty((m, width), dtype=dt, device=dev)
     ell_u = torch.empty((m, width if u is not None else 0), dtype=dt, device=dev)
@@ -186,13 +213,16 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
     cap = int(backup_capacity(m, backup_rows))
     gated = w_up is not None
     key = ("train", layer, x.device, x.dtype, k, n, k_out, gated)
-    sparse = False
-    probe = False
+    lkey = ("train-lost",) + key[1:]                    # rows past the backup, per call
+    sparse = compact = probe = False
     if m >= MIN_TOKENS and cap < m:
         if torch._C._current_graph_task_id() == -1:     # not in a backward (checkpoint recompute)
-            cuda_policy.use_twell(key, gated)           # polls the lagged measurement
+            cuda_policy.use_twell(key, gated)           # polls the lagged measurements
+            cuda_policy.use_twell(lkey, gated)
         d = cuda_policy.density(key)
         sparse = d is not None and d < SPARSE_MAX_DENSITY
+        lost = cuda_policy.density(lkey)
+        compact = not sparse and lost is not None and lost <= COMPACT_MAX_LOST
         probe = cuda_policy.wants_probe(key, sparse, every=PROBE_EVERY)
     if sparse:
         y, hsum, cnt, *rest = forward_sparse(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap)
@@ -200,12 +230,15 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
         if keep_stats:
             stats.record(layer, cnt, hsum.sum(), missing, n)
     else:
-        y, hsum, (cnt, *rest) = forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap)
-        missing = rest[-1]                 # what sparse would have lost: for the probe only
+        y, hsum, (cnt, *rest) = forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down,
+                                              width, cap, compact)
+        missing = rest[-1]                 # lost rows (compact) or what sparse would lose
         if keep_stats:
-            stats.record(layer, cnt, hsum.sum(), torch.zeros_like(missing), n)
+            stats.record(layer, cnt, hsum.sum(), missing if compact else torch.zeros_like(missing), n)
     if probe:
         cuda_policy.submit(key, cnt.sum() + missing * LOST_ROW_PAIRS, m * n)
+        cuda_policy.submit(lkey, missing, 1)
+    _densify_hint(rest[3], compact)
     if m >= MIN_TOKENS and cap < m:
         cuda_policy.tick(key)
     last_sparse[key] = sparse
@@ -325,6 +358,47 @@ def backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, g, u, l1c):
     return dx, dw_gate, db_gate, dw_up, db_up, dw_down
 
 
+def backward_densify(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_g, ell_u,
+                     bidx, bg, bu, l1c):
+    """Eager's GEMMs from the compact state: dh = dy W_d, then ``train_densify_kernel`` writes
+    d_g, d_u and h whole from the ELL slots and backup rows (rows past the backup recomputed),
+    then the five products as ``backward_dense``."""
+    from twell_compile.kernels.twell_train_densify import train_densify_kernel
+
+    m, k = x2.shape
+    n = w_gate.shape[0]
+    dev = x2.device
+    gated = w_up is not None
+    cap = bidx.shape[0]
+    width = cols.shape[1]
+    slot_of = torch.full((m + 1,), -1, dtype=torch.int32, device=dev)
+    slot_of.scatter_(0, torch.where(bidx >= 0, bidx, m), torch.arange(cap, dtype=torch.int32, device=dev))
+    h = dy2.mm(w_down)                                  # dh; the kernel leaves h in its place
+    dg = torch.empty_like(h)
+    du = torch.empty_like(h) if gated else None
+    wg = _rows(w_gate)
+    wu = _rows(w_up) if gated else wg
+    if m and n:
+        train_densify_kernel[(m,)](
+            h, dg, du if gated else dg, cnt, cols, ell_g, ell_u if gated else ell_g, width,
+            slot_of, bg, bu if gated else bg, x2, x2.stride(0), wg, wg.stride(0),
+            b_gate if b_gate is not None else wg, wu, wu.stride(0),
+            b_up if b_up is not None else wg, n, k, float(l1c),
+            GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
+            W_P=_pow2(max(width, 1)), K_P=_pow2(k), CH=min(CH, _pow2(n)), BK=RBK,
+            DCH=min(DENSIFY_CH, _pow2(n)), num_warps=4)
+    dw_down = dy2.t().mm(h)
+    del h
+    dx = dg.mm(w_gate)
+    if gated:
+        dx.addmm_(du, w_up)
+    dw_gate = dg.t().mm(x2)
+    db_gate = dg.sum(0) if b_gate is not None else None
+    dw_up = du.t().mm(x2) if gated else None
+    db_up = du.sum(0) if (gated and b_up is not None) else None
+    return dx, dw_gate, db_gate, dw_up, db_up, dw_down
+
+
 def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
                        w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor,
                        counts: Tensor, cols: Tensor, ell_g: Tensor, ell_u: Tensor,
@@ -338,9 +412,11 @@ def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[T
         dy2 = dy2.contiguous()
     m = x2.shape[0]
     l1c = l1_scale / max(m * n, 1) if l1_scale else 0.0
-    if backup_idx.shape[0] < m:         # the sparse forward ran (it needs capacity < M)
-        out = backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, counts, cols, ell_g,
-                              ell_u, backup_idx, backup_g, backup_u, l1c)
+    if backup_idx.shape[0] < m:         # a compact state (it needs capacity < M)
+        densify = backup_idx.numel() and _densify.pop(backup_idx.data_ptr(), False)
+        out = (backward_densify if densify else backward_sparse)(
+            dy2, x2, w_gate, b_gate, w_up, b_up, w_down, counts, cols, ell_g, ell_u,
+            backup_idx, backup_g, backup_u, l1c)
     else:
         if backup_idx.shape[0] != m:
             raise ValueError(f"backup_idx: {backup_idx.shape[0]} rows saved for {m} tokens; the "
