@@ -1,8 +1,9 @@
 """CUDA training FFN (twell::ffn_train / ffn_train_bwd), bf16/fp16: sparse or dense per call,
-no host sync. The sparse forward saves the hybrid state (formats.Hybrid); the dense forward
-saves g and u whole, as a backup of all M rows (backup_idx = 0..M-1; the ELL part unwritten).
-The backward reads the path from the backup's row count: M means dense (the sparse path
-needs cap < M and runs only then).
+no host sync. The sparse forward saves the compact hybrid state (formats.Hybrid); the dense
+forward saves either the same compact state or g and u whole, as a backup of all M rows
+(backup_idx = 0..M-1; the ELL part unwritten). The backward reads g-and-u from the backup's
+row count (M; a compact state needs cap < M), and densify-or-sparse for a compact state from
+a hint keyed on its backup_idx (both exact on any compact state).
 
 Sparse forward, for x [M, K]:
   1. cuBLAS gate GEMM g = x W_g^T + b_g, then ``compact_rows_kernel`` (twell_rows.py): the
@@ -18,14 +19,19 @@ the DY pass (dh, d_g, d_u at each slot, dW_d^T[n], bias grads; dy rows gathered)
 pass (dW_g[n], dW_u[n]; x rows gathered), on top of the dense-backup rows' cuBLAS products,
 recomputing the few rows past the backup; ``dx_rows_kernel`` gives the quiet rows' dx from
 W_g and W_u rows. No [M, N] buffer anywhere.
-Dense forward: cuBLAS g, u, relu*u (relu_mul.py, which also counts the non-zeros per row), y;
-g and u are saved. Dense backward: dh = dy W_d, one elementwise pass (twell_train_dense.py),
-five more cuBLAS products: eager's six GEMMs. (Until session 7 the dense forward saved the
-hybrid state and its backward recomputed g and u: eight GEMMs, 0.69-0.82x of eager.)
+Dense forward: cuBLAS g, u, relu*u (relu_mul.py, which also counts the non-zeros per row), y.
+It saves the compact state (the compaction and ``train_fwd_kernel`` with Y=False over g and
+u) while the layer's last measurement lost no rows past the backup (COMPACT_MAX_LOST), else
+g and u. Backward from g and u: dh = dy W_d, one elementwise pass (twell_train_dense.py), five
+more cuBLAS products; from the compact state (``backward_densify``): dh = dy W_d,
+``train_densify_kernel`` (twell_train_densify.py) writing d_g, d_u and h whole, the same five
+products. Eager's nine GEMMs either way. (Until session 7 the dense backward recomputed g and
+u: eleven GEMMs, 0.69-0.82x of eager.)
 
 Choice: bf16/fp16 within cuda_policy's widths (``supports``), M >= MIN_TOKENS, and the layer's
 lagged density (cuda_policy's sync-free probes, under a "train" key) against
-SPARSE_MAX_DENSITY. Inside a backward pass (activation checkpointing's recompute) the policy
+SPARSE_MAX_DENSITY; a second key ("train-lost") carries the rows lost past the backup. Inside
+a backward pass (activation checkpointing's recompute) the policy
 is not polled, so the recompute takes the path its forward took and saves tensors of the same
 shapes (non-reentrant checkpointing checks them).
 """
