@@ -104,6 +104,8 @@ def main(argv=None) -> int:
     torch._dynamo.config.cache_size_limit = 64
     dev = torch.device("cuda")
     rows = []
+    out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / gpu_name() / "ffn_inference.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     hdr = (f"{'M':>6} {'K':>5} {'N':>6} {'dens':>6} {'tail':>4} {'nnz/r':>6} {'W':>5} {'ovf%':>5} {'dense':>7} "
            f"{'induct':>7} {'gate':>7} {'twell':>7} {'kernel':>7} {'x_ind':>6} {'x_krn':>6} {'%floor':>6} "
            f"{'err':>8} {'d_err':>8} path")
@@ -151,6 +153,7 @@ def main(argv=None) -> int:
                                list_width=width, overflow_row_pct=ovf, tiles_ms=tiles_ms, path=path, gpu=torch.cuda.get_device_name(),
                                profile=f"{args.nnz_profile}:{layer_name}" if profile is not None else None)
                     rows.append(row)
+                    out.write_text(json.dumps(rows, indent=1))     # every row: a timeout keeps the done ones
                     base = ind_ms if ind_ms == ind_ms else dense_ms
                     print(f"{m:>6} {k:>5} {n:>6} {d:>6} {t:>4} {nnz:>6.1f} {width:>5} {ovf:>5.2f} {dense_ms:>7.3f} "
                           f"{ind_ms:>7.3f} {gate_ms:>7.3f} {twell_ms:>7.3f} {kernel_ms:>7.3f} "
@@ -160,8 +163,6 @@ def main(argv=None) -> int:
                     del p, x, wg, wu, wd, args7
             del inductor
             torch._dynamo.reset()
-    out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / gpu_name() / "ffn_inference.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
     print(f"wrote {out} ({len(rows)} rows)")
     return 0

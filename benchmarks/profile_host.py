@@ -1,0 +1,74 @@
+"""Host (Python) cost per call of the twell ops, by function: cProfile over N eager calls of
+the inference op (M = 1, 64, 1024) and the training op's forward + backward (M = 1024), after
+warm-up, with the GPU synchronised only at the end. Compare ``wall us/call`` with the kernels'
+GPU time to see whether a size is host-bound.
+
+    python3 benchmarks/profile_host.py [--calls 200] [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from synthetic import make_ffn  # noqa: E402
+
+import twell_compile.ops  # noqa: E402,F401
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args(argv)
+    k, n = 2048, 5632
+    cases = [("infer", 1), ("infer", 64), ("infer", 1024), ("train", 1024)]
+    for kind, m in cases:
+        p = make_ffn(m, k, n, 0.005, 0.0, device="cuda", seed=1)
+        args7 = [p["x"], p["w_gate"], None, p["w_up"], None, p["w_down"], None]
+        if kind == "infer":
+            fn = lambda: torch.ops.twell.ffn(*args7, 128, 16, f"prof/{m}", False)
+        else:
+            leaves = [t.requires_grad_() if t is not None else None for t in args7]
+            dy = torch.randn(m, k, device="cuda", dtype=p["x"].dtype)
+            params = [t for t in leaves if t is not None]
+
+            def fn():
+                y = torch.ops.twell.ffn_train(*leaves, 256, 16, 0.0, f"prof/t{m}", False)[0]
+                return torch.autograd.grad(y, params, dy)
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(a.calls):
+            fn()
+        plain_host = (time.perf_counter() - t0) / a.calls * 1e6
+        torch.cuda.synchronize()
+        plain_wall = (time.perf_counter() - t0) / a.calls * 1e6
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(a.calls):
+            fn()
+        prof.disable()
+        host = (time.perf_counter() - t0) / a.calls * 1e6
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / a.calls * 1e6
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
+        print(f"=== {kind} M={m}: unprofiled host {plain_host:.0f} us/call, wall {plain_wall:.0f}; "
+              f"profiled host {host:.0f}, wall {wall:.0f}")
+        print("\n".join(s.getvalue().splitlines()[:a.top + 12]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
