@@ -152,8 +152,9 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
             xe = example(found.x)
             n = found.gate.rows[1] - found.gate.rows[0] if found.gate.rows else int(example(found.down.x).shape[-1])
             if config.skip_dense and (not out.requires_grad or not config.l1):
-                why = (dispatch.static_dense_train_reason if out.requires_grad else dispatch.static_dense_reason)(
-                    out.device, out.dtype, _static_tokens(xe.shape), int(xe.shape[-1]), n, int(out.shape[-1]))
+                facts = (out.device, out.dtype, _static_tokens(xe.shape), int(xe.shape[-1]), n, int(out.shape[-1]))
+                why = (dispatch.static_dense_train_reason(*facts) if out.requires_grad else
+                       dispatch.static_dense_reason(*facts, cudagraphs=config.cudagraphs != "off"))
                 if why is not None:
                     report.add_rejection(RejectionEntry(found.layer, f"{why}; Inductor's dense FFN is faster "
                                                         "(twell.skip_dense=False rewrites it anyway)", sub_name))

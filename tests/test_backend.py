@@ -249,3 +249,27 @@ def test_twell_mode_option_applies_the_mode(monkeypatch):
     torch._dynamo.reset()
     with pytest.raises(Exception, match="unknown torch.compile mode"):
         torch.compile(Net(), backend="twell", options={"twell.mode": "warp-speed"})(torch.randn(2, 16))
+
+
+@pytest.mark.parametrize("mode, option, want", [(None, "", "off"), ("reduce-overhead", "", "on"),
+                                                ("max-autotune-no-cudagraphs", "", "off"),
+                                                (None, "on", "on"), ("reduce-overhead", "off", "off")])
+def test_cudagraphs_option_resolves_from_the_mode(monkeypatch, mode, option, want):
+    """The passes see whether the compiled graph replays CUDA graphs (the decode-size rule of
+    dispatch.static_dense_reason needs it): from the mode unless twell.cudagraphs says."""
+    from twell_compile import passes
+
+    seen = {}
+    real = passes.run_passes
+
+    def spy(gm, config):
+        seen["cudagraphs"] = config.cudagraphs
+        return real(gm, config)
+
+    monkeypatch.setattr(passes, "run_passes", spy)
+    options = {"twell.cudagraphs": option} if option else {}
+    if mode:
+        options["twell.mode"] = mode
+    torch._dynamo.reset()
+    twell_compile.explain(Net(), torch.randn(2, 16), options=options)
+    assert seen["cudagraphs"] == want

@@ -32,6 +32,8 @@ def test_int_accepted_for_float():
     ({"twell.stats": 1}, TypeError, "twell.stats"),
     ({"twell.ell_width": True}, TypeError, "twell.ell_width"),
     ({"twell.backup_rows": 0}, ValueError, "twell.backup_rows"),
+    ({"twell.cudagraphs": "yes"}, ValueError, "twell.cudagraphs"),
+    ({"twell.cudagraphs": True}, TypeError, "twell.cudagraphs"),
 ])
 def test_bad_options_raise_naming_the_option(options, err, match):
     with pytest.raises(err, match=match):

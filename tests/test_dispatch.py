@@ -46,3 +46,16 @@ def test_training_reasons_on_cuda_only_for_slow_paths():
     assert "wide" in dispatch.static_dense_train_reason(CUDA, torch.float16, None, cuda_policy.MAX_WIDTH + 1, 64, 64)
     for m in (cuda_train.MIN_TOKENS, None):   # the sparse branch is reachable: keep the rewrite
         assert dispatch.static_dense_train_reason(CUDA, torch.bfloat16, m, 2048, 5632, 2048) is None
+
+
+def test_cuda_decode_sizes_need_cuda_graphs():
+    """Without CUDA graphs an eager call of the op costs 0.2-0.3 ms of host time at decode
+    sizes (H200 host): static decode-sized FFNs then stay with Inductor; dynamic M does not."""
+    why = dispatch.static_dense_reason(CUDA, torch.bfloat16, 1, 2048, 5632, 2048, cudagraphs=False)
+    assert why and "without CUDA graphs" in why and "twell.cudagraphs" in why
+    assert dispatch.static_dense_reason(CUDA, torch.bfloat16, 1, 2048, 5632, 2048, cudagraphs=True) is None
+    assert dispatch.static_dense_reason(CUDA, torch.bfloat16, None, 2048, 5632, 2048, cudagraphs=False) is None
+    big = cuda_policy.MIN_TOKENS
+    assert dispatch.static_dense_reason(CUDA, torch.bfloat16, big, 2048, 5632, 2048, cudagraphs=False) is None
+    cpu = torch.device("cpu")
+    assert dispatch.static_dense_reason(cpu, torch.float32, 1, 2048, 5632, 2048, cudagraphs=False) is None

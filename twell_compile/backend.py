@@ -19,6 +19,17 @@ from twell_compile import __version__
 from twell_compile.config import TwellConfig
 
 
+def with_cudagraphs(config: TwellConfig, patches: dict[str, Any]) -> TwellConfig:
+    """The config with ``cudagraphs`` resolved ("on"/"off") from the Inductor patches of this
+    compile (its mode) and Inductor's global ``triton.cudagraphs``, unless the user set it."""
+    if config.cudagraphs:
+        return config
+    from torch._inductor import config as inductor_config
+
+    on = patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs)
+    return config.replace(cudagraphs="on" if on else "off")
+
+
 def inductor_patches(mode: Optional[str], options: dict[str, Any]) -> dict[str, Any]:
     """Inductor config patches for torch.compile's ``mode`` plus the user's non-twell options."""
     from torch._inductor import config as inductor_config, list_mode_options
@@ -152,6 +163,7 @@ def twell_backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: Option
     if mode and config.mode and mode != config.mode:
         raise ValueError(f"mode={mode!r} and twell.mode={config.mode!r} disagree")
     patches = inductor_patches(mode or config.mode or None, rest)
+    config = with_cudagraphs(config, patches)
     gm = run_passes(gm, config)
     reserve_stats(gm)
     reserve_weight_copies(gm, example_inputs)

@@ -28,7 +28,10 @@ def explain(model: Callable[..., Any], *args: Any, options: Optional[Mapping[str
     """
     if not callable(model):
         raise TypeError(f"model must be callable (an nn.Module or function), got {type(model).__name__}")
-    config, _ = TwellConfig.from_options(options)
+    from twell_compile.backend import inductor_patches, with_cudagraphs
+
+    config, rest = TwellConfig.from_options(options)
+    config = with_cudagraphs(config, inductor_patches(config.mode or None, rest))
     report = Report()
 
     def capture(gm: torch.fx.GraphModule, example_inputs: list[Any], **_: Any):

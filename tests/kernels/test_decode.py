@@ -635,3 +635,19 @@ def test_compile_reduce_overhead_decode(monkeypatch, decode_wins_everywhere):
     assert weight_cache.cached_bytes() == 1408 * 512 * 2
     assert _rel(y, ref) < 2e-2
     weight_cache.clear()
+
+
+@gpu
+def test_static_decode_ffn_is_rewritten_only_with_cuda_graphs(decode_wins_everywhere):
+    """Default mode (no CUDA graphs): a static 1-token FFN stays with Inductor, with the reason;
+    reduce-overhead, or twell.cudagraphs='on' for graphs captured by hand: rewritten."""
+    import twell_compile
+
+    model = _MLP(512, 1408).cuda().to(torch.bfloat16)
+    x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        plain = twell_compile.explain(model, x)
+        assert not plain.rewrites and "without CUDA graphs" in str(plain)
+        for options in ({"twell.mode": "reduce-overhead"}, {"twell.cudagraphs": "on"}):
+            torch._dynamo.reset()
+            assert len(twell_compile.explain(model, x, options=options).rewrites) == 1, options
