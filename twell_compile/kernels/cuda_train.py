@@ -244,7 +244,8 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
     if probe:
         cuda_policy.submit(key, cnt.sum() + missing * LOST_ROW_PAIRS, m * n)
         cuda_policy.submit(lkey, missing, 1)
-    _densify_hint(rest[3], compact)
+    if sparse or compact:                  # a compact state: tell its backward which way
+        _densify_hint(rest[3], compact)
     if m >= MIN_TOKENS and cap < m:
         cuda_policy.tick(key)
     last_sparse[key] = sparse
