@@ -152,7 +152,8 @@ def test_skip_dense_applies_to_training_only_without_l1(monkeypatch) -> None:
     our backward or skip_dense is off. Inference asks its own rule."""
     from twell_compile import dispatch
     monkeypatch.setattr(dispatch, "static_dense_train_reason", lambda *a: "slow training path (test)")
-    monkeypatch.setattr(dispatch, "static_dense_reason", lambda *a: None)
+    asked = {}
+    monkeypatch.setattr(dispatch, "static_dense_reason", lambda *a, **kw: asked.update(kw))
     spec = Spec(k=8, n=12, k_out=8, batch=(4,))
     model = build(spec)
     x = torch.randn(4, 8)
@@ -164,6 +165,7 @@ def test_skip_dense_applies_to_training_only_without_l1(monkeypatch) -> None:
         assert len(kept.rewrites) == 1 and kept.rewrites[0].op == "twell::ffn_train", (options, str(kept))
     with torch.no_grad():
         assert len(twell_compile.explain(model, x).rewrites) == 1   # inference: its own rule
+    assert asked == {"cudagraphs": False}       # no mode given: no CUDA graphs replayed
 
 
 # ------------------------------------------------------------------------------ subgraphs
