@@ -47,8 +47,9 @@ class TwellConfig:
         the compile mode and Inductor's ``triton.cudagraphs`` (reduce-overhead: on); "on" when
         you capture CUDA graphs around the compiled model yourself; "off". Without CUDA graphs a
         static decode-sized CUDA FFN (<= 64 tokens) is left to Inductor under ``skip_dense``:
-        one eager call of our op costs 0.2-0.3 ms of host time there (H200 host), against
-        ~0.05 ms for Inductor's whole FFN and 0.02-0.05 ms of GPU time for ours.
+        one eager call of our op costs 0.2-0.3 ms of host time there (H200 host, 327 us at
+        M=1, ``python3 benchmarks/profile_host.py``), against 43 us for eager's whole dense FFN
+        (``benchmarks/bench_ffn.py``, results/h200/infer_run8/).
     """
 
     enabled: bool = True

@@ -90,8 +90,10 @@ EW_BLOCK = 4096
 DENSIFY_CH = 2048   # columns per streamed step of train_densify_kernel (16 per thread at 4 warps)
 
 # Dense layers save the compact hybrid state (not g and u) while their last measurement lost
-# at most this many rows past the backup (rows that backward_densify recomputes one by one,
-# ~55 us each): sparse-path memory at dense speed. -1: always g and u; inf: always compact.
+# at most this many rows past the backup (rows that backward_densify recomputes one by one
+# from x on CUDA cores; not timed, the sparse path's per-neuron recompute took ~55 us per
+# row): sparse-path memory at dense speed (run 19: 0.99-1.00x of eager at 69% of its extra
+# peak, d=0.02). -1: always g and u; inf: always compact.
 COMPACT_MAX_LOST = 0
 
 # The path each layer's last forward took, by policy key: for benchmarks and tests to report
@@ -173,7 +175,8 @@ def forward_sparse(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap):
     return _state(x2, g, None, w_up, b_up, w_down, b_down, width, cap, True)
 
 
-def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap, compact=False):
+def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap, compact=False,
+                  count_lost=True):
     """cuBLAS forward, bit-identical to eager: (y, sum |h| per row [M] fp32, state). The state
     is (counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u, missing [0-d]) with g and u
     as a backup of all M rows; cols and the ELL values are left unwritten (the dense backward
@@ -181,7 +184,8 @@ def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap, co
     non-zeros and sums |h| per row (the probe and the statistics). ``missing`` is the rows the
     sparse path could not have kept (rows over ``width`` past a backup of ``cap``), so the
     policy's lost-row penalty sees them from dense calls too: without it a layer flipped back
-    to sparse every other call (run 12).
+    to sparse every other call (run 12). ``count_lost=False`` (no probe this call): None, and
+    three small launches fewer.
 
     ``compact``: save the hybrid state instead (the compaction and ``train_fwd_kernel`` with
     Y=False over g and u, as before session 7): a sparse path's memory at dense speed, its
@@ -203,7 +207,7 @@ def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap, co
     ell_u = torch.empty((m, width if u is not None else 0), dtype=dt, device=dev)
     bidx = torch.arange(m, dtype=torch.int64, device=dev)
     bu = u if u is not None else g.new_empty((m, 0))
-    missing = ((cnt > width).sum(dtype=torch.int32) - cap).clamp(min=0)
+    missing = ((cnt > width).sum(dtype=torch.int32) - cap).clamp(min=0) if count_lost else None
     return y, hsum, (cnt, cols, ell_g, ell_u, bidx, g, bu, missing)
 
 
@@ -237,10 +241,10 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
             stats.record(layer, cnt, hsum.sum(), missing, n)
     else:
         y, hsum, (cnt, *rest) = forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down,
-                                              width, cap, compact)
+                                              width, cap, compact, count_lost=probe)
         missing = rest[-1]                 # lost rows (compact) or what sparse would lose
         if keep_stats:
-            stats.record(layer, cnt, hsum.sum(), missing if compact else torch.zeros_like(missing), n)
+            stats.record(layer, cnt, hsum.sum(), missing if compact else cnt.new_zeros(()), n)
     if probe:
         cuda_policy.submit(key, cnt.sum() + missing * LOST_ROW_PAIRS, m * n)
         cuda_policy.submit(lkey, missing, 1)
@@ -268,8 +272,7 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
     gated = w_up is not None
     cap = bidx.shape[0]
     f32, i32 = torch.float32, torch.int32
-    slot_of = torch.full((m + 1,), -1, dtype=i32, device=dev)
-    slot_of.scatter_(0, torch.where(bidx >= 0, bidx, m), torch.arange(cap, dtype=i32, device=dev))
+    slot_of = _slot_of(bidx, m)
     dx = torch.empty((m, k), dtype=dt, device=dev)
     # quiet rows: ranks in their columns, per-column counts; d_g, d_u per slot (fp32)
     rk = torch.empty((m, width), dtype=i32, device=dev)
@@ -355,14 +358,29 @@ def backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, g, u, l1c):
             GATED=gated, L1=bool(l1c), BLOCK=EW_BLOCK, num_warps=8)
     dw_down = dy2.t().mm(h)
     del h
+    return (*_products(x2, w_gate, b_gate, w_up, b_up, dg, du), dw_down)
+
+
+def _products(x2, w_gate, b_gate, w_up, b_up, dg, du):
+    """(dx, dW_g, db_g, dW_u, db_u) from dense d_g, d_u [M, N] (d_u None when non-gated): four
+    cuBLAS products, called once h is freed so dx and the weight grads do not add to its peak."""
     dx = dg.mm(w_gate)
-    if gated:
+    if du is not None:
         dx.addmm_(du, w_up)
     dw_gate = dg.t().mm(x2)
     db_gate = dg.sum(0) if b_gate is not None else None
-    dw_up = du.t().mm(x2) if gated else None
-    db_up = du.sum(0) if (gated and b_up is not None) else None
-    return dx, dw_gate, db_gate, dw_up, db_up, dw_down
+    dw_up = du.t().mm(x2) if du is not None else None
+    db_up = du.sum(0) if (du is not None and b_up is not None) else None
+    return dx, dw_gate, db_gate, dw_up, db_up
+
+
+def _slot_of(bidx: Tensor, m: int) -> Tensor:
+    """[M + 1] int32: each row's dense-backup slot, -1 for rows without one (padding slots,
+    backup_idx -1, land on the extra entry M)."""
+    slot_of = torch.full((m + 1,), -1, dtype=torch.int32, device=bidx.device)
+    slot_of.scatter_(0, torch.where(bidx >= 0, bidx, m),
+                     torch.arange(bidx.shape[0], dtype=torch.int32, device=bidx.device))
+    return slot_of
 
 
 def backward_densify(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_g, ell_u,
@@ -374,12 +392,9 @@ def backward_densify(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
 
     m, k = x2.shape
     n = w_gate.shape[0]
-    dev = x2.device
     gated = w_up is not None
-    cap = bidx.shape[0]
     width = cols.shape[1]
-    slot_of = torch.full((m + 1,), -1, dtype=torch.int32, device=dev)
-    slot_of.scatter_(0, torch.where(bidx >= 0, bidx, m), torch.arange(cap, dtype=torch.int32, device=dev))
+    slot_of = _slot_of(bidx, m)
     h = dy2.mm(w_down)                                  # dh; the kernel leaves h in its place
     dg = torch.empty_like(h)
     du = torch.empty_like(h) if gated else None
@@ -396,14 +411,7 @@ def backward_densify(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
             DCH=min(DENSIFY_CH, _pow2(n)), num_warps=4)
     dw_down = dy2.t().mm(h)
     del h
-    dx = dg.mm(w_gate)
-    if gated:
-        dx.addmm_(du, w_up)
-    dw_gate = dg.t().mm(x2)
-    db_gate = dg.sum(0) if b_gate is not None else None
-    dw_up = du.t().mm(x2) if gated else None
-    db_up = du.sum(0) if (gated and b_up is not None) else None
-    return dx, dw_gate, db_gate, dw_up, db_up, dw_down
+    return (*_products(x2, w_gate, b_gate, w_up, b_up, dg, du), dw_down)
 
 
 def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],

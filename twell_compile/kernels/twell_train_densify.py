@@ -11,8 +11,8 @@ mul backward gives), so a quiet row (count <= W, finite x) reads u and h_g only 
 slots: the slots' dh are gathered first, the row is then written as if inactive, and the
 slots' values are scattered over it; CTA barriers order the three steps (the stores of one
 element come from different threads). A busy row takes h_g and u from its dense-backup row,
-or, past the backup, recomputes g and u from x (exact, slow: ~N K / CH steps; the policy
-keeps layers with such rows on the save-g-and-u path). Same formulas and rounding as
+or, past the backup, recomputes g and u from x (exact, slow: N / CH steps of [CH, K] weight
+tiles per row, not timed; the policy keeps layers with such rows on the save-g-and-u path). Same formulas and rounding as
 twell_train_dense.py.
 """
 
@@ -30,6 +30,19 @@ def _terms(dh, hg, u, l1c, dt, GATED: tl.constexpr, L1: tl.constexpr):
         dh += l1c * (tl.where(h > 0.0, 1.0, 0.0) - tl.where(h < 0.0, 1.0, 0.0))
     dg = tl.where(hg <= 0.0, 0.0, dh * u if GATED else dh)          # NaN passes
     return dg, dh * hg, h
+
+
+@triton.jit
+def _write_chunk(dh_ptr, dg_ptr, du_ptr, at, c_ok, hg, u, l1c, dt,
+                 GATED: tl.constexpr, L1: tl.constexpr):
+    """A busy row's columns ``at``: d_g, d_u stored; h over the chunk's dh once it is read."""
+    dh = tl.load(dh_ptr + at, mask=c_ok, other=0.0).to(tl.float32)
+    dg, du, h = _terms(dh, hg, u, l1c, dt, GATED, L1)
+    tl.store(dg_ptr + at, dg.to(dt), mask=c_ok)
+    if GATED:
+        tl.store(du_ptr + at, du.to(dt), mask=c_ok)
+    tl.debug_barrier()                          # every dh of the chunk read before h lands
+    tl.store(dh_ptr + at, h.to(dt), mask=c_ok)
 
 
 @triton.jit
@@ -63,13 +76,7 @@ def train_densify_kernel(dh_ptr, dg_ptr, du_ptr, cnt_ptr, cols_ptr, eg_ptr, eu_p
                     u = tl.load(bu_ptr + brow + cn, mask=c_ok, other=0.0).to(tl.float32)
                 else:
                     u = hg
-                dh = tl.load(dh_ptr + row + cn, mask=c_ok, other=0.0).to(tl.float32)
-                dg, du, h = _terms(dh, hg, u, l1c, dt, GATED, L1)
-                tl.store(dg_ptr + row + cn, dg.to(dt), mask=c_ok)
-                if GATED:
-                    tl.store(du_ptr + row + cn, du.to(dt), mask=c_ok)
-                tl.debug_barrier()              # every dh of the chunk read before h lands
-                tl.store(dh_ptr + row + cn, h.to(dt), mask=c_ok)
+                _write_chunk(dh_ptr, dg_ptr, du_ptr, row + cn, c_ok, hg, u, l1c, dt, GATED, L1)
         else:
             for c0 in range(0, N, CH):
                 cn = c0 + cc
@@ -82,13 +89,7 @@ def train_densify_kernel(dh_ptr, dg_ptr, du_ptr, cnt_ptr, cols_ptr, eg_ptr, eu_p
                                    HAS_BU, CH, BK).to(tl.float32)
                 else:
                     u = hg
-                dh = tl.load(dh_ptr + row + cn, mask=c_ok, other=0.0).to(tl.float32)
-                dg, du, h = _terms(dh, hg, u, l1c, dt, GATED, L1)
-                tl.store(dg_ptr + row + cn, dg.to(dt), mask=c_ok)
-                if GATED:
-                    tl.store(du_ptr + row + cn, du.to(dt), mask=c_ok)
-                tl.debug_barrier()
-                tl.store(dh_ptr + row + cn, h.to(dt), mask=c_ok)
+                _write_chunk(dh_ptr, dg_ptr, du_ptr, row + cn, c_ok, hg, u, l1c, dt, GATED, L1)
     else:
         js = tl.arange(0, W_P)
         live = js < cnt
