@@ -82,7 +82,7 @@ SCRIPT = textwrap.dedent("""
 
 CASES = [
     # m, k, n, k_out, gated, bias, density, nan/inf rows, config (None: default): cuda_decode.Config
-    # (bn, bk, bku, bko, vec_m, finish_max, warps, stages[, pb, kc, le, bo, gwarps]), form (None:
+    # (bn, bk, bku, bko, vec_m, finish_max, warps, stages[, pb, kc, le, bo, gwarps, lbn, udot]), form (None:
     # rows/tiles by vec_m); odd M: registered W_down (persistent state)
     (1, 33, 130, 17, True, True, 0.3, False, None, None),      # M = 1, odd K, N, K_out (per-neuron path)
     (2, 100, 130, 17, True, True, 0.3, True, (16, 16, 32, 16, 0, 0, 4, 1), None),  # tiles, finishing launch, NaN/Inf
@@ -102,6 +102,11 @@ CASES = [
     (3, 40, 70, 40, True, True, 0.0, False, None, "list"),      # density 0, biases
     (40, 24, 61, 33, True, True, 0.3, True, (16, 16, 16, 16, 0, 0, 4, 1, 4, 32, 16, 16, 4), "list"),  # two row blocks
     (17, 72, 257, 65, False, True, 0.3, False, None, "list"),   # odd shapes, several K_out programs
+    # the list form with its up projection as tl.dot over the block's active neurons (udot)
+    (16, 40, 300, 40, True, True, 0.05, True, (32, 16, 16, 16, 0, 0, 4, 1, 4, 16, 16, 16, 4, 32, True), "list"),
+    (3, 40, 70, 40, True, True, 1.0, False, (16, 16, 16, 16, 0, 0, 4, 1, 2, 16, 8, 16, 4, 16, True), "list"),
+    (5, 72, 257, 65, True, False, 0.3, True, (32, 32, 32, 16, 0, 0, 4, 1, 4, 32, 16, 16, 4, 32, True), "list"),
+    (3, 40, 100, 24, False, False, 0.3, False, (32, 16, 16, 16, 0, 0, 4, 1, 4, 16, 16, 16, 4, 32, True), "list"),
 ]
 
 
@@ -403,7 +408,8 @@ def test_decode_list_form_grid(m, density, tail, dtype):
 
 @gpu
 @pytest.mark.parametrize("cfg", [(32, 128, 256, 256, 0, 0, 4, 3, 2, 1024, 16, 128, 8, 16),
-                                 (64, 256, 256, 256, 0, 0, 8, 2, 8, 4096, 64, 512, 4, 64)])
+                                 (64, 256, 256, 256, 0, 0, 8, 2, 8, 4096, 64, 512, 4, 64),
+                                 (32, 128, 128, 256, 0, 0, 4, 3, 4, 2048, 32, 128, 4, 64, True, 256, 5)])
 @pytest.mark.parametrize("m", [2, 16, 40])
 @pytest.mark.parametrize("k,n,k_out", [(2048, 5632, 2048), (4096, 11008, 4096), (100, 3000, 4100)])
 def test_decode_list_form_configs_and_shapes(cfg, m, k, n, k_out):

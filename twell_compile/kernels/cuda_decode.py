@@ -55,12 +55,18 @@ class Config(NamedTuple):
     bo: int = 128      # K_out per down-gather program
     gwarps: int = 4    # warps of the down-gather kernel
     lbn: int = 32      # neurons per program of the list form's gate kernel
+    udot: bool = False  # list form's up projection: tl.dot over the block's active neurons
+                        # (all rows at once, steps of bku) instead of per-pair gathers
+    lbk: int = 0       # K step of the list form's gate loop (0: bk)
+    lstages: int = 0   # pipeline stages of the list form's first kernel (0: stages)
 
 
 # By padded M: tuned on the H200 (benchmarks/tune_decode.py, results/h200/decode_run5/).
+# List form (session 8, results/h200/session8/probe3.json, M=16 d=0.005, 4 layers): udot with
+# lbn 64, lbk 128, 5 stages, le 64: 24.7 us vs 26.7 with per-pair gathers; M=32: 30.4 vs 36.7.
 CONFIGS = {
-    16: Config(32, 256, 256, 256, 4, 0, 4, 3),
-    32: Config(64, 128, 256, 256, 0, 0, 4, 3),
+    16: Config(32, 256, 256, 256, 4, 0, 4, 3, lbn=64, le=64, udot=True, lbk=128, lstages=5),
+    32: Config(64, 128, 256, 256, 0, 0, 4, 3, lbn=64, le=32, udot=True, lbk=128, lstages=5),
     64: Config(64, 128, 256, 256, 0, 8192, 4, 3),
     128: Config(64, 128, 256, 256, 0, 8192, 4, 3),
     256: Config(64, 128, 256, 256, 0, 8192, 4, 3),
@@ -181,14 +187,15 @@ def _decode_list(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Opt
     lh, hs, hsum = fw.split([m * n, nrb * nb, 1])
     st = stats_buf if stats_buf is not None else fw
     wu = w_up if w_up is not None else w_gate
-    bk = min(c.bk, max(16, _pow2(k)))
+    bk = min(c.lbk or c.bk, max(16, _pow2(k)))
     kc = min(c.kc, max(16, _pow2(k)))
     decode_pairs_kernel[(nb, nrb)](
         x2, x2.stride(0), x2.stride(1), w_gate, w_gate.stride(0), w_gate.stride(1),
         b_gate if b_gate is not None else w_gate, wu, wu.stride(0), wu.stride(1),
         b_up if b_up is not None else w_gate, ln, lh, lc, rc, hs, m, k, n, nb,
         GATED=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
-        MB=mb, BN=c.lbn, BK=bk, PB=c.pb, KC=kc, num_warps=c.warps, num_stages=c.stages)
+        MB=mb, BN=c.lbn, BK=bk, PB=c.pb, KC=kc, UDOT=c.udot, BKU=min(c.bku, max(16, _pow2(k))),
+        num_warps=c.warps, num_stages=c.lstages or c.stages)
     bo = min(c.bo, max(16, _pow2(k_out)))
     no = -(-k_out // bo)
     decode_gather_kernel[(m * no + 1,)](

@@ -27,12 +27,41 @@ from twell_compile.kernels.twell_decode import _finish_stats, _gate_block
 
 
 @triton.jit
+def _up_dot(x_ptr, sx_k, xbase, wu_ptr, swu_n, swu_k, bu_ptr, lh_ptr, v, act, pos, rn, m_ok, K,
+            GATED: tl.constexpr, HAS_BU: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr,
+            BKU: tl.constexpr):
+    """u for every row of the block's active neurons at once (tl.dot over K; inactive W_up rows
+    are masked, so never read), h = v * u rounded as eager rounds h, stored at the active pairs'
+    list slots. Returns sum |h|."""
+    if GATED:
+        col = tl.max(act.to(tl.int32), axis=0) > 0
+        rku = tl.arange(0, BKU)
+        wu_base = wu_ptr + rn.to(tl.int64)[:, None] * swu_n
+        u = tl.zeros((MB, BN), dtype=tl.float32)
+        for k0 in range(0, K, BKU):
+            kk = k0 + rku
+            k_ok = kk < K
+            xk = tl.load(xbase + kk[None, :] * sx_k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(wu_base + kk[None, :] * swu_k, mask=col[:, None] & k_ok[None, :], other=0.0)
+            u = tl.dot(xk, tl.trans(w), u)
+        if HAS_BU:
+            u += tl.load(bu_ptr + rn, mask=col, other=0.0).to(tl.float32)[None, :]
+        h = v * u
+    else:
+        h = v
+    h = tl.where(act, h, 0.0).to(x_ptr.dtype.element_ty).to(tl.float32)       # eager's rounding
+    tl.store(lh_ptr + pos, h, mask=act)
+    return tl.sum(tl.sum(tl.abs(h), axis=1), axis=0)
+
+
+@triton.jit
 def decode_pairs_kernel(
     x_ptr, sx_m, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, wu_ptr, swu_n, swu_k, bu_ptr,
     ln_ptr, lh_ptr, lc_ptr, rc_ptr, hs_ptr,
     M, K, N, NB,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
     MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PB: tl.constexpr, KC: tl.constexpr,
+    UDOT: tl.constexpr, BKU: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_r = tl.program_id(1)
@@ -52,7 +81,11 @@ def decode_pairs_kernel(
     tl.store(ln_ptr + pos, tl.zeros((MB, BN), dtype=tl.int32) + rn[None, :], mask=act)
     npair = tl.sum(tl.sum(ai, axis=1), axis=0)
     hsum = tl.sum(tl.zeros((PB,), dtype=tl.float32), axis=0)
-    if npair > 0:
+    if UDOT:
+        if npair > 0:
+            hsum = _up_dot(x_ptr, sx_k, xbase, wu_ptr, swu_n, swu_k, bu_ptr, lh_ptr, v, act, pos, rn, m_ok,
+                           K, GATED, HAS_BU, MB, BN, BKU)
+    elif npair > 0:
         fa = tl.reshape(ai, (MB * BN,))
         rank = tl.cumsum(fa, axis=0)                     # 1-based rank at the active pairs
         fi = tl.arange(0, MB * BN)
