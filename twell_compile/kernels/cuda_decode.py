@@ -62,11 +62,12 @@ class Config(NamedTuple):
 
 
 # By padded M: tuned on the H200 (benchmarks/tune_decode.py, results/h200/decode_run5/).
-# List form (session 8, results/h200/session8/probe3.json, M=16 d=0.005, 4 layers): udot with
-# lbn 64, lbk 128, 5 stages, le 64: 24.7 us vs 26.7 with per-pair gathers; M=32: 30.4 vs 36.7.
+# udot stays off (session 8, H200, results/h200/session8/): with lbn 64, lbk 128, 5 stages it
+# gave K=2048 M=16 d=0.005 24.7 us vs 26.8 and M=32 32.1 vs 35.8, but K=4096 M=8/16 69.0/69.3
+# vs 51.9/59.8 (one config per padded M serves both shapes).
 CONFIGS = {
-    16: Config(32, 256, 256, 256, 4, 0, 4, 3, lbn=64, le=64, udot=True, lbk=128, lstages=5),
-    32: Config(64, 128, 256, 256, 0, 0, 4, 3, lbn=64, le=32, udot=True, lbk=128, lstages=5),
+    16: Config(32, 256, 256, 256, 4, 0, 4, 3),
+    32: Config(64, 128, 256, 256, 0, 0, 4, 3),
     64: Config(64, 128, 256, 256, 0, 8192, 4, 3),
     128: Config(64, 128, 256, 256, 0, 8192, 4, 3),
     256: Config(64, 128, 256, 256, 0, 8192, 4, 3),
