@@ -12,6 +12,8 @@ vs dense 34.1). Here the down projection gathers per token instead:
   h for the down GEMM. The pairs of token m in block b go to slots [b * BN, b * BN + count) of
   token m's list (neuron index and h), in neuron order; count per (token, block) is written,
   not added, so nothing needs zeroing between calls. Statistics as the fused kernel's.
+  UDOT (Config.udot, off by default): u for all rows of the block's active neurons in one
+  tl.dot over K instead (``_up_dot``; inactive W_up rows masked, never read).
 ``decode_gather_kernel`` (grid: M x K_out / BO programs, + 1 for the statistics): program
   (m, o) prefix-sums token m's counts over the blocks, then takes LE list entries per step:
   their neuron indices and h, and W_d^T rows [LE, BO] gathered in one round trip, summed in
