@@ -166,7 +166,8 @@ def load_policy(path: str) -> None:
 
 
 def load_configs(path: str) -> None:
-    """Use tuned decode configs for this run ({padded M: [8 ints]}, benchmarks/tune_decode.py)."""
+    """Use tuned decode configs for this run ({padded M: [cuda_decode.Config fields in order, the
+    first 8 at least]}, benchmarks/tune_decode.py)."""
     for mp, vals in json.load(open(path)).items():
         cuda_decode.CONFIGS[int(mp)] = cuda_decode.Config(*vals)
 

@@ -109,6 +109,25 @@ def _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
 
 
 @triton.jit
+def _up_tile(xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, col, rn, m_ok, K,
+             HAS_BU: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, BKU: tl.constexpr):
+    """u = x W_u[rn]^T (+ b_u) [MB, BN] in fp32 by tl.dot over K; rows of neurons not in col are
+    masked, so never read."""
+    rku = tl.arange(0, BKU)
+    wu_base = wu_ptr + rn.to(tl.int64)[:, None] * swu_n
+    u = tl.zeros((MB, BN), dtype=tl.float32)
+    for k0 in range(0, K, BKU):
+        kk = k0 + rku
+        k_ok = kk < K
+        xk = tl.load(xbase + kk[None, :] * sx_k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(wu_base + kk[None, :] * swu_k, mask=col[:, None] & k_ok[None, :], other=0.0)
+        u = tl.dot(xk, tl.trans(w), u)
+    if HAS_BU:
+        u += tl.load(bu_ptr + rn, mask=col, other=0.0).to(tl.float32)[None, :]
+    return u
+
+
+@triton.jit
 def _up_down_tiles(x_ptr, sx_k, xbase, wu_ptr, swu_n, swu_k, bu_ptr, wdt_ptr, swd_n, swd_k, acc_ptr,
                    v, col, valid, rn, rm, m_ok, K, KO,
                    GATED: tl.constexpr, HAS_BU: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr,
@@ -116,18 +135,7 @@ def _up_down_tiles(x_ptr, sx_k, xbase, wu_ptr, swu_n, swu_k, bu_ptr, wdt_ptr, sw
     """Up and down for the block's active neurons as tl.dot tiles over K and K_out (masked
     rows: inactive neurons' weights are not read). Returns sum |h|."""
     if GATED:
-        rku = tl.arange(0, BKU)
-        wu_base = wu_ptr + rn.to(tl.int64)[:, None] * swu_n
-        u = tl.zeros((MB, BN), dtype=tl.float32)
-        for k0 in range(0, K, BKU):
-            kk = k0 + rku
-            k_ok = kk < K
-            xk = tl.load(xbase + kk[None, :] * sx_k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(wu_base + kk[None, :] * swu_k, mask=col[:, None] & k_ok[None, :], other=0.0)
-            u = tl.dot(xk, tl.trans(w), u)
-        if HAS_BU:
-            u += tl.load(bu_ptr + rn, mask=col, other=0.0).to(tl.float32)[None, :]
-        h = v * u
+        h = v * _up_tile(xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, col, rn, m_ok, K, HAS_BU, MB, BN, BKU)
     else:
         h = v
     hb = tl.where(valid & col[None, :], h, 0.0).to(x_ptr.dtype.element_ty)

@@ -25,7 +25,7 @@ run in a fixed order: repeated calls give identical bits.
 import triton
 import triton.language as tl
 
-from twell_compile.kernels.twell_decode import _finish_stats, _gate_block
+from twell_compile.kernels.twell_decode import _finish_stats, _gate_block, _up_tile
 
 
 @triton.jit
@@ -37,18 +37,7 @@ def _up_dot(x_ptr, sx_k, xbase, wu_ptr, swu_n, swu_k, bu_ptr, lh_ptr, v, act, po
     list slots. Returns sum |h|."""
     if GATED:
         col = tl.max(act.to(tl.int32), axis=0) > 0
-        rku = tl.arange(0, BKU)
-        wu_base = wu_ptr + rn.to(tl.int64)[:, None] * swu_n
-        u = tl.zeros((MB, BN), dtype=tl.float32)
-        for k0 in range(0, K, BKU):
-            kk = k0 + rku
-            k_ok = kk < K
-            xk = tl.load(xbase + kk[None, :] * sx_k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(wu_base + kk[None, :] * swu_k, mask=col[:, None] & k_ok[None, :], other=0.0)
-            u = tl.dot(xk, tl.trans(w), u)
-        if HAS_BU:
-            u += tl.load(bu_ptr + rn, mask=col, other=0.0).to(tl.float32)[None, :]
-        h = v * u
+        h = v * _up_tile(xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, col, rn, m_ok, K, HAS_BU, MB, BN, BKU)
     else:
         h = v
     h = tl.where(act, h, 0.0).to(x_ptr.dtype.element_ty).to(tl.float32)       # eager's rounding

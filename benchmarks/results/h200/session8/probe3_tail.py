@@ -1,3 +1,5 @@
+# Sections (c) and (d) of the session 8 probes, run by probe3.py (exec in its namespace, after
+# probe_kernels is imported): L2 row-gather ceiling, host time per call by entry point.
 # (c) L2 gather ceiling: a 46 MB table (W_up + W_down^T rows), P random rows per token
 M = 16384
 tab = torch.randn(2 * N, K, device=dev, dtype=torch.bfloat16)

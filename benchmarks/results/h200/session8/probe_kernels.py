@@ -1,6 +1,5 @@
-"""Session 8 probe (H200): (a) read-bandwidth ceiling for one 23 MB weight per launch, (b) gate
-GEMV variants (tl.dot MB=16, split-K; M=1 without dot), (c) L2 row-gather ceiling for the
-per-row inference kernel, (d) host time per call by entry point. Prints JSON lines."""
+"""Session 8 probes' shared part (Triton kernels must live in a file): the output path
+(argv[1]), emit(), graph_us(), and the probe kernels (read, GEMV, row gather)."""
 import sys, json, time, itertools
 sys.path.insert(0, "benchmarks")
 import torch, triton, triton.language as tl
