@@ -107,6 +107,15 @@ CASES = [
     (3, 40, 70, 40, True, True, 1.0, False, (16, 16, 16, 16, 0, 0, 4, 1, 2, 16, 8, 16, 4, 16, True), "list"),
     (5, 72, 257, 65, True, False, 0.3, True, (32, 32, 32, 16, 0, 0, 4, 1, 4, 32, 16, 16, 4, 32, True), "list"),
     (3, 40, 100, 24, False, False, 0.3, False, (32, 16, 16, 16, 0, 0, 4, 1, 4, 16, 16, 16, 4, 32, True), "list"),
+    # the pairs form (per active pair: up, then h W_d^T[n] into the accumulator by atomics)
+    (16, 40, 300, 40, True, True, 0.05, True, None, "pairs"),    # NaN and Inf rows
+    (3, 40, 100, 24, False, False, 0.3, False, None, "pairs"),  # non-gated, a row with nothing active
+    (3, 40, 70, 40, True, False, 1.0, False, (16, 16, 16, 16, 0, 0, 4, 1, 2, 16, 8, 16, 4, 16, False, 0, 0, 16), "pairs"),  # density 1, K and K_out chunks
+    (5, 40, 70, 40, True, True, 0.0, False, None, "pairs"),     # density 0, biases, registered
+    (40, 24, 61, 33, True, True, 0.3, True, (16, 16, 16, 16, 0, 0, 4, 1, 4, 32, 16, 16, 4, 16, False, 0, 0, 16), "pairs"),  # two row blocks, 3 K_out chunks
+    (17, 72, 257, 65, False, True, 0.3, False, None, "pairs"),  # odd shapes, registered
+    (5, 72, 257, 65, True, False, 0.3, True, (32, 32, 32, 16, 0, 0, 4, 1, 4, 32, 16, 16, 4, 32, True, 0, 0, 32), "pairs"),  # udot, NaN/Inf
+    (16, 40, 300, 40, True, True, 0.05, False, (32, 16, 16, 16, 0, 0, 4, 1, 4, 16, 16, 16, 4, 32, True, 0, 0, 16), "pairs"),  # udot
 ]
 
 
@@ -399,21 +408,35 @@ def test_decode_grid(m, density, dtype):
 @pytest.mark.parametrize("m", [1, 3, 16, 33, 64])
 @pytest.mark.parametrize("density", [0.0, 0.005, 0.05, 0.3, 1.0])
 @pytest.mark.parametrize("tail", [0.0, 0.5])
-def test_decode_list_form_grid(m, density, tail, dtype):
+@pytest.mark.parametrize("form", ["list", "pairs"])
+def test_decode_list_and_pairs_form_grid(m, density, tail, dtype, form):
     from twell_compile.kernels.cuda_decode import decode_forward
     p = _ffn(m, 512, 1408, 520, density, dtype, tail=tail)
-    y = _check(p, form="list")
-    assert torch.equal(y, decode_forward(*_args(p), form="list").y), "list form not deterministic"
+    registered = form == "pairs" and m % 2 == 1        # the persistent accumulator
+    if registered:
+        assert weight_cache.register(p["w_down"])
+    y = _check(p, form=form)
+    if form == "list":
+        assert torch.equal(y, decode_forward(*_args(p), form="list").y), "list form not deterministic"
+    else:
+        _check(p, form=form)                           # a second call: the state was zeroed
+    if registered:
+        acc, tk = weight_cache.decode_state(p["w_down"], m)
+        assert not acc.any(), "persistent accumulator not zero after the call"
+    weight_cache.clear()
 
 
 @gpu
 @pytest.mark.parametrize("cfg", [(32, 128, 256, 256, 0, 0, 4, 3, 2, 1024, 16, 128, 8, 16),
                                  (64, 256, 256, 256, 0, 0, 8, 2, 8, 4096, 64, 512, 4, 64),
-                                 (32, 128, 128, 256, 0, 0, 4, 3, 4, 2048, 32, 128, 4, 64, True, 256, 5)])
+                                 (32, 128, 128, 256, 0, 0, 4, 3, 4, 2048, 32, 128, 4, 64, True, 256, 5),
+                                 (32, 256, 256, 256, 0, 0, 4, 3, 4, 2048, 64, 128, 4, 16, False, 128, 4, 2048),
+                                 (32, 128, 256, 256, 0, 0, 8, 3, 8, 1024, 64, 128, 4, 32, True, 128, 5, 512)])
 @pytest.mark.parametrize("m", [2, 16, 40])
 @pytest.mark.parametrize("k,n,k_out", [(2048, 5632, 2048), (4096, 11008, 4096), (100, 3000, 4100)])
-def test_decode_list_form_configs_and_shapes(cfg, m, k, n, k_out):
-    _check(_ffn(m, k, n, k_out, 0.02, torch.bfloat16, tail=0.2), cfg, form="list")
+@pytest.mark.parametrize("form", ["list", "pairs"])
+def test_decode_list_and_pairs_form_configs_and_shapes(cfg, m, k, n, k_out, form):
+    _check(_ffn(m, k, n, k_out, 0.02, torch.bfloat16, tail=0.2), cfg, form=form)
 
 
 @gpu
@@ -464,7 +487,7 @@ def test_decode_odd_shapes(m, k, n, k_out, gated, bias):
 @gpu
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-@pytest.mark.parametrize("form", [None, "list"])
+@pytest.mark.parametrize("form", [None, "list", "pairs"])
 def test_decode_nan_inf_propagate_like_eager(gated, bad, form):
     from twell_compile.kernels.cuda_decode import decode_forward
     from twell_compile.reference import ffn_dense
@@ -497,7 +520,8 @@ def test_decode_repeatable_and_fresh_inputs():
 
 @gpu
 @pytest.mark.parametrize("m,registered,form", [(4, True, None), (1, True, None), (4, False, None), (40, True, None),
-                                               (16, True, "list"), (40, False, "list")])
+                                               (16, True, "list"), (40, False, "list"),
+                                               (16, True, "pairs"), (40, False, "pairs"), (3, True, "pairs")])
 def test_decode_cuda_graph_capture_and_replay_with_new_inputs(m, registered, form):
     """Replays with fresh inputs, interleaved with eager calls on the same weights: every result
     within the error rule (the persistent accumulator stays zero between calls)."""

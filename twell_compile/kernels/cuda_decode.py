@@ -59,6 +59,7 @@ class Config(NamedTuple):
                         # (all rows at once, steps of bku) instead of per-pair gathers
     lbk: int = 0       # K step of the list form's gate loop (0: bk)
     lstages: int = 0   # pipeline stages of the list form's first kernel (0: stages)
+    koc: int = 1024    # pairs form: K_out per step of its W_d^T row loads and atomics
 
 
 # By padded M: tuned on the H200 (benchmarks/tune_decode.py, results/h200/decode_run5/).
@@ -91,7 +92,7 @@ class Decoded(NamedTuple):
     hsum: Tensor     # [1] fp32: sum |h|
 
 
-FORMS = ("rows", "tiles", "list")
+FORMS = ("rows", "tiles", "list", "pairs")
 
 
 def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
@@ -122,8 +123,9 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
         form = "rows" if m <= c.vec_m else "tiles"
     elif form == "rows" and m > c.vec_m:
         raise ValueError(f"form='rows' takes M <= cfg.vec_m = {c.vec_m} rows, got {m}")
-    if form == "list":
-        return _decode_list(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, c, stats_buf)
+    if form in ("list", "pairs"):
+        return _decode_list(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, c, stats_buf,
+                            adown=form == "pairs")
     mb = min(mp, MAX_MB)
     nrb = -(-m // mb)
     nb = -(-n // c.bn)
@@ -166,10 +168,14 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
 
 def _decode_list(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                  b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], c: Config,
-                 stats_buf: Optional[Tensor]) -> Decoded:
+                 stats_buf: Optional[Tensor], adown: bool = False) -> Decoded:
     """The list form (twell_decode_list.py): gate + up into per-token lists, then a gather
     launch for the down projection. Lists hold N slots per token (4 + 4 bytes each: 0.7 MB at
-    M=16, N=5632), allocated per call (no launch); nothing is zero-filled."""
+    M=16, N=5632), allocated per call (no launch); nothing is zero-filled.
+    ``adown`` (the pairs form): no lists; each active pair's h W_d^T[n] goes into the fp32
+    accumulator by atomics in the first launch (as the rows form does per neuron), then the
+    finishing launch writes y."""
+    from twell_compile.kernels.twell_decode import decode_finish_kernel
     from twell_compile.kernels.twell_decode_list import decode_gather_kernel, decode_pairs_kernel
 
     m, k = x2.shape
@@ -182,21 +188,37 @@ def _decode_list(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Opt
     wdt = weight_cache.transposed(w_down)
     # int32: list neuron indices [M, N], counts per (token, block) [M, NB], non-zeros per
     # (row block, block, row), then tok [M + 1]; fp32: list h [M, N], sum |h| per block, total
-    iw = torch.empty(m * n + m * nb + nrb * nb * mb + m + 1, dtype=torch.int32, device=dev)
-    ln, lc, rc, tok = iw.split([m * n, m * nb, nrb * nb * mb, m + 1])
-    fw = torch.empty(m * n + nrb * nb + 1, dtype=torch.float32, device=dev)
-    lh, hs, hsum = fw.split([m * n, nrb * nb, 1])
+    nl = 0 if adown else m * n
+    iw = torch.empty(nl + (0 if adown else m * nb) + nrb * nb * mb + m + 1, dtype=torch.int32, device=dev)
+    ln, lc, rc, tok = iw.split([nl, 0 if adown else m * nb, nrb * nb * mb, m + 1])
+    fw = torch.empty(nl + nrb * nb + 1, dtype=torch.float32, device=dev)
+    lh, hs, hsum = fw.split([nl, nrb * nb, 1])
     st = stats_buf if stats_buf is not None else fw
+    state = weight_cache.decode_state(w_down, m) if adown else None
+    if not adown:
+        acc = fw
+    elif state is None:                 # unregistered weight: a fresh zeroed accumulator
+        acc = torch.zeros(m * k_out, dtype=torch.float32, device=dev)
+    else:
+        acc = state[0]
     wu = w_up if w_up is not None else w_gate
     bk = min(c.lbk or c.bk, max(16, _pow2(k)))
     kc = min(c.kc, max(16, _pow2(k)))
     decode_pairs_kernel[(nb, nrb)](
         x2, x2.stride(0), x2.stride(1), w_gate, w_gate.stride(0), w_gate.stride(1),
         b_gate if b_gate is not None else w_gate, wu, wu.stride(0), wu.stride(1),
-        b_up if b_up is not None else w_gate, ln, lh, lc, rc, hs, m, k, n, nb,
+        b_up if b_up is not None else w_gate, ln, lh, lc, rc, hs, wdt, wdt.stride(0), wdt.stride(1),
+        acc, m, k, n, nb, k_out,
         GATED=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
         MB=mb, BN=c.lbn, BK=bk, PB=c.pb, KC=kc, UDOT=c.udot, BKU=min(c.bku, max(16, _pow2(k))),
+        ADOWN=adown, KOC=min(c.koc, max(16, _pow2(k_out))),
         num_warps=c.warps, num_stages=c.lstages or c.stages)
+    if adown:
+        flags = dict(HAS_BD=b_down is not None, CLEAN=state is not None, HAS_ST=stats_buf is not None)
+        decode_finish_kernel[(-(-(m * k_out) // FINISH_BLOCK) + 1,)](
+            acc, b_down if b_down is not None else y, y, y.stride(0), y.stride(1), rc, hs, tok, hsum,
+            st, m, k_out, nb, nrb, MB=mb, BLOCK=FINISH_BLOCK, RB=STAT_BLOCKS, **flags, num_warps=4)
+        return Decoded(y, tok, hsum)
     bo = min(c.bo, max(16, _pow2(k_out)))
     no = -(-k_out // bo)
     decode_gather_kernel[(m * no + 1,)](

@@ -29,30 +29,43 @@ from twell_compile.kernels.twell_decode import _finish_stats, _gate_block, _up_t
 
 
 @triton.jit
-def _up_dot(x_ptr, sx_k, xbase, wu_ptr, swu_n, swu_k, bu_ptr, lh_ptr, v, act, pos, rn, m_ok, K,
+def _up_dot(x_ptr, xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, v, act, rn, m_ok, K,
             GATED: tl.constexpr, HAS_BU: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr,
             BKU: tl.constexpr):
-    """u for every row of the block's active neurons at once (tl.dot over K; inactive W_up rows
-    are masked, so never read), h = v * u rounded as eager rounds h, stored at the active pairs'
-    list slots. Returns sum |h|."""
+    """h [MB, BN] (fp32, rounded to x's dtype as eager rounds h; 0 off the active pairs) with u
+    for every row of the block's active neurons from one tl.dot over K (inactive W_up rows are
+    masked, so never read)."""
     if GATED:
         col = tl.max(act.to(tl.int32), axis=0) > 0
         h = v * _up_tile(xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, col, rn, m_ok, K, HAS_BU, MB, BN, BKU)
     else:
         h = v
-    h = tl.where(act, h, 0.0).to(x_ptr.dtype.element_ty).to(tl.float32)       # eager's rounding
-    tl.store(lh_ptr + pos, h, mask=act)
-    return tl.sum(tl.sum(tl.abs(h), axis=1), axis=0)
+    return tl.where(act, h, 0.0).to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _down_pairs(acc_ptr, wdt_ptr, swd_n, swd_k, wd, mg, ng, h, p_ok, KO, KOC: tl.constexpr):
+    """acc[mg] += h * W_d^T[ng] for PB pairs (fp32 relaxed atomics); wd: the rows' first KOC
+    columns, loaded by the caller."""
+    ko = tl.arange(0, KOC)
+    base = acc_ptr + mg[:, None] * KO
+    tl.atomic_add(base + ko[None, :], h[:, None] * wd.to(tl.float32),
+                  mask=p_ok[:, None] & (ko < KO)[None, :], sem="relaxed")
+    for o0 in range(KOC, KO, KOC):
+        kk = o0 + ko
+        ok = p_ok[:, None] & (kk < KO)[None, :]
+        w = tl.load(wdt_ptr + ng[:, None] * swd_n + kk[None, :] * swd_k, mask=ok, other=0.0)
+        tl.atomic_add(base + kk[None, :], h[:, None] * w.to(tl.float32), mask=ok, sem="relaxed")
 
 
 @triton.jit
 def decode_pairs_kernel(
     x_ptr, sx_m, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, wu_ptr, swu_n, swu_k, bu_ptr,
-    ln_ptr, lh_ptr, lc_ptr, rc_ptr, hs_ptr,
-    M, K, N, NB,
+    ln_ptr, lh_ptr, lc_ptr, rc_ptr, hs_ptr, wdt_ptr, swd_n, swd_k, acc_ptr,
+    M, K, N, NB, KO,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
     MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PB: tl.constexpr, KC: tl.constexpr,
-    UDOT: tl.constexpr, BKU: tl.constexpr,
+    UDOT: tl.constexpr, BKU: tl.constexpr, ADOWN: tl.constexpr, KOC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_r = tl.program_id(1)
@@ -66,21 +79,28 @@ def decode_pairs_kernel(
     blk = pid_r * tl.num_programs(0) + pid_n
     tl.store(rc_ptr + blk.to(tl.int64) * MB + tl.arange(0, MB), tl.sum(nz.to(tl.int32), axis=1))
     ai = act.to(tl.int32)
-    tl.store(lc_ptr + rm.to(tl.int64) * NB + pid_n, tl.sum(ai, axis=1), mask=m_ok)
-    # slot of each active pair in its token's list: block's base + rank among the row's pairs
     pos = rm.to(tl.int64)[:, None] * N + pid_n * BN + tl.cumsum(ai, axis=1) - 1
-    tl.store(ln_ptr + pos, tl.zeros((MB, BN), dtype=tl.int32) + rn[None, :], mask=act)
+    if not ADOWN:
+        tl.store(lc_ptr + rm.to(tl.int64) * NB + pid_n, tl.sum(ai, axis=1), mask=m_ok)
+        # slot of each active pair in its token's list: block's base + rank among the row's pairs
+        tl.store(ln_ptr + pos, tl.zeros((MB, BN), dtype=tl.int32) + rn[None, :], mask=act)
     npair = tl.sum(tl.sum(ai, axis=1), axis=0)
     hsum = tl.sum(tl.zeros((PB,), dtype=tl.float32), axis=0)
-    if UDOT:
+    if UDOT and not ADOWN:
         if npair > 0:
-            hsum = _up_dot(x_ptr, sx_k, xbase, wu_ptr, swu_n, swu_k, bu_ptr, lh_ptr, v, act, pos, rn, m_ok,
-                           K, GATED, HAS_BU, MB, BN, BKU)
+            h = _up_dot(x_ptr, xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, v, act, rn, m_ok,
+                        K, GATED, HAS_BU, MB, BN, BKU)
+            tl.store(lh_ptr + pos, h, mask=act)
+            hsum = tl.sum(tl.sum(tl.abs(h), axis=1), axis=0)
     elif npair > 0:
         fa = tl.reshape(ai, (MB * BN,))
         rank = tl.cumsum(fa, axis=0)                     # 1-based rank at the active pairs
         fi = tl.arange(0, MB * BN)
-        fv = tl.reshape(v, (MB * BN,))
+        if UDOT:      # h of every pair from one tl.dot; the loop below only adds them to acc
+            fv = tl.reshape(_up_dot(x_ptr, xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, v, act, rn, m_ok,
+                                    K, GATED, HAS_BU, MB, BN, BKU), (MB * BN,))
+        else:
+            fv = tl.reshape(v, (MB * BN,))
         fp = tl.reshape(pos, (MB * BN,))
         rp = tl.arange(0, PB)
         for p0 in range(0, npair, PB):
@@ -89,10 +109,13 @@ def decode_pairs_kernel(
             sel = (rank[None, :] == want[:, None]) & (fa[None, :] > 0)          # [PB, MB * BN]
             f = tl.sum(tl.where(sel, fi[None, :], 0), axis=1)
             vp = tl.sum(tl.where(sel, fv[None, :], 0.0), axis=1)                # NaN/Inf kept
-            slot = tl.sum(tl.where(sel, fp[None, :], 0), axis=1)
-            if GATED:
-                mg = (pid_r * MB + f // BN).to(tl.int64)
-                ng = (pid_n * BN + f % BN).to(tl.int64)
+            mg = (pid_r * MB + f // BN).to(tl.int64)
+            ng = (pid_n * BN + f % BN).to(tl.int64)
+            if ADOWN:     # the first K_out chunk of the W_d^T rows, requested with W_up's
+                ko = tl.arange(0, KOC)
+                wd = tl.load(wdt_ptr + ng[:, None] * swd_n + ko[None, :] * swd_k,
+                             mask=p_ok[:, None] & (ko < KO)[None, :], other=0.0)
+            if GATED and not UDOT:
                 u = tl.zeros((PB,), dtype=tl.float32)
                 for k0 in range(0, K, KC):
                     kk = k0 + tl.arange(0, KC)
@@ -102,12 +125,17 @@ def decode_pairs_kernel(
                     u += tl.sum(xr.to(tl.float32) * wr.to(tl.float32), axis=1)
                 if HAS_BU:
                     u += tl.load(bu_ptr + ng, mask=p_ok, other=0.0).to(tl.float32)
-                h = vp * u
+                h = (vp * u).to(x_ptr.dtype.element_ty).to(tl.float32)         # eager's rounding
+            elif UDOT:
+                h = vp                                                          # rounded already
             else:
-                h = vp
-            h = h.to(x_ptr.dtype.element_ty).to(tl.float32)                    # eager's rounding
+                h = vp.to(x_ptr.dtype.element_ty).to(tl.float32)
             hsum += tl.sum(tl.where(p_ok, tl.abs(h), 0.0), axis=0)
-            tl.store(lh_ptr + slot, h, mask=p_ok)
+            if ADOWN:
+                _down_pairs(acc_ptr, wdt_ptr, swd_n, swd_k, wd, mg, ng, h, p_ok, KO, KOC)
+            else:
+                slot = tl.sum(tl.where(sel, fp[None, :], 0), axis=1)
+                tl.store(lh_ptr + slot, h, mask=p_ok)
     tl.store(hs_ptr + blk, hsum)
 
 
