@@ -127,7 +127,7 @@ def run_point(sets, m: int, d: float, reps: int, tag: str) -> dict:
     form_ms = {}
     if kname == "decode":      # every up/down form the decode path has for this M, forced
         forms = [f for f in cuda_decode.FORMS
-                 if f != "rows" or m <= cuda_decode.CONFIGS[cuda_decode.m_pad(m)].vec_m]
+                 if f != "rows" or m <= cuda_decode.config_for(m, k).vec_m]
         for f in forms:
             form_ms[f] = graph_ms(lambda: [cuda_decode.decode_forward(*a, form=f) for a in args], reps) / layers
         kform = min(form_ms, key=form_ms.get)
@@ -159,7 +159,8 @@ def run_point(sets, m: int, d: float, reps: int, tag: str) -> dict:
 def load_policy(path: str) -> None:
     """Use fitted decode-rule constants for this run (benchmarks/tune_decode.py --policy-out)."""
     for name, value in json.load(open(path)).items():
-        if not (name.startswith(("DEC_ROWS_", "DEC_TILES_", "DEC_LIST_")) or name in ("DENSE_FIXED_US", "DENSE_GBPS")) \
+        if not (name.startswith(("DEC_ROWS_", "DEC_TILES_", "DEC_LIST_", "DEC_PAIRS_"))
+                or name in ("DENSE_FIXED_US", "DENSE_GBPS")) \
                 or not hasattr(cuda_policy, name):
             raise ValueError(f"--policy: unknown constant {name!r}")
         setattr(cuda_policy, name, float(value))
@@ -167,9 +168,10 @@ def load_policy(path: str) -> None:
 
 def load_configs(path: str) -> None:
     """Use tuned decode configs for this run ({padded M: [cuda_decode.Config fields in order, the
-    first 8 at least]}, benchmarks/tune_decode.py)."""
+    first 8 at least]}, benchmarks/tune_decode.py; keys "wide:<padded M>" set WIDE_CONFIGS)."""
     for mp, vals in json.load(open(path)).items():
-        cuda_decode.CONFIGS[int(mp)] = cuda_decode.Config(*vals)
+        table = cuda_decode.WIDE_CONFIGS if mp.startswith("wide:") else cuda_decode.CONFIGS
+        table[int(mp.removeprefix("wide:"))] = cuda_decode.Config(*vals)
 
 
 def main(argv=None) -> int:

@@ -58,13 +58,14 @@ def fit_policy(points: list[dict], near: float = 1.6) -> dict[str, float]:
       rows  = fixed + bytes(W_g) / rate + step x u x BN x (K + M_P x K_out) / 4096
       tiles = fixed + B x bytes(W_g) / rate + (row x rows + entry x union) x B x (K + K_out) / 4096
       list  = fixed + B x bytes(W_g) / rate + pair x d x rows x LBN x K / 4096 + entry x d x N x K_out / 4096
+      pairs = fixed + B x bytes(W_g) / rate + pair x d x rows x LBN x (K + K_out) / 4096
     A form with fewer points than constants + 1 keeps its constants."""
     dense = _lstsq([[1.0, 2e-6 * p["N"] * 3 * p["K"]] for p in points], [p["dense_us"] for p in points])
     out = {"DENSE_FIXED_US": round(dense[0], 2), "DENSE_GBPS": round(1e3 / dense[1], 0)}
-    feats: dict[str, tuple[list, list]] = {"rows": ([], []), "tiles": ([], []), "list": ([], [])}
+    feats: dict[str, tuple[list, list]] = {f: ([], []) for f in cuda_decode.FORMS}
     for p in points:
         mp = cuda_decode.m_pad(p["M"])
-        c = cuda_decode.CONFIGS[mp]
+        c = cuda_decode.config_for(p["M"], p["K"])
         mb = min(mp, cuda_decode.MAX_MB)
         rows = min(p["M"], mb)
         blocks = -(-p["M"] // mb)
@@ -80,13 +81,16 @@ def fit_policy(points: list[dict], near: float = 1.6) -> dict[str, float]:
             elif form == "tiles":
                 w = blocks * (p["K"] + ko) / 4096
                 f = [1.0, gate_mb, rows * w, p["union"] * w]
-            else:
+            elif form == "list":
                 f = [1.0, gate_mb, d * rows * c.lbn * p["K"] / 4096, d * p["N"] * ko / 4096]
+            else:
+                f = [1.0, gate_mb, d * rows * c.lbn * (p["K"] + ko) / 4096]
             feats[form][0].append(f)
             feats[form][1].append(us)
     names = {"rows": ("DEC_ROWS_FIXED_US", "DEC_ROWS_GATE_GBPS", "DEC_ROWS_STEP_US"),
              "tiles": ("DEC_TILES_FIXED_US", "DEC_TILES_GATE_GBPS", "DEC_TILES_ROW_US", "DEC_TILES_ENTRY_US"),
-             "list": ("DEC_LIST_FIXED_US", "DEC_LIST_GATE_GBPS", "DEC_LIST_PAIR_US", "DEC_LIST_ENTRY_US")}
+             "list": ("DEC_LIST_FIXED_US", "DEC_LIST_GATE_GBPS", "DEC_LIST_PAIR_US", "DEC_LIST_ENTRY_US"),
+             "pairs": ("DEC_PAIRS_FIXED_US", "DEC_PAIRS_GATE_GBPS", "DEC_PAIRS_PAIR_US")}
     for form, (a, t) in feats.items():
         if len(a) <= len(names[form]):
             continue
@@ -224,7 +228,7 @@ def main(argv=None) -> int:
             union = sum(float((F.linear(x[0], x[1]) > 0).any(0).sum()) for x in a) / len(a)
             nnz = sum(float((F.linear(x[0], x[1]) > 0).sum()) for x in a) / len(a) / m
             forms = {f: graph_ms(lambda: [cuda_decode.decode_forward(*x, form=f) for x in a], args.reps) / len(a) * 1e3
-                     for f in cuda_decode.FORMS if f != "rows" or m <= cuda_decode.CONFIGS[cuda_decode.m_pad(m)].vec_m}
+                     for f in cuda_decode.FORMS if f != "rows" or m <= cuda_decode.config_for(m, k).vec_m}
             tk = min(forms.values())
             points.append(dict(M=m, K=k, N=n, union=union, density=nnz / n, dense_us=td, forms=forms))
             print(f"K={k} N={n} d={d} M={m}: dense {td:.1f} us, decode {tk:.1f} us "

@@ -82,7 +82,8 @@ SCRIPT = textwrap.dedent("""
 
 CASES = [
     # m, k, n, k_out, gated, bias, density, nan/inf rows, config (None: default): cuda_decode.Config
-    # (bn, bk, bku, bko, vec_m, finish_max, warps, stages[, pb, kc, le, bo, gwarps, lbn, udot]), form (None:
+    # (bn, bk, bku, bko, vec_m, finish_max, warps, stages[, pb, kc, le, bo, gwarps, lbn, udot, lbk, lstages,
+    # koc]), form (None:
     # rows/tiles by vec_m); odd M: registered W_down (persistent state)
     (1, 33, 130, 17, True, True, 0.3, False, None, None),      # M = 1, odd K, N, K_out (per-neuron path)
     (2, 100, 130, 17, True, True, 0.3, True, (16, 16, 32, 16, 0, 0, 4, 1), None),  # tiles, finishing launch, NaN/Inf
@@ -188,11 +189,11 @@ def test_weight_cache_view_of_parameter_follows_the_parameter():
 def decode_wins_everywhere(monkeypatch):
     """Cost-model constants under which the decode path wins at density 0 for any shape: tests
     of the mechanism (the H200 constants pick decode only for large, sparse layers)."""
-    for var in ("ROWS", "TILES", "LIST"):
+    for var in ("ROWS", "TILES", "LIST", "PAIRS"):
         monkeypatch.setattr(cuda_policy, f"DEC_{var}_FIXED_US", 0.0)
         monkeypatch.setattr(cuda_policy, f"DEC_{var}_GATE_GBPS", cuda_policy.DENSE_GBPS)
     for name in ("DEC_ROWS_STEP_US", "DEC_TILES_ENTRY_US", "DEC_TILES_ROW_US", "DEC_LIST_PAIR_US",
-                 "DEC_LIST_ENTRY_US"):
+                 "DEC_LIST_ENTRY_US", "DEC_PAIRS_PAIR_US"):
         monkeypatch.setattr(cuda_policy, name, 0.0)
     monkeypatch.setattr(cuda_policy, "DENSE_FIXED_US", 1.0)
 
@@ -250,20 +251,20 @@ def test_shipped_decode_rule_reproduces_the_committed_h200_grid():
 
 def test_decode_form_rule():
     """Rows (one active neuron at a time) for few rows with few active neurons per program, the
-    per-token lists for more rows at low density, tiles where many neurons are active: whichever
+    pairs form for more rows at low density, tiles where many neurons are active: whichever
     the fitted cost model predicts fastest."""
     from twell_compile.kernels import cuda_decode
     vec_m = cuda_decode.CONFIGS[16].vec_m
     assert vec_m >= 1
     assert cuda_policy.decode_form(0.005, 1, 2048, 5632, 2048) == "rows"
-    assert cuda_policy.decode_form(0.005, 16, 2048, 5632, 2048) == "list"
-    assert cuda_policy.decode_form(0.005, 16, 4096, 11008, 4096) == "list"
+    assert cuda_policy.decode_form(0.005, 16, 2048, 5632, 2048) == "pairs"
+    assert cuda_policy.decode_form(0.005, 16, 4096, 11008, 4096) == "pairs"
     assert cuda_policy.decode_form(0.05, 4, 2048, 5632, 2048) == "tiles"
     assert "rows" not in cuda_policy.decode_us(0.0, vec_m + 1, 2048, 5632, 2048)    # no rows form
     t = cuda_policy.decode_us(0.05, 1, 2048, 5632, 2048)
-    assert set(t) == {"rows", "tiles", "list"} and min(t.values()) > 0
-    assert t["rows"] > cuda_policy.decode_us(0.005, 1, 2048, 5632, 2048)["rows"]
-    assert t["list"] > cuda_policy.decode_us(0.005, 1, 2048, 5632, 2048)["list"]
+    assert set(t) == {"rows", "tiles", "list", "pairs"} and min(t.values()) > 0
+    lo = cuda_policy.decode_us(0.005, 1, 2048, 5632, 2048)
+    assert all(t[f] > lo[f] for f in ("rows", "list", "pairs"))
 
 
 def test_decode_forward_rejects_bad_forms():
@@ -289,7 +290,7 @@ def test_static_dense_reason_for_decode_sizes(decode_wins_everywhere, monkeypatc
     assert "float32" in dispatch.static_dense_reason(cuda, torch.float32, 1, 2048, 5632, 2048)
     # where decode cannot win even at density 0 (here: fixed costs far above dense's), a static
     # decode-sized FFN stays with Inductor; a dynamic one is rewritten and decided per call
-    for var in ("ROWS", "TILES", "LIST"):
+    for var in ("ROWS", "TILES", "LIST", "PAIRS"):
         monkeypatch.setattr(cp, f"DEC_{var}_FIXED_US", 1e3)
     why = dispatch.static_dense_reason(cuda, torch.bfloat16, 1, 256, 1024, 256)
     assert why and "1 tokens" in why and "decode" in why
@@ -334,7 +335,7 @@ def test_backend_registers_w_down_of_rewritten_ffns(monkeypatch, decode_wins_eve
     assert len(seen) == 1
     w, base = seen[0]
     assert base is model.down_proj.weight and w.data_ptr() == base.data_ptr()
-    for var in ("ROWS", "TILES", "LIST"):                          # decode can never win
+    for var in ("ROWS", "TILES", "LIST", "PAIRS"):                 # decode can never win
         monkeypatch.setattr(cuda_policy, f"DEC_{var}_FIXED_US", 1e6)
     seen.clear()
     backend.reserve_weight_copies(captured["gm"], captured["inputs"])

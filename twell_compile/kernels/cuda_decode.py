@@ -62,16 +62,25 @@ class Config(NamedTuple):
     koc: int = 1024    # pairs form: K_out per step of its W_d^T row loads and atomics
 
 
-# By padded M: tuned on the H200 (benchmarks/tune_decode.py, results/h200/decode_run5/).
-# udot stays off (session 8, H200, results/h200/session8/): with lbn 64, lbk 128, 5 stages it
-# gave K=2048 M=16 d=0.005 24.7 us vs 26.8 and M=32 32.1 vs 35.8, but K=4096 M=8/16 69.0/69.3
-# vs 51.9/59.8 (one config per padded M serves both shapes).
+# By padded M, for K < WIDE_K: tuned on the H200 (benchmarks/tune_decode.py, results/h200/
+# decode_run5/; the list and pairs fields: session 9 sweep, results/h200/session9/sweep.json,
+# K=2048 N=5632 d=0.005: pairs at lbn 32, K step 128, 5 stages: M=4/8/16/32 17.6/19.7/20.9/27.8 us
+# vs dense 33.9-34.8; lbn 64 23.5 at M=16, lbn 16 24.6; 8 pairs per step 21.9; udot 26.5).
+# udot stays off (session 8: K=2048 M=16 24.7 us vs 26.8 for the list form, K=4096 slower).
 CONFIGS = {
-    16: Config(32, 256, 256, 256, 4, 0, 4, 3),
-    32: Config(64, 128, 256, 256, 0, 0, 4, 3),
-    64: Config(64, 128, 256, 256, 0, 8192, 4, 3),
-    128: Config(64, 128, 256, 256, 0, 8192, 4, 3),
-    256: Config(64, 128, 256, 256, 0, 8192, 4, 3),
+    16: Config(32, 256, 256, 256, 4, 0, 4, 3, lbk=128, lstages=5),
+    32: Config(64, 128, 256, 256, 0, 0, 4, 3, lbk=128, lstages=5),
+    64: Config(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5),
+    128: Config(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5),
+    256: Config(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5),
+}
+# K >= WIDE_K (tuned at K=4096, N=11008, same sweep): 64 neurons per list/pairs program up to 16
+# rows (172 programs; M=16 51.9 us vs 55.8 at lbn 32, dense 87.0), and at 32 rows lbn 32 with
+# K_out steps of 1024 (68.8 us vs 75.6 with whole 4096-wide rows in two steps of 2048).
+WIDE_K = 3072
+WIDE_CONFIGS = {
+    16: CONFIGS[16]._replace(lbn=64, lbk=256, lstages=3),
+    **{mp: c._replace(lbn=32, lbk=256, lstages=3, koc=1024) for mp, c in CONFIGS.items() if mp > 16},
 }
 FINISH_BLOCK = 1024   # accumulator elements per step of a finishing program
 STAT_BLOCKS = 256     # neuron blocks per step of the statistics sum
@@ -79,6 +88,12 @@ STAT_BLOCKS = 256     # neuron blocks per step of the statistics sum
 
 def m_pad(m: int) -> int:
     return max(16, _pow2(m))
+
+
+def config_for(m: int, k: int) -> Config:
+    """The launch config for M rows of width K (CONFIGS, or WIDE_CONFIGS for K >= WIDE_K)."""
+    mp = m_pad(min(m, MAX_M))
+    return (WIDE_CONFIGS if k >= WIDE_K else CONFIGS)[mp]
 
 
 def m_pad_rows(m: int) -> int:
@@ -118,7 +133,7 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
         return Decoded(y, torch.zeros(1, dtype=torch.int32, device=dev),
                        torch.zeros(1, dtype=torch.float32, device=dev))
     mp = m_pad(m)
-    c = cfg or CONFIGS[mp]
+    c = cfg or config_for(m, k)
     if form is None:
         form = "rows" if m <= c.vec_m else "tiles"
     elif form == "rows" and m > c.vec_m:

@@ -41,6 +41,10 @@ Three rules, in this order:
              token; steps grow with the pairs per program and the entries per token):
              DEC_LIST_FIXED_US + B * bytes(W_g) / DEC_LIST_GATE_GBPS
              + DEC_LIST_PAIR_US * d * R * LBN * K / 4096 + DEC_LIST_ENTRY_US * d * N * K_out / 4096
+       pairs (two launches: gate, up and the down's atomics per active pair, then the finish;
+             a program's chain of pair steps moves W_u and W_d^T rows):
+             DEC_PAIRS_FIXED_US + B * bytes(W_g) / DEC_PAIRS_GATE_GBPS
+             + DEC_PAIRS_PAIR_US * d * R * LBN * (K + K_out) / 4096
 
    The fastest form is the one run (decode_form), and the decode path runs while its time is
    under DEC_MARGIN * (DENSE_FIXED_US + bytes(W_g + W_u + W_d) / DENSE_GBPS) (decode_wins).
@@ -99,6 +103,9 @@ DEC_LIST_FIXED_US = 14.19
 DEC_LIST_GATE_GBPS = 2542.0
 DEC_LIST_PAIR_US = 4.6163
 DEC_LIST_ENTRY_US = 0.0235
+DEC_PAIRS_FIXED_US = 9.95
+DEC_PAIRS_GATE_GBPS = 2730.0
+DEC_PAIRS_PAIR_US = 1.2105
 DENSE_FIXED_US = 16.12
 DENSE_GBPS = 3783.0
 DEC_MARGIN = 0.9
@@ -131,7 +138,7 @@ def decode_us(density: float, m: int, k: int, n: int, k_out: int) -> dict[str, f
     from twell_compile.kernels import cuda_decode
 
     mp = cuda_decode.m_pad(min(m, cuda_decode.MAX_M))
-    c = cuda_decode.CONFIGS[mp]
+    c = cuda_decode.config_for(m, k)
     mb = min(mp, cuda_decode.MAX_MB)
     blocks = -(-m // mb)
     d = min(max(float(density), 0.0), 1.0)
@@ -143,6 +150,8 @@ def decode_us(density: float, m: int, k: int, n: int, k_out: int) -> dict[str, f
         "list": DEC_LIST_FIXED_US + 1e3 * gate_mb / DEC_LIST_GATE_GBPS
         + DEC_LIST_PAIR_US * d * min(m, mb) * c.lbn * k / 4096
         + DEC_LIST_ENTRY_US * d * n * k_out / 4096,
+        "pairs": DEC_PAIRS_FIXED_US + 1e3 * gate_mb / DEC_PAIRS_GATE_GBPS
+        + DEC_PAIRS_PAIR_US * d * min(m, mb) * c.lbn * (k + k_out) / 4096,
     }
     if m <= c.vec_m:
         out["rows"] = (DEC_ROWS_FIXED_US + 1e3 * gate_mb / DEC_ROWS_GATE_GBPS
