@@ -59,7 +59,7 @@ class Config(NamedTuple):
                         # (all rows at once, steps of bku) instead of per-pair gathers
     lbk: int = 0       # K step of the list form's gate loop (0: bk)
     lstages: int = 0   # pipeline stages of the list form's first kernel (0: stages)
-    koc: int = 1024    # pairs form: K_out per step of its W_d^T row loads and atomics
+    koc: int = 2048    # pairs form: K_out per step of its W_d^T row loads and atomics
 
 
 # By padded M, for K < WIDE_K: tuned on the H200 (benchmarks/tune_decode.py, results/h200/
