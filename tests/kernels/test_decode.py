@@ -226,27 +226,35 @@ def test_decode_cost_model_mechanism(monkeypatch):
 def test_shipped_decode_rule_reproduces_the_committed_h200_grid():
     """The committed H200 decode grid (bench_ffn.py --decode: every decode form forced, and the
     op with its policy, one run): the shipped rule, evaluated at each point's measured density,
-    takes the path the op took there; the op never ran below 0.97x of dense; wherever a forced
-    form was >= 1.25x faster than dense, the rule picks decode; and the form it picks is never
-    more than 15% slower than the fastest form measured there."""
+    takes the path the op took there (except within 2% of the decision boundary: the op decides
+    on its first layer's own measured density, the grid records the mean over its layers); the
+    op never ran below 0.97x of dense; wherever a forced form was >= 1.25x faster than dense,
+    the rule picks decode; and the form it picks is never more than 15% slower than the fastest
+    form measured there."""
     import json
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200" / "ffn_decode.json"
     rows = json.loads(path.read_text())
     assert len(rows) == 56
-    picked = 0
+    picked = near = 0
     for r in rows:
         d = r["nnz_per_row"] / r["N"]
         wins = cuda_policy.decode_wins(d, r["M"], r["K"], r["N"], r["K"], True)
         form = cuda_policy.decode_form(d, r["M"], r["K"], r["N"], r["K"])
         want = f"decode-{form}" if wins else "dense"
-        assert r["path"] == want, (r["M"], r["K"], r["density"], r["path"], want)
+        t_dense = cuda_policy.DENSE_FIXED_US + 2e-3 * r["N"] * 3 * r["K"] / cuda_policy.DENSE_GBPS
+        edge = cuda_policy.DEC_MARGIN * t_dense
+        t_dec = min(cuda_policy.decode_us(d, r["M"], r["K"], r["N"], r["K"]).values())
+        if abs(t_dec / edge - 1) > 0.02:
+            assert r["path"] == want, (r["M"], r["K"], r["density"], r["path"], want)
+        else:
+            near += 1
         assert r["dense_ms"] / r["twell_ms"] >= 0.97, r
         if r["dense_ms"] / r["kernel_ms"] >= 1.25:
             assert wins, r
         if wins:
             assert r["form_ms"][form] <= 1.15 * min(r["form_ms"].values()), (r, form)
         picked += wins
-    assert picked >= 20
+    assert picked >= 20 and near <= 2
 
 
 def test_decode_form_rule():
@@ -259,12 +267,32 @@ def test_decode_form_rule():
     assert cuda_policy.decode_form(0.005, 1, 2048, 5632, 2048) == "rows"
     assert cuda_policy.decode_form(0.005, 16, 2048, 5632, 2048) == "pairs"
     assert cuda_policy.decode_form(0.005, 16, 4096, 11008, 4096) == "pairs"
-    assert cuda_policy.decode_form(0.05, 4, 2048, 5632, 2048) == "tiles"
+    assert cuda_policy.decode_form(0.2, 4, 2048, 5632, 2048) == "tiles"
     assert "rows" not in cuda_policy.decode_us(0.0, vec_m + 1, 2048, 5632, 2048)    # no rows form
     t = cuda_policy.decode_us(0.05, 1, 2048, 5632, 2048)
     assert set(t) == {"rows", "tiles", "list", "pairs"} and min(t.values()) > 0
     lo = cuda_policy.decode_us(0.005, 1, 2048, 5632, 2048)
     assert all(t[f] > lo[f] for f in ("rows", "list", "pairs"))
+
+
+def test_deterministic_mode_takes_the_form_without_atomics(monkeypatch):
+    """torch.use_deterministic_algorithms(True): the decode rule only considers the list form
+    (fixed summation order), and still falls back to dense where that form cannot win."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)   # CPU builds
+    cuda_policy.reset()
+    key = ("det", "cuda", torch.bfloat16, 2048, 5632, 2048, True)
+    assert cuda_policy.use_decode(key, 16, 2048, 5632, 2048, True) == "pairs"
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert cuda_policy.use_decode(key, 16, 2048, 5632, 2048, True) == "list"
+        assert cuda_policy.DETERMINISTIC_FORMS == ("list",)
+        assert cuda_policy.decode_wins(0.0, 16, 2048, 5632, 2048, True, ("list",))
+        assert not cuda_policy.decode_wins(0.2, 16, 2048, 5632, 2048, True, ("list",))
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert cuda_policy.use_decode(key, 16, 2048, 5632, 2048, True) == "pairs"
+    cuda_policy.reset()
 
 
 def test_decode_forward_rejects_bad_forms():
@@ -622,6 +650,25 @@ def test_op_dispatch_by_m_and_density(monkeypatch):
     import twell_compile
     st = twell_compile.layer_stats()["disp1"]
     assert st.tokens == 1 and st.hidden == 5632
+
+
+@gpu
+def test_op_in_deterministic_mode_repeats_its_bits():
+    """Under torch.use_deterministic_algorithms the decode op takes the list form: the same
+    inputs give the same bits on every call (the pairs form's atomics would not)."""
+    from twell_compile.reference import ffn_dense
+    cuda_policy.reset()
+    p = _ffn(16, 2048, 5632, 2048, 0.005, torch.bfloat16)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        ys = [torch.ops.twell.ffn(*_args(p), 128, 16, "det16", False) for _ in range(4)]
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert all(torch.equal(ys[0], y) for y in ys[1:])
+    ref = ffn_dense(*(None if a is None else a.float() for a in _args(p)))
+    assert _rel(ys[0], ref) <= 2 * _rel(ffn_dense(*_args(p)), ref) + 1e-6
+    cuda_policy.reset()
 
 
 class _MLP(nn.Module):

@@ -19,7 +19,10 @@ one launch: 25.1 us with tile loops for up/down, 16.9 us with the rows form (2.0
 ``benchmarks/bench_ffn.py --decode``). An empty launch costs 1.4 us in a graph
 (``benchmarks/tune_decode.py`` parts). The list form (twell_decode_list.py, ``form="list"``):
 gate + up per active pair into per-token lists, then a gather launch; no atomics, no zeroed
-state; M=16 26.8 us vs tiles 31.9 and dense 34.2 (1.28x), K=4096 M=16 1.46x (run 7).
+state; M=16 26.8 us vs tiles 31.9 and dense 34.2 (1.28x), K=4096 M=16 1.46x (run 7). The pairs
+form (same kernel, session 9): each active pair's h W_d^T[n] into the accumulator by atomics,
+then the finishing launch: M=16 21.2 us (1.61x), K=4096 M=16 1.54x; fastest at 26 of the 56
+grid points, the list form at none (it stays for deterministic mode: no atomics).
 """
 
 from __future__ import annotations
@@ -117,8 +120,9 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
     """The FFN for x2 [M, K], M <= MAX_M. ``stats_buf``: a layer's float64 [4] statistics buffer
     (stats.py) that the kernels fill in place (sum and max of non-zeros per token, sum |h|, 0).
     ``form``: how up/down run: "rows" (one active neuron at a time, only for M <= cfg.vec_m),
-    "tiles" (tl.dot tiles, atomics) or "list" (per-token lists, a gather launch); None: rows
-    where M <= cfg.vec_m, else tiles (the policy decides by density, cuda_policy.decode_form)."""
+    "tiles" (tl.dot tiles, atomics), "list" (per-token lists, a gather launch; no atomics) or
+    "pairs" (per active pair, atomics); None: rows where M <= cfg.vec_m, else tiles (the
+    policy decides by density, cuda_policy.decode_form). ``cfg``: default config_for(M, K)."""
     from twell_compile.kernels.twell_decode import decode_finish_kernel, decode_fused_kernel
 
     m, k = x2.shape

@@ -48,6 +48,8 @@ Three rules, in this order:
 
    The fastest form is the one run (decode_form), and the decode path runs while its time is
    under DEC_MARGIN * (DENSE_FIXED_US + bytes(W_g + W_u + W_d) / DENSE_GBPS) (decode_wins).
+   Under torch.use_deterministic_algorithms(True) only the list form (no atomics) is
+   considered: same inputs, same bits (the others sum in the order their atomics land).
    Before the layer's first measurement lands the rule is evaluated at density 0, the best
    case (a ReLU layer the backend rewrote is expected sparse, and a CUDA graph recorded on the
    second call, as reduce-overhead's cudagraph trees do, would otherwise keep dense forever).
@@ -85,30 +87,31 @@ MIN_WIDTH = 2048       # per-row path measured winning at K = 2048 and 4096 (1.3
                        # whole forward ran 0.71x of Inductor: its fixed per-row costs don't shrink
                        # with K as the dense GEMMs do
 MAX_WIDTH = 8192
-# Decode rule (rule 3), H200 bf16, decode kernels v5 (rows, tiles: one launch) and the list
-# form (two launches): fitted by benchmarks/tune_decode.py --fit-from results/h200/ffn_decode.json
-# (the 56-point grid of run 7, each form forced at each point; points within 1.6x of dense).
-# Dense: 16.1 us + bytes / 3783 GB/s. K=2048, N=5632, d=0.005: M=1 rows 16.8 us, M=16 list
-# 26.8 us vs dense 34.2 (1.28x; tiles 31.9). MARGIN 0.9: on the grid no pick below 0.99x of
-# dense (test_decode.py).
+# Decode rule (rule 3), H200 bf16, decode kernels v5 (rows, tiles: one launch), the list form
+# and the pairs form (two launches each): fitted by benchmarks/tune_decode.py --fit-from
+# results/h200/ffn_decode.json (session 9's 56-point grid, results/h200/session9/run3/, each
+# form forced at each point; points within 1.6x of dense). Dense: 16.5 us + bytes / 3868 GB/s.
+# K=2048, N=5632, d=0.005: M=1 rows 16.9 us, M=16 pairs 21.2 us vs dense 34.1 (1.61x; list 26.5,
+# tiles 32.0). MARGIN 0.9: on the grid no pick below 0.99x of dense (test_decode.py).
 DECODE_MAX_M = 64
-DEC_ROWS_FIXED_US = 7.25
-DEC_ROWS_GATE_GBPS = 2631.0
-DEC_ROWS_STEP_US = 2.614
-DEC_TILES_FIXED_US = 8.49
-DEC_TILES_GATE_GBPS = 1645.0
-DEC_TILES_ROW_US = 0.4626
+DEC_ROWS_FIXED_US = 7.57
+DEC_ROWS_GATE_GBPS = 2660.0
+DEC_ROWS_STEP_US = 2.6214
+DEC_TILES_FIXED_US = 8.82
+DEC_TILES_GATE_GBPS = 1657.0
+DEC_TILES_ROW_US = 0.4698
 DEC_TILES_ENTRY_US = 0.0014
-DEC_LIST_FIXED_US = 14.19
-DEC_LIST_GATE_GBPS = 2542.0
-DEC_LIST_PAIR_US = 4.6163
-DEC_LIST_ENTRY_US = 0.0235
-DEC_PAIRS_FIXED_US = 9.95
-DEC_PAIRS_GATE_GBPS = 2730.0
-DEC_PAIRS_PAIR_US = 1.2105
-DENSE_FIXED_US = 16.12
-DENSE_GBPS = 3783.0
+DEC_LIST_FIXED_US = 15.11
+DEC_LIST_GATE_GBPS = 2268.0
+DEC_LIST_PAIR_US = 2.1862
+DEC_LIST_ENTRY_US = 0.043
+DEC_PAIRS_FIXED_US = 6.85
+DEC_PAIRS_GATE_GBPS = 2376.0
+DEC_PAIRS_PAIR_US = 1.3905
+DENSE_FIXED_US = 16.5
+DENSE_GBPS = 3868.0
 DEC_MARGIN = 0.9
+DETERMINISTIC_FORMS = ("list",)   # the decode forms that sum without atomics
 MAX_N = 65536          # the per-row lists pack the column in 16 bits
 PROBE_EVERY = 64
 REFRESH_EVERY = 16
@@ -159,15 +162,24 @@ def decode_us(density: float, m: int, k: int, n: int, k_out: int) -> dict[str, f
     return out
 
 
-def decode_form(density: float, m: int, k: int, n: int, k_out: int) -> str:
-    """The decode path's up/down form predicted fastest (cuda_decode.FORMS)."""
+def _forms_us(density: float, m: int, k: int, n: int, k_out: int,
+              forms: Optional[tuple[str, ...]]) -> dict[str, float]:
     t = decode_us(density, m, k, n, k_out)
+    return t if forms is None else {f: v for f, v in t.items() if f in forms}
+
+
+def decode_form(density: float, m: int, k: int, n: int, k_out: int,
+                forms: Optional[tuple[str, ...]] = None) -> str:
+    """The decode path's up/down form predicted fastest (cuda_decode.FORMS; only ``forms``
+    if given)."""
+    t = _forms_us(density, m, k, n, k_out, forms)
     return min(t, key=t.get)
 
 
-def decode_wins(density: float, m: int, k: int, n: int, k_out: int, gated: bool) -> bool:
+def decode_wins(density: float, m: int, k: int, n: int, k_out: int, gated: bool,
+                forms: Optional[tuple[str, ...]] = None) -> bool:
     g = 1 if gated else 0
-    t_dec = min(decode_us(density, m, k, n, k_out).values())
+    t_dec = min(_forms_us(density, m, k, n, k_out, forms).values())
     t_dense = DENSE_FIXED_US + 1e3 * 2e-6 * n * (k * (1 + g) + k_out) / DENSE_GBPS
     return t_dec < DEC_MARGIN * t_dense
 
@@ -215,12 +227,17 @@ def use_twell(key: tuple, gated: bool) -> bool:
 
 def use_decode(key: tuple, m: int, k: int, n: int, k_out: int, gated: bool) -> Optional[str]:
     """None: run dense this call; else run the decode path in the returned up/down form
-    (before the first measurement: as at density 0). Never syncs."""
+    (before the first measurement: as at density 0). Never syncs. Under
+    ``torch.use_deterministic_algorithms(True)`` only the forms without atomics
+    (DETERMINISTIC_FORMS: fixed summation order, the same bits every call) are considered."""
     st = _state(key)
     if not torch.cuda.is_current_stream_capturing():
         _poll(st)
     d = 0.0 if st.density is None else st.density
-    return decode_form(d, m, k, n, k_out) if decode_wins(d, m, k, n, k_out, gated) else None
+    forms = DETERMINISTIC_FORMS if torch.are_deterministic_algorithms_enabled() else None
+    if not decode_wins(d, m, k, n, k_out, gated, forms):
+        return None
+    return decode_form(d, m, k, n, k_out, forms)
 
 
 def wants_probe(key: tuple, twell: bool, every: Optional[int] = None) -> bool:

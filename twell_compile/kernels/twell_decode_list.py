@@ -1,25 +1,33 @@
-"""Triton device code: the decode path's list form (two launches, no atomics, deterministic).
+"""Triton device code: the decode path's pairs form (per active pair, atomics) and list form
+(two launches, no atomics, deterministic).
 
 For M above a few rows the one-launch kernel (twell_decode.py) spends its time in the down
 projection: each block of neurons adds its [M, K_out] contribution with fp32 atomics, and its
 tl.dot loops over K and K_out are latency-bound (H200, K=2048, N=5632, M=16, d=0.005: 32.1 us
-vs dense 34.1). Here the down projection gathers per token instead:
+vs dense 34.1). Here the work is per active (row, neuron) pair instead:
 
 ``decode_pairs_kernel`` (grid: N / BN neuron blocks x row blocks of MB rows), one program per
   block: the gate (``_gate_block``: all of K, relu, the active set), then the active (row,
   neuron) pairs PB at a time: u = x[row] . W_up[neuron] with whole-row gathers (one memory
   round trip per PB pairs, K in chunks of KC), h = v * u rounded to x's dtype as eager rounds
-  h for the down GEMM. The pairs of token m in block b go to slots [b * BN, b * BN + count) of
-  token m's list (neuron index and h), in neuron order; count per (token, block) is written,
-  not added, so nothing needs zeroing between calls. Statistics as the fused kernel's.
+  h for the down GEMM. Statistics as the fused kernel's.
+  ADOWN (the pairs form, ``form="pairs"``): the pair's W_d^T row (first KOC columns requested
+  with the W_up row) times h goes into the fp32 accumulator [M, K_out] by relaxed atomics,
+  M x K_out values per pair instead of the tiles form's whole [MB, K_out] tile per block;
+  ``decode_finish_kernel`` (twell_decode.py) then writes y. H200, K=2048, M=16, d=0.005: 21.2
+  us vs the list form's 26.5 (session 9 grid, results/h200/ffn_decode.json).
+  Otherwise (the list form): the pairs of token m in block b go to slots [b * BN, b * BN +
+  count) of token m's list (neuron index and h), in neuron order; count per (token, block) is
+  written, not added, so nothing needs zeroing between calls.
   UDOT (Config.udot, off by default): u for all rows of the block's active neurons in one
   tl.dot over K instead (``_up_dot``; inactive W_up rows masked, never read).
-``decode_gather_kernel`` (grid: M x K_out / BO programs, + 1 for the statistics): program
-  (m, o) prefix-sums token m's counts over the blocks, then takes LE list entries per step:
-  their neuron indices and h, and W_d^T rows [LE, BO] gathered in one round trip, summed in
-  fp32. At d=0.005 a token has ~28 entries: one step. y = that + b_d, written once.
-Every (token, neuron) pair is listed (capacity N per token): exact at any density. The sums
-run in a fixed order: repeated calls give identical bits.
+``decode_gather_kernel`` (list form; grid: M x K_out / BO programs, + 1 for the statistics):
+  program (m, o) prefix-sums token m's counts over the blocks, then takes LE list entries per
+  step: their neuron indices and h, and W_d^T rows [LE, BO] gathered in one round trip, summed
+  in fp32. At d=0.005 a token has ~28 entries: one step. y = that + b_d, written once.
+Every (token, neuron) pair is listed (capacity N per token): exact at any density. The list
+form sums in a fixed order: repeated calls give identical bits (the policy's choice under
+torch.use_deterministic_algorithms).
 """
 
 import triton
