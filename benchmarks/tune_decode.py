@@ -5,7 +5,9 @@ CONFIGS) and the decode rule's cost model (kernels/cuda_policy.py DEC_* / DENSE_
 
 1. Configs: every variant in VARIANTS is timed for each padded-M bucket at d = 0.005 (M values
    of the bucket x both shapes; CUDA graph over several layers' weights, as bench_decode.py
-   times them); the best mean time ratio to the current default wins.
+   times them); the best mean time ratio to the current default wins. This tunes the rows and
+   tiles fields (the first 8 of cuda_decode.Config, set in CONFIGS and WIDE_CONFIGS alike); the
+   list/pairs fields per width came from results/h200/session9/sweep_pairs.py.
 2. Cost model: dense (eager's calls) and the decode kernels (best configs) at d in {0.005,
    0.05, 0.2} x M in {1, 16, 64} x both shapes, fitted by ``fit_policy`` (dense: fixed + bytes /
    rate; decode: fixed + W_gate bytes / rate + a cost per list entry). The shipped constants
@@ -215,9 +217,14 @@ def main(argv=None) -> int:
             if ratio is not None and ratio < win_ratio:
                 win, win_ratio = cfg, ratio
         cuda_decode.CONFIGS[mp] = win
+        # the rows/tiles fields (the first 8) hold for both widths; the list/pairs fields of
+        # WIDE_CONFIGS stay (session 9 sweep: results/h200/session9/sweep_pairs.py)
+        cuda_decode.WIDE_CONFIGS[mp] = cuda_decode.WIDE_CONFIGS[mp]._replace(**dict(zip(Config._fields[:8], win[:8])))
         print(f"best M_P={mp}: {tuple(win)} ({win_ratio:.3f} of default)", flush=True)
         if args.out:   # after every bucket: a cut-short run keeps what it found
-            Path(args.out).write_text(json.dumps({str(k): list(v) for k, v in cuda_decode.CONFIGS.items()}, indent=1))
+            tables = {str(k): list(v) for k, v in cuda_decode.CONFIGS.items()}
+            tables.update({f"wide:{k}": list(v) for k, v in cuda_decode.WIDE_CONFIGS.items()})
+            Path(args.out).write_text(json.dumps(tables, indent=1))
     parts(sets, shapes, args.reps)
 
     points = []

@@ -32,10 +32,25 @@ def test_layers_cover_more_than_the_l2():
 def test_configs_file_sets_the_decode_configs(tmp_path, monkeypatch):
     from twell_compile.kernels import cuda_decode
     monkeypatch.setattr(cuda_decode, "CONFIGS", dict(cuda_decode.CONFIGS))
+    monkeypatch.setattr(cuda_decode, "WIDE_CONFIGS", dict(cuda_decode.WIDE_CONFIGS))
+    wide = cuda_decode.WIDE_CONFIGS[32]
     path = tmp_path / "c.json"
-    path.write_text('{"16": [16, 128, 64, 64, 2, 4096, 4, 3]}')
+    path.write_text('{"16": [16, 128, 64, 64, 2, 4096, 4, 3], "wide:16": [32, 64, 64, 64, 1, 0, 8, 2]}')
     bench_decode.load_configs(str(path))
     assert cuda_decode.CONFIGS[16] == cuda_decode.Config(16, 128, 64, 64, 2, 4096, 4, 3)
+    assert cuda_decode.WIDE_CONFIGS[16] == cuda_decode.Config(32, 64, 64, 64, 1, 0, 8, 2)
+    assert cuda_decode.WIDE_CONFIGS[32] == wide
+    assert cuda_decode.config_for(16, 2048) == cuda_decode.CONFIGS[16]
+    assert cuda_decode.config_for(9, cuda_decode.WIDE_K) == cuda_decode.WIDE_CONFIGS[16]
+
+
+def test_shipped_decode_configs_by_width():
+    """Session 9's sweep: 32 neurons per pairs/list program below WIDE_K, 64 up to 16 rows at
+    and above it; whole K_out per step except at K >= WIDE_K with 32+ rows."""
+    from twell_compile.kernels import cuda_decode
+    assert cuda_decode.config_for(16, 2048).lbn == 32 and cuda_decode.config_for(16, 2048).koc == 2048
+    assert cuda_decode.config_for(16, 4096).lbn == 64 and cuda_decode.config_for(32, 4096).koc == 1024
+    assert cuda_decode.config_for(1, 4096).vec_m == cuda_decode.config_for(1, 2048).vec_m
 
 
 def test_shipped_decode_rule_constants_are_the_fit_of_the_committed_grid():
