@@ -7,29 +7,18 @@ decode decision. Prints JSON lines, writes argv[1].
     python3 benchmarks/results/h200/session9/probe_e2e.py OUT.json 1 8
 """
 import copy
-import json
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_io import emit  # noqa: E402,F401  (puts the repo root and benchmarks/ on sys.path)
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import bench_e2e as be  # noqa: E402
 from twell_compile.kernels import cuda_policy  # noqa: E402
-
-out = sys.argv[1]
-res = []
-
-
-def emit(r):
-    print(json.dumps(r), flush=True)
-    res.append(r)
-    Path(out).write_text(json.dumps(res, indent=1))
-
 
 for batch in [int(v) for v in sys.argv[2:]]:
     a = be.parse_args(["--generate", "--batch", str(batch), "--seq", "128", "--new-tokens", "48",

@@ -5,12 +5,11 @@ shapes, CUDA graph over several layers (as bench_decode). Prints JSON lines, wri
     python3 benchmarks/results/h200/session9/sweep_pairs.py OUT.json [--quick]
 """
 import itertools
-import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_io import emit  # noqa: E402,F401  (puts the repo root and benchmarks/ on sys.path)
 import torch  # noqa: E402
 import triton  # noqa: E402
 
@@ -18,16 +17,6 @@ from bench_decode import graph_ms, layers_for, weight_sets  # noqa: E402
 from twell_compile.kernels import cuda_decode  # noqa: E402
 from twell_compile.kernels.cuda_decode import Config  # noqa: E402
 from twell_compile.reference import ffn_dense  # noqa: E402
-
-out = sys.argv[1]
-res = []
-
-
-def emit(r):
-    print(json.dumps(r), flush=True)
-    res.append(r)
-    Path(out).write_text(json.dumps(res, indent=1))
-
 
 def rel_ok(a, m, cfg, form):
     x = a[0]
