@@ -620,6 +620,7 @@ def run_generate(a: argparse.Namespace, result: dict[str, Any]) -> None:
                     return m.generate(prompt, logits_processor=transformers.LogitsProcessorList([t]), **kw)
 
             reset_peak(dev)
+            resident = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
             t0 = time.perf_counter()
             out = gen()
             sync(dev)
@@ -640,7 +641,8 @@ def run_generate(a: argparse.Namespace, result: dict[str, Any]) -> None:
                        greedy_same_as_eager_first_k=bool(same[:, :k].all()), greedy_k=k,
                        greedy_leading_agreement=[int(v) for v in agree],
                        greedy_token_agreement=float(same.float().mean()),
-                       peak_mem_bytes=peak_memory(dev),
+                       peak_mem_bytes=peak_memory(dev), resident_before_bytes=resident,
+                       peak_above_resident_bytes=None if resident is None else peak_memory(dev) - resident,
                        **energy_fields(timing, a.batch * a.new_tokens * timing["reps"], energy, "--no-energy"))
             if row["energy_j_per_token"] is not None:
                 row["energy_note"] = "whole generate() calls (prefill included) per generated token"
@@ -649,6 +651,7 @@ def run_generate(a: argparse.Namespace, result: dict[str, Any]) -> None:
                 loop_ms = step_loop_ms(m, compiled, prompt, a.new_tokens - 1, max(3, a.reps))
                 row.update(step_loop_ms_per_step=loop_ms / (a.new_tokens - 1),
                            step_loop_tokens_per_s=decode_tokens / (loop_ms / 1e3))
+                del compiled
                 print(f"  {name:>8}: step loop {row['step_loop_tokens_per_s']:10.0f} tok/s "
                       f"({row['step_loop_ms_per_step']:.3f} ms/step)", flush=True)
             if name == "twell":
@@ -660,7 +663,12 @@ def run_generate(a: argparse.Namespace, result: dict[str, Any]) -> None:
                   flush=True)
             write(a.out, result)
             if m is not model:
-                del m
+                # the compiled copy and its CUDA-graph pool would otherwise stay resident and
+                # count in the next backend's peak (session 9: twell's 6.2 GB vs Inductor's 3.9
+                # GB at batch 1 held Inductor's 1.9 GB copy)
+                del m, out, timers
+                if name != "eager":
+                    torch._dynamo.reset()
         b = run["backends"]
         if "inductor" in b and "twell" in b:
             ratio = b["twell"]["decode_tokens_per_s"] / b["inductor"]["decode_tokens_per_s"]

@@ -107,6 +107,8 @@ def test_generate_gives_eager_greedy_tokens(generate):
         assert row["greedy_leading_agreement"] == [new] * generate["config"]["batch"]
         assert row["decode_tokens_per_s"] > 0
         assert row["decode_ms_per_step"] == pytest.approx(row["decode_median_ms"] / (new - 1))
+        # peak memory is read against what was resident when the backend started (CPU: None)
+        assert "resident_before_bytes" in row and "peak_above_resident_bytes" in row
         if name == "eager":
             assert "step_loop_ms_per_step" not in row
             continue
