@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import copy
 import ctypes
+import gc
 import json
 import math
 import statistics
@@ -669,6 +670,7 @@ def run_generate(a: argparse.Namespace, result: dict[str, Any]) -> None:
                 del m, out, timers
                 if name != "eager":
                     torch._dynamo.reset()
+                gc.collect()                     # modules hold reference cycles
         b = run["backends"]
         if "inductor" in b and "twell" in b:
             ratio = b["twell"]["decode_tokens_per_s"] / b["inductor"]["decode_tokens_per_s"]
