@@ -744,6 +744,7 @@ def run_train(a: argparse.Namespace, result: dict[str, Any]) -> None:
             del model, opt, fwd
             if name != "eager":
                 torch._dynamo.reset()
+            gc.collect()           # as --generate: nothing of this backend stays resident
             write(a.out, result)
         b = run["backends"]
         ref = b["eager"]["losses"]
