@@ -178,6 +178,34 @@ def test_policy_follows_density_and_rows_past_the_backup():
     assert sparse is False
 
 
+def test_deterministic_mode_takes_eagers_path_with_repeatable_gradients(monkeypatch):
+    """torch.use_deterministic_algorithms(True): a layer that would run sparse (its low density
+    has landed) runs the dense path saving g and u (no atomics), and two identical steps give
+    the same bits, within the 2x error rule."""
+    _force(monkeypatch, True)
+    args = _ffn(2048, 256, 1024, 256, 0.004, 0.0, seed=41)
+    m, k_out = args[0].shape[0], args[5].shape[0]
+    dy = torch.randn(m, k_out, device="cuda", generator=torch.Generator("cuda").manual_seed(5)).to(args[0].dtype)
+    key = ("train", "t", args[0].device, args[0].dtype, 256, 1024, 256, True)
+    _twell_grads(args, dy, 0.0, 64, 16)
+    assert cuda_train.last_sparse[key] is True                # the setup: sparse without the mode
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        runs = [_twell_grads(args, dy, 0.0, 64, 16, calls=1) for _ in range(2)]
+        assert cuda_train.last_sparse[key] is False
+    finally:
+        torch.use_deterministic_algorithms(was)
+    (y1, g1), (y2, g2) = runs
+    assert torch.equal(y1, y2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+    with _no_tf32():
+        yref, gref = _dense_grads(args, dy, 0.0, torch.float32)
+    yeag, geag = _dense_grads(args, dy, 0.0, args[0].dtype)
+    assert _rel(y1, yref) <= 2 * _rel(yeag, yref) + 1e-6
+    for g, r, ge in zip(g1, gref, geag):
+        assert _rel(g, r) <= 2 * _rel(ge, r) + 1e-6
+
+
 def test_nan_inf_propagate_like_dense(monkeypatch):
     _force(monkeypatch, True)
     args = _ffn(600, 256, 500, 256, 0.02, 0.0, seed=5)

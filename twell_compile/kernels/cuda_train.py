@@ -225,7 +225,9 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
     key = ("train", layer, x.device, x.dtype, k, n, k_out, gated)
     lkey = ("train-lost",) + key[1:]                    # rows past the backup, per call
     sparse = compact = probe = False
-    if m >= MIN_TOKENS and cap < m:
+    # torch.use_deterministic_algorithms: eager's path (saving g and u), since the sparse and
+    # compact states are built with atomic slot and rank counters
+    if m >= MIN_TOKENS and cap < m and not torch.are_deterministic_algorithms_enabled():
         if torch._C._current_graph_task_id() == -1:     # not in a backward (checkpoint recompute)
             cuda_policy.use_twell(key, gated)           # polls the lagged measurements
             cuda_policy.use_twell(lkey, gated)
