@@ -168,6 +168,17 @@ def _forms_us(density: float, m: int, k: int, n: int, k_out: int,
     return t if forms is None else {f: v for f, v in t.items() if f in forms}
 
 
+def decode_pick(density: float, m: int, k: int, n: int, k_out: int, gated: bool,
+                forms: Optional[tuple[str, ...]] = None) -> Optional[str]:
+    """The up/down form predicted fastest (cuda_decode.FORMS; only ``forms`` if given) when it
+    beats DEC_MARGIN x the dense FFN's predicted time, else None (dense)."""
+    t = _forms_us(density, m, k, n, k_out, forms)
+    form = min(t, key=t.get)
+    g = 1 if gated else 0
+    t_dense = DENSE_FIXED_US + 1e3 * 2e-6 * n * (k * (1 + g) + k_out) / DENSE_GBPS
+    return form if t[form] < DEC_MARGIN * t_dense else None
+
+
 def decode_form(density: float, m: int, k: int, n: int, k_out: int,
                 forms: Optional[tuple[str, ...]] = None) -> str:
     """The decode path's up/down form predicted fastest (cuda_decode.FORMS; only ``forms``
@@ -178,10 +189,7 @@ def decode_form(density: float, m: int, k: int, n: int, k_out: int,
 
 def decode_wins(density: float, m: int, k: int, n: int, k_out: int, gated: bool,
                 forms: Optional[tuple[str, ...]] = None) -> bool:
-    g = 1 if gated else 0
-    t_dec = min(_forms_us(density, m, k, n, k_out, forms).values())
-    t_dense = DENSE_FIXED_US + 1e3 * 2e-6 * n * (k * (1 + g) + k_out) / DENSE_GBPS
-    return t_dec < DEC_MARGIN * t_dense
+    return decode_pick(density, m, k, n, k_out, gated, forms) is not None
 
 
 def twell_wins(density: float, gated: bool) -> bool:
@@ -235,9 +243,7 @@ def use_decode(key: tuple, m: int, k: int, n: int, k_out: int, gated: bool) -> O
         _poll(st)
     d = 0.0 if st.density is None else st.density
     forms = DETERMINISTIC_FORMS if torch.are_deterministic_algorithms_enabled() else None
-    if not decode_wins(d, m, k, n, k_out, gated, forms):
-        return None
-    return decode_form(d, m, k, n, k_out, forms)
+    return decode_pick(d, m, k, n, k_out, gated, forms)
 
 
 def wants_probe(key: tuple, twell: bool, every: Optional[int] = None) -> bool:

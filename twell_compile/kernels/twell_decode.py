@@ -85,46 +85,37 @@ def _finish_stats(rc_ptr, hs_ptr, tok_ptr, hsum_ptr, st_ptr, M, NB, NRB,
 
 
 @triton.jit
+def _rows_dot(xbase, sx_k, w_ptr, sw_n, sw_k, b_ptr, sel, rn, m_ok, K,
+              HAS_B: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """x W[rn]^T (+ b[rn]) [MB, BN] in fp32 by tl.dot over K in steps of BK; rows of W (and
+    bias entries) outside ``sel`` are masked, so never read. The gate (sel: neurons in range)
+    and the up projection (sel: active neurons) both use it."""
+    rk = tl.arange(0, BK)
+    w_base = w_ptr + rn.to(tl.int64)[:, None] * sw_n
+    acc = tl.zeros((MB, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        k_ok = kk < K
+        xk = tl.load(xbase + kk[None, :] * sx_k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + kk[None, :] * sw_k, mask=sel[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(xk, tl.trans(w), acc)
+    if HAS_B:
+        acc += tl.load(b_ptr + rn, mask=sel, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
 def _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
                 HAS_BG: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Returns (v, nz, act) for MB rows x BN neurons: g = x W_g^T + b_g over all of K (fp32,
     tl.dot); v = relu(g) (NaN kept); nz: v != 0 (NaN counted, as eager's count); act: nz or g non-finite (a row of
     x holding NaN/Inf: the pair must reach the down projection so the result propagates)."""
-    rk = tl.arange(0, BK)
-    wg_base = wg_ptr + rn.to(tl.int64)[:, None] * swg_n
-    g = tl.zeros((MB, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + rk
-        k_ok = kk < K
-        xk = tl.load(xbase + kk[None, :] * sx_k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(wg_base + kk[None, :] * swg_k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        g = tl.dot(xk, tl.trans(w), g)
-    if HAS_BG:
-        g += tl.load(bg_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    g = _rows_dot(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, n_ok, rn, m_ok, K, HAS_BG, MB, BN, BK)
     valid = m_ok[:, None] & n_ok[None, :]
     v = tl.where(g < 0.0, 0.0, g)
     nz = (v != 0.0) & valid
     act = (nz | ~(tl.abs(g) < float("inf"))) & valid
     return v, nz, act
-
-
-@triton.jit
-def _up_tile(xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, col, rn, m_ok, K,
-             HAS_BU: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, BKU: tl.constexpr):
-    """u = x W_u[rn]^T (+ b_u) [MB, BN] in fp32 by tl.dot over K; rows of neurons not in col are
-    masked, so never read."""
-    rku = tl.arange(0, BKU)
-    wu_base = wu_ptr + rn.to(tl.int64)[:, None] * swu_n
-    u = tl.zeros((MB, BN), dtype=tl.float32)
-    for k0 in range(0, K, BKU):
-        kk = k0 + rku
-        k_ok = kk < K
-        xk = tl.load(xbase + kk[None, :] * sx_k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(wu_base + kk[None, :] * swu_k, mask=col[:, None] & k_ok[None, :], other=0.0)
-        u = tl.dot(xk, tl.trans(w), u)
-    if HAS_BU:
-        u += tl.load(bu_ptr + rn, mask=col, other=0.0).to(tl.float32)[None, :]
-    return u
 
 
 @triton.jit
@@ -135,7 +126,7 @@ def _up_down_tiles(x_ptr, sx_k, xbase, wu_ptr, swu_n, swu_k, bu_ptr, wdt_ptr, sw
     """Up and down for the block's active neurons as tl.dot tiles over K and K_out (masked
     rows: inactive neurons' weights are not read). Returns sum |h|."""
     if GATED:
-        h = v * _up_tile(xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, col, rn, m_ok, K, HAS_BU, MB, BN, BKU)
+        h = v * _rows_dot(xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, col, rn, m_ok, K, HAS_BU, MB, BN, BKU)
     else:
         h = v
     hb = tl.where(valid & col[None, :], h, 0.0).to(x_ptr.dtype.element_ty)

@@ -33,7 +33,7 @@ torch.use_deterministic_algorithms).
 import triton
 import triton.language as tl
 
-from twell_compile.kernels.twell_decode import _finish_stats, _gate_block, _up_tile
+from twell_compile.kernels.twell_decode import _finish_stats, _gate_block, _rows_dot
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def _up_dot(x_ptr, xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, v, act, rn, m_ok, 
     masked, so never read)."""
     if GATED:
         col = tl.max(act.to(tl.int32), axis=0) > 0
-        h = v * _up_tile(xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, col, rn, m_ok, K, HAS_BU, MB, BN, BKU)
+        h = v * _rows_dot(xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, col, rn, m_ok, K, HAS_BU, MB, BN, BKU)
     else:
         h = v
     return tl.where(act, h, 0.0).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -87,10 +87,9 @@ def decode_pairs_kernel(
     blk = pid_r * tl.num_programs(0) + pid_n
     tl.store(rc_ptr + blk.to(tl.int64) * MB + tl.arange(0, MB), tl.sum(nz.to(tl.int32), axis=1))
     ai = act.to(tl.int32)
-    pos = rm.to(tl.int64)[:, None] * N + pid_n * BN + tl.cumsum(ai, axis=1) - 1
-    if not ADOWN:
+    if not ADOWN:     # the list form: counts, and each pair's list slot (block's base + rank in its row)
         tl.store(lc_ptr + rm.to(tl.int64) * NB + pid_n, tl.sum(ai, axis=1), mask=m_ok)
-        # slot of each active pair in its token's list: block's base + rank among the row's pairs
+        pos = rm.to(tl.int64)[:, None] * N + pid_n * BN + tl.cumsum(ai, axis=1) - 1
         tl.store(ln_ptr + pos, tl.zeros((MB, BN), dtype=tl.int32) + rn[None, :], mask=act)
     npair = tl.sum(tl.sum(ai, axis=1), axis=0)
     hsum = tl.sum(tl.zeros((PB,), dtype=tl.float32), axis=0)
@@ -109,7 +108,8 @@ def decode_pairs_kernel(
                                     K, GATED, HAS_BU, MB, BN, BKU), (MB * BN,))
         else:
             fv = tl.reshape(v, (MB * BN,))
-        fp = tl.reshape(pos, (MB * BN,))
+        if not ADOWN:
+            fp = tl.reshape(pos, (MB * BN,))
         rp = tl.arange(0, PB)
         for p0 in range(0, npair, PB):
             want = p0 + 1 + rp
