@@ -146,3 +146,17 @@ def test_bad_knobs():
         OPS.ffn(*args, 4, 0, "t", False)
     with pytest.raises(ValueError, match="ell_width"):
         OPS.ffn_train(*args, 0, 2, 0.0, "t", False)
+
+
+@pytest.mark.parametrize("which, name", [(0, "x"), (1, "w_gate"), (4, "b_up"), (6, "b_down")])
+def test_inference_op_refuses_inputs_that_need_grad(which, name):
+    """twell::ffn has no backward: a call that would need one is refused up front, naming the
+    argument, not run with its gradient silently missing; under no_grad it runs."""
+    args = make(5, 8, 12, 7)
+    args[which].requires_grad_()
+    with pytest.raises(ValueError, match=f"{name} requires grad"):
+        OPS.ffn(*args, 4, 2, "t", False)
+    with torch.no_grad():
+        y = OPS.ffn(*args, 4, 2, "t", False)
+    assert not y.requires_grad
+    torch.testing.assert_close(y, ffn_dense(*[a.detach() if a is not None else None for a in args]))

@@ -70,16 +70,38 @@ def _check_positive(**knobs: int) -> None:
 
 
 # ---------------------------------------------------------------------------- inference
-@torch.library.custom_op("twell::ffn", mutates_args=())
-def ffn(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
-        b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
-        tile_n: int, slots: int, layer: str, stats: bool) -> Tensor:
+# Defined through torch.library.Library, not custom_op: custom_op's Python autograd and
+# aliasing layers cost 43 us of host time per eager call on the H200 host (op 173 us vs its
+# dispatch 130, results/h200/session10/probe_host), more than the decode kernels' GPU time
+# (17-21 us). The op is inference only: its Autograd key falls through, and a call that would
+# need a gradient is refused up front (the backend rewrites to ffn_train when one is needed).
+_lib = torch.library.Library("twell", "FRAGMENT")
+_lib.define("ffn(Tensor x, Tensor w_gate, Tensor? b_gate, Tensor? w_up, Tensor? b_up, Tensor w_down, "
+            "Tensor? b_down, int tile_n, int slots, str layer, bool stats) -> Tensor",
+            tags=(torch.Tag.pt2_compliant_tag,))
+
+
+def _ffn(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+         b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
+         tile_n: int, slots: int, layer: str, stats: bool) -> Tensor:
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
-    _check_positive(tile_n=tile_n, slots=slots)
+    if tile_n < 1 or slots < 1:
+        _check_positive(tile_n=tile_n, slots=slots)
+    if torch.is_grad_enabled():
+        for name, t in (("x", x), ("w_gate", w_gate), ("b_gate", b_gate), ("w_up", w_up),
+                        ("b_up", b_up), ("w_down", w_down), ("b_down", b_down)):
+            if t is not None and t.requires_grad:
+                raise ValueError(f"{name} requires grad, and twell::ffn is inference only: call it "
+                                 f"under torch.no_grad() / torch.inference_mode(), or use "
+                                 f"twell::ffn_train, whose backward is ours")
     return dispatch.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, tile_n, slots, layer, stats)
 
 
-@ffn.register_fake
+_lib.impl("ffn", _ffn, "CompositeExplicitAutograd")
+_lib.impl("ffn", torch.library.fallthrough_kernel, "Autograd")
+
+
+@torch.library.register_fake("twell::ffn", lib=_lib)
 def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, tile_n, slots, layer, stats):
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
     return x.new_empty((*x.shape[:-1], w_down.shape[0]))

@@ -174,6 +174,28 @@ def test_weight_cache_unregistered_or_dead_weights_are_transposed_per_call():
     weight_cache.clear()
 
 
+def test_decode_weights_is_transposed_and_decode_state_in_one_lookup():
+    weight_cache.clear()
+    w = nn.Parameter(torch.randn(24, 40))
+    wt, state = weight_cache.decode_weights(w.detach(), 5)          # unregistered
+    assert torch.equal(wt, w.t()) and wt.is_contiguous() and state is None
+    weight_cache.register(w.detach(), base=w)
+    wt, (acc, tk) = weight_cache.decode_weights(w.detach(), 5)
+    acc2, tk2 = weight_cache.decode_state(w.detach(), 5)
+    assert wt.data_ptr() == weight_cache.transposed(w.detach()).data_ptr()
+    assert acc.data_ptr() == acc2.data_ptr() and acc.numel() == 5 * 24 and tk.data_ptr() == tk2.data_ptr()
+    with torch.no_grad():
+        w.mul_(3.0)                                   # in-place update: the copy follows
+    wt, _ = weight_cache.decode_weights(w.detach(), 5)
+    assert torch.equal(wt, w.t())
+    assert weight_cache.decode_weights(w.detach(), weight_cache.STATE_ROWS + 1)[1] is None
+    wtv = torch.randn(12, 8).t()                      # transpose already contiguous: no copy
+    weight_cache.register(wtv)
+    wt, state = weight_cache.decode_weights(wtv, 2)
+    assert wt.data_ptr() == wtv.data_ptr() and state is not None
+    weight_cache.clear()
+
+
 def test_weight_cache_view_of_parameter_follows_the_parameter():
     weight_cache.clear()
     base = torch.randn(30, 16)

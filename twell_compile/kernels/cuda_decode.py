@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from twell_compile.kernels import weight_cache
+from twell_compile.kernels.launch import launch
 from twell_compile.kernels.cuda_infer import _pow2
 
 MAX_M = 256           # row blocks of <= 32 rows; the policy uses a smaller threshold
@@ -123,7 +124,7 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
     "tiles" (tl.dot tiles, atomics), "list" (per-token lists, a gather launch; no atomics) or
     "pairs" (per active pair, atomics); None: rows where M <= cfg.vec_m, else tiles (the
     policy decides by density, cuda_policy.decode_form). ``cfg``: default config_for(M, K)."""
-    from twell_compile.kernels.twell_decode import decode_finish_kernel, decode_fused_kernel
+    from twell_compile.kernels.twell_decode import decode_fused_kernel
 
     m, k = x2.shape
     n, k_out = w_gate.shape[0], w_down.shape[0]
@@ -148,8 +149,7 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
     mb = min(mp, MAX_MB)
     nrb = -(-m // mb)
     nb = -(-n // c.bn)
-    wdt = weight_cache.transposed(w_down)
-    state = weight_cache.decode_state(w_down, m)
+    wdt, state = weight_cache.decode_weights(w_down, m)
     if state is None:                   # unregistered weight: a fresh zeroed accumulator
         acc, tk = torch.zeros(m * k_out + 8, dtype=torch.float32, device=dev).split([m * k_out, 8])
         tk = tk.view(torch.int32)
@@ -167,22 +167,33 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
     bku = min(c.bku, max(16, _pow2(k)))
     bko = min(c.bko, max(16, _pow2(k_out)))
     wu = w_up if w_up is not None else w_gate
-    flags = dict(HAS_BD=b_down is not None, CLEAN=state is not None, HAS_ST=stats_buf is not None)
+    has_bd, clean, has_st = b_down is not None, state is not None, stats_buf is not None
     bd = b_down if b_down is not None else y
-    decode_fused_kernel[(nb, nrb)](
+    launch(decode_fused_kernel, (nb, nrb), (
         x2, x2.stride(0), x2.stride(1), w_gate, w_gate.stride(0), w_gate.stride(1),
         b_gate if b_gate is not None else w_gate, wu, wu.stride(0), wu.stride(1),
         b_up if b_up is not None else w_gate, wdt, wdt.stride(0), wdt.stride(1), bd,
-        acc, tk, rc, hs, y, y.stride(0), y.stride(1), tok, hsum, st, m, k, n, k_out,
-        GATED=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, FINISH=finish,
-        MB=mb, BN=c.bn, BK=bk, BKU=bku, BKO=bko, MS=ms, KP=_pow2(k) if ms else 1, KOP=_pow2(k_out) if ms else 1,
-        FB=FINISH_BLOCK, RB=STAT_BLOCKS, **flags,
+        acc, tk, rc, hs, y, y.stride(0), y.stride(1), tok, hsum, st, m, k, n, k_out),
+        dict(GATED=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
+             HAS_BD=has_bd, FINISH=finish, CLEAN=clean, HAS_ST=has_st, MB=mb, BN=c.bn, BK=bk,
+             BKU=bku, BKO=bko, MS=ms, KP=_pow2(k) if ms else 1, KOP=_pow2(k_out) if ms else 1,
+             FB=FINISH_BLOCK, RB=STAT_BLOCKS),
         num_warps=c.warps, num_stages=c.stages)
     if not finish:
-        decode_finish_kernel[(-(-(m * k_out) // FINISH_BLOCK) + 1,)](
-            acc, bd, y, y.stride(0), y.stride(1), rc, hs, tok, hsum, st, m, k_out, nb, nrb,
-            MB=mb, BLOCK=FINISH_BLOCK, RB=STAT_BLOCKS, **flags, num_warps=4)
+        _finish(acc, bd, y, rc, hs, tok, hsum, st, m, k_out, nb, nrb, mb, has_bd, clean, has_st)
     return Decoded(y, tok, hsum)
+
+
+def _finish(acc: Tensor, bd: Tensor, y: Tensor, rc: Tensor, hs: Tensor, tok: Tensor, hsum: Tensor,
+            st: Tensor, m: int, k_out: int, nb: int, nrb: int, mb: int, has_bd: bool, clean: bool,
+            has_st: bool) -> None:
+    """The finishing launch (decode_finish_kernel): y = acc + b_d, statistics."""
+    from twell_compile.kernels.twell_decode import decode_finish_kernel
+
+    launch(decode_finish_kernel, (-(-(m * k_out) // FINISH_BLOCK) + 1,),
+           (acc, bd, y, y.stride(0), y.stride(1), rc, hs, tok, hsum, st, m, k_out, nb, nrb),
+           dict(HAS_BD=has_bd, CLEAN=clean, HAS_ST=has_st, MB=mb, BLOCK=FINISH_BLOCK, RB=STAT_BLOCKS),
+           num_warps=4)
 
 
 def _decode_list(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
@@ -194,7 +205,6 @@ def _decode_list(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Opt
     ``adown`` (the pairs form): no lists; each active pair's h W_d^T[n] goes into the fp32
     accumulator by atomics in the first launch (as the rows form does per neuron), then the
     finishing launch writes y."""
-    from twell_compile.kernels.twell_decode import decode_finish_kernel
     from twell_compile.kernels.twell_decode_list import decode_gather_kernel, decode_pairs_kernel
 
     m, k = x2.shape
@@ -204,7 +214,6 @@ def _decode_list(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Opt
     nrb = -(-m // mb)
     nb = -(-n // c.lbn)
     y = torch.empty((m, k_out), dtype=dt, device=dev)
-    wdt = weight_cache.transposed(w_down)
     # int32: list neuron indices [M, N], counts per (token, block) [M, NB], non-zeros per
     # (row block, block, row), then tok [M + 1]; fp32: list h [M, N], sum |h| per block, total
     nl = 0 if adown else m * n
@@ -213,9 +222,9 @@ def _decode_list(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Opt
     fw = torch.empty(nl + nrb * nb + 1, dtype=torch.float32, device=dev)
     lh, hs, hsum = fw.split([nl, nrb * nb, 1])
     st = stats_buf if stats_buf is not None else fw
-    state = weight_cache.decode_state(w_down, m) if adown else None
+    wdt, state = weight_cache.decode_weights(w_down, m)
     if not adown:
-        acc = fw
+        acc, state = fw, None
     elif state is None:                 # unregistered weight: a fresh zeroed accumulator
         acc = torch.zeros(m * k_out, dtype=torch.float32, device=dev)
     else:
@@ -223,26 +232,26 @@ def _decode_list(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Opt
     wu = w_up if w_up is not None else w_gate
     bk = min(c.lbk or c.bk, max(16, _pow2(k)))
     kc = min(c.kc, max(16, _pow2(k)))
-    decode_pairs_kernel[(nb, nrb)](
+    launch(decode_pairs_kernel, (nb, nrb), (
         x2, x2.stride(0), x2.stride(1), w_gate, w_gate.stride(0), w_gate.stride(1),
         b_gate if b_gate is not None else w_gate, wu, wu.stride(0), wu.stride(1),
         b_up if b_up is not None else w_gate, ln, lh, lc, rc, hs, wdt, wdt.stride(0), wdt.stride(1),
-        acc, m, k, n, nb, k_out,
-        GATED=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
-        MB=mb, BN=c.lbn, BK=bk, PB=c.pb, KC=kc, UDOT=c.udot, BKU=min(c.bku, max(16, _pow2(k))),
-        ADOWN=adown, KOC=min(c.koc, max(16, _pow2(k_out))),
+        acc, m, k, n, nb, k_out),
+        dict(GATED=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
+             MB=mb, BN=c.lbn, BK=bk, PB=c.pb, KC=kc, UDOT=c.udot, BKU=min(c.bku, max(16, _pow2(k))),
+             ADOWN=adown, KOC=min(c.koc, max(16, _pow2(k_out)))),
         num_warps=c.warps, num_stages=c.lstages or c.stages)
+    bd = b_down if b_down is not None else y
     if adown:
-        flags = dict(HAS_BD=b_down is not None, CLEAN=state is not None, HAS_ST=stats_buf is not None)
-        decode_finish_kernel[(-(-(m * k_out) // FINISH_BLOCK) + 1,)](
-            acc, b_down if b_down is not None else y, y, y.stride(0), y.stride(1), rc, hs, tok, hsum,
-            st, m, k_out, nb, nrb, MB=mb, BLOCK=FINISH_BLOCK, RB=STAT_BLOCKS, **flags, num_warps=4)
+        _finish(acc, bd, y, rc, hs, tok, hsum, st, m, k_out, nb, nrb, mb, b_down is not None,
+                state is not None, stats_buf is not None)
         return Decoded(y, tok, hsum)
     bo = min(c.bo, max(16, _pow2(k_out)))
     no = -(-k_out // bo)
-    decode_gather_kernel[(m * no + 1,)](
-        ln, lh, lc, wdt, wdt.stride(0), wdt.stride(1), b_down if b_down is not None else y,
-        y, y.stride(0), y.stride(1), rc, hs, tok, hsum, st, m, n, k_out, nb, no, nrb,
-        HAS_BD=b_down is not None, HAS_ST=stats_buf is not None, MB=mb, BN=c.lbn,
-        NBP=max(16, _pow2(nb)), LE=c.le, BO=bo, RB=STAT_BLOCKS, num_warps=c.gwarps)
+    launch(decode_gather_kernel, (m * no + 1,), (
+        ln, lh, lc, wdt, wdt.stride(0), wdt.stride(1), bd,
+        y, y.stride(0), y.stride(1), rc, hs, tok, hsum, st, m, n, k_out, nb, no, nrb),
+        dict(HAS_BD=b_down is not None, HAS_ST=stats_buf is not None, MB=mb, BN=c.lbn,
+             NBP=max(16, _pow2(nb)), LE=c.le, BO=bo, RB=STAT_BLOCKS),
+        num_warps=c.gwarps)
     return Decoded(y, tok, hsum)

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from twell_compile import stats
 from twell_compile.kernels import cuda_policy, weight_cache
+from twell_compile.kernels.launch import launch
 
 OVF_DIV = 16          # overflow buffer: one dense tile per 16 (row, tile) pairs
 GATE_BLOCK_M = 128
@@ -282,9 +283,9 @@ def relu_mul_rows(g: Tensor, u: Optional[Tensor]) -> tuple[Tensor, Tensor, Tenso
     cnt, asum = buf[0], buf[1].view(torch.float32)
     if m and n:
         uu = u if u is not None else g
-        relu_mul_rows_kernel[(m, split)](g, uu, h, cnt, asum, n, span, g.stride(0), uu.stride(0),
-                                         h.stride(0), GATED=u is not None, ATOMIC=split > 1,
-                                         BLOCK=block, num_warps=4)
+        launch(relu_mul_rows_kernel, (m, split),
+               (g, uu, h, cnt, asum, n, span, g.stride(0), uu.stride(0), h.stride(0)),
+               dict(GATED=u is not None, ATOMIC=split > 1, BLOCK=block), num_warps=4)
     return h, cnt, asum
 
 
@@ -295,9 +296,14 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     x2 = x.reshape(-1, k)
     m, n, k_out = x2.shape[0], w_gate.shape[0], w_down.shape[0]
     gated = w_up is not None
-    # decode sizes: only where the decode rule can pick decode at all (density 0, its best
-    # case; never for the measured shapes on H200), else the bookkeeping-free dense path
-    decode = cuda_policy.decode_ok(x, m, n) and cuda_policy.decode_wins(0.0, m, k, n, k_out, gated)
+    key = (layer, x.device, x.dtype, k, n, k_out, gated)
+    form = None
+    # decode sizes: the decode rule at the layer's measured density; where it cannot pick
+    # decode even at density 0 (its best case), the bookkeeping-free dense path
+    decode = cuda_policy.decode_ok(x, m, n)
+    if decode:
+        form = cuda_policy.use_decode(key, m, k, n, k_out, gated)
+        decode = form is not None or cuda_policy.decode_wins(0.0, m, k, n, k_out, gated)
     if not decode and not cuda_policy.shape_ok(x, m, k, k_out, n, tile_n, slots):
         # Fast path: eager's calls (fp32, M between the sparse paths, unsupported shapes); no
         # policy bookkeeping.
@@ -305,12 +311,7 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
         if keep_stats:
             stats.record(layer, per_token, hsum.sum(), per_token.new_zeros(()), n)
         return y.reshape(*x.shape[:-1], k_out)
-    key = (layer, x.device, x.dtype, k, n, k_out, gated)
-    if decode:
-        form = cuda_policy.use_decode(key, m, k, n, k_out, gated)
-        sparse = form is not None
-    else:
-        sparse = cuda_policy.use_twell(key, gated)
+    sparse = form is not None if decode else cuda_policy.use_twell(key, gated)
     probe = cuda_policy.wants_probe(key, sparse)
     if sparse and decode:
         from twell_compile.kernels.cuda_decode import decode_forward

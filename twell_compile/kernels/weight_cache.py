@@ -130,6 +130,25 @@ def transposed(w: Tensor) -> Tensor:
     return e.wt
 
 
+def decode_weights(w: Tensor, rows: int) -> tuple[Tensor, Optional[tuple[Tensor, Tensor]]]:
+    """``(transposed(w), decode_state(w, rows))`` with one cache lookup (host time per decode
+    call)."""
+    wt = w.t()
+    found = _entry(w)
+    if found is None:
+        return (wt if wt.is_contiguous() else wt.contiguous()), None
+    e, base = found
+    if e.wt is not None:
+        if base._version != e.version:
+            with torch.no_grad():
+                e.wt.copy_(wt)
+            e.version = base._version
+        wt = e.wt
+    if e.state is None or rows > STATE_ROWS:
+        return wt, None
+    return wt, (e.state[:rows * w.shape[0]], e.state[STATE_ROWS * w.shape[0]:].view(torch.int32))
+
+
 def decode_state(w: Tensor, rows: int) -> Optional[tuple[Tensor, Tensor]]:
     """The registered W_down's persistent decode state for ``rows`` <= STATE_ROWS rows: (fp32
     accumulator [rows * K_out], int32 tickets [STATE_TICKETS]), zero between calls; None if

@@ -1,0 +1,100 @@
+"""Host (CPU) time per eager call of the inference op against eager's dense FFN and Inductor's
+compiled dense FFN, at decode and small prefill sizes, where host time can exceed GPU time.
+
+Each case runs ``--calls`` back-to-back calls with no sync inside the loop: ``host_us`` is the
+time to issue one call, ``wall_us`` the time per call once the GPU has finished (max of host and
+GPU when the queue stays fed). ``op_standard`` is the op with Triton's standard launches
+(TWELL_TRITON_LAUNCH=standard, read per call), to show what kernels/launch.py saves. Inputs:
+benchmarks/synthetic.py, bf16, density 0.005. Writes benchmarks/results/<gpu>/host_overhead.json
+(or --out).
+
+    python3 benchmarks/bench_host.py [--M 1 16 64 1024] [--shapes 2048x5632] [--calls 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from synthetic import make_ffn  # noqa: E402
+from timing import gpu_name  # noqa: E402
+
+import twell_compile.ops  # noqa: E402,F401
+from twell_compile.kernels import weight_cache  # noqa: E402
+
+
+def per_call_us(fn, calls: int) -> tuple[float, float]:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return host / calls * 1e6, wall / calls * 1e6
+
+
+def dense(x, wg, wu, wd):
+    return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--M", type=int, nargs="+", default=[1, 16, 64, 1024])
+    ap.add_argument("--shapes", nargs="+", default=["2048x5632", "4096x11008"])
+    ap.add_argument("--density", type=float, default=0.005)
+    ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    inductor = torch.compile(dense, dynamic=False)
+    rows = []
+    print(f"{'K x N':>10} {'M':>5} | host us/call: {'op':>6} {'op std':>6} {'eager':>6} {'Ind':>6} | "
+          f"wall us/call: {'op':>6} {'op std':>6} {'eager':>6} {'Ind':>6}")
+    for shape in a.shapes:
+        k, n = (int(v) for v in shape.split("x"))
+        for m in a.M:
+            p = make_ffn(m, k, n, a.density, 0.0, device="cuda", seed=1)
+            x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
+            weight_cache.register(wd)          # as the backend does for a rewritten layer
+            layer = f"bench_host/{shape}/{m}"
+
+            def op():
+                return torch.ops.twell.ffn(x, wg, None, wu, None, wd, None, 128, 16, layer, False)
+
+            def op_std():
+                os.environ["TWELL_TRITON_LAUNCH"] = "standard"
+                try:
+                    return op()
+                finally:
+                    del os.environ["TWELL_TRITON_LAUNCH"]
+
+            r = {"M": m, "K": k, "N": n, "density": a.density, "gpu": torch.cuda.get_device_name()}
+            with torch.no_grad():
+                for name, fn in (("op", op), ("op_standard", op_std), ("eager", lambda: dense(x, wg, wu, wd)),
+                                 ("inductor", lambda: inductor(x, wg, wu, wd))):
+                    r[f"{name}_host_us"], r[f"{name}_wall_us"] = (round(v, 2) for v in per_call_us(fn, a.calls))
+            rows.append(r)
+            print(f"{shape:>10} {m:>5} | {'':>14}{r['op_host_us']:6.1f} {r['op_standard_host_us']:6.1f} "
+                  f"{r['eager_host_us']:6.1f} {r['inductor_host_us']:6.1f} | {'':>14}{r['op_wall_us']:6.1f} "
+                  f"{r['op_standard_wall_us']:6.1f} {r['eager_wall_us']:6.1f} {r['inductor_wall_us']:6.1f}",
+                  flush=True)
+            weight_cache.clear()
+    out = Path(a.out) if a.out else Path(__file__).resolve().parent / "results" / gpu_name() / "host_overhead.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
