@@ -10,7 +10,8 @@
 
 Inputs: benchmarks/synthetic.py (anchors.md's generator), bf16. Times are medians of
 triton.testing.do_bench (CUDA events). twell_ms is the op torch.ops.twell.ffn as the backend
-calls it (policy included: it may run dense); kernel_ms forces the TwELL kernels (per-row path,
+calls it (policy included: it may run dense; W_down registered with weight_cache as the backend
+does at compile time); kernel_ms forces the TwELL kernels (per-row path,
 list width from the measured non-zeros as the op picks it; not timed at density >= 0.2 where
 they are hopeless: NaN); tiles_ms (--tiles) the tile path of the first design. rel_err is
 ||y - y_fp32|| / ||y_fp32|| against an fp32 reference (TF32 off) on up to 8192 rows;
@@ -38,7 +39,7 @@ from synthetic import load_profile, make_ffn, make_ffn_profile  # noqa: E402
 from timing import gpu_name, median_ms, rel  # noqa: E402
 
 import twell_compile.ops  # noqa: E402,F401  (registers torch.ops.twell)
-from twell_compile.kernels import cuda_infer, cuda_policy  # noqa: E402
+from twell_compile.kernels import cuda_infer, cuda_policy, weight_cache  # noqa: E402
 from twell_compile.reference import ffn_dense  # noqa: E402
 
 FULL_M = [1, 64, 1024, 16384, 65536]
@@ -121,6 +122,7 @@ def main(argv=None) -> int:
                          else make_ffn(m, k, n, d, t, device=dev, seed=seed))
                     x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
                     args7 = (x, wg, None, wu, None, wd, None)
+                    weight_cache.register(wd)   # as the backend does at compile time (W_down^T)
                     layer = f"bench/{m}/{k}/{n}/{d}/{t}"
                     op = lambda: torch.ops.twell.ffn(*args7, args.tile_n, args.slots, layer, False)
                     dense_ms = bench(lambda: ffn_dense(*args7), args.reps)
@@ -145,8 +147,10 @@ def main(argv=None) -> int:
                     kerr = rel(y_k, ref)
                     derr = rel(ffn_dense(*args7)[:r], ref)
                     ovf = float((counts > width).float().mean()) * 100     # rows over the list width
-                    path = "twell" if cuda_policy.shape_ok(x, m, k, k, n, args.tile_n, args.slots) and \
-                        cuda_policy.use_twell((layer, x.device, x.dtype, k, n, k, True), True) else "dense"
+                    key = (layer, x.device, x.dtype, k, n, k, True)
+                    form = cuda_policy.use_decode(key, m, k, n, k, True) if cuda_policy.decode_ok(x, m, n) else None
+                    path = (f"decode:{form}" if form else "twell" if cuda_policy.shape_ok(
+                        x, m, k, k, n, args.tile_n, args.slots) and cuda_policy.use_twell(key, True) else "dense")
                     row = dict(M=m, K=k, N=n, density=d, tail=t, dense_ms=dense_ms, inductor_ms=ind_ms,
                                gate_ms=gate_ms, twell_ms=twell_ms, rel_err=err, dense_rel_err=derr,
                                kernel_ms=kernel_ms, kernel_rel_err=kerr, nnz_per_row=nnz,
@@ -160,6 +164,7 @@ def main(argv=None) -> int:
                           f"{base / twell_ms:>6.2f} {base / kernel_ms:>6.2f} {100 * gate_ms / twell_ms:>5.0f}% "
                           f"{err:>8.1e} {derr:>8.1e} {path}" + ("  ERR>2x" if err > 2 * derr else "")
                           + (f" tiles {tiles_ms:.3f}" if args.tiles else ""), flush=True)
+                    weight_cache.clear()
                     del p, x, wg, wu, wd, args7
             del inductor
             torch._dynamo.reset()

@@ -124,134 +124,128 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
     "tiles" (tl.dot tiles, atomics), "list" (per-token lists, a gather launch; no atomics) or
     "pairs" (per active pair, atomics); None: rows where M <= cfg.vec_m, else tiles (the
     policy decides by density, cuda_policy.decode_form). ``cfg``: default config_for(M, K)."""
-    from twell_compile.kernels.twell_decode import decode_fused_kernel
-
     m, k = x2.shape
-    n, k_out = w_gate.shape[0], w_down.shape[0]
     if m > MAX_M:
         raise ValueError(f"decode path takes M <= {MAX_M} rows, got x with {m}")
     if form not in (None,) + FORMS:
         raise ValueError(f"form must be one of {FORMS} or None, got {form!r}")
-    dev, dt = x2.device, x2.dtype
-    y = torch.empty((m, k_out), dtype=dt, device=dev)
     if m == 0:
-        return Decoded(y, torch.zeros(1, dtype=torch.int32, device=dev),
-                       torch.zeros(1, dtype=torch.float32, device=dev))
-    mp = m_pad(m)
+        dev = x2.device
+        return Decoded(torch.empty((0, w_down.shape[0]), dtype=x2.dtype, device=dev),
+                       torch.zeros(1, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.float32, device=dev))
     c = cfg or config_for(m, k)
     if form is None:
         form = "rows" if m <= c.vec_m else "tiles"
     elif form == "rows" and m > c.vec_m:
         raise ValueError(f"form='rows' takes M <= cfg.vec_m = {c.vec_m} rows, got {m}")
-    if form in ("list", "pairs"):
-        return _decode_list(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, c, stats_buf,
-                            adown=form == "pairs")
-    mb = min(mp, MAX_MB)
-    nrb = -(-m // mb)
-    nb = -(-n // c.bn)
-    wdt, state = weight_cache.decode_weights(w_down, m)
-    if state is None:                   # unregistered weight: a fresh zeroed accumulator
-        acc, tk = torch.zeros(m * k_out + 8, dtype=torch.float32, device=dev).split([m * k_out, 8])
-        tk = tk.view(torch.int32)
-    else:
-        acc, tk = state
-    finish = nrb == 1 and m * k_out <= c.finish_max
-    # per (row block, neuron block): non-zeros per row, sum |h|; then tok [M + 1], sum |h|
-    iw = torch.empty(nrb * nb * mb + m + 1, dtype=torch.int32, device=dev)
-    rc, tok = iw[:nrb * nb * mb], iw[nrb * nb * mb:]
-    fw = torch.empty(nrb * nb + 1, dtype=torch.float32, device=dev)
-    hs, hsum = fw[:-1], fw[-1:]
-    st = stats_buf if stats_buf is not None else fw
-    ms = m_pad_rows(m) if form == "rows" else 0   # rows of the per-neuron up/down path
-    bk = min(c.bk, max(16, _pow2(k)))
-    bku = min(c.bku, max(16, _pow2(k)))
-    bko = min(c.bko, max(16, _pow2(k_out)))
-    wu = w_up if w_up is not None else w_gate
-    has_bd, clean, has_st = b_down is not None, state is not None, stats_buf is not None
-    bd = b_down if b_down is not None else y
-    launch(decode_fused_kernel, (nb, nrb), (
-        x2, x2.stride(0), x2.stride(1), w_gate, w_gate.stride(0), w_gate.stride(1),
-        b_gate if b_gate is not None else w_gate, wu, wu.stride(0), wu.stride(1),
-        b_up if b_up is not None else w_gate, wdt, wdt.stride(0), wdt.stride(1), bd,
-        acc, tk, rc, hs, y, y.stride(0), y.stride(1), tok, hsum, st, m, k, n, k_out),
-        dict(GATED=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
-             HAS_BD=has_bd, FINISH=finish, CLEAN=clean, HAS_ST=has_st, MB=mb, BN=c.bn, BK=bk,
-             BKU=bku, BKO=bko, MS=ms, KP=_pow2(k) if ms else 1, KOP=_pow2(k_out) if ms else 1,
-             FB=FINISH_BLOCK, RB=STAT_BLOCKS),
-        num_warps=c.warps, num_stages=c.stages)
-    if not finish:
-        _finish(acc, bd, y, rc, hs, tok, hsum, st, m, k_out, nb, nrb, mb, has_bd, clean, has_st)
-    return Decoded(y, tok, hsum)
+    return execute(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, form, stats_buf, c)
 
 
-def _finish(acc: Tensor, bd: Tensor, y: Tensor, rc: Tensor, hs: Tensor, tok: Tensor, hsum: Tensor,
-            st: Tensor, m: int, k_out: int, nb: int, nrb: int, mb: int, has_bd: bool, clean: bool,
-            has_st: bool) -> None:
-    """The finishing launch (decode_finish_kernel): y = acc + b_d, statistics."""
-    from twell_compile.kernels.twell_decode import decode_finish_kernel
-
-    launch(decode_finish_kernel, (-(-(m * k_out) // FINISH_BLOCK) + 1,),
-           (acc, bd, y, y.stride(0), y.stride(1), rc, hs, tok, hsum, st, m, k_out, nb, nrb),
-           dict(HAS_BD=has_bd, CLEAN=clean, HAS_ST=has_st, MB=mb, BLOCK=FINISH_BLOCK, RB=STAT_BLOCKS),
-           num_warps=4)
+class Prepared(NamedTuple):
+    """The host arithmetic of a decode call, fixed by its shapes, form and flags (``prepare``):
+    per-call buffer sizes, and per launch the kernel, grid, static int arguments, constexprs,
+    warps and stages. Holds no tensors, so ``execute`` keeps these in a plain dict."""
+    int_sizes: tuple         # int32 scratch: list neurons, list counts, non-zeros per block row, tok
+    float_sizes: tuple       # fp32 scratch: list h, sum |h| per block, total
+    launch1: tuple           # (kernel, grid, static ints, constexprs, warps, stages)
+    launch2: Optional[tuple]  # the same for the finishing / gather launch (None: in-kernel finish)
 
 
-def _decode_list(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
-                 b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], c: Config,
-                 stats_buf: Optional[Tensor], adown: bool = False) -> Decoded:
-    """The list form (twell_decode_list.py): gate + up into per-token lists, then a gather
-    launch for the down projection. Lists hold N slots per token (4 + 4 bytes each: 0.7 MB at
-    M=16, N=5632), allocated per call (no launch); nothing is zero-filled.
-    ``adown`` (the pairs form): no lists; each active pair's h W_d^T[n] goes into the fp32
-    accumulator by atomics in the first launch (as the rows form does per neuron), then the
-    finishing launch writes y."""
+def prepare(m: int, k: int, n: int, k_out: int, form: str, c: Config, gated: bool, has_bg: bool,
+            has_bu: bool, has_bd: bool, has_stats: bool, clean: bool) -> Prepared:
+    """``clean``: the accumulator is a registered weight's persistent one (zero between calls)."""
+    from twell_compile.kernels.twell_decode import decode_finish_kernel, decode_fused_kernel
     from twell_compile.kernels.twell_decode_list import decode_gather_kernel, decode_pairs_kernel
 
-    m, k = x2.shape
-    n, k_out = w_gate.shape[0], w_down.shape[0]
-    dev, dt = x2.device, x2.dtype
     mb = min(m_pad(m), MAX_MB)
     nrb = -(-m // mb)
-    nb = -(-n // c.lbn)
-    y = torch.empty((m, k_out), dtype=dt, device=dev)
-    # int32: list neuron indices [M, N], counts per (token, block) [M, NB], non-zeros per
-    # (row block, block, row), then tok [M + 1]; fp32: list h [M, N], sum |h| per block, total
-    nl = 0 if adown else m * n
-    iw = torch.empty(nl + (0 if adown else m * nb) + nrb * nb * mb + m + 1, dtype=torch.int32, device=dev)
-    ln, lc, rc, tok = iw.split([nl, 0 if adown else m * nb, nrb * nb * mb, m + 1])
-    fw = torch.empty(nl + nrb * nb + 1, dtype=torch.float32, device=dev)
-    lh, hs, hsum = fw.split([nl, nrb * nb, 1])
-    st = stats_buf if stats_buf is not None else fw
-    wdt, state = weight_cache.decode_weights(w_down, m)
-    if not adown:
-        acc, state = fw, None
-    elif state is None:                 # unregistered weight: a fresh zeroed accumulator
-        acc = torch.zeros(m * k_out, dtype=torch.float32, device=dev)
+    lists = form in ("list", "pairs")
+    nb = -(-n // (c.lbn if lists else c.bn))
+    nl = m * n if form == "list" else 0
+    # int32: (list neuron indices [M, N], counts per (token, block) [M, NB],) non-zeros per
+    # (row block, block, row), tok [M + 1]; fp32: (list h [M, N],) sum |h| per block, total
+    int_sizes = (nl, m * nb if form == "list" else 0, nrb * nb * mb, m + 1)
+    float_sizes = (nl, nrb * nb, 1)
+    finish = (decode_finish_kernel, (-(-(m * k_out) // FINISH_BLOCK) + 1,), (m, k_out, nb, nrb), dict(
+        HAS_BD=has_bd, CLEAN=clean, HAS_ST=has_stats, MB=mb, BLOCK=FINISH_BLOCK, RB=STAT_BLOCKS), 4, None)
+    p2 = lambda v: min(v, max(16, _pow2(k)))  # noqa: E731  (a K step: at most K padded)
+    if lists:
+        launch1 = (decode_pairs_kernel, (nb, nrb), (m, k, n, nb, k_out), dict(
+            GATED=gated, HAS_BG=has_bg, HAS_BU=has_bu, MB=mb, BN=c.lbn, BK=p2(c.lbk or c.bk), PB=c.pb,
+            KC=p2(c.kc), UDOT=c.udot, BKU=p2(c.bku), ADOWN=form == "pairs",
+            KOC=min(c.koc, max(16, _pow2(k_out)))), c.warps, c.lstages or c.stages)
+        if form == "pairs":
+            launch2 = finish
+        else:
+            bo = min(c.bo, max(16, _pow2(k_out)))
+            no = -(-k_out // bo)
+            launch2 = (decode_gather_kernel, (m * no + 1,), (m, n, k_out, nb, no, nrb), dict(
+                HAS_BD=has_bd, HAS_ST=has_stats, MB=mb, BN=c.lbn, NBP=max(16, _pow2(nb)), LE=c.le,
+                BO=bo, RB=STAT_BLOCKS), c.gwarps, None)
     else:
-        acc = state[0]
-    wu = w_up if w_up is not None else w_gate
-    bk = min(c.lbk or c.bk, max(16, _pow2(k)))
-    kc = min(c.kc, max(16, _pow2(k)))
-    launch(decode_pairs_kernel, (nb, nrb), (
-        x2, x2.stride(0), x2.stride(1), w_gate, w_gate.stride(0), w_gate.stride(1),
-        b_gate if b_gate is not None else w_gate, wu, wu.stride(0), wu.stride(1),
-        b_up if b_up is not None else w_gate, ln, lh, lc, rc, hs, wdt, wdt.stride(0), wdt.stride(1),
-        acc, m, k, n, nb, k_out),
-        dict(GATED=w_up is not None, HAS_BG=b_gate is not None, HAS_BU=b_up is not None,
-             MB=mb, BN=c.lbn, BK=bk, PB=c.pb, KC=kc, UDOT=c.udot, BKU=min(c.bku, max(16, _pow2(k))),
-             ADOWN=adown, KOC=min(c.koc, max(16, _pow2(k_out)))),
-        num_warps=c.warps, num_stages=c.lstages or c.stages)
+        fin = nrb == 1 and m * k_out <= c.finish_max
+        ms = m_pad_rows(m) if form == "rows" else 0     # rows of the per-neuron up/down path
+        launch1 = (decode_fused_kernel, (nb, nrb), (m, k, n, k_out), dict(
+            GATED=gated, HAS_BG=has_bg, HAS_BU=has_bu, HAS_BD=has_bd, FINISH=fin, CLEAN=clean,
+            HAS_ST=has_stats, MB=mb, BN=c.bn, BK=p2(c.bk), BKU=p2(c.bku),
+            BKO=min(c.bko, max(16, _pow2(k_out))), MS=ms, KP=_pow2(k) if ms else 1,
+            KOP=_pow2(k_out) if ms else 1, FB=FINISH_BLOCK, RB=STAT_BLOCKS), c.warps, c.stages)
+        launch2 = None if fin else finish
+    return Prepared(int_sizes, float_sizes, launch1, launch2)
+
+
+_prepared: dict[tuple, Prepared] = {}
+MAX_PREPARED = 4096
+
+
+def execute(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+            b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], form: str,
+            stats_buf: Optional[Tensor], c: Config) -> Decoded:
+    """One decode call in a given form and config (decode_forward checks them). The shape-fixed
+    arithmetic comes from ``prepare``, cached by shapes, form, flags and config (an eager call
+    at decode sizes is host-bound: docs/inference.md "Host time")."""
+    m, k = x2.shape
+    n, k_out = w_gate.shape[0], w_down.shape[0]
+    dev = x2.device
+    wdt, state = weight_cache.decode_weights(w_down, m)
+    if form == "list":
+        state = None                    # no accumulator: the gather writes y
+    key = (m, k, n, k_out, form, c, w_up is not None, b_gate is not None, b_up is not None,
+           b_down is not None, stats_buf is not None, state is not None)
+    p = _prepared.get(key)
+    if p is None:
+        if len(_prepared) >= MAX_PREPARED:
+            _prepared.clear()
+        p = _prepared[key] = prepare(m, k, n, k_out, form, c, *key[6:])
+    y = torch.empty((m, k_out), dtype=x2.dtype, device=dev)
+    ln, lc, rc, tok = torch.empty(sum(p.int_sizes), dtype=torch.int32, device=dev).split(p.int_sizes)
+    fw = torch.empty(sum(p.float_sizes), dtype=torch.float32, device=dev)
+    lh, hs, hsum = fw.split(p.float_sizes)
+    st = stats_buf if stats_buf is not None else fw
     bd = b_down if b_down is not None else y
-    if adown:
-        _finish(acc, bd, y, rc, hs, tok, hsum, st, m, k_out, nb, nrb, mb, b_down is not None,
-                state is not None, stats_buf is not None)
-        return Decoded(y, tok, hsum)
-    bo = min(c.bo, max(16, _pow2(k_out)))
-    no = -(-k_out // bo)
-    launch(decode_gather_kernel, (m * no + 1,), (
-        ln, lh, lc, wdt, wdt.stride(0), wdt.stride(1), bd,
-        y, y.stride(0), y.stride(1), rc, hs, tok, hsum, st, m, n, k_out, nb, no, nrb),
-        dict(HAS_BD=b_down is not None, HAS_ST=stats_buf is not None, MB=mb, BN=c.lbn,
-             NBP=max(16, _pow2(nb)), LE=c.le, BO=bo, RB=STAT_BLOCKS),
-        num_warps=c.gwarps)
+    if state is not None:
+        acc, tk = state
+    elif form == "list":
+        acc, tk = fw, None
+    else:                               # unregistered weight: a fresh zeroed accumulator
+        acc, tk = torch.zeros(m * k_out + 8, dtype=torch.float32, device=dev).split([m * k_out, 8])
+        tk = tk.view(torch.int32)
+    wu = w_up if w_up is not None else w_gate
+    w = (x2, x2.stride(0), x2.stride(1), w_gate, w_gate.stride(0), w_gate.stride(1),
+         b_gate if b_gate is not None else w_gate, wu, wu.stride(0), wu.stride(1),
+         b_up if b_up is not None else w_gate)
+    wd = (wdt, wdt.stride(0), wdt.stride(1))
+    k1, g1, s1, c1, w1, st1 = p.launch1
+    if form in ("list", "pairs"):
+        launch(k1, g1, w + (ln, lh, lc, rc, hs) + wd + (acc,) + s1, c1, num_warps=w1, num_stages=st1)
+    else:
+        launch(k1, g1, w + wd + (bd, acc, tk, rc, hs, y, k_out, 1, tok, hsum, st) + s1, c1,
+               num_warps=w1, num_stages=st1)
+    if p.launch2 is not None:
+        k2, g2, s2, c2, w2, _ = p.launch2
+        if form == "list":
+            a2 = (ln, lh, lc) + wd + (bd, y, k_out, 1, rc, hs, tok, hsum, st) + s2
+        else:
+            a2 = (acc, bd, y, k_out, 1, rc, hs, tok, hsum, st) + s2
+        launch(k2, g2, a2, c2, num_warps=w2)
     return Decoded(y, tok, hsum)
