@@ -244,6 +244,23 @@ def test_dense_paths_bit_identical_to_eager():
         assert torch.equal(y, ffn_dense(*_args(p)))
 
 
+@pytest.mark.parametrize("m", [1, 64, 1024, 1025])
+@pytest.mark.parametrize("gated", [True, False])
+def test_dense_forward_without_counts_is_eager(m, gated):
+    """No statistics, no probe: eager's own relu and mul up to EAGER_ELEMENTWISE_MAX_M rows (no
+    counts returned), the fused pass above it; eager's bits either way, NaN included."""
+    from twell_compile.kernels import cuda_infer
+
+    p = _ffn(m, 128, 512, 96, 0.05, 0.0, torch.bfloat16, gated=gated)
+    a = _args(p)
+    a[0][0, 3] = float("nan")                   # row 0 all NaN, as eager's
+    y, cnt, _ = cuda_infer.dense_forward(*a, counts=False)
+    ref = ffn_dense(*a)
+    assert y[0].isnan().all()
+    assert torch.equal(torch.nan_to_num(y, nan=7.0), torch.nan_to_num(ref, nan=7.0))
+    assert (cnt is None) == (m <= cuda_infer.EAGER_ELEMENTWISE_MAX_M)
+
+
 class _MLP(nn.Module):
     def __init__(self, k, n):
         super().__init__()

@@ -239,20 +239,27 @@ def twell_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
     return y, r.cnt, hsum
 
 
+EAGER_ELEMENTWISE_MAX_M = 1024   # dense_forward without counts: eager's relu and mul up to here
 DENSE_BLOCK = 1024     # columns per step of relu_mul_rows_kernel
 DENSE_PROGRAMS = 264   # split rows into column spans below this many programs (2 per H200/H100 SM)
 
 
 def dense_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
-                  b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor]
-                  ) -> tuple[Tensor, Tensor, Tensor]:
+                  b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], counts: bool = True
+                  ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """Eager's GEMMs, bit-identical to eager. Returns (y, non-zeros of relu(g) per row [M] int32
     (NaN counted), sum of |h| per row [M] fp32).
 
     relu (* up) is one Triton pass (relu_mul_rows_kernel) that also takes the counts and sums
-    the statistics and the density probe need: no extra pass over [M, N] for them.
+    the statistics and the density probe need: no extra pass over [M, N] for them. Without
+    ``counts`` (no statistics, no probe) and for M <= EAGER_ELEMENTWISE_MAX_M, eager's own relu
+    and mul run instead (no counts returned): two aten calls cost less host time than the
+    Triton launch's bookkeeping, and the extra pass over [M, N] is small there.
     """
     g = F.linear(x2, w_gate, b_gate)
+    if not counts and x2.shape[0] <= EAGER_ELEMENTWISE_MAX_M:
+        h = torch.relu(g) if w_up is None else torch.relu(g) * F.linear(x2, w_up, b_up)
+        return F.linear(h, w_down, b_down), None, None
     h, cnt, asum = relu_mul_rows(g, None if w_up is None else F.linear(x2, w_up, b_up))
     return F.linear(h, w_down, b_down), cnt, asum
 
@@ -307,7 +314,7 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     if not decode and not cuda_policy.shape_ok(x, m, k, k_out, n, tile_n, slots):
         # Fast path: eager's calls (fp32, M between the sparse paths, unsupported shapes); no
         # policy bookkeeping.
-        y, per_token, hsum = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
+        y, per_token, hsum = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, counts=keep_stats)
         if keep_stats:
             stats.record(layer, per_token, hsum.sum(), per_token.new_zeros(()), n)
         return y.reshape(*x.shape[:-1], k_out)
