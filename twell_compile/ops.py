@@ -72,7 +72,7 @@ def _check_positive(**knobs: int) -> None:
 # ---------------------------------------------------------------------------- inference
 # Defined through torch.library.Library, not custom_op: custom_op's Python autograd and
 # aliasing layers cost 43 us of host time per eager call on the H200 host (op 173 us vs its
-# dispatch 130, results/h200/session10/probe_host), more than the decode kernels' GPU time
+# dispatch 130, results/h200/session10/run1/probe_host_before2.json), more than the decode kernels' GPU time
 # (17-21 us). The op is inference only: its Autograd key falls through, and a call that would
 # need a gradient is refused up front (the backend rewrites to ffn_train when one is needed).
 _lib = torch.library.Library("twell", "FRAGMENT")
@@ -85,8 +85,7 @@ def _ffn(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Ten
          b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
          tile_n: int, slots: int, layer: str, stats: bool) -> Tensor:
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
-    if tile_n < 1 or slots < 1:
-        _check_positive(tile_n=tile_n, slots=slots)
+    _check_positive(tile_n=tile_n, slots=slots)
     if torch.is_grad_enabled():
         for name, t in (("x", x), ("w_gate", w_gate), ("b_gate", b_gate), ("w_up", w_up),
                         ("b_up", b_up), ("w_down", w_down), ("b_down", b_down)):

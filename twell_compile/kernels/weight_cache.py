@@ -114,14 +114,10 @@ def _entry(w: Tensor) -> Optional[tuple[_Entry, Tensor]]:
     return None if base is None else (e, base)
 
 
-def transposed(w: Tensor) -> Tensor:
-    """w.t() contiguous: the registered copy (refreshed if w changed in place) or a fresh one."""
+def _transposed_of(w: Tensor, found: Optional[tuple[_Entry, Tensor]]) -> Tensor:
     wt = w.t()
-    if wt.is_contiguous():
-        return wt
-    found = _entry(w)
     if found is None or found[0].wt is None:
-        return wt.contiguous()
+        return wt if wt.is_contiguous() else wt.contiguous()
     e, base = found
     if base._version != e.version:
         with torch.no_grad():
@@ -130,34 +126,31 @@ def transposed(w: Tensor) -> Tensor:
     return e.wt
 
 
-def decode_weights(w: Tensor, rows: int) -> tuple[Tensor, Optional[tuple[Tensor, Tensor]]]:
-    """``(transposed(w), decode_state(w, rows))`` with one cache lookup (host time per decode
-    call)."""
+def _state_of(w: Tensor, found: Optional[tuple[_Entry, Tensor]], rows: int) -> Optional[tuple[Tensor, Tensor]]:
+    if found is None or found[0].state is None or rows > STATE_ROWS:
+        return None
+    st = found[0].state
+    return st[:rows * w.shape[0]], st[STATE_ROWS * w.shape[0]:].view(torch.int32)
+
+
+def transposed(w: Tensor) -> Tensor:
+    """w.t() contiguous: the registered copy (refreshed if w changed in place) or a fresh one."""
     wt = w.t()
-    found = _entry(w)
-    if found is None:
-        return (wt if wt.is_contiguous() else wt.contiguous()), None
-    e, base = found
-    if e.wt is not None:
-        if base._version != e.version:
-            with torch.no_grad():
-                e.wt.copy_(wt)
-            e.version = base._version
-        wt = e.wt
-    if e.state is None or rows > STATE_ROWS:
-        return wt, None
-    return wt, (e.state[:rows * w.shape[0]], e.state[STATE_ROWS * w.shape[0]:].view(torch.int32))
+    return wt if wt.is_contiguous() else _transposed_of(w, _entry(w))
 
 
 def decode_state(w: Tensor, rows: int) -> Optional[tuple[Tensor, Tensor]]:
     """The registered W_down's persistent decode state for ``rows`` <= STATE_ROWS rows: (fp32
     accumulator [rows * K_out], int32 tickets [STATE_TICKETS]), zero between calls; None if
     ``w`` is not registered or rows is larger (then the caller zero-fills its own)."""
+    return _state_of(w, _entry(w), rows)
+
+
+def decode_weights(w: Tensor, rows: int) -> tuple[Tensor, Optional[tuple[Tensor, Tensor]]]:
+    """``(transposed(w), decode_state(w, rows))`` from one cache lookup (the decode path calls
+    this once per call)."""
     found = _entry(w)
-    if found is None or found[0].state is None or rows > STATE_ROWS:
-        return None
-    st = found[0].state
-    return st[:rows * w.shape[0]], st[STATE_ROWS * w.shape[0]:].view(torch.int32)
+    return _transposed_of(w, found), _state_of(w, found, rows)
 
 
 def refresh() -> int:

@@ -4,7 +4,6 @@ the pieces a leaner launch path would use. Prints JSON lines; writes all of them
     PYTHONPATH=. python3 benchmarks/results/h200/session10/probe_host.py OUT.json
 """
 import inspect
-import json
 import sys
 import time
 from pathlib import Path
@@ -20,27 +19,13 @@ import twell_compile.ops  # noqa: E402,F401
 from twell_compile import dispatch  # noqa: E402
 from twell_compile.kernels import cuda_decode, cuda_infer, cuda_policy, weight_cache  # noqa: E402
 
-out = sys.argv[1]
-res = []
-
-
-def emit(r):
-    print(json.dumps(r), flush=True)
-    res.append(r)
-    Path(out).write_text(json.dumps(res, indent=1))
+sys.path.insert(0, str(ROOT / "benchmarks" / "results" / "h200" / "session9"))
+from bench_host import per_call_us  # noqa: E402
+from probe_io import emit  # noqa: E402  (writes every result so far to argv[1])
 
 
 def host_us(fn, n=600):
-    for _ in range(30):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    h = time.perf_counter() - t
-    torch.cuda.synchronize()
-    w = time.perf_counter() - t
-    return round(h / n * 1e6, 2), round(w / n * 1e6, 2)
+    return tuple(round(v, 2) for v in per_call_us(fn, n))
 
 
 import triton  # noqa: E402
