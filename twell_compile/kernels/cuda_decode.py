@@ -27,6 +27,7 @@ grid points, the list form at none (it stays for deterministic mode: no atomics)
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -34,7 +35,7 @@ from torch import Tensor
 
 from twell_compile.kernels import weight_cache
 from twell_compile.kernels.launch import launch
-from twell_compile.kernels.cuda_infer import _pow2
+from twell_compile.kernels.cuda_infer import _INTERPRET, _pow2
 
 MAX_M = 256           # row blocks of <= 32 rows; the policy uses a smaller threshold
 MAX_MB = 32           # rows per program: M-tiles of 64 would select Hopper's wgmma, which gave
@@ -105,6 +106,31 @@ def m_pad_rows(m: int) -> int:
     return _pow2(m)
 
 
+# Programmatic dependent launch (Hopper+): each decode launch may begin while the previous kernel
+# in the stream finishes (the kernels wait on griddepcontrol before touching memory), hiding
+# launch latency between the two launches of a call and between calls. TWELL_PDL=0 turns it off.
+PDL = os.environ.get("TWELL_PDL", "1") != "0"
+_pdl_devices: dict[int, bool] = {}
+
+
+def pdl_ok(device: torch.device) -> bool:
+    """Whether decode launches on ``device`` use programmatic dependent launch: PDL on, compute
+    capability >= 9.0, Triton with griddepcontrol (triton.language.extra.cuda.gdc_wait), not
+    the interpreter. Cached per device."""
+    if not PDL or _INTERPRET:
+        return False
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _pdl_devices.get(i)
+    if ok is None:
+        try:
+            from triton.language.extra.cuda import gdc_wait  # noqa: F401
+            has = True
+        except ImportError:
+            has = False
+        ok = _pdl_devices[i] = has and torch.cuda.get_device_capability(i)[0] >= 9
+    return ok
+
+
 class Decoded(NamedTuple):
     y: Tensor        # [M, K_out]
     tok: Tensor      # [M + 1] int32: non-zeros of relu(g) per token, then their total
@@ -154,8 +180,9 @@ class Prepared(NamedTuple):
 
 
 def prepare(m: int, k: int, n: int, k_out: int, form: str, c: Config, gated: bool, has_bg: bool,
-            has_bu: bool, has_bd: bool, has_stats: bool, clean: bool) -> Prepared:
-    """``clean``: the accumulator is a registered weight's persistent one (zero between calls)."""
+            has_bu: bool, has_bd: bool, has_stats: bool, clean: bool, pdl: bool = False) -> Prepared:
+    """``clean``: the accumulator is a registered weight's persistent one (zero between calls).
+    ``pdl``: launch with programmatic dependent launch (``pdl_ok``)."""
     from twell_compile.kernels.twell_decode import decode_finish_kernel, decode_fused_kernel
     from twell_compile.kernels.twell_decode_list import decode_gather_kernel, decode_pairs_kernel
 
@@ -169,13 +196,13 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: Config, gated: boo
     int_sizes = (nl, m * nb if form == "list" else 0, nrb * nb * mb, m + 1)
     float_sizes = (nl, nrb * nb, 1)
     finish = (decode_finish_kernel, (-(-(m * k_out) // FINISH_BLOCK) + 1,), (m, k_out, nb, nrb), dict(
-        HAS_BD=has_bd, CLEAN=clean, HAS_ST=has_stats, MB=mb, BLOCK=FINISH_BLOCK, RB=STAT_BLOCKS), 4, None)
+        HAS_BD=has_bd, CLEAN=clean, HAS_ST=has_stats, MB=mb, BLOCK=FINISH_BLOCK, RB=STAT_BLOCKS, PDL=pdl), 4, None)
     p2 = lambda v: min(v, max(16, _pow2(k)))  # noqa: E731  (a K step: at most K padded)
     if lists:
         launch1 = (decode_pairs_kernel, (nb, nrb), (m, k, n, nb, k_out), dict(
             GATED=gated, HAS_BG=has_bg, HAS_BU=has_bu, MB=mb, BN=c.lbn, BK=p2(c.lbk or c.bk), PB=c.pb,
             KC=p2(c.kc), UDOT=c.udot, BKU=p2(c.bku), ADOWN=form == "pairs",
-            KOC=min(c.koc, max(16, _pow2(k_out)))), c.warps, c.lstages or c.stages)
+            KOC=min(c.koc, max(16, _pow2(k_out))), PDL=pdl), c.warps, c.lstages or c.stages)
         if form == "pairs":
             launch2 = finish
         else:
@@ -183,7 +210,7 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: Config, gated: boo
             no = -(-k_out // bo)
             launch2 = (decode_gather_kernel, (m * no + 1,), (m, n, k_out, nb, no, nrb), dict(
                 HAS_BD=has_bd, HAS_ST=has_stats, MB=mb, BN=c.lbn, NBP=max(16, _pow2(nb)), LE=c.le,
-                BO=bo, RB=STAT_BLOCKS), c.gwarps, None)
+                BO=bo, RB=STAT_BLOCKS, PDL=pdl), c.gwarps, None)
     else:
         fin = nrb == 1 and m * k_out <= c.finish_max
         ms = m_pad_rows(m) if form == "rows" else 0     # rows of the per-neuron up/down path
@@ -191,7 +218,7 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: Config, gated: boo
             GATED=gated, HAS_BG=has_bg, HAS_BU=has_bu, HAS_BD=has_bd, FINISH=fin, CLEAN=clean,
             HAS_ST=has_stats, MB=mb, BN=c.bn, BK=p2(c.bk), BKU=p2(c.bku),
             BKO=min(c.bko, max(16, _pow2(k_out))), MS=ms, KP=_pow2(k) if ms else 1,
-            KOP=_pow2(k_out) if ms else 1, FB=FINISH_BLOCK, RB=STAT_BLOCKS), c.warps, c.stages)
+            KOP=_pow2(k_out) if ms else 1, FB=FINISH_BLOCK, RB=STAT_BLOCKS, PDL=pdl), c.warps, c.stages)
         launch2 = None if fin else finish
     return Prepared(int_sizes, sum(int_sizes), float_sizes, sum(float_sizes), launch1, launch2)
 
@@ -213,7 +240,7 @@ def execute(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional
     if form == "list":
         state = None                    # no accumulator: the gather writes y
     key = (m, k, n, k_out, form, c, w_up is not None, b_gate is not None, b_up is not None,
-           b_down is not None, stats_buf is not None, state is not None)
+           b_down is not None, stats_buf is not None, state is not None, pdl_ok(dev))
     p = _prepared.get(key)
     if p is None:
         if len(_prepared) >= MAX_PREPARED:
@@ -240,15 +267,16 @@ def execute(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional
     wd = (wdt, wdt.stride(0), wdt.stride(1))
     k1, g1, s1, c1, w1, st1 = p.launch1
     if form in ("list", "pairs"):
-        launch(k1, g1, w + (ln, lh, lc, rc, hs) + wd + (acc,) + s1, c1, num_warps=w1, num_stages=st1)
+        launch(k1, g1, w + (ln, lh, lc, rc, hs) + wd + (acc,) + s1, c1, num_warps=w1, num_stages=st1,
+               pdl=c1["PDL"])
     else:
         launch(k1, g1, w + wd + (bd, acc, tk, rc, hs, y, k_out, 1, tok, hsum, st) + s1, c1,
-               num_warps=w1, num_stages=st1)
+               num_warps=w1, num_stages=st1, pdl=c1["PDL"])
     if p.launch2 is not None:
         k2, g2, s2, c2, w2, _ = p.launch2
         if form == "list":
             a2 = (ln, lh, lc) + wd + (bd, y, k_out, 1, rc, hs, tok, hsum, st) + s2
         else:
             a2 = (acc, bd, y, k_out, 1, rc, hs, tok, hsum, st) + s2
-        launch(k2, g2, a2, c2, num_warps=w2)
+        launch(k2, g2, a2, c2, num_warps=w2, pdl=c2["PDL"])
     return Decoded(y, tok, hsum)

@@ -23,10 +23,22 @@ padded to MB >= 16 (tl.dot's minimum) and split in row blocks of MB <= 32.
 ``decode_finish_kernel``: the same finish as a separate launch over all rows, for sizes where
   one program would take too long (M x K_out elements) or for several row blocks.
 The atomics sum in varying order: the last bits of y vary between runs; the error bound does not.
+PDL (Hopper+, cuda_decode.pdl_ok): every decode kernel starts with griddepcontrol.wait (it then
+sees all of the previous kernel's writes) and at once lets its dependent launch begin, so with
+programmatic dependent launch the next kernel's launch overlaps this one instead of following it.
 """
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    """Wait for the previous kernel in the stream (all its writes visible), then let the next
+    one launch early (it waits likewise). A no-op unless launched with launch_pdl."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -189,7 +201,9 @@ def decode_fused_kernel(
     FINISH: tl.constexpr, CLEAN: tl.constexpr, HAS_ST: tl.constexpr,
     MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKU: tl.constexpr, BKO: tl.constexpr,
     MS: tl.constexpr, KP: tl.constexpr, KOP: tl.constexpr, FB: tl.constexpr, RB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_r = tl.program_id(1)
     nb = tl.num_programs(0)
@@ -232,9 +246,10 @@ def decode_fused_kernel(
 def decode_finish_kernel(acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, rc_ptr, hs_ptr, tok_ptr, hsum_ptr, st_ptr,
                          M, KO, NB, NRB,
                          HAS_BD: tl.constexpr, CLEAN: tl.constexpr, HAS_ST: tl.constexpr,
-                         MB: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr):
+                         MB: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr):
     """The finish as its own launch: BLOCK accumulator elements per program, the last program
     sums the statistics."""
+    _pdl_enter(PDL)
     pid = tl.program_id(0)
     if pid < tl.num_programs(0) - 1:
         lo = pid * BLOCK

@@ -33,7 +33,7 @@ torch.use_deterministic_algorithms).
 import triton
 import triton.language as tl
 
-from twell_compile.kernels.twell_decode import _finish_stats, _gate_block, _rows_dot
+from twell_compile.kernels.twell_decode import _finish_stats, _gate_block, _pdl_enter, _rows_dot
 
 
 @triton.jit
@@ -74,7 +74,9 @@ def decode_pairs_kernel(
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
     MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PB: tl.constexpr, KC: tl.constexpr,
     UDOT: tl.constexpr, BKU: tl.constexpr, ADOWN: tl.constexpr, KOC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_r = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -153,8 +155,9 @@ def decode_gather_kernel(
     rc_ptr, hs_ptr, tok_ptr, hsum_ptr, st_ptr,
     M, N, KO, NB, NO, NRB,
     HAS_BD: tl.constexpr, HAS_ST: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr,
-    NBP: tl.constexpr, LE: tl.constexpr, BO: tl.constexpr, RB: tl.constexpr,
+    NBP: tl.constexpr, LE: tl.constexpr, BO: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr,
 ):
+    _pdl_enter(PDL)
     pid = tl.program_id(0)
     if pid == M * NO:
         _finish_stats(rc_ptr, hs_ptr, tok_ptr, hsum_ptr, st_ptr, M, NB, NRB, HAS_ST, MB, RB)
