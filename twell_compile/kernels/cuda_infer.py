@@ -215,89 +215,27 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
         x2, x2.stride(0), x2.stride(1), r.g, r.g.stride(0), r.lst, r.cnt,
         wu, wu.stride(0), wu.stride(1), b_up if b_up is not None else x2,
         wdt, wdt.stride(0), wdt.stride(1), b_down if b_down is not None else x2,
-        y, y.stride(0), y.stride(1), hsum, hsum, k, n, k_out, r.lst.shape[1],
+        y, y.stride(0), y.stride(1), hsum, k, n, k_out, r.lst.shape[1],
         GATED=w_up is not None, HAS_BU=b_up is not None, HAS_BD=b_down is not None,
         K_P=_pow2(k), KO_P=_pow2(k_out), PAIRS=ROW_PAIRS, CH=min(TAIL_CH, _pow2(n)), PF=ROW_PF,
-        FIX=False, num_warps=ROW_WARPS or (8 if kp > 2048 else 4))
-    return y, hsum
-
-
-# split path (twell_split.py): weight slices resident in L1, see there
-SPLIT_KS = 64          # up: K columns per program
-SPLIT_NR = 1408        # up: neurons per program (KS x NR x 2 bytes: 176 KB at bf16)
-SPLIT_UBT = 8          # up: tokens per step
-SPLIT_UP = 4           # up: pairs per token per step
-SPLIT_ULP = 32         # up: list entries per step of the range scan
-SPLIT_UWARPS = 4
-SPLIT_SL = 16          # down: K_out columns per program (N x SL x 2 bytes: 176 KB at N=5632)
-SPLIT_DBT = 8          # down: tokens per step
-SPLIT_DP = 8           # down: pairs per token per step
-SPLIT_DWARPS = 4
-SPLIT_CHUNKS = 1       # token chunks per weight slice (programs = slices x chunks)
-
-
-def split_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tensor],
-               w_down: Tensor, b_down: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """(y [M, K_out], sum |h| per row [M] fp32) from the per-row lists, by the split kernels
-    (twell_split.py) and the per-row kernel for rows over W or with non-finite x."""
-    from twell_compile.kernels.twell_rows import twell_rows_kernel
-    from twell_compile.kernels.twell_split import split_down_kernel, split_up_kernel
-
-    m, k = x2.shape
-    n, k_out = r.g.shape[1], w_down.shape[0]
-    width = r.lst.shape[1]
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    wdt = weight_cache.transposed(w_down)
-    y = torch.empty((m, k_out), dtype=x2.dtype, device=x2.device)
-    hsum = torch.empty((m,), dtype=torch.float32, device=x2.device)
-    if m == 0:
-        return y, hsum
-    gated = w_up is not None
-    buf = torch.zeros((m * width + m) if gated else m, dtype=torch.int32, device=x2.device)
-    flag = buf[:m]                       # rows with non-finite x (set by the up kernel)
-    uacc = buf[m:].view(torch.float32)   # u per listed pair [M, W] (gated)
-    chunks = max(1, min(SPLIT_CHUNKS, m))
-    tc = -(-m // chunks)
-    if gated:
-        nks, nr = -(-k // SPLIT_KS), -(-n // SPLIT_NR)
-        launch_up = split_up_kernel[(nks * nr * chunks,)]
-        launch_up(x2, x2.stride(0), r.lst, r.cnt, w_up, w_up.stride(0), uacc, flag,
-                  m, k, n, width, nks, nr, tc, KS=SPLIT_KS, NR=SPLIT_NR, BT=SPLIT_UBT, P=SPLIT_UP,
-                  LP=SPLIT_ULP, num_warps=SPLIT_UWARPS)
-    nsl = -(-k_out // SPLIT_SL)
-    split_down_kernel[(nsl * chunks,)](
-        r.lst, r.cnt, uacc, b_up if b_up is not None else y, wdt, wdt.stride(0),
-        b_down if b_down is not None else y, y, y.stride(0), hsum, m, k_out, width, nsl, tc,
-        GATED=gated, HAS_BU=b_up is not None, HAS_BD=b_down is not None, SL=SPLIT_SL,
-        BT=SPLIT_DBT, P=SPLIT_DP, num_warps=SPLIT_DWARPS)
-    wu = w_up if gated else wdt
-    kp = _pow2(max(k, k_out))
-    twell_rows_kernel[(m,)](
-        x2, x2.stride(0), x2.stride(1), r.g, r.g.stride(0), r.lst, r.cnt,
-        wu, wu.stride(0), wu.stride(1), b_up if b_up is not None else x2,
-        wdt, wdt.stride(0), wdt.stride(1), b_down if b_down is not None else x2,
-        y, y.stride(0), y.stride(1), hsum, flag, k, n, k_out, width,
-        GATED=gated, HAS_BU=b_up is not None, HAS_BD=b_down is not None,
-        K_P=_pow2(k), KO_P=_pow2(k_out), PAIRS=ROW_PAIRS, CH=min(TAIL_CH, _pow2(n)), PF=ROW_PF,
-        FIX=True, num_warps=ROW_WARPS or (8 if kp > 2048 else 4))
+        num_warps=ROW_WARPS or (8 if kp > 2048 else 4))
     return y, hsum
 
 
 def twell_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                   b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
-                  tile_n: int = 128, slots: int = 16, width: Optional[int] = None,
-                  split: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                  tile_n: int = 128, slots: int = 16, width: Optional[int] = None
+                  ) -> tuple[Tensor, Tensor, Tensor]:
     """(y [M, K_out], non-zeros per row [M] int32, sum|h| per row [M] fp32). x2 is [M, K].
 
     width: the per-row list width W (default ``list_width(N)``); tile_n/slots are the tile
-    path's and unused here. split: up/down by the split kernels (``split_rows``)."""
+    path's and unused here."""
     n = w_gate.shape[0]
     if n > 65536:
         raise ValueError(f"per-row TwELL path packs columns in 16 bits: N={n} > 65536")
     w_up = None if w_up is None else _rows(w_up)
     r = gate_rows(x2, w_gate, b_gate, width or list_width(n))
-    y, hsum = (split_rows if split else fused_rows)(x2, r, w_up, b_up, w_down, b_down)
+    y, hsum = fused_rows(x2, r, w_up, b_up, w_down, b_down)
     return y, r.cnt, hsum
 
 

@@ -104,26 +104,21 @@ def twell_rows_kernel(
     list_ptr, cnt_ptr,
     wu_ptr, swu_n, swu_k, bu_ptr,
     wdt_ptr, swd_n, swd_k, bd_ptr,
-    y_ptr, sy_m, sy_k, hsum_ptr, flag_ptr,
+    y_ptr, sy_m, sy_k, hsum_ptr,
     K, N, KO, W,
     GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
-    PF: tl.constexpr, FIX: tl.constexpr,
+    PF: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, K_P)
     k_ok = ks < K
     ko = tl.arange(0, KO_P)
     ko_ok = ko < KO
-    cnt = tl.load(cnt_ptr + m)
-    if FIX:   # only rows over W or flagged (split path, twell_split.py); the others are done
-        need = (cnt > W) | (tl.load(flag_ptr + m) != 0)
-    else:
-        need = cnt >= 0
-    ni = need.to(tl.int32)   # (broadcast as int: the interpreter rejects a scalar bool & block)
-    xr = tl.load(x_ptr + m * sx_m + ks * sx_k, mask=k_ok & ((ks * 0 + ni) > 0), other=0.0).to(tl.float32)
+    xr = tl.load(x_ptr + m * sx_m + ks * sx_k, mask=k_ok, other=0.0).to(tl.float32)
     bad = tl.sum(((xr != xr) | (tl.abs(xr) == float("inf"))).to(tl.int32), axis=0) > 0
-    nl = tl.where(bad | (~need), 0, tl.minimum(cnt, W))
+    cnt = tl.load(cnt_ptr + m)
+    nl = tl.where(bad, 0, tl.minimum(cnt, W))
     lrow = m * W
     pa = tl.arange(0, PAIRS)
     acc = tl.zeros((KO_P,), dtype=tl.float32)
@@ -167,7 +162,7 @@ def twell_rows_kernel(
                 n, g = _unpack(tl.load(list_ptr + lrow + p1, mask=live, other=0), dt)
 
     # 2. exact tail over g itself: after the W-th listed column (cnt > W), or every column (bad x).
-    over = (cnt > W) & (~bad) & need
+    over = (cnt > W) & (~bad)
     last = (tl.load(list_ptr + lrow + W - 1, mask=over, other=0) >> 16) & 0xFFFF
     start = tl.where(bad, 0, tl.where(over, last + 1, N))
     cc = tl.arange(0, CH)
@@ -191,5 +186,5 @@ def twell_rows_kernel(
             acc, hs = _pair(acc, hs, xr, tg, tn, tl_live, twu, twd, bu_ptr, k_ok, GATED, HAS_BU)
     if HAS_BD:
         acc += tl.load(bd_ptr + ko, mask=ko_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m * sy_m + ko * sy_k, acc.to(y_ptr.dtype.element_ty), mask=ko_ok & ((ko * 0 + ni) > 0))
-    tl.store(hsum_ptr + m, tl.sum(hs, axis=0), mask=need)
+    tl.store(y_ptr + m * sy_m + ko * sy_k, acc.to(y_ptr.dtype.element_ty), mask=ko_ok)
+    tl.store(hsum_ptr + m, tl.sum(hs, axis=0))
