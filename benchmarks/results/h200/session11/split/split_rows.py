@@ -10,7 +10,7 @@ fast memory needs many independent warps per SM on one slice (CUDA C++ with shar
 not one Triton program per slice.
 
     python3 benchmarks/results/h200/session11/split/probe_split.py OUT.json   # needs the
-    # shipped cuda_infer of commit 6e0c0b5 or this file's split_rows patched in
+    # shipped cuda_infer of commit ff3dea4 (the probe calls cuda_infer.split_rows)
 """
 from typing import Optional
 
