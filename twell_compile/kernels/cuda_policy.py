@@ -88,28 +88,29 @@ MIN_WIDTH = 2048       # per-row path measured winning at K = 2048 and 4096 (1.3
                        # with K as the dense GEMMs do
 MAX_WIDTH = 8192
 # Decode rule (rule 3), H200 bf16, decode kernels v5 (rows, tiles: one launch), the list form
-# and the pairs form (two launches each): fitted by benchmarks/tune_decode.py --fit-from
-# results/h200/ffn_decode.json (session 9's 56-point grid, results/h200/session9/run3/, each
-# form forced at each point; points within 1.6x of dense). Dense: 16.5 us + bytes / 3868 GB/s.
-# K=2048, N=5632, d=0.005: M=1 rows 16.9 us, M=16 pairs 21.2 us vs dense 34.1 (1.61x; list 26.5,
-# tiles 32.0). MARGIN 0.9: on the grid no pick below 0.99x of dense (test_decode.py).
+# and the pairs form (two launches each), launched with PDL (cuda_decode.pdl_ok; without it
+# each form's fixed part is ~1.2 us more): fitted by benchmarks/tune_decode.py --fit-from
+# results/h200/ffn_decode.json (session 11's 56-point grid, each form forced at each point;
+# points within 1.6x of dense). Dense: 16.2 us + bytes / 3793 GB/s.
+# K=2048, N=5632, d=0.005: M=1 rows 15.7 us, M=16 pairs 19.8 us vs dense 34.3 (1.73x; list 25.8,
+# tiles 30.9). MARGIN 0.9: on the grid no pick below 0.99x of dense (test_decode.py).
 DECODE_MAX_M = 64
-DEC_ROWS_FIXED_US = 7.57
-DEC_ROWS_GATE_GBPS = 2660.0
-DEC_ROWS_STEP_US = 2.6214
-DEC_TILES_FIXED_US = 8.82
-DEC_TILES_GATE_GBPS = 1657.0
-DEC_TILES_ROW_US = 0.4698
-DEC_TILES_ENTRY_US = 0.0014
-DEC_LIST_FIXED_US = 15.11
-DEC_LIST_GATE_GBPS = 2268.0
-DEC_LIST_PAIR_US = 2.1862
-DEC_LIST_ENTRY_US = 0.043
-DEC_PAIRS_FIXED_US = 6.85
-DEC_PAIRS_GATE_GBPS = 2376.0
-DEC_PAIRS_PAIR_US = 1.3905
-DENSE_FIXED_US = 16.5
-DENSE_GBPS = 3868.0
+DEC_ROWS_FIXED_US = 5.97
+DEC_ROWS_GATE_GBPS = 2601.0
+DEC_ROWS_STEP_US = 2.6136
+DEC_TILES_FIXED_US = 7.3
+DEC_TILES_GATE_GBPS = 1590.0
+DEC_TILES_ROW_US = 0.3846
+DEC_TILES_ENTRY_US = 0.0013
+DEC_LIST_FIXED_US = 14.12
+DEC_LIST_GATE_GBPS = 2280.0
+DEC_LIST_PAIR_US = 2.4135
+DEC_LIST_ENTRY_US = 0.0408
+DEC_PAIRS_FIXED_US = 5.61
+DEC_PAIRS_GATE_GBPS = 2384.0
+DEC_PAIRS_PAIR_US = 1.3995
+DENSE_FIXED_US = 16.23
+DENSE_GBPS = 3793.0
 DEC_MARGIN = 0.9
 DETERMINISTIC_FORMS = ("list",)   # the decode forms that sum without atomics
 MAX_N = 65536          # the per-row lists pack the column in 16 bits
