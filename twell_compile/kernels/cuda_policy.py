@@ -90,8 +90,10 @@ MAX_WIDTH = 8192
 # Decode rule (rule 3), H200 bf16, decode kernels v5 (rows, tiles: one launch), the list form
 # and the pairs form (two launches each), launched with PDL (cuda_decode.pdl_ok; without it
 # each form's fixed part is ~1.2 us more): fitted by benchmarks/tune_decode.py --fit-from
-# results/h200/ffn_decode.json (session 11's 56-point grid, each form forced at each point;
-# points within 1.6x of dense). Dense: 16.2 us + bytes / 3793 GB/s.
+# session 11 run 3's 56-point grid (results/h200/session11/run3/; each form forced at each
+# point; points within 1.6x of dense). The committed grid (results/h200/ffn_decode.json = run 4)
+# ran with these constants; its own fit differs by <= 1.1% (and would move K=4096 M=2 d=0.02
+# from rows to pairs). Dense: 16.2 us + bytes / 3793 GB/s.
 # K=2048, N=5632, d=0.005: M=1 rows 15.7 us, M=16 pairs 19.8 us vs dense 34.3 (1.73x; list 25.8,
 # tiles 30.9). MARGIN 0.9: on the grid no pick below 0.99x of dense (test_decode.py).
 DECODE_MAX_M = 64
