@@ -5,8 +5,10 @@ Each case runs ``--calls`` back-to-back calls with no sync inside the loop: ``ho
 time to issue one call, ``wall_us`` the time per call once the GPU has finished (max of host and
 GPU when the queue stays fed). The variants run interleaved for ``--rounds`` rounds and each
 reports its best round (the H200 host's timings of one variant spread by up to 1.5x between
-runs). ``op_standard`` is the op with Triton's standard launches
-(TWELL_TRITON_LAUNCH=standard around its timing loop), to show what kernels/launch.py saves. Inputs:
+runs). ``op`` replays its own CUDA graph per shape (kernels/decode_graphs.py) where the decode
+path runs; ``op_nograph`` is the op with that off (kernels/launch.py's cached launches), and
+``op_standard`` also with Triton's standard launches (TWELL_TRITON_LAUNCH=standard); both
+switched around the timing loop, not per call. Inputs:
 benchmarks/synthetic.py, bf16, density 0.005. Writes benchmarks/results/<gpu>/host_overhead.json
 (or --out).
 
@@ -31,7 +33,7 @@ from synthetic import make_ffn  # noqa: E402
 from timing import gpu_name  # noqa: E402
 
 import twell_compile.ops  # noqa: E402,F401
-from twell_compile.kernels import weight_cache  # noqa: E402
+from twell_compile.kernels import decode_graphs, weight_cache  # noqa: E402
 
 
 def per_call_us(fn, calls: int) -> tuple[float, float]:
@@ -48,16 +50,18 @@ def per_call_us(fn, calls: int) -> tuple[float, float]:
 
 
 @contextlib.contextmanager
-def standard_launches(on: bool):
-    """TWELL_TRITON_LAUNCH=standard for the block (around the timing loop, not per call)."""
-    if not on:
-        yield
-        return
-    os.environ["TWELL_TRITON_LAUNCH"] = "standard"
+def variant(name: str):
+    """The op's switches for a variant, set around the timing loop (not per call): no graphs of
+    its own for op_nograph and op_standard, and Triton's standard launches for op_standard."""
+    graphs = decode_graphs.ENABLED
+    decode_graphs.ENABLED = graphs and name not in ("op_nograph", "op_standard")
+    if name == "op_standard":
+        os.environ["TWELL_TRITON_LAUNCH"] = "standard"
     try:
         yield
     finally:
-        del os.environ["TWELL_TRITON_LAUNCH"]
+        decode_graphs.ENABLED = graphs
+        os.environ.pop("TWELL_TRITON_LAUNCH", None)
 
 
 def dense(x, wg, wu, wd):
@@ -75,8 +79,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     inductor = torch.compile(dense, dynamic=False)
     rows = []
-    print(f"{'K x N':>10} {'M':>5} | host us/call: {'op':>6} {'op std':>6} {'eager':>6} {'Ind':>6} | "
-          f"wall us/call: {'op':>6} {'op std':>6} {'eager':>6} {'Ind':>6}")
+    names = ("op", "op_nograph", "op_standard", "eager", "inductor")
+    print(f"{'K x N':>10} {'M':>5} | host us/call: {'op':>6} {'nogr':>6} {'std':>6} {'eager':>6} {'Ind':>6} | "
+          f"wall us/call: {'op':>6} {'nogr':>6} {'std':>6} {'eager':>6} {'Ind':>6}")
     for shape in a.shapes:
         k, n = (int(v) for v in shape.split("x"))
         for m in a.M:
@@ -89,24 +94,23 @@ def main(argv=None) -> int:
                 return torch.ops.twell.ffn(x, wg, None, wu, None, wd, None, 128, 16, layer, False)
 
             r = {"M": m, "K": k, "N": n, "density": a.density, "gpu": torch.cuda.get_device_name()}
-            fns = (("op", op), ("op_standard", op), ("eager", lambda: dense(x, wg, wu, wd)),
-                   ("inductor", lambda: inductor(x, wg, wu, wd)))
+            fns = (("op", op), ("op_nograph", op), ("op_standard", op),
+                   ("eager", lambda: dense(x, wg, wu, wd)), ("inductor", lambda: inductor(x, wg, wu, wd)))
             best: dict[str, tuple[float, float]] = {}
             with torch.no_grad():
                 for _ in range(a.rounds):           # variants interleaved; the best round of each
                     for name, fn in fns:
-                        with standard_launches(name == "op_standard"):
+                        with variant(name):
                             h, w = per_call_us(fn, a.calls)
                         if name not in best or h < best[name][0]:
                             best[name] = (h, w)
             for name, (h, w) in best.items():
                 r[f"{name}_host_us"], r[f"{name}_wall_us"] = round(h, 2), round(w, 2)
             rows.append(r)
-            print(f"{shape:>10} {m:>5} | {'':>14}{r['op_host_us']:6.1f} {r['op_standard_host_us']:6.1f} "
-                  f"{r['eager_host_us']:6.1f} {r['inductor_host_us']:6.1f} | {'':>14}{r['op_wall_us']:6.1f} "
-                  f"{r['op_standard_wall_us']:6.1f} {r['eager_wall_us']:6.1f} {r['inductor_wall_us']:6.1f}",
-                  flush=True)
+            print(f"{shape:>10} {m:>5} | {'':>14}" + " ".join(f"{r[v + '_host_us']:6.1f}" for v in names)
+                  + f" | {'':>14}" + " ".join(f"{r[v + '_wall_us']:6.1f}" for v in names), flush=True)
             weight_cache.clear()
+            decode_graphs.clear()
     out = Path(a.out) if a.out else Path(__file__).resolve().parent / "results" / gpu_name() / "host_overhead.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))

@@ -33,7 +33,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from twell_compile.kernels import weight_cache
+from twell_compile.kernels import decode_graphs, weight_cache
 from twell_compile.kernels.launch import launch
 from twell_compile.kernels.cuda_infer import _INTERPRET, _pow2
 
@@ -143,13 +143,15 @@ FORMS = ("rows", "tiles", "list", "pairs")
 def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                    b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
                    cfg: Optional[Config] = None, stats_buf: Optional[Tensor] = None,
-                   form: Optional[str] = None) -> Decoded:
+                   form: Optional[str] = None, graphed: bool = False) -> Decoded:
     """The FFN for x2 [M, K], M <= MAX_M. ``stats_buf``: a layer's float64 [4] statistics buffer
     (stats.py) that the kernels fill in place (sum and max of non-zeros per token, sum |h|, 0).
     ``form``: how up/down run: "rows" (one active neuron at a time, only for M <= cfg.vec_m),
     "tiles" (tl.dot tiles, atomics), "list" (per-token lists, a gather launch; no atomics) or
     "pairs" (per active pair, atomics); None: rows where M <= cfg.vec_m, else tiles (the
-    policy decides by density, cuda_policy.decode_form). ``cfg``: default config_for(M, K)."""
+    policy decides by density, cuda_policy.decode_form). ``cfg``: default config_for(M, K).
+    ``graphed``: eager calls replay the op's own CUDA graph (``decode_graphs``; the op passes
+    it); tok and hsum are then the graph's buffers, overwritten by the layer's next call."""
     m, k = x2.shape
     if m > MAX_M:
         raise ValueError(f"decode path takes M <= {MAX_M} rows, got x with {m}")
@@ -164,7 +166,7 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
         form = "rows" if m <= c.vec_m else "tiles"
     elif form == "rows" and m > c.vec_m:
         raise ValueError(f"form='rows' takes M <= cfg.vec_m = {c.vec_m} rows, got {m}")
-    return execute(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, form, stats_buf, c)
+    return execute(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, form, stats_buf, c, graphed)
 
 
 class Prepared(NamedTuple):
@@ -229,14 +231,17 @@ MAX_PREPARED = 4096
 
 def execute(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
             b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], form: str,
-            stats_buf: Optional[Tensor], c: Config) -> Decoded:
+            stats_buf: Optional[Tensor], c: Config, graphed: bool = False) -> Decoded:
     """One decode call in a given form and config (decode_forward checks them). The shape-fixed
     arithmetic comes from ``prepare``, cached by shapes, form, flags and config (an eager call
-    at decode sizes is host-bound: docs/inference.md "Host time")."""
+    at decode sizes is host-bound: docs/inference.md "Host time"). ``graphed``: replay the
+    call from the op's own CUDA graph where ``decode_graphs`` allows (then tok and hsum are
+    the graph's buffers, valid until this layer's next call)."""
     m, k = x2.shape
     n, k_out = w_gate.shape[0], w_down.shape[0]
     dev = x2.device
     wdt, state = weight_cache.decode_weights(w_down, m)
+    registered = state is not None      # W_down^T and the accumulator persist: graphs may bake them
     if form == "list":
         state = None                    # no accumulator: the gather writes y
     key = (m, k, n, k_out, form, c, w_up is not None, b_gate is not None, b_up is not None,
@@ -246,6 +251,22 @@ def execute(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional
         if len(_prepared) >= MAX_PREPARED:
             _prepared.clear()
         p = _prepared[key] = prepare(m, k, n, k_out, form, c, *key[6:])
+    if graphed and registered and decode_graphs.usable(x2):
+        ptrs = tuple(0 if t is None else t.data_ptr()
+                     for t in (w_gate, b_gate, w_up, b_up, wdt, b_down, stats_buf))
+        gkey = key + (x2.dtype, dev, ptrs, None if state is None else state[0].data_ptr())
+        return Decoded(*decode_graphs.run(gkey, x2, lambda xs: tuple(_launch_all(
+            xs, w_gate, b_gate, w_up, b_up, wdt, state, b_down, form, stats_buf, p))))
+    return _launch_all(x2, w_gate, b_gate, w_up, b_up, wdt, state, b_down, form, stats_buf, p)
+
+
+def _launch_all(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+                b_up: Optional[Tensor], wdt: Tensor, state: Optional[tuple], b_down: Optional[Tensor],
+                form: str, stats_buf: Optional[Tensor], p: Prepared) -> Decoded:
+    """The call's buffers and launches (``execute``; captured whole by ``decode_graphs``)."""
+    m = x2.shape[0]
+    k_out = wdt.shape[1]
+    dev = x2.device
     y = torch.empty((m, k_out), dtype=x2.dtype, device=dev)
     # split_with_sizes, not Tensor.split (a Python wrapper around it)
     ln, lc, rc, tok = torch.empty(p.int_total, dtype=torch.int32, device=dev).split_with_sizes(p.int_sizes)

@@ -326,7 +326,7 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
         # the kernel fills the layer's statistics buffer itself: no extra launches
         sbuf = stats.device_buffer(layer, x.device, m, n) if keep_stats else None
         y, tok, hsum = decode_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, stats_buf=sbuf,
-                                      form=form)
+                                      form=form, graphed=True)
         if probe:
             cuda_policy.submit(key, tok[m], m * n)
     elif sparse:

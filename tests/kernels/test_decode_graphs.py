@@ -1,0 +1,129 @@
+"""kernels/decode_graphs.py: eager decode calls of the op replayed from its own CUDA graphs.
+
+GPU tests (marker ``gpu``): fresh inputs every call checked against fp32 with the 2x rule,
+outputs poisoned-free and never aliased across calls, one graph per key, in-place weight
+updates seen by replays, nothing captured while the caller captures, the switch. CPU: the
+module never engages for CPU tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from twell_compile.kernels import cuda_policy, decode_graphs, weight_cache
+
+from .test_decode import _MECHANISM_CONSTANTS, _args, _ffn, _poison, _rel, gpu
+
+
+def test_not_usable_on_cpu():
+    assert not decode_graphs.usable(torch.zeros(2, 3))
+
+
+@pytest.fixture
+def decode_op(monkeypatch):
+    """The op on the decode path, one form per M (no switch when a density lands), clean state."""
+    for name, value in _MECHANISM_CONSTANTS:
+        monkeypatch.setattr(cuda_policy, name, value)
+    monkeypatch.setattr(cuda_policy, "use_decode",
+                        lambda key, m, k, n, k_out, gated: "rows" if m <= 4 else "pairs")
+    cuda_policy.reset()
+    decode_graphs.clear()
+    weight_cache.clear()
+    yield
+    decode_graphs.clear()
+    weight_cache.clear()
+    cuda_policy.reset()
+
+
+def _ref(args):
+    from twell_compile.reference import ffn_dense
+    ref = ffn_dense(*(None if a is None else a.float() for a in args))
+    return ref, _rel(ffn_dense(*args), ref)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_eager_calls_replay_one_graph_and_never_alias(decode_op, m):
+    p = _ffn(m, 2048, 5632, 2048, 0.005, torch.bfloat16)
+    assert weight_cache.register(p["w_down"])
+    outs, refs = [], []
+    for i in range(5):
+        p["x"] = torch.randn_like(p["x"]) * (1 + i)
+        p["x"][:, 0] = 1.0
+        args = _args(p)
+        _poison()
+        y = torch.ops.twell.ffn(*args, 128, 16, f"graphs{m}", False)
+        ref, derr = _ref(args)
+        assert torch.isfinite(y).all()
+        assert _rel(y, ref) <= 2 * derr + 1e-6, i
+        outs.append(y)
+        refs.append((ref, derr))
+        # first call eager, second captures, later ones replay the same graph
+        assert decode_graphs.count() == (0 if i == 0 else 1)
+    torch.cuda.synchronize()
+    for y, (ref, derr) in zip(outs, refs):          # earlier outputs untouched by later calls
+        assert _rel(y, ref) <= 2 * derr + 1e-6
+
+
+@gpu
+def test_replays_see_in_place_weight_updates(decode_op):
+    p = _ffn(4, 2048, 5632, 2048, 0.005, torch.bfloat16)
+    assert weight_cache.register(p["w_down"])
+    for _ in range(3):
+        torch.ops.twell.ffn(*_args(p), 128, 16, "graphs_upd", False)
+    assert decode_graphs.count() == 1
+    with torch.no_grad():
+        p["w_up"].mul_(-1.5)
+        p["w_down"].add_(torch.randn_like(p["w_down"]) * 0.05)
+        p["b_down"].add_(1.0)
+    y = torch.ops.twell.ffn(*_args(p), 128, 16, "graphs_upd", False)
+    assert decode_graphs.count() == 1                # same pointers: the same graph replayed
+    ref, derr = _ref(_args(p))
+    assert _rel(y, ref) <= 2 * derr + 1e-6
+
+
+@gpu
+def test_no_graph_of_its_own_while_the_caller_captures(decode_op):
+    p = _ffn(8, 2048, 5632, 2048, 0.005, torch.bfloat16)
+    assert weight_cache.register(p["w_down"])
+    x = p["x"].clone()
+    args = (x,) + _args(p)[1:]
+    torch.ops.twell.ffn(*args, 128, 16, "graphs_cap", False)     # warm-up (compiles)
+    outer = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        outer.capture_begin()
+        out = torch.ops.twell.ffn(*args, 128, 16, "graphs_cap", False)
+        outer.capture_end()
+    torch.cuda.current_stream().wait_stream(s)
+    assert decode_graphs.count() == 0
+    for i in range(3):
+        x.copy_(torch.randn_like(x) * (i + 1))
+        x[:, 0] = 1.0
+        out.fill_(float("nan"))
+        outer.replay()
+        ref, derr = _ref(args)
+        assert _rel(out, ref) <= 2 * derr + 1e-6
+
+
+@gpu
+def test_switched_off(decode_op, monkeypatch):
+    monkeypatch.setattr(decode_graphs, "ENABLED", False)
+    p = _ffn(2, 2048, 5632, 2048, 0.005, torch.bfloat16)
+    assert weight_cache.register(p["w_down"])
+    for _ in range(3):
+        y = torch.ops.twell.ffn(*_args(p), 128, 16, "graphs_off", False)
+    assert decode_graphs.count() == 0
+    ref, derr = _ref(_args(p))
+    assert _rel(y, ref) <= 2 * derr + 1e-6
+
+
+@gpu
+def test_unregistered_weight_is_not_graphed(decode_op):
+    p = _ffn(2, 2048, 5632, 2048, 0.005, torch.bfloat16)
+    for _ in range(3):
+        y = torch.ops.twell.ffn(*_args(p), 128, 16, "graphs_unreg", False)
+    assert decode_graphs.count() == 0
+    ref, derr = _ref(_args(p))
+    assert _rel(y, ref) <= 2 * derr + 1e-6

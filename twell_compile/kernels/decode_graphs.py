@@ -1,0 +1,107 @@
+"""Eager decode calls replayed from the op's own CUDA graphs (host time per call).
+
+An eager call of the decode path (no CUDA graph around the caller: torch.compile's default
+mode, or plain eager use of the op) is host-bound: its kernels take 16-20 us of GPU time,
+its Python launches, allocations and views most of the op's ~150 us (docs/inference.md "Host
+time"). Here each (shapes, form, flags, weights) key is run eagerly once (Triton compiles and
+loads its kernels), captured into a CUDA graph on the second call, and replayed from then on:
+a copy of x into the graph's input, one replay, one clone of its output.
+
+Semantics are the eager call's: the output is a fresh tensor; the weights are read at replay
+time (in-place updates are seen; W_down^T copies are refreshed by the caller's
+``weight_cache.decode_weights`` before the lookup, in place, so the graph keeps reading them);
+a key holds every pointer the graph bakes in, so a new weight or statistics buffer captures a
+new graph. Not used while the current stream is capturing (the caller's graph records the
+kernels), nor under the Triton interpreter. The first capture per key synchronizes the device
+once (like compiling). One stream at a time per layer, as for the persistent accumulator.
+``TWELL_DECODE_GRAPHS=0`` turns it off. Graphs share one memory pool per device; at most
+MAX_GRAPHS are kept (all dropped past that).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+ENABLED = os.environ.get("TWELL_DECODE_GRAPHS", "1") != "0"
+MAX_GRAPHS = 1024
+
+
+class _Graph(NamedTuple):
+    graph: Any            # torch.cuda.CUDAGraph
+    x: Tensor             # the graph's input [M, K]
+    out: tuple            # the graph's outputs (y first; the rest returned as they are)
+
+
+_graphs: dict[tuple, _Graph] = {}
+_seen: set[tuple] = set()
+_pools: dict[int, Any] = {}
+_lock = threading.Lock()
+
+
+def usable(x: Tensor) -> bool:
+    """Whether calls on x may go through a graph: enabled, CUDA, not capturing already."""
+    return ENABLED and x.is_cuda and not torch.cuda.is_current_stream_capturing()
+
+
+def run(key: tuple, x: Tensor, fn: Callable[[Tensor], tuple]) -> tuple:
+    """``fn(x)`` (a tuple of tensors, y first), from a replay of its graph once captured.
+
+    ``key`` must name everything ``fn`` bakes into its launches other than x's values: shapes,
+    flags, and the addresses of every weight, bias and buffer it reads or writes. The y
+    returned is a fresh copy; the other outputs are the graph's own buffers (overwritten by
+    the key's next call)."""
+    g = _graphs.get(key)
+    if g is not None:
+        g.x.copy_(x)
+        g.graph.replay()
+        return (g.out[0].clone(),) + g.out[1:]
+    if key not in _seen:            # first call: eager (compiles and loads the kernels)
+        with _lock:
+            _seen.add(key)
+        return fn(x)
+    return _capture(key, x, fn)
+
+
+def _capture(key: tuple, x: Tensor, fn: Callable[[Tensor], tuple]) -> tuple:
+    dev = x.device
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    xs = torch.empty(x.shape, dtype=x.dtype, device=dev)
+    xs.copy_(x)
+    graph = torch.cuda.CUDAGraph()
+    pool = _pools.get(idx)
+    if pool is None:
+        pool = _pools.setdefault(idx, torch.cuda.graph_pool_handle())
+    cur = torch.cuda.current_stream(dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            out = fn(xs)
+        finally:
+            graph.capture_end()
+    cur.wait_stream(side)
+    with _lock:
+        if len(_graphs) >= MAX_GRAPHS:
+            _graphs.clear()
+            _seen.clear()
+        _graphs[key] = _Graph(graph, xs, tuple(out))
+    graph.replay()
+    return (out[0].clone(),) + tuple(out[1:])
+
+
+def count() -> int:
+    """Graphs held (for tests)."""
+    return len(_graphs)
+
+
+def clear() -> None:
+    """Drop every graph (their pool memory is freed once nothing else holds it)."""
+    with _lock:
+        _graphs.clear()
+        _seen.clear()
