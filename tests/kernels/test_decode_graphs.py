@@ -127,3 +127,22 @@ def test_unregistered_weight_is_not_graphed(decode_op):
     assert decode_graphs.count() == 0
     ref, derr = _ref(_args(p))
     assert _rel(y, ref) <= 2 * derr + 1e-6
+
+
+@gpu
+@pytest.mark.parametrize("gated", [True, False])
+def test_dense_path_at_decode_sizes_is_graphed(monkeypatch, gated):
+    """Where the rule runs dense at M <= DECODE_MAX_M (no statistics), eager's GEMMs replay
+    from one graph per key too; results within the 2x rule of fp32 on fresh inputs."""
+    monkeypatch.setattr(cuda_policy, "use_decode", lambda *a: None)
+    monkeypatch.setattr(cuda_policy, "decode_wins", lambda *a, **kw: False)
+    decode_graphs.clear()
+    p = _ffn(64, 2048, 5632, 2048, 0.02, torch.bfloat16, gated=gated)
+    for i in range(4):
+        p["x"] = torch.randn_like(p["x"])
+        _poison()
+        y = torch.ops.twell.ffn(*_args(p), 128, 16, "graphs_dense", False)
+        ref, derr = _ref(_args(p))
+        assert _rel(y, ref) <= 2 * derr + 1e-6, i
+        assert decode_graphs.count() == (0 if i == 0 else 1)
+    decode_graphs.clear()

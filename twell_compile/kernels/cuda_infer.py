@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from twell_compile import stats
-from twell_compile.kernels import cuda_policy, weight_cache
+from twell_compile.kernels import cuda_policy, decode_graphs, weight_cache
 from twell_compile.kernels.launch import launch
 
 OVF_DIV = 16          # overflow buffer: one dense tile per 16 (row, tile) pairs
@@ -264,6 +264,16 @@ def dense_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
     return F.linear(h, w_down, b_down), cnt, asum
 
 
+def _dense_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+                   b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor]) -> Tensor:
+    """dense_forward without statistics at decode sizes, replayed from the op's own CUDA graph
+    (decode_graphs: eager's five calls cost more host time than the GEMMs' GPU time there)."""
+    key = ("dense", x2.shape, x2.dtype, x2.device) + decode_graphs.weights_key(
+        w_gate, b_gate, w_up, b_up, w_down, b_down)
+    return decode_graphs.run(key, x2, lambda xs: dense_forward(
+        xs, w_gate, b_gate, w_up, b_up, w_down, b_down, counts=False)[:1])[0]
+
+
 def relu_mul_rows(g: Tensor, u: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """(relu(g) * u, or relu(g) when u is None; its non-zero count per row [M] int32; sum |h|
     per row [M] fp32) for 2-D g, u.
@@ -314,6 +324,9 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     if not decode and not cuda_policy.shape_ok(x, m, k, k_out, n, tile_n, slots):
         # Fast path: eager's calls (fp32, M between the sparse paths, unsupported shapes); no
         # policy bookkeeping.
+        if not keep_stats and m <= cuda_policy.DECODE_MAX_M and decode_graphs.usable(x2):
+            y = _dense_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
+            return y.reshape(*x.shape[:-1], k_out)
         y, per_token, hsum = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, counts=keep_stats)
         if keep_stats:
             stats.record(layer, per_token, hsum.sum(), per_token.new_zeros(()), n)
@@ -337,6 +350,8 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
             stats.record(layer, per_token, hsum.sum(), (per_token > width).sum(), n)
         if probe:
             cuda_policy.submit(key, per_token.sum(), m * n)
+    elif not keep_stats and not probe and m <= cuda_policy.DECODE_MAX_M and decode_graphs.usable(x2):
+        y = _dense_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
     else:
         y, per_token, hsum = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
         if keep_stats:

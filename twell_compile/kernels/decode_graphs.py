@@ -5,7 +5,8 @@ mode, or plain eager use of the op) is host-bound: its kernels take 16-20 us of 
 its Python launches, allocations and views most of the op's ~150 us (docs/inference.md "Host
 time"). Here each (shapes, form, flags, weights) key is run eagerly once (Triton compiles and
 loads its kernels), captured into a CUDA graph on the second call, and replayed from then on:
-a copy of x into the graph's input, one replay, one clone of its output.
+a copy of x into the graph's input, one replay, one clone of its output. The dense path at the
+same sizes (eager's GEMMs, cuda_infer.dense_forward without statistics) is graphed likewise.
 
 Semantics are the eager call's: the output is a fresh tensor; the weights are read at replay
 time (in-place updates are seen; W_down^T copies are refreshed by the caller's
@@ -88,8 +89,7 @@ def _capture(key: tuple, x: Tensor, fn: Callable[[Tensor], tuple]) -> tuple:
     cur.wait_stream(side)
     with _lock:
         if len(_graphs) >= MAX_GRAPHS:
-            _graphs.clear()
-            _seen.clear()
+            _drop()
         _graphs[key] = _Graph(graph, xs, tuple(out))
     graph.replay()
     return (out[0].clone(),) + tuple(out[1:])
@@ -100,8 +100,20 @@ def count() -> int:
     return len(_graphs)
 
 
+def _drop() -> None:
+    # the pools go too: a pool whose graphs are all gone is released by PyTorch's allocator,
+    # and capturing into its stale handle fails an internal assert
+    _graphs.clear()
+    _seen.clear()
+    _pools.clear()
+
+
 def clear() -> None:
     """Drop every graph (their pool memory is freed once nothing else holds it)."""
     with _lock:
-        _graphs.clear()
-        _seen.clear()
+        _drop()
+
+
+def weights_key(*ts) -> tuple:
+    """Address, shape and strides of each tensor (None kept): what a graph bakes in of them."""
+    return tuple(None if t is None else (t.data_ptr(), t.shape, t.stride()) for t in ts)
