@@ -91,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--step-loop", action="store_true",
                     help="--generate: also time a greedy loop of the compiled model's one-token forward "
                          "(static cache, no generate() host work between steps; compiled backends only)")
+    ap.add_argument("--compile-mode", choices=("reduce-overhead", "default"), default="reduce-overhead",
+                    help="--generate: torch.compile mode of the decode step (default: no CUDA graphs, "
+                         "each op call issued from the host)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
@@ -590,7 +593,8 @@ def run_generate(a: argparse.Namespace, result: dict[str, Any]) -> None:
     prompt = token_batch(a, a.batch, a.seq, a.seed + 2)
     mask = torch.ones_like(prompt)
     energy = None if a.no_energy else Energy(dev)
-    mode = "reduce-overhead" if dev.type == "cuda" else None  # CUDA graphs exist only on CUDA
+    # CUDA graphs exist only on CUDA; --compile-mode default: no CUDA graphs around the step
+    mode = "reduce-overhead" if dev.type == "cuda" and a.compile_mode == "reduce-overhead" else None
     decode_tokens = a.batch * (a.new_tokens - 1)
     for d in a.density:
         achieved = calibrate(model, calib, d, amp, max(a.batch, 16))   # 16 sequences per forward
