@@ -444,7 +444,9 @@ def compile_kwargs(backend: str, a: argparse.Namespace, mode: Optional[str]) -> 
         opts = dict(a.twell_options)
         if mode:
             opts["twell.mode"] = mode
-        return dict(backend="twell", options=opts)
+        # mode=None said explicitly: HF's CompileConfig defaults to reduce-overhead, and
+        # torch.compile refuses a mode next to options
+        return dict(backend="twell", options=opts, mode=None)
     return dict(backend=backend, mode=mode)
 
 
