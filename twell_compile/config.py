@@ -47,9 +47,9 @@ class TwellConfig:
         the compile mode and Inductor's ``triton.cudagraphs`` (reduce-overhead: on); "on" when
         you capture CUDA graphs around the compiled model yourself; "off". Without CUDA graphs a
         static decode-sized CUDA FFN (<= 64 tokens) is left to Inductor under ``skip_dense``:
-        one eager call of our op costs 151 us of host time at M=1 there (H200 host,
-        ``python3 benchmarks/bench_host.py``, results/h200/session10/run4/), against 110 us for
-        Inductor's compiled dense FFN and 66 us for eager's.
+        rewritten, generate() in the default mode ran 0.63x of Inductor's tokens/s at batch 1
+        (H200, ``bench_e2e.py --generate --compile-mode default --twell-opt
+        twell.cudagraphs=on``, results/h200/session11/run9/).
     """
 
     enabled: bool = True

@@ -62,9 +62,10 @@ def static_dense_reason(device: torch.device, dtype: torch.dtype, m: Optional[in
     0.35x of Inductor on a 30M-parameter model at 4096 tokens, H200, docs/training.md).
     Decode-sized M (<= DECODE_MAX_M) is rewritten where the decode rule can pick the decode
     path (its cost model at density 0, the best case) and ``cudagraphs`` says the graph runs in
-    CUDA graphs: an eager call of the op costs 151 us of host time at M=1 (H200 host,
-    benchmarks/bench_host.py, session10/run4) against 110 us for Inductor's compiled dense FFN, 66 us
-    for eager's and 17 us of decode-kernel GPU time, so without graphs the host cost decides.
+    CUDA graphs: there the step is host-bound, and with the decode FFNs rewritten generate() ran
+    0.63x of Inductor's tokens/s at batch 1 (7.9 vs 5.0 ms per step, H200, default mode,
+    results/h200/session11/run9/), although one eager call of the op alone now costs less host
+    time than Inductor's compiled FFN (75-112 vs 92-128 us at M=1-16, bench_host.py, session11/run7).
     Dynamic M is always rewritten.
     """
     if device.type != "cuda":
@@ -77,8 +78,8 @@ def static_dense_reason(device: torch.device, dtype: torch.dtype, m: Optional[in
         return (f"{m} tokens: above the decode path's {cp.DECODE_MAX_M} and below the per-row path's "
                 f"{cp.MIN_TOKENS}, where the CUDA sparse kernels lose to dense")
     if m is not None and 1 <= m <= cp.DECODE_MAX_M and not cudagraphs:
-        return (f"{m} tokens without CUDA graphs: one eager call of the op costs ~0.15 ms of host "
-                f"time (H200 host) against ~0.11 ms for Inductor's dense FFN; compile with "
+        return (f"{m} tokens without CUDA graphs: the step is host-bound, and with these FFNs "
+                f"rewritten generate() ran 0.63x of Inductor's speed at batch 1 (H200); compile with "
                 f"mode='reduce-overhead', or set twell.cudagraphs='on' if you capture CUDA graphs yourself")
     if m is not None and 1 <= m <= cp.DECODE_MAX_M and not cp.decode_wins(0.0, m, k, n, k_out, True):
         return (f"{m} tokens: the CUDA decode path's cost model (measured on H200) has dense "
