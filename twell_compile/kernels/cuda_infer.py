@@ -264,6 +264,13 @@ def dense_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
     return F.linear(h, w_down, b_down), cnt, asum
 
 
+def _graph_dense(x2: Tensor, k: int, n: int, k_out: int, gated: bool) -> bool:
+    """Whether this dense call replays its own graph: decode sizes where eager's calls are
+    host-bound (cuda_policy.dense_host_bound), graphs usable."""
+    return (x2.shape[0] <= cuda_policy.DECODE_MAX_M and decode_graphs.usable(x2)
+            and cuda_policy.dense_host_bound(k, n, k_out, gated, x2.element_size()))
+
+
 def _dense_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                    b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor]) -> Tensor:
     """dense_forward without statistics at decode sizes, replayed from the op's own CUDA graph
@@ -324,7 +331,7 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     if not decode and not cuda_policy.shape_ok(x, m, k, k_out, n, tile_n, slots):
         # Fast path: eager's calls (fp32, M between the sparse paths, unsupported shapes); no
         # policy bookkeeping.
-        if not keep_stats and m <= cuda_policy.DECODE_MAX_M and decode_graphs.usable(x2):
+        if not keep_stats and _graph_dense(x2, k, n, k_out, gated):
             y = _dense_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
             return y.reshape(*x.shape[:-1], k_out)
         y, per_token, hsum = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, counts=keep_stats)
@@ -350,7 +357,7 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
             stats.record(layer, per_token, hsum.sum(), (per_token > width).sum(), n)
         if probe:
             cuda_policy.submit(key, per_token.sum(), m * n)
-    elif not keep_stats and not probe and m <= cuda_policy.DECODE_MAX_M and decode_graphs.usable(x2):
+    elif not keep_stats and not probe and _graph_dense(x2, k, n, k_out, gated):
         y = _dense_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
     else:
         y, per_token, hsum = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)

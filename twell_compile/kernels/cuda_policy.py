@@ -177,9 +177,25 @@ def decode_pick(density: float, m: int, k: int, n: int, k_out: int, gated: bool,
     beats DEC_MARGIN x the dense FFN's predicted time, else None (dense)."""
     t = _forms_us(density, m, k, n, k_out, forms)
     form = min(t, key=t.get)
-    g = 1 if gated else 0
-    t_dense = DENSE_FIXED_US + 1e3 * 2e-6 * n * (k * (1 + g) + k_out) / DENSE_GBPS
-    return form if t[form] < DEC_MARGIN * t_dense else None
+    return form if t[form] < DEC_MARGIN * dense_us(k, n, k_out, gated) else None
+
+
+# H200 host: eager's dense FFN (three F.linear, relu, mul) issues in 57-66 us per call
+# (bench_host.py, results/h200/session10/run4/, session11/run7/)
+EAGER_HOST_US = 60.0
+
+
+def dense_us(k: int, n: int, k_out: int, gated: bool, elem: int = 2) -> float:
+    """Predicted GPU time of eager's dense FFN at decode sizes (weight bytes at DENSE_GBPS)."""
+    return DENSE_FIXED_US + 1e-3 * elem * n * (k * (2 if gated else 1) + k_out) / DENSE_GBPS
+
+
+def dense_host_bound(k: int, n: int, k_out: int, gated: bool, elem: int = 2) -> bool:
+    """Whether eager's dense FFN at decode sizes takes less GPU time than its calls take host
+    time: then replaying them from a CUDA graph (kernels/decode_graphs.py) saves time; where
+    the GEMMs dominate (K=4096, N=11008: ~88 us) the graph's extra copy and clone cost more
+    (run 10: 0.103 vs 0.099 ms per call)."""
+    return dense_us(k, n, k_out, gated, elem) < EAGER_HOST_US
 
 
 def decode_form(density: float, m: int, k: int, n: int, k_out: int,
