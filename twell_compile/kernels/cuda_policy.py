@@ -180,9 +180,11 @@ def decode_pick(density: float, m: int, k: int, n: int, k_out: int, gated: bool,
     return form if t[form] < DEC_MARGIN * dense_us(k, n, k_out, gated) else None
 
 
-# H200 host: eager's dense FFN (three F.linear, relu, mul) issues in 57-66 us per call
-# (bench_host.py, results/h200/session10/run4/, session11/run7/)
-EAGER_HOST_US = 60.0
+# H200 host: the op's dense path (dispatch, policy, three F.linear, the relu*mul pass) issues
+# in 83-145 us per call (bench_host.py, results/h200/session10/run4/: M=1024 83, M=64 145) and
+# this host's Python timings spread 1.5-2.5x between runs (session11/run12/: 184-471 us at
+# K=4096, M=1, whose GEMMs take 76 us); a graphed call costs its copy and clone on the GPU
+OP_DENSE_HOST_US = 100.0
 
 
 def dense_us(k: int, n: int, k_out: int, gated: bool, elem: int = 2) -> float:
@@ -191,11 +193,12 @@ def dense_us(k: int, n: int, k_out: int, gated: bool, elem: int = 2) -> float:
 
 
 def dense_host_bound(k: int, n: int, k_out: int, gated: bool, elem: int = 2) -> bool:
-    """Whether eager's dense FFN at decode sizes takes less GPU time than its calls take host
-    time: then replaying them from a CUDA graph (kernels/decode_graphs.py) saves time; where
-    the GEMMs dominate (K=4096, N=11008: ~88 us) the graph's extra copy and clone cost more
-    (run 10: 0.103 vs 0.099 ms per call)."""
-    return dense_us(k, n, k_out, gated, elem) < EAGER_HOST_US
+    """Whether the op's dense path at decode sizes takes less GPU time than its calls take host
+    time (OP_DENSE_HOST_US): then replaying it from a CUDA graph (kernels/decode_graphs.py)
+    saves time. K=4096, N=11008 (~88 us predicted): graphed 0.098 ms per call at M=1 against
+    0.18-0.47 ungraphed on a slow host moment, 0.103 vs 0.099 at M=64 on a fast one
+    (session11/run10, run12)."""
+    return dense_us(k, n, k_out, gated, elem) < OP_DENSE_HOST_US
 
 
 def decode_form(density: float, m: int, k: int, n: int, k_out: int,
