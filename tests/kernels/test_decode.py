@@ -248,8 +248,9 @@ def test_decode_cost_model_mechanism(monkeypatch):
 def test_shipped_decode_rule_reproduces_the_committed_h200_grid():
     """The committed H200 decode grid (bench_ffn.py --decode: every decode form forced, and the
     op with its policy, one run): the shipped rule, evaluated at each point's measured density,
-    takes the path the op took there (except within 2% of the decision boundary: the op decides
-    on its first layer's own measured density, the grid records the mean over its layers); the
+    takes the path the op took there (except within 2% of the decision boundary, or between two
+    forms predicted within 2% of each other: the op decides on its first layer's own measured
+    density, the grid records the mean over its layers; at most 2 of each); the
     op never ran below 0.97x of dense; wherever a forced form was >= 1.25x faster than dense,
     the rule picks decode; and the form it picks is never more than 15% slower than the fastest
     form measured there."""
@@ -257,7 +258,7 @@ def test_shipped_decode_rule_reproduces_the_committed_h200_grid():
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200" / "ffn_decode.json"
     rows = json.loads(path.read_text())
     assert len(rows) == 56
-    picked = near = 0
+    picked = near = tied = 0
     for r in rows:
         d = r["nnz_per_row"] / r["N"]
         wins = cuda_policy.decode_wins(d, r["M"], r["K"], r["N"], r["K"], True)
@@ -265,18 +266,22 @@ def test_shipped_decode_rule_reproduces_the_committed_h200_grid():
         want = f"decode-{form}" if wins else "dense"
         t_dense = cuda_policy.DENSE_FIXED_US + 2e-3 * r["N"] * 3 * r["K"] / cuda_policy.DENSE_GBPS
         edge = cuda_policy.DEC_MARGIN * t_dense
-        t_dec = min(cuda_policy.decode_us(d, r["M"], r["K"], r["N"], r["K"]).values())
-        if abs(t_dec / edge - 1) > 0.02:
-            assert r["path"] == want, (r["M"], r["K"], r["density"], r["path"], want)
-        else:
+        ts = sorted(cuda_policy.decode_us(d, r["M"], r["K"], r["N"], r["K"]).values())
+        t_dec = ts[0]
+        if abs(t_dec / edge - 1) <= 0.02:
             near += 1
+        elif wins and ts[1] <= 1.02 * ts[0]:     # two forms predicted within 2%: either one
+            tied += r["path"] != want
+            assert r["path"].startswith("decode-"), (r["M"], r["K"], r["density"], r["path"], want)
+        else:
+            assert r["path"] == want, (r["M"], r["K"], r["density"], r["path"], want)
         assert r["dense_ms"] / r["twell_ms"] >= 0.97, r
         if r["dense_ms"] / r["kernel_ms"] >= 1.25:
             assert wins, r
         if wins:
             assert r["form_ms"][form] <= 1.15 * min(r["form_ms"].values()), (r, form)
         picked += wins
-    assert picked >= 20 and near <= 2
+    assert picked >= 20 and near <= 2 and tied <= 2
 
 
 def test_decode_form_rule():

@@ -90,29 +90,28 @@ MAX_WIDTH = 8192
 # Decode rule (rule 3), H200 bf16, decode kernels v5 (rows, tiles: one launch), the list form
 # and the pairs form (two launches each), launched with PDL (cuda_decode.pdl_ok; without it
 # each form's fixed part is ~1.2 us more): fitted by benchmarks/tune_decode.py --fit-from
-# session 11 run 3's 56-point grid (results/h200/session11/run3/; each form forced at each
-# point; points within 1.6x of dense). The committed grid (results/h200/ffn_decode.json = run 4)
-# ran with these constants; its own fit differs by <= 1.1% (and would move K=4096 M=2 d=0.02
-# from rows to pairs). Dense: 16.2 us + bytes / 3793 GB/s.
+# results/h200/ffn_decode.json (session 11's 56-point grid, results/h200/session11/run4/, run
+# with the fit of run 3's grid, which differs by <= 1.1%; each form forced at each point;
+# points within 1.6x of dense). Dense: 16.3 us + bytes / 3796 GB/s.
 # K=2048, N=5632, d=0.005: M=1 rows 15.7 us, M=16 pairs 19.8 us vs dense 34.3 (1.73x; list 25.8,
 # tiles 30.9). MARGIN 0.9: on the grid no pick below 0.99x of dense (test_decode.py).
 DECODE_MAX_M = 64
-DEC_ROWS_FIXED_US = 5.97
-DEC_ROWS_GATE_GBPS = 2601.0
-DEC_ROWS_STEP_US = 2.6136
-DEC_TILES_FIXED_US = 7.3
-DEC_TILES_GATE_GBPS = 1590.0
-DEC_TILES_ROW_US = 0.3846
+DEC_ROWS_FIXED_US = 5.95
+DEC_ROWS_GATE_GBPS = 2596.0
+DEC_ROWS_STEP_US = 2.6157
+DEC_TILES_FIXED_US = 7.38
+DEC_TILES_GATE_GBPS = 1596.0
+DEC_TILES_ROW_US = 0.3857
 DEC_TILES_ENTRY_US = 0.0013
-DEC_LIST_FIXED_US = 14.12
-DEC_LIST_GATE_GBPS = 2280.0
-DEC_LIST_PAIR_US = 2.4135
+DEC_LIST_FIXED_US = 14.09
+DEC_LIST_GATE_GBPS = 2276.0
+DEC_LIST_PAIR_US = 2.4146
 DEC_LIST_ENTRY_US = 0.0408
-DEC_PAIRS_FIXED_US = 5.61
-DEC_PAIRS_GATE_GBPS = 2384.0
-DEC_PAIRS_PAIR_US = 1.3995
-DENSE_FIXED_US = 16.23
-DENSE_GBPS = 3793.0
+DEC_PAIRS_FIXED_US = 5.57
+DEC_PAIRS_GATE_GBPS = 2379.0
+DEC_PAIRS_PAIR_US = 1.3996
+DENSE_FIXED_US = 16.28
+DENSE_GBPS = 3796.0
 DEC_MARGIN = 0.9
 DETERMINISTIC_FORMS = ("list",)   # the decode forms that sum without atomics
 MAX_N = 65536          # the per-row lists pack the column in 16 bits
