@@ -23,6 +23,9 @@ state; M=16 26.8 us vs tiles 31.9 and dense 34.2 (1.28x), K=4096 M=16 1.46x (run
 form (same kernel, session 9): each active pair's h W_d^T[n] into the accumulator by atomics,
 then the finishing launch: M=16 21.2 us (1.61x), K=4096 M=16 1.54x; fastest at 26 of the 56
 grid points, the list form at none (it stays for deterministic mode: no atomics).
+Session 11: launches with programmatic dependent launch on Hopper (``pdl_ok``; M=1 15.6 us,
+2.17x; M=16 19.8 us, 1.73x), and the op's eager calls replay their own CUDA graph
+(``execute(graphed=True)``, kernels/decode_graphs.py; host time, docs/inference.md).
 """
 
 from __future__ import annotations
