@@ -146,3 +146,10 @@ def test_dense_path_at_decode_sizes_is_graphed(monkeypatch, gated):
         assert _rel(y, ref) <= 2 * derr + 1e-6, i
         assert decode_graphs.count() == (0 if i == 0 else 1)
     decode_graphs.clear()
+
+
+def test_math_mode_is_part_of_the_dense_key(monkeypatch):
+    """A graph keeps the cuBLAS settings of its capture: changing TF32 gives another key."""
+    before = decode_graphs.math_mode()
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", not torch.backends.cuda.matmul.allow_tf32)
+    assert decode_graphs.math_mode() != before

@@ -275,8 +275,8 @@ def _dense_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
                    b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor]) -> Tensor:
     """dense_forward without statistics at decode sizes, replayed from the op's own CUDA graph
     (decode_graphs: eager's five calls cost more host time than the GEMMs' GPU time there)."""
-    key = ("dense", x2.shape, x2.dtype, x2.device) + decode_graphs.weights_key(
-        w_gate, b_gate, w_up, b_up, w_down, b_down)
+    key = (("dense", x2.shape, x2.dtype, x2.device, decode_graphs.math_mode())
+           + decode_graphs.weights_key(w_gate, b_gate, w_up, b_up, w_down, b_down))
     return decode_graphs.run(key, x2, lambda xs: dense_forward(
         xs, w_gate, b_gate, w_up, b_up, w_down, b_down, counts=False)[:1])[0]
 

@@ -63,6 +63,8 @@ def run(key: tuple, x: Tensor, fn: Callable[[Tensor], tuple]) -> tuple:
         return (g.out[0].clone(),) + g.out[1:]
     if key not in _seen:            # first call: eager (compiles and loads the kernels)
         with _lock:
+            if len(_seen) >= 4 * MAX_GRAPHS:      # keys that never came back (fresh weights)
+                _seen.clear()
             _seen.add(key)
         return fn(x)
     return _capture(key, x, fn)
@@ -112,6 +114,15 @@ def clear() -> None:
     """Drop every graph (their pool memory is freed once nothing else holds it)."""
     with _lock:
         _drop()
+
+
+def math_mode() -> tuple:
+    """The settings cuBLAS calls read at capture time (a graph keeps them): TF32 and reduced-
+    precision reductions, and autocast."""
+    m = torch.backends.cuda.matmul
+    return (m.allow_tf32, m.allow_bf16_reduced_precision_reduction,
+            m.allow_fp16_reduced_precision_reduction, torch.is_autocast_enabled("cuda"),
+            torch.get_autocast_dtype("cuda"))
 
 
 def weights_key(*ts) -> tuple:
