@@ -148,6 +148,8 @@ def test_bad_arguments_are_named(argv, match):
 def test_twell_options_are_typed():
     a = E2E.parse_args(["--tiny", "--twell-opt", "twell.stats=false", "--twell-opt", "twell.slots=8"])
     assert a.twell_options == {"twell.stats": False, "twell.slots": 8}
+    # mode=None said explicitly: HF's CompileConfig would default it to reduce-overhead
     assert E2E.compile_kwargs("twell", a, "reduce-overhead") == dict(
-        backend="twell", options={"twell.stats": False, "twell.slots": 8, "twell.mode": "reduce-overhead"})
+        backend="twell", options={"twell.stats": False, "twell.slots": 8, "twell.mode": "reduce-overhead"},
+        mode=None)
     assert E2E.compile_kwargs("inductor", a, None) == dict(backend="inductor", mode=None)
