@@ -108,22 +108,15 @@ def test_no_graph_of_its_own_while_the_caller_captures(decode_op):
 
 
 @gpu
-def test_switched_off(decode_op, monkeypatch):
-    monkeypatch.setattr(decode_graphs, "ENABLED", False)
+@pytest.mark.parametrize("case", ["switched_off", "unregistered_weight"])
+def test_no_graph(decode_op, monkeypatch, case):
+    """TWELL_DECODE_GRAPHS off, or a W_down the weight cache does not hold: eager calls."""
     p = _ffn(2, 2048, 5632, 2048, 0.005, torch.bfloat16)
-    assert weight_cache.register(p["w_down"])
+    if case == "switched_off":
+        monkeypatch.setattr(decode_graphs, "ENABLED", False)
+        assert weight_cache.register(p["w_down"])
     for _ in range(3):
-        y = torch.ops.twell.ffn(*_args(p), 128, 16, "graphs_off", False)
-    assert decode_graphs.count() == 0
-    ref, derr = _ref(_args(p))
-    assert _rel(y, ref) <= 2 * derr + 1e-6
-
-
-@gpu
-def test_unregistered_weight_is_not_graphed(decode_op):
-    p = _ffn(2, 2048, 5632, 2048, 0.005, torch.bfloat16)
-    for _ in range(3):
-        y = torch.ops.twell.ffn(*_args(p), 128, 16, "graphs_unreg", False)
+        y = torch.ops.twell.ffn(*_args(p), 128, 16, f"graphs_{case}", False)
     assert decode_graphs.count() == 0
     ref, derr = _ref(_args(p))
     assert _rel(y, ref) <= 2 * derr + 1e-6

@@ -179,10 +179,10 @@ def decode_pick(density: float, m: int, k: int, n: int, k_out: int, gated: bool,
     return form if t[form] < DEC_MARGIN * dense_us(k, n, k_out, gated) else None
 
 
-# H200 host: the op's dense path (dispatch, policy, three F.linear, the relu*mul pass) issues
-# in 83-145 us per call (bench_host.py, results/h200/session10/run4/: M=1024 83, M=64 145) and
-# this host's Python timings spread 1.5-2.5x between runs (session11/run12/: 184-471 us at
-# K=4096, M=1, whose GEMMs take 76 us); a graphed call costs its copy and clone on the GPU
+# H200 host: the op's dense path (dispatch, policy, three F.linear, relu and mul) issues in
+# 99-154 us per call at M=64 (bench_host.py "op_nograph", results/h200/session11/run7/: K=4096
+# 99, K=2048 154) and this host's Python timings spread 1.5-2.5x between runs (run12/: 184-471
+# us at K=4096, M=1, whose GEMMs take 76 us); a graphed call costs its copy and clone on the GPU
 OP_DENSE_HOST_US = 100.0
 
 

@@ -1,6 +1,7 @@
 """Session 11 probe: the split per-row path (kernels/twell_split.py, weight slices in L1) against
-the fused per-row kernel, M=16384 (and 65536), by knob variants. Run from the repo root:
-    python3 benchmarks/results/h200/session11/probe_split.py OUT.json [quick]
+the fused per-row kernel, M=16384 (and 65536), by knob variants. Needs the tree of commit
+ff3dea4 (the split code was removed from the package after this probe; README.md here). Run
+from the repo root: python3 benchmarks/results/h200/session11/split/probe_split.py OUT.json [quick]
 """
 import ctypes
 import json
@@ -11,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 from synthetic import make_ffn  # noqa: E402
 from timing import median_ms, rel  # noqa: E402
 
