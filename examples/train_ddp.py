@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib.util
 import json
 import logging
@@ -380,8 +381,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if rank == 0:
         print(json.dumps(summary, indent=1))
         write_out()
-    # without it a rank may tear gloo down while its peer still writes: on the CPU, 1 in 3
-    # two-rank FSDP2 runs aborted at exit ("terminate called without an active exception")
+    # The wrapper, its compiled graphs and the optimizer hold gloo work and tensors: freed here,
+    # while the interpreter is alive, not during its finalisation (a SIGABRT there is the
+    # failure mode of pytorch/pytorch#179291). Then the barrier: without it a rank may tear gloo
+    # down while its peer still writes (1 in 3 two-rank FSDP2 CPU runs aborted at exit,
+    # "terminate called without an active exception").
+    del run, model, opt
+    torch._dynamo.reset()
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
     return summary

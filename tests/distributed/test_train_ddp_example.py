@@ -13,6 +13,25 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _run(cmd: list[str], out: Path, **kw) -> dict:
+    """Runs ``cmd``, failing with the tail of its output (CI shows only part of a log), and
+    returns the summary it wrote. One exception: a run that wrote a complete summary and then
+    failed (a crash in gloo's teardown at exit, seen once in 20 CI runs, not reproduced in
+    20 local ones) runs once more, and that second run must exit cleanly."""
+    for attempt in (0, 1):
+        out.unlink(missing_ok=True)
+        proc = subprocess.run(cmd, cwd=ROOT, timeout=600, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, **kw)
+        summary = json.loads(out.read_text()) if out.exists() else None
+        if proc.returncode == 0:
+            return summary
+        if attempt or summary is None or not summary.get("complete"):
+            break
+        print(f"run exited {proc.returncode} after a complete summary; once more. Its output's tail:\n"
+              f"{proc.stdout[-3000:]}")
+    pytest.fail(f"exit {proc.returncode}: {' '.join(cmd)}\n{proc.stdout[-6000:]}")
+
+
 @pytest.mark.slow
 def test_train_ddp_example_on_two_cpu_processes(tmp_path, wrap="ddp"):
     # ~45 s on 2 cores (compiles dominate); --wrap fsdp2 passes the same checks (run by hand:
@@ -21,8 +40,7 @@ def test_train_ddp_example_on_two_cpu_processes(tmp_path, wrap="ddp"):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "examples" / "train_ddp.py"), "--device", "cpu", "--tiny", "--wrap", wrap, "--steps", "3",
            "--warmup", "1", "--hidden", "128", "--ffn", "1024", "--bucket-cap-mb", "1", "--out", str(out)]
-    subprocess.run(cmd, check=True, cwd=ROOT, timeout=600)
-    summary = json.loads(out.read_text())
+    summary = _run(cmd, out)
     assert len(summary["losses"]) == 3 and all(4.0 < v < 7.0 for v in summary["losses"]), summary["losses"]
     for rank in summary["ranks"]:
         assert rank["prepared"] == ["model.layers.0.mlp", "model.layers.1.mlp"], rank
@@ -37,8 +55,7 @@ def _train(tmp_path, name, *argv, nproc=None):
     cmd = [*launch, str(ROOT / "examples" / "train_ddp.py"), "--device", "cpu", "--tiny", "--backend", "eager",
            "--density", "0.1", "--global-batch", "4", "--steps", "3", "--warmup", "1", "--fixed-batch",
            "--calib-cache", str(tmp_path / "gate_bias.pt"), "--out", str(out), *argv]
-    subprocess.run(cmd, check=True, cwd=ROOT, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return json.loads(out.read_text())
+    return _run(cmd, out, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.slow
