@@ -73,8 +73,6 @@ def run(key: tuple, x: Tensor, fn: Callable[[Tensor], tuple]) -> tuple:
 def _capture(key: tuple, x: Tensor, fn: Callable[[Tensor], tuple]) -> tuple:
     dev = x.device
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    xs = torch.empty(x.shape, dtype=x.dtype, device=dev)
-    xs.copy_(x)
     graph = torch.cuda.CUDAGraph()
     pool = _pools.get(idx)
     if pool is None:
@@ -85,10 +83,17 @@ def _capture(key: tuple, x: Tensor, fn: Callable[[Tensor], tuple]) -> tuple:
     with torch.cuda.stream(side):
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
+            # the input buffer comes from the graph's pool too: allocated before the capture,
+            # it came from whatever pool the thread allocated to, and in a cudagraph tree's
+            # warm-up (a recompile under reduce-overhead) that is Inductor's, which then fails
+            # its check "Detected 16 tensor(s) in the cudagraph pool not tracked as outputs"
+            # (results/h200/session12/run1/probe_host_e2e.log)
+            xs = torch.empty(x.shape, dtype=x.dtype, device=dev)
             out = fn(xs)
         finally:
             graph.capture_end()
     cur.wait_stream(side)
+    xs.copy_(x)
     with _lock:
         if len(_graphs) >= MAX_GRAPHS:
             _drop()
