@@ -554,13 +554,22 @@ class StepTimer:
         return (self.marks[-1] - self.marks[0]) * 1e3
 
 
+# untimed steps at the start of each round: a new cache (new static addresses) makes the first
+# compiled steps re-record CUDA graphs; the round's time is the steady state after them
+# (results/h200/session12/: 1.265x at batch 1 with them, 1.12-1.22x in session 11 without)
+STEP_LOOP_WARM = 3
+
+
 def step_loop_ms(m, compiled, prompt: torch.Tensor, steps: int, reps: int) -> float:
-    """Median time (ms) of ``steps`` greedy one-token forwards of ``compiled`` (the model
-    compiled as generate() compiles it) over a static KV cache after an eager prefill: the
-    next token and its position stay on the device and nothing syncs inside the loop, so the
-    time is the GPU's per-step work plus what the host cannot hide (guards, graph replay).
-    What generate() adds per step (logits processors, stopping criteria, its own syncs) is
-    not in it."""
+    """Median time (ms) per step of ``steps`` greedy one-token forwards of ``compiled`` (the
+    model compiled as generate() compiles it) over a static KV cache after an eager prefill,
+    the first STEP_LOOP_WARM of each round untimed: the next token and its position stay on
+    the device and nothing syncs inside the loop, so the time is the GPU's per-step work plus
+    what the host cannot hide (guards, graph replay). What generate() adds per step (logits
+    processors, stopping criteria, its own syncs) is not in it."""
+    if steps <= STEP_LOOP_WARM:
+        raise ValueError(f"steps must exceed the {STEP_LOOP_WARM} untimed ones, got {steps}")
+    warm = STEP_LOOP_WARM
     import transformers
 
     dev = prompt.device
@@ -573,15 +582,16 @@ def step_loop_ms(m, compiled, prompt: torch.Tensor, steps: int, reps: int) -> fl
                     cache_position=torch.arange(length, device=dev))
             tok = out.logits[:, -1:].argmax(-1)
             pos = torch.full((1,), length, device=dev, dtype=torch.long)
-            sync(dev)
-            t0 = time.perf_counter()
-            for _ in range(steps):
+            for i in range(steps):
+                if i == warm:
+                    sync(dev)
+                    t0 = time.perf_counter()
                 out = compiled(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos)
                 tok = out.logits[:, -1:].argmax(-1)
                 pos = pos + 1
             sync(dev)
         if r >= 2:
-            times.append((time.perf_counter() - t0) * 1e3)
+            times.append((time.perf_counter() - t0) * 1e3 / (steps - warm))
     return statistics.median(times)
 
 
@@ -655,9 +665,8 @@ def run_generate(a: argparse.Namespace, result: dict[str, Any]) -> None:
                 row["energy_note"] = "whole generate() calls (prefill included) per generated token"
             if a.step_loop and name != "eager":
                 compiled = m.get_compiled_call(kw["compile_config"])
-                loop_ms = step_loop_ms(m, compiled, prompt, a.new_tokens - 1, max(3, a.reps))
-                row.update(step_loop_ms_per_step=loop_ms / (a.new_tokens - 1),
-                           step_loop_tokens_per_s=decode_tokens / (loop_ms / 1e3))
+                per_step = step_loop_ms(m, compiled, prompt, a.new_tokens - 1, max(3, a.reps))
+                row.update(step_loop_ms_per_step=per_step, step_loop_tokens_per_s=a.batch / (per_step / 1e3))
                 del compiled
                 print(f"  {name:>8}: step loop {row['step_loop_tokens_per_s']:10.0f} tok/s "
                       f"({row['step_loop_ms_per_step']:.3f} ms/step)", flush=True)
