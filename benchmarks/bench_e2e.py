@@ -113,6 +113,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise ValueError(f"--hidden ({a.hidden}) must divide by --heads ({a.heads}), --heads by --kv-heads")
     if a.new_tokens < 2:
         raise ValueError(f"--new-tokens must be >= 2 (decode time runs from the first to the last), got {a.new_tokens}")
+    if a.step_loop and a.new_tokens <= STEP_LOOP_WARM + 1:
+        raise ValueError(f"--step-loop leaves {STEP_LOOP_WARM} steps untimed: --new-tokens must be > "
+                         f"{STEP_LOOP_WARM + 1}, got {a.new_tokens}")
     if a.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {a.warmup}")
     for d in a.density:
@@ -568,7 +571,8 @@ def step_loop_ms(m, compiled, prompt: torch.Tensor, steps: int, reps: int) -> fl
     what the host cannot hide (guards, graph replay). What generate() adds per step (logits
     processors, stopping criteria, its own syncs) is not in it."""
     if steps <= STEP_LOOP_WARM:
-        raise ValueError(f"steps must exceed the {STEP_LOOP_WARM} untimed ones, got {steps}")
+        raise ValueError(f"the step loop leaves {STEP_LOOP_WARM} steps untimed: --new-tokens must be > "
+                         f"{STEP_LOOP_WARM + 1}, got {steps + 1}")
     warm = STEP_LOOP_WARM
     import transformers
 

@@ -138,6 +138,7 @@ def test_train_follows_the_eager_loss_curve(train):
     (["--density", "1.5"], "--density"),
     (["--twell-opt", "stats=false"], "--twell-opt"),
     (["--new-tokens", "1"], "--new-tokens"),
+    (["--generate", "--step-loop", "--new-tokens", "4"], "--new-tokens"),
     (["--layers", "0"], "--layers"),
 ])
 def test_bad_arguments_are_named(argv, match):
