@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def _run(cmd: list[str], out: Path, **kw) -> dict:
     """Runs ``cmd``, failing with the tail of its output (CI shows only part of a log), and
     returns the summary it wrote. One exception: a run that wrote a complete summary and then
-    failed (a crash in gloo's teardown at exit, seen once in 20 CI runs, not reproduced in
-    20 local ones) runs once more, and that second run must exit cleanly."""
+    failed (a crash at exit, most likely gloo's teardown: seen once, in stop 20's CI; not
+    reproduced in 15 local runs) runs once more, and that second run must exit cleanly."""
     for attempt in (0, 1):
         out.unlink(missing_ok=True)
         proc = subprocess.run(cmd, cwd=ROOT, timeout=600, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
