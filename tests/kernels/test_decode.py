@@ -742,46 +742,6 @@ def test_compile_reduce_overhead_decode(monkeypatch, decode_wins_everywhere):
     weight_cache.clear()
 
 
-class _Step(nn.Module):
-    """The FFN next to an input whose length changes: a new length recompiles, and under
-    reduce-overhead the new graph's first run is a warm-up inside the cudagraph tree's pool."""
-    def __init__(self, mlp):
-        super().__init__()
-        self.mlp = mlp
-
-    def forward(self, x, z):
-        return self.mlp(x) + z.mean()
-
-
-@gpu
-def test_recompile_warmup_leaves_nothing_in_the_cudagraph_pool(monkeypatch, decode_wins_everywhere):
-    """The op's own graph is captured at a key's second eager call. When that call is a
-    recompiled graph's warm-up (as a generate() step after a new cache length), the graph's
-    input buffer must not come from Inductor's pool: its check then fails with "Detected 16
-    tensor(s) in the cudagraph pool not tracked as outputs" (session 12, run 1)."""
-    from twell_compile.kernels import decode_graphs
-    from twell_compile.reference import ffn_dense
-    monkeypatch.setattr(cuda_policy, "use_decode", lambda key, m, k, n, k_out, gated: "rows")
-    cuda_policy.reset()
-    weight_cache.clear()
-    decode_graphs.clear()
-    model = _MLP(512, 1408).cuda().to(torch.bfloat16)
-    f = torch.compile(_Step(model), backend="twell", mode="reduce-overhead", dynamic=False)
-    w = (model.gate_proj.weight, None, model.up_proj.weight, None, model.down_proj.weight, None)
-    with torch.no_grad():
-        for i, zlen in enumerate((3, 3, 3, 5, 5, 5)):
-            x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16) * (1 + i)
-            x[:, 0] = 1.0
-            z = torch.randn(zlen, device="cuda")
-            y = f(x, z).clone()
-            ref = ffn_dense(*(None if t is None else t.float() for t in (x,) + w)) + z.mean()
-            derr = _rel(ffn_dense(x, *w).float() + z.mean(), ref)
-            assert _rel(y, ref) <= 2 * derr + 1e-6, (i, zlen)
-    assert decode_graphs.count() == 1, "the recompile's warm-up did not capture the op's graph"
-    decode_graphs.clear()
-    weight_cache.clear()
-
-
 @gpu
 def test_static_decode_ffn_is_rewritten_only_with_cuda_graphs(decode_wins_everywhere):
     """Default mode (no CUDA graphs): a static 1-token FFN stays with Inductor, with the reason;

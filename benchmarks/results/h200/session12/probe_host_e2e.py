@@ -7,70 +7,51 @@ Prints JSON lines, writes argv[1].
 
     python3 benchmarks/results/h200/session12/probe_host_e2e.py OUT.json 1 8
 """
-import copy
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "session9"))
-from probe_io import emit  # noqa: E402  (puts benchmarks/ on sys.path)
+from probe_io import compiled_decode_steps, emit  # noqa: E402  (puts the repo root and benchmarks/ on sys.path)
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-import bench_e2e as be  # noqa: E402
-
-for batch in [int(v) for v in sys.argv[2:]]:
-    a = be.parse_args(["--generate", "--batch", str(batch), "--seq", "128", "--new-tokens", "48",
-                       "--density", "0.005", "--no-energy"])
-    model = be.build_model(a, torch.bfloat16, a.seed).eval()
-    calib = be.token_batch(a, a.calib_batch, a.seq, a.seed + 1)
-    prompt = be.token_batch(a, batch, a.seq, a.seed + 2)
-    be.calibrate(model, calib, 0.005, __import__("contextlib").nullcontext, max(batch, 16))
-    for name in ("inductor", "twell"):
-        m = copy.deepcopy(model)
-        cc = transformers.CompileConfig(**be.compile_kwargs(name, a, "reduce-overhead"))
-        if name == "twell":
-            be.reset_twell_policy()
-        with torch.no_grad():
-            m.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=a.new_tokens,
-                       do_sample=False, cache_implementation="static", compile_config=cc)
-        compiled = m.get_compiled_call(cc)
-        steps = 64
-        walls, hosts, gpus, one = [], [], [], []
-        with torch.no_grad():
-            for r in range(7):
-                cache = transformers.StaticCache(config=m.config, max_cache_len=a.seq + steps + 8)
-                o = m(input_ids=prompt, past_key_values=cache, use_cache=True,
-                      cache_position=torch.arange(a.seq, device="cuda"))
-                tok = o.logits[:, -1:].argmax(-1)
-                pos = torch.full((1,), a.seq, device="cuda", dtype=torch.long)
-                for _ in range(3):              # graphs recorded in the first rounds
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    o = compiled(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos)
-                    one.append((time.perf_counter() - t0) * 1e3)
-                    tok = o.logits[:, -1:].argmax(-1)
-                    pos = pos + 1
+for batch, a, prompt, name, m, compiled in compiled_decode_steps(int(v) for v in sys.argv[2:]):
+    steps = 64
+    walls, hosts, gpus, one = [], [], [], []
+    with torch.no_grad():
+        for r in range(7):
+            cache = transformers.StaticCache(config=m.config, max_cache_len=a.seq + steps + 8)
+            o = m(input_ids=prompt, past_key_values=cache, use_cache=True,
+                  cache_position=torch.arange(a.seq, device="cuda"))
+            tok = o.logits[:, -1:].argmax(-1)
+            pos = torch.full((1,), a.seq, device="cuda", dtype=torch.long)
+            for _ in range(3):              # graphs recorded in the first rounds
                 torch.cuda.synchronize()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 t0 = time.perf_counter()
-                e0.record()
-                for _ in range(steps):
-                    o = compiled(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos)
-                    tok = o.logits[:, -1:].argmax(-1)
-                    pos = pos + 1
-                e1.record()
-                th = time.perf_counter()
-                torch.cuda.synchronize()
-                tw = time.perf_counter()
-                if r >= 2:
-                    walls.append((tw - t0) * 1e3 / steps)
-                    hosts.append((th - t0) * 1e3 / steps)
-                    gpus.append(e0.elapsed_time(e1) / steps)
-        md = lambda v: round(statistics.median(v), 4)  # noqa: E731
-        emit(dict(batch=batch, backend=name, wall_ms_per_step=md(walls), host_ms_per_step=md(hosts),
-                  gpu_ms_per_step=md(gpus), one_call_host_ms=md(one[6:]),
-                  walls=[round(v, 4) for v in walls], hosts=[round(v, 4) for v in hosts]))
-        del m, compiled, cache
-        torch.cuda.empty_cache()
+                o = compiled(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos)
+                one.append((time.perf_counter() - t0) * 1e3)
+                tok = o.logits[:, -1:].argmax(-1)
+                pos = pos + 1
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            e0.record()
+            for _ in range(steps):
+                o = compiled(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos)
+                tok = o.logits[:, -1:].argmax(-1)
+                pos = pos + 1
+            e1.record()
+            th = time.perf_counter()
+            torch.cuda.synchronize()
+            tw = time.perf_counter()
+            if r >= 2:
+                walls.append((tw - t0) * 1e3 / steps)
+                hosts.append((th - t0) * 1e3 / steps)
+                gpus.append(e0.elapsed_time(e1) / steps)
+    md = lambda v: round(statistics.median(v), 4)  # noqa: E731
+    emit(dict(batch=batch, backend=name, wall_ms_per_step=md(walls), host_ms_per_step=md(hosts),
+              gpu_ms_per_step=md(gpus), one_call_host_ms=md(one[6:]),
+              walls=[round(v, 4) for v in walls], hosts=[round(v, 4) for v in hosts]))
+    del m, compiled, cache       # (compiled_decode_steps then empties the CUDA cache)

@@ -6,76 +6,58 @@ decode decision. Prints JSON lines, writes argv[1].
 
     python3 benchmarks/results/h200/session9/probe_e2e.py OUT.json 1 8
 """
-import copy
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_io import emit  # noqa: E402,F401  (puts the repo root and benchmarks/ on sys.path)
+from probe_io import compiled_decode_steps, emit  # noqa: E402  (puts the repo root and benchmarks/ on sys.path)
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-import bench_e2e as be  # noqa: E402
 from twell_compile.kernels import cuda_policy  # noqa: E402
 
-for batch in [int(v) for v in sys.argv[2:]]:
-    a = be.parse_args(["--generate", "--batch", str(batch), "--seq", "128", "--new-tokens", "48",
-                       "--density", "0.005", "--no-energy"])
-    model = be.build_model(a, torch.bfloat16, a.seed).eval()
-    calib = be.token_batch(a, a.calib_batch, a.seq, a.seed + 1)
-    prompt = be.token_batch(a, batch, a.seq, a.seed + 2)
-    be.calibrate(model, calib, 0.005, __import__("contextlib").nullcontext, max(batch, 16))
-    for name in ("inductor", "twell"):
-        m = copy.deepcopy(model)
-        cc = transformers.CompileConfig(**be.compile_kwargs(name, a, "reduce-overhead"))
-        if name == "twell":
-            be.reset_twell_policy()
-        with torch.no_grad():
-            m.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=a.new_tokens,
-                       do_sample=False, cache_implementation="static", compile_config=cc)
-        compiled = m.get_compiled_call(cc)
-        steps = 40
-        cache = transformers.StaticCache(config=m.config, max_cache_len=a.seq + steps + 8)
-        with torch.no_grad():
-            o = m(input_ids=prompt, past_key_values=cache, use_cache=True,
-                  cache_position=torch.arange(a.seq, device="cuda"))
+for batch, a, prompt, name, m, compiled in compiled_decode_steps(int(v) for v in sys.argv[2:]):
+    steps = 40
+    cache = transformers.StaticCache(config=m.config, max_cache_len=a.seq + steps + 8)
+    with torch.no_grad():
+        o = m(input_ids=prompt, past_key_values=cache, use_cache=True,
+              cache_position=torch.arange(a.seq, device="cuda"))
+        tok = o.logits[:, -1:].argmax(-1)
+        pos = torch.full((1,), a.seq, device="cuda", dtype=torch.long)
+        for _ in range(4):                      # warm: graphs recorded
+            o = compiled(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos)
             tok = o.logits[:, -1:].argmax(-1)
-            pos = torch.full((1,), a.seq, device="cuda", dtype=torch.long)
-            for _ in range(4):                      # warm: graphs recorded
+            pos = pos + 1
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                                torch.profiler.ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
                 o = compiled(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos)
                 tok = o.logits[:, -1:].argmax(-1)
                 pos = pos + 1
             torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
-                                                    torch.profiler.ProfilerActivity.CPU]) as prof:
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    o = compiled(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos)
-                    tok = o.logits[:, -1:].argmax(-1)
-                    pos = pos + 1
-                torch.cuda.synchronize()
-                wall = (time.perf_counter() - t0) * 1e3 / steps
-        kern = defaultdict(lambda: [0, 0.0])
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                k = kern[e.name[:90]]
-                k[0] += 1
-                k[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-        total = sum(v[1] for v in kern.values()) / steps / 1e3
-        top = sorted(kern.items(), key=lambda kv: -kv[1][1])[:14]
-        r = dict(batch=batch, backend=name, wall_ms_per_step=round(wall, 3), kernel_ms_per_step=round(total, 3),
-                 kernels_per_step=round(sum(v[0] for v in kern.values()) / steps, 1),
-                 top=[(n, c // steps, round(t / steps, 1)) for n, (c, t) in top])
-        if name == "twell":
-            lay = {}
-            for key, st in cuda_policy._layers.items():
-                d = st.density
-                lay[str(key[0])] = dict(density=None if d is None else round(d, 5),
-                                        decision=cuda_policy.use_decode(key, batch, 2048, 5632, 2048, True)
-                                        if d is not None else None)
-            r["layers"] = lay
-        emit(r)
-        del m, compiled, cache
-        torch.cuda.empty_cache()
+            wall = (time.perf_counter() - t0) * 1e3 / steps
+    kern = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kern[e.name[:90]]
+            k[0] += 1
+            k[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    total = sum(v[1] for v in kern.values()) / steps / 1e3
+    top = sorted(kern.items(), key=lambda kv: -kv[1][1])[:14]
+    r = dict(batch=batch, backend=name, wall_ms_per_step=round(wall, 3), kernel_ms_per_step=round(total, 3),
+             kernels_per_step=round(sum(v[0] for v in kern.values()) / steps, 1),
+             top=[(n, c // steps, round(t / steps, 1)) for n, (c, t) in top])
+    if name == "twell":
+        lay = {}
+        for key, st in cuda_policy._layers.items():
+            d = st.density
+            lay[str(key[0])] = dict(density=None if d is None else round(d, 5),
+                                    decision=cuda_policy.use_decode(key, batch, 2048, 5632, 2048, True)
+                                    if d is not None else None)
+        r["layers"] = lay
+    emit(r)
+    del m, compiled, cache       # (compiled_decode_steps then empties the CUDA cache)
