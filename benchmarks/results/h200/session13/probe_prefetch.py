@@ -17,19 +17,14 @@ under the 2x rule before it is timed. Prints JSON lines, writes argv[1].
 
     python3 benchmarks/results/h200/session13/probe_prefetch.py OUT.json
 """
-import importlib.util
 import inspect
 import sys
-import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "session9"))
-from probe_io import emit  # noqa: E402  (puts the repo root and benchmarks/ on sys.path)
-import torch  # noqa: E402
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "session9"), str(Path(__file__).resolve().parent)]
+from variants import module, time_variants  # noqa: E402  (puts the repo root and benchmarks/ on sys.path)
 
-from bench_decode import graph_ms, layers_for, weight_sets  # noqa: E402
 from twell_compile.kernels import cuda_decode, twell_decode, twell_decode_list  # noqa: E402
-from twell_compile.reference import ffn_dense  # noqa: E402
 
 PF = '''
 
@@ -60,18 +55,6 @@ def pf_enter(kind, bn):
             "    _pdl_enter(PDL)\n")
 
 
-def module(name, src, edits):
-    for a, b in edits:
-        assert src.count(a) == 1, (name, a[:60])
-        src = src.replace(a, b)
-    f = Path(tempfile.mkdtemp()) / f"{name}.py"
-    f.write_text(src + PF)
-    spec = importlib.util.spec_from_file_location(name, f)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 DSRC = inspect.getsource(twell_decode)
 LSRC = inspect.getsource(twell_decode_list)
 FIN = "    pid = tl.program_id(0)\n    if pid < tl.num_programs(0) - 1:\n"
@@ -81,8 +64,8 @@ shipped = (twell_decode_list.decode_pairs_kernel, twell_decode.decode_fused_kern
 VARIANTS = {"shipped": shipped}
 for kind in ("line", "bulk"):
     for early in (False, True):
-        lm = module(f"l_{kind}{early}", LSRC, [(ENTER, pf_enter(kind, "BN"))])
-        dm = module(f"d_{kind}{early}", DSRC, [(ENTER, pf_enter(kind, "BN"))] + (EARLY if early else []))
+        lm = module(f"l_{kind}{early}", LSRC, [(ENTER, pf_enter(kind, "BN"))], PF)
+        dm = module(f"d_{kind}{early}", DSRC, [(ENTER, pf_enter(kind, "BN"))] + (EARLY if early else []), PF)
         VARIANTS[f"pf_{kind}" + ("+early" if early else "")] = (lm.decode_pairs_kernel, dm.decode_fused_kernel,
                                                                dm.decode_finish_kernel)
 VARIANTS["early"] = (shipped[0], shipped[1], module("d_early", DSRC, EARLY).decode_finish_kernel)
@@ -93,25 +76,4 @@ def use(v):
     cuda_decode._prepared.clear()
 
 
-torch.manual_seed(0)
-k, n, d = 2048, 5632, 0.005
-sets = weight_sets(64, k, n, d, 0.0, layers_for(k, n, k, True, 256), seed=11)
-for m, form in ((16, "pairs"), (8, "pairs"), (1, "pairs"), (1, "rows")):
-    a = [(p["x"][:m].contiguous(), p["w_gate"], None, p["w_up"], None, p["w_down"], None) for p in sets]
-    ref = ffn_dense(*(None if t is None else t.double() for t in a[0]))
-    derr = float((ffn_dense(*a[0]).double() - ref).norm() / ref.norm())
-    r = dict(K=k, N=n, M=m, form=form, density=d, layers=len(a), pdl=cuda_decode.pdl_ok(a[0][0].device),
-             dense_us=round(graph_ms(lambda: [ffn_dense(*x) for x in a], 40) / len(a) * 1e3, 2), us={}, err={})
-    for rep in range(3):
-        for name, v in VARIANTS.items():
-            use(v)
-            if rep == 0:
-                y = cuda_decode.decode_forward(*a[0], form=form).y.double()
-                err = float((y - ref).norm() / ref.norm())
-                r["err"][name] = f"{err:.2e} (dense {derr:.2e})"
-                assert err <= 2 * derr, (name, err, derr)
-            t = graph_ms(lambda: [cuda_decode.decode_forward(*x, form=form) for x in a], 40) / len(a) * 1e3
-            r["us"].setdefault(name, []).append(round(t, 2))
-    use(shipped)
-    r["median"] = {kk: sorted(v)[1] for kk, v in r["us"].items()}
-    emit(r)
+time_variants(VARIANTS, use, ((16, "pairs"), (8, "pairs"), (1, "pairs"), (1, "rows")))
