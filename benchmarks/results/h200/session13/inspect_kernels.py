@@ -30,7 +30,10 @@ def gate_loop(x_ptr, w_ptr, y_ptr, K, N, MB: tl.constexpr, BN: tl.constexpr, BK:
 
 
 def info(fn, sig, consts, warps, stages):
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
+    # pointers 16-byte aligned and ints divisible by 16, as the JIT specializes them at these
+    # shapes (without these attributes Triton pipelines nothing: run 2's log, void)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a not in consts}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()}, attrs=attrs)
     ck = triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages))
     ptx = ck.asm["ptx"]
     return dict(shared=ck.metadata.shared, regs=getattr(ck, "n_regs", None), spills=getattr(ck, "n_spills", None),
@@ -41,7 +44,8 @@ def info(fn, sig, consts, warps, stages):
 k = twell_decode_list.decode_pairs_kernel
 ptr = dict(x_ptr="*bf16", wg_ptr="*bf16", bg_ptr="*bf16", wu_ptr="*bf16", bu_ptr="*bf16", ln_ptr="*i32",
            lh_ptr="*fp32", lc_ptr="*i32", rc_ptr="*i32", hs_ptr="*fp32", wdt_ptr="*bf16", acc_ptr="*fp32")
-consts = dict(GATED=True, HAS_BG=False, HAS_BU=False, MB=16, BN=32, BK=128, PB=4, KC=2048, UDOT=False, BKU=256,
+consts = dict(sx_k=1, swg_k=1, swu_k=1, swd_k=1,     # unit strides: the JIT specializes ints equal to 1
+              GATED=True, HAS_BG=False, HAS_BU=False, MB=16, BN=32, BK=128, PB=4, KC=2048, UDOT=False, BKU=256,
               ADOWN=True, KOC=2048, PDL=True)
 sig = {a: ptr.get(a, "constexpr" if a in consts else "i32") for a in k.arg_names}
 print(json.dumps(dict(kernel="decode_pairs_kernel M=16", target=str(TARGET), **info(k, sig, consts, 4, 5))), flush=True)
