@@ -42,15 +42,10 @@ def _gate_rows(x_ptr, sx_m, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, rm, m_
 '''
 CALL = ("    v, nz, act = _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,\n"
         "                                HAS_BG, MB, BN, BK)\n")
-gemv = module("gemv", inspect.getsource(twell_decode), [(CALL, (
-    "    v, nz, act = _gate_rows(x_ptr, sx_m, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, rm, m_ok, M, K,\n"
-    "                            HAS_BG, MB, BN, MS, KP)\n"))], GATE_ROWS).decode_fused_kernel
+GEMV = [(CALL, ("    v, nz, act = _gate_rows(x_ptr, sx_m, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, rm, m_ok, M, K,\n"
+                 "                            HAS_BG, MB, BN, MS, KP)\n"))]
 shipped = twell_decode.decode_fused_kernel
 base = dict(cuda_decode.CONFIGS)
-VARIANTS = {"shipped": (shipped, {})}
-for bn in (4, 8, 16, 32):
-    for warps in (4, 8):
-        VARIANTS[f"gemv/bn{bn}/w{warps}"] = (gemv, dict(bn=bn, warps=warps))
 
 
 def use(v):
@@ -59,4 +54,10 @@ def use(v):
     cuda_decode._prepared.clear()
 
 
-time_variants(VARIANTS, use, ((1, "rows"), (2, "rows"), (4, "rows")), reps=2)
+if __name__ == "__main__":
+    gemv = module("gemv", inspect.getsource(twell_decode), GEMV, GATE_ROWS).decode_fused_kernel
+    VARIANTS = {"shipped": (shipped, {})}
+    for bn in (4, 8, 16, 32):
+        for warps in (4, 8):
+            VARIANTS[f"gemv/bn{bn}/w{warps}"] = (gemv, dict(bn=bn, warps=warps))
+    time_variants(VARIANTS, use, ((1, "rows"), (2, "rows"), (4, "rows")), reps=2)
