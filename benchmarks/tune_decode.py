@@ -79,7 +79,8 @@ def fit_policy(points: list[dict], near: float = 1.6) -> dict[str, float]:
             if us > near * p["dense_us"]:
                 continue
             if form == "rows":
-                f = [1.0, gate_mb, u * c.bn * (p["K"] + cuda_decode.m_pad_rows(p["M"]) * ko) / 4096]
+                bn = cuda_decode.rows_bn(p["M"], c)
+                f = [1.0, gate_mb, u * bn * (p["K"] + cuda_decode.m_pad_rows(p["M"]) * ko) / 4096]
             elif form == "tiles":
                 w = blocks * (p["K"] + ko) / 4096
                 f = [1.0, gate_mb, rows * w, p["union"] * w]

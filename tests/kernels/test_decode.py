@@ -85,7 +85,9 @@ CASES = [
     # (bn, bk, bku, bko, vec_m, finish_max, warps, stages[, pb, kc, le, bo, gwarps, lbn, udot, lbk, lstages,
     # koc]), form (None:
     # rows/tiles by vec_m); odd M: registered W_down (persistent state)
-    (1, 33, 130, 17, True, True, 0.3, False, None, None),      # M = 1, odd K, N, K_out (per-neuron path)
+    (1, 33, 130, 17, True, True, 0.3, False, None, None),      # M = 1, odd K, N, K_out (per-neuron path, GEMV gate)
+    (1, 40, 70, 40, True, False, 1.0, False, (32, 16, 16, 16, 4, 0, 4, 1) + (4, 2048, 64, 128, 4, 32, False, 0, 0,
+                                                                          2048, 8), None),  # GEMV gate, 8 neurons, density 1
     (2, 100, 130, 17, True, True, 0.3, True, (16, 16, 32, 16, 0, 0, 4, 1), None),  # tiles, finishing launch, NaN/Inf
     (3, 40, 100, 24, False, False, 0.3, False, None, None),    # non-gated, a row with no active neuron
     (16, 40, 300, 40, True, True, 0.05, True, None, None),     # NaN and Inf rows
@@ -118,6 +120,35 @@ CASES = [
     (5, 72, 257, 65, True, False, 0.3, True, (32, 32, 32, 16, 0, 0, 4, 1, 4, 32, 16, 16, 4, 32, True, 0, 0, 32), "pairs"),  # udot, NaN/Inf
     (16, 40, 300, 40, True, True, 0.05, False, (32, 16, 16, 16, 0, 0, 4, 1, 4, 16, 16, 16, 4, 32, True, 0, 0, 16), "pairs"),  # udot
 ]
+
+
+def test_rows_form_gemv_gate_only_at_one_row():
+    from twell_compile.kernels import cuda_decode
+
+    c = cuda_decode.config_for(1, 2048)
+    assert c.gemv_bn and cuda_decode.rows_bn(1, c) == c.gemv_bn and cuda_decode.rows_bn(2, c) == c.bn
+    for m, k, gemv, bn in ((1, 2048, True, c.gemv_bn), (2, 2048, False, c.bn), (1, 4096, False, c.bn)):
+        p = cuda_decode.prepare(m, k, 5632, 2048, "rows", cuda_decode.config_for(m, k), True, False, False, False,
+                                True, True)
+        kern, grid, _, consts, _, _ = p.launch1
+        assert consts["GEMV"] is gemv and consts["BN"] == bn and grid[0] == -(-5632 // bn), (m, k, consts)
+        assert p.int_sizes[2] == 0 and p.float_sizes[1] == 0      # statistics go to the counters
+    p = cuda_decode.prepare(1, 2048, 5632, 2048, "tiles", c, True, False, False, False, True, True)
+    assert p.launch1[3]["GEMV"] is False and p.launch1[3]["BN"] == c.bn
+    p = cuda_decode.prepare(3, 2048, 5632, 2048, "list", c, True, False, False, False, True, False)
+    assert p.int_sizes[2] == 176 * 16      # the list form writes them per (block, row)
+
+
+def test_state_tail_holds_tickets_counters_and_sum():
+    from twell_compile.kernels import cuda_decode, weight_cache
+
+    assert cuda_decode.tail_size(weight_cache.STATE_ROWS) == weight_cache.STATE_TAIL
+    tail = torch.arange(cuda_decode.tail_size(5), dtype=torch.int32)
+    tk, cnt, hs = cuda_decode.tail_parts(tail)
+    assert tk.tolist() == list(range(weight_cache.STATE_TICKETS))
+    assert cnt.numel() == 5 and int(cnt[0]) == weight_cache.STATE_TICKETS
+    assert hs.dtype == torch.float32 and hs.numel() == 1
+    assert hs.view(torch.int32).item() == weight_cache.STATE_TICKETS + 5
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -68,6 +68,9 @@ class Config(NamedTuple):
     lbk: int = 0       # K step of the list form's gate loop (0: bk)
     lstages: int = 0   # pipeline stages of the list form's first kernel (0: stages)
     koc: int = 2048    # pairs form: K_out per step of its W_d^T row loads and atomics
+    gemv_bn: int = 0   # rows form at M=1: neurons per program of a whole-row GEMV gate (0: the
+                       # tl.dot gate over bn); H200 K=2048: 12.5 us at 4 vs 14.9 (bn 32, tl.dot),
+                       # 12.9 at 8, 13.8 at 16 (results/h200/session13/run4/, probe_stats.py)
 
 
 # By padded M, for K < WIDE_K: tuned on the H200 (benchmarks/tune_decode.py, results/h200/
@@ -76,7 +79,7 @@ class Config(NamedTuple):
 # vs dense 33.9-34.8; lbn 64 23.5 at M=16, lbn 16 24.6; 8 pairs per step 21.9; udot 26.5).
 # udot stays off (session 8: K=2048 M=16 24.7 us vs 26.8 for the list form, K=4096 slower).
 CONFIGS = {
-    16: Config(32, 256, 256, 256, 4, 0, 4, 3, lbk=128, lstages=5),
+    16: Config(32, 256, 256, 256, 4, 0, 4, 3, lbk=128, lstages=5, gemv_bn=4),
     32: Config(64, 128, 256, 256, 0, 0, 4, 3, lbk=128, lstages=5),
     64: Config(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5),
     128: Config(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5),
@@ -86,12 +89,13 @@ CONFIGS = {
 # rows (172 programs; M=16 51.9 us vs 55.8 at lbn 32, dense 87.0), and at 32 rows lbn 32 with
 # K_out steps of 1024 (68.8 us vs 75.6 with whole 4096-wide rows in two steps of 2048).
 WIDE_K = 3072
-WIDE_CONFIGS = {
-    16: CONFIGS[16]._replace(lbn=64, lbk=256, lstages=3),
+WIDE_CONFIGS = {      # (the GEMV gate: not measured at K >= WIDE_K; a [4, 4096] row block
+                      # holds 128 fp32 registers per thread at 4 warps)
+    16: CONFIGS[16]._replace(lbn=64, lbk=256, lstages=3, gemv_bn=0),
     **{mp: c._replace(lbn=32, lbk=256, lstages=3, koc=1024) for mp, c in CONFIGS.items() if mp > 16},
 }
 FINISH_BLOCK = 1024   # accumulator elements per step of a finishing program
-STAT_BLOCKS = 256     # neuron blocks per step of the statistics sum
+STAT_BLOCKS = 256     # neuron blocks per step of the list form's statistics sum
 
 
 def m_pad(m: int) -> int:
@@ -102,6 +106,12 @@ def config_for(m: int, k: int) -> Config:
     """The launch config for M rows of width K (CONFIGS, or WIDE_CONFIGS for K >= WIDE_K)."""
     mp = m_pad(min(m, MAX_M))
     return (WIDE_CONFIGS if k >= WIDE_K else CONFIGS)[mp]
+
+
+def rows_bn(m: int, c: Config) -> int:
+    """Neurons per program of the rows form for M rows: c.gemv_bn at M=1 where set (the GEMV
+    gate), else c.bn."""
+    return c.gemv_bn if m == 1 and c.gemv_bn else c.bn
 
 
 def m_pad_rows(m: int) -> int:
@@ -194,14 +204,18 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: Config, gated: boo
     mb = min(m_pad(m), MAX_MB)
     nrb = -(-m // mb)
     lists = form in ("list", "pairs")
-    nb = -(-n // (c.lbn if lists else c.bn))
+    gemv = form == "rows" and rows_bn(m, c) != c.bn
+    bn = c.lbn if lists else rows_bn(m, c) if form == "rows" else c.bn
+    nb = -(-n // bn)
     nl = m * n if form == "list" else 0
-    # int32: (list neuron indices [M, N], counts per (token, block) [M, NB],) non-zeros per
-    # (row block, block, row), tok [M + 1]; fp32: (list h [M, N],) sum |h| per block, total
-    int_sizes = (nl, m * nb if form == "list" else 0, nrb * nb * mb, m + 1)
-    float_sizes = (nl, nrb * nb, 1)
-    finish = (decode_finish_kernel, (-(-(m * k_out) // FINISH_BLOCK) + 1,), (m, k_out, nb, nrb), dict(
-        HAS_BD=has_bd, CLEAN=clean, HAS_ST=has_stats, MB=mb, BLOCK=FINISH_BLOCK, RB=STAT_BLOCKS, PDL=pdl), 4, None)
+    # int32: (list form: neuron indices [M, N], counts per (token, block) [M, NB], non-zeros
+    # per (row block, block, row)), tok [M + 1]; fp32: (list form: h [M, N], sum |h| per
+    # block), total. The other forms add their statistics into the state's counters.
+    per_block = form == "list"
+    int_sizes = (nl, m * nb if per_block else 0, nrb * nb * mb if per_block else 0, m + 1)
+    float_sizes = (nl, nrb * nb if per_block else 0, 1)
+    finish = (decode_finish_kernel, (-(-(m * k_out) // FINISH_BLOCK) + 1,), (m, k_out), dict(
+        HAS_BD=has_bd, CLEAN=clean, HAS_ST=has_stats, BLOCK=FINISH_BLOCK, CB=_pow2(m), PDL=pdl), 4, None)
     p2 = lambda v: min(v, max(16, _pow2(k)))  # noqa: E731  (a K step: at most K padded)
     if lists:
         launch1 = (decode_pairs_kernel, (nb, nrb), (m, k, n, nb, k_out), dict(
@@ -221,11 +235,24 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: Config, gated: boo
         ms = m_pad_rows(m) if form == "rows" else 0     # rows of the per-neuron up/down path
         launch1 = (decode_fused_kernel, (nb, nrb), (m, k, n, k_out), dict(
             GATED=gated, HAS_BG=has_bg, HAS_BU=has_bu, HAS_BD=has_bd, FINISH=fin, CLEAN=clean,
-            HAS_ST=has_stats, MB=mb, BN=c.bn, BK=p2(c.bk), BKU=p2(c.bku),
+            HAS_ST=has_stats, MB=mb, BN=bn, BK=p2(c.bk), BKU=p2(c.bku),
             BKO=min(c.bko, max(16, _pow2(k_out))), MS=ms, KP=_pow2(k) if ms else 1,
-            KOP=_pow2(k_out) if ms else 1, FB=FINISH_BLOCK, RB=STAT_BLOCKS, PDL=pdl), c.warps, c.stages)
+            KOP=_pow2(k_out) if ms else 1, FB=FINISH_BLOCK, CB=_pow2(m), GEMV=gemv, PDL=pdl), c.warps, c.stages)
         launch2 = None if fin else finish
     return Prepared(int_sizes, sum(int_sizes), float_sizes, sum(float_sizes), launch1, launch2)
+
+
+def tail_size(rows: int) -> int:
+    """int32 words of a decode state's tail for ``rows`` rows: tickets, a non-zero counter per
+    row, the fp32 sum |h|, padding (weight_cache.STATE_TAIL for its STATE_ROWS)."""
+    return weight_cache.STATE_TICKETS + rows + 8
+
+
+def tail_parts(tail: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(tickets, counters per row, sum |h| as fp32 [1]) of a state's int32 tail (tail_size)."""
+    t = weight_cache.STATE_TICKETS
+    tk, cnt, hs, _ = tail.split_with_sizes([t, tail.numel() - t - 8, 1, 7])
+    return tk, cnt, hs.view(torch.float32)
 
 
 _prepared: dict[tuple, Prepared] = {}
@@ -277,30 +304,37 @@ def _launch_all(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Opti
     lh, hs, hsum = fw.split_with_sizes(p.float_sizes)
     st = stats_buf if stats_buf is not None else fw
     bd = b_down if b_down is not None else y
+    tk = cnt = hsa = None
     if state is not None:
-        acc, tk = state
+        acc, tail = state
     elif form == "list":
-        acc, tk = fw, None
-    else:                               # unregistered weight: a fresh zeroed accumulator
-        acc, tk = torch.zeros(m * k_out + 8, dtype=torch.float32, device=dev).split([m * k_out, 8])
-        tk = tk.view(torch.int32)
+        acc, tail = fw, None
+    else:                               # unregistered weight: a fresh zeroed accumulator and tail
+        acc, tail = torch.zeros(m * k_out + tail_size(m), dtype=torch.float32, device=dev).split_with_sizes(
+            [m * k_out, tail_size(m)])
+        tail = tail.view(torch.int32)
+    if tail is not None:
+        tk, cnt, hsa = tail_parts(tail)
     wu = w_up if w_up is not None else w_gate
     w = (x2, x2.stride(0), x2.stride(1), w_gate, w_gate.stride(0), w_gate.stride(1),
          b_gate if b_gate is not None else w_gate, wu, wu.stride(0), wu.stride(1),
          b_up if b_up is not None else w_gate)
     wd = (wdt, wdt.stride(0), wdt.stride(1))
     k1, g1, s1, c1, w1, st1 = p.launch1
-    if form in ("list", "pairs"):
+    if form == "list":
         launch(k1, g1, w + (ln, lh, lc, rc, hs) + wd + (acc,) + s1, c1, num_warps=w1, num_stages=st1,
                pdl=c1["PDL"])
+    elif form == "pairs":
+        launch(k1, g1, w + (ln, lh, lc, cnt, hsa) + wd + (acc,) + s1, c1, num_warps=w1, num_stages=st1,
+               pdl=c1["PDL"])
     else:
-        launch(k1, g1, w + wd + (bd, acc, tk, rc, hs, y, k_out, 1, tok, hsum, st) + s1, c1,
+        launch(k1, g1, w + wd + (bd, acc, tk, cnt, hsa, y, k_out, 1, tok, hsum, st) + s1, c1,
                num_warps=w1, num_stages=st1, pdl=c1["PDL"])
     if p.launch2 is not None:
         k2, g2, s2, c2, w2, _ = p.launch2
         if form == "list":
             a2 = (ln, lh, lc) + wd + (bd, y, k_out, 1, rc, hs, tok, hsum, st) + s2
         else:
-            a2 = (acc, bd, y, k_out, 1, rc, hs, tok, hsum, st) + s2
+            a2 = (acc, bd, y, k_out, 1, cnt, hsa, tok, hsum, st) + s2
         launch(k2, g2, a2, c2, num_warps=w2, pdl=c2["PDL"])
     return Decoded(y, tok, hsum)

@@ -36,7 +36,7 @@ Three rules, in this order:
               + (DEC_TILES_ROW_US * R + DEC_TILES_ENTRY_US * u * N) * B * (K + K_out) / 4096
        rows (M <= vec_m: one active neuron at a time, whole-row loads, a chain of u * BN steps per
              program, each moving a W_u row, M x K_out atomics and a W_d^T row):
-             DEC_ROWS_FIXED_US + bytes(W_g) / DEC_ROWS_GATE_GBPS + DEC_ROWS_STEP_US * u * BN * (K + M_P * K_out) / 4096
+             DEC_ROWS_FIXED_US + bytes(W_g) / DEC_ROWS_GATE_GBPS + DEC_ROWS_STEP_US * u * BN * (K + M_P * K_out) / 4096 (BN: cuda_decode.rows_bn)
        list (two launches: gate + up per active pair into per-token lists, then a gather per
              token; steps grow with the pairs per program and the entries per token):
              DEC_LIST_FIXED_US + B * bytes(W_g) / DEC_LIST_GATE_GBPS
@@ -160,7 +160,8 @@ def decode_us(density: float, m: int, k: int, n: int, k_out: int) -> dict[str, f
     }
     if m <= c.vec_m:
         out["rows"] = (DEC_ROWS_FIXED_US + 1e3 * gate_mb / DEC_ROWS_GATE_GBPS
-                       + DEC_ROWS_STEP_US * u * c.bn * (k + cuda_decode.m_pad_rows(m) * k_out) / 4096)
+                       + DEC_ROWS_STEP_US * u * cuda_decode.rows_bn(m, c)
+                       * (k + cuda_decode.m_pad_rows(m) * k_out) / 4096)
     return out
 
 

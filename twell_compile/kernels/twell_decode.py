@@ -15,11 +15,13 @@ padded to MB >= 16 (tl.dot's minimum) and split in row blocks of MB <= 32.
   atomics (`red`), in one of two forms: ``_up_down_rows`` (M <= MS rows: one active neuron at
   a time, its whole W_u and W_d^T rows in one round trip of loads) or ``_up_down_tiles``
   (tl.dot over K and K_out with masked rows: inactive neurons' rows never leave memory).
-  Statistics per (row block, neuron block) are written, not added: non-zeros per row, sum |h|.
-  FINISH: every program then takes a ticket of its row block (acq_rel atomic after a CTA
-  barrier); the last one writes y = acc + b_d in x's dtype, zeroes acc again and resets the
-  ticket (CLEAN: the accumulator is a persistent one, kept zero between calls, so no launch
-  zero-fills it), and sums the statistics. One launch for the whole FFN.
+  Statistics (non-zeros per row, sum |h|) are added into counters kept with the accumulator
+  (``_add_stats``). FINISH: every program then takes a ticket of its row block (acq_rel
+  atomic after a CTA barrier); the last one writes y = acc + b_d in x's dtype, zeroes acc
+  again and resets the ticket (CLEAN: the accumulator is a persistent one, kept zero between
+  calls, so no launch zero-fills it), and reads and zeroes the counters. One launch.
+  GEMV (the rows form at M=1, Config.gemv_bn): the gate as a plain GEMV of whole W_gate rows
+  over fewer neurons per program (``_gate_rows``) instead of tl.dot over rows padded to 16.
 ``decode_finish_kernel``: the same finish as a separate launch over all rows, for sizes where
   one program would take too long (M x K_out elements) or for several row blocks.
 The atomics sum in varying order: the last bits of y vary between runs; the error bound does not.
@@ -97,6 +99,41 @@ def _finish_stats(rc_ptr, hs_ptr, tok_ptr, hsum_ptr, st_ptr, M, NB, NRB,
 
 
 @triton.jit
+def _add_stats(cnt_ptr, hsa_ptr, nz, hsum, rm, m_ok):
+    """Adds a block's non-zeros per row (nz [MB, BN]) and its sum |h| into the call's counters
+    (relaxed atomics; skipped where zero: at d=0.005 most blocks add nothing). Added, not
+    written per block: the finisher then reads M counts whatever the number of blocks (a sum
+    over written per-block counts cost 0.4-0.5 us at 176 blocks and ~6.5 at 1408, H200,
+    results/h200/session13/run4/)."""
+    c = tl.sum(nz.to(tl.int32), axis=1)
+    tl.atomic_add(cnt_ptr + rm, c, mask=m_ok & (c != 0), sem="relaxed")
+    if hsum != 0.0:       # NaN too
+        tl.atomic_add(hsa_ptr, hsum, sem="relaxed")
+
+
+@triton.jit
+def _finish_counts(cnt_ptr, hsa_ptr, tok_ptr, hsum_ptr, st_ptr, M, HAS_ST: tl.constexpr, CB: tl.constexpr):
+    """Counters (``_add_stats``) -> non-zeros per token and their total (tok[M + 1]), sum |h|,
+    and the layer's stats buffer [sum, max non-zeros per token, sum |h|, overflows = 0]
+    (float64); the counters are read and zeroed in one atomic each (as the accumulator)."""
+    r = tl.arange(0, CB)
+    ok = r < M
+    c = tl.atomic_xchg(cnt_ptr + r, tl.zeros((CB,), dtype=tl.int32), mask=ok, sem="relaxed")
+    c = tl.where(ok, c, 0)
+    tl.store(tok_ptr + r, c, mask=ok)
+    total = tl.sum(c, axis=0)
+    tl.store(tok_ptr + M, total)
+    # (on the int32 bits: the interpreter has no fp32 xchg)
+    hs = tl.atomic_xchg(hsa_ptr.to(tl.pointer_type(tl.int32)), 0, sem="relaxed").to(tl.float32, bitcast=True)
+    tl.store(hsum_ptr, hs)
+    if HAS_ST:
+        tl.store(st_ptr, total.to(tl.float64))
+        tl.store(st_ptr + 1, tl.max(c, axis=0).to(tl.float64))
+        tl.store(st_ptr + 2, hs.to(tl.float64))
+        tl.store(st_ptr + 3, 0.0)
+
+
+@triton.jit
 def _rows_dot(xbase, sx_k, w_ptr, sw_n, sw_k, b_ptr, sel, rn, m_ok, K,
               HAS_B: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """x W[rn]^T (+ b[rn]) [MB, BN] in fp32 by tl.dot over K in steps of BK; rows of W (and
@@ -123,6 +160,31 @@ def _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
     tl.dot); v = relu(g) (NaN kept); nz: v != 0 (NaN counted, as eager's count); act: nz or g non-finite (a row of
     x holding NaN/Inf: the pair must reach the down projection so the result propagates)."""
     g = _rows_dot(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, n_ok, rn, m_ok, K, HAS_BG, MB, BN, BK)
+    valid = m_ok[:, None] & n_ok[None, :]
+    v = tl.where(g < 0.0, 0.0, g)
+    nz = (v != 0.0) & valid
+    act = (nz | ~(tl.abs(g) < float("inf"))) & valid
+    return v, nz, act
+
+
+@triton.jit
+def _gate_rows(x_ptr, sx_m, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, rm, m_ok, M, K,
+               HAS_BG: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, MS: tl.constexpr, KP: tl.constexpr):
+    """``_gate_block`` for M <= MS rows as a plain GEMV: the block's BN whole W_gate rows in
+    one request ([BN, KP]: one memory round trip), g by FMA in fp32, no rows padded to 16.
+    Small BN then gives many programs: H200, M=1, K=2048, N=5632, 23 MB: 12.5 us at BN=4
+    (1408 programs) against 14.9 for the tl.dot gate at BN=32 (results/h200/session13/run4/)."""
+    rk = tl.arange(0, KP)
+    k_ok = rk < K
+    w = tl.load(wg_ptr + rn.to(tl.int64)[:, None] * swg_n + rk[None, :] * swg_k,
+                mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    g = tl.zeros((MB, BN), dtype=tl.float32)
+    for m in tl.static_range(MS):
+        x_ok = k_ok & (tl.full((KP,), m, tl.int32) < M)
+        xm = tl.load(x_ptr + m * sx_m + rk * sx_k, mask=x_ok, other=0.0).to(tl.float32)
+        g = tl.where((rm == m)[:, None], tl.sum(w * xm[None, :], axis=1)[None, :], g)
+    if HAS_BG:
+        g += tl.load(bg_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     valid = m_ok[:, None] & n_ok[None, :]
     v = tl.where(g < 0.0, 0.0, g)
     nz = (v != 0.0) & valid
@@ -194,14 +256,14 @@ def _up_down_rows(x_ptr, sx_m, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, wdt_ptr, swd_
 @triton.jit
 def decode_fused_kernel(
     x_ptr, sx_m, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, wu_ptr, swu_n, swu_k, bu_ptr,
-    wdt_ptr, swd_n, swd_k, bd_ptr, acc_ptr, tk_ptr, rc_ptr, hs_ptr,
+    wdt_ptr, swd_n, swd_k, bd_ptr, acc_ptr, tk_ptr, cnt_ptr, hsa_ptr,
     y_ptr, sy_m, sy_k, tok_ptr, hsum_ptr, st_ptr,
     M, K, N, KO,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
     FINISH: tl.constexpr, CLEAN: tl.constexpr, HAS_ST: tl.constexpr,
     MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKU: tl.constexpr, BKO: tl.constexpr,
-    MS: tl.constexpr, KP: tl.constexpr, KOP: tl.constexpr, FB: tl.constexpr, RB: tl.constexpr,
-    PDL: tl.constexpr,
+    MS: tl.constexpr, KP: tl.constexpr, KOP: tl.constexpr, FB: tl.constexpr, CB: tl.constexpr,
+    GEMV: tl.constexpr, PDL: tl.constexpr,
 ):
     _pdl_enter(PDL)
     pid_n = tl.program_id(0)
@@ -213,11 +275,13 @@ def decode_fused_kernel(
     m_ok = rm < M
     valid = m_ok[:, None] & n_ok[None, :]
     xbase = x_ptr + rm.to(tl.int64)[:, None] * sx_m
-    v, nz, act = _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
-                                HAS_BG, MB, BN, BK)
+    if GEMV:
+        v, nz, act = _gate_rows(x_ptr, sx_m, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, rm, m_ok, M, K,
+                                HAS_BG, MB, BN, MS, KP)
+    else:
+        v, nz, act = _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
+                                 HAS_BG, MB, BN, BK)
     col = tl.max(act.to(tl.int32), axis=0) > 0             # [BN]: active in some row
-    blk = pid_r * nb + pid_n
-    tl.store(rc_ptr + blk.to(tl.int64) * MB + tl.arange(0, MB), tl.sum(nz.to(tl.int32), axis=1))
     hsum = tl.sum(tl.zeros((BN,), dtype=tl.float32), axis=0)
     ncol = tl.sum(col.to(tl.int32), axis=0)
     if ncol > 0:
@@ -227,7 +291,7 @@ def decode_fused_kernel(
         else:
             hsum = _up_down_tiles(x_ptr, sx_k, xbase, wu_ptr, swu_n, swu_k, bu_ptr, wdt_ptr, swd_n, swd_k,
                                   acc_ptr, v, col, valid, rn, rm, m_ok, K, KO, GATED, HAS_BU, MB, BN, BKU, BKO)
-    tl.store(hs_ptr + blk, hsum)
+    _add_stats(cnt_ptr, hsa_ptr, nz, hsum, rm, m_ok)
     if FINISH:
         # the row block's last program finishes it (split-K "serial fixup" pattern): the CTA
         # barrier orders every thread's adds before the release; the acquire makes everyone
@@ -238,17 +302,17 @@ def decode_fused_kernel(
             lo = pid_r * MB * KO
             _finish_span(acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, lo, tl.minimum(M * KO, lo + MB * KO), KO,
                          HAS_BD, CLEAN, FB)
-            _finish_stats(rc_ptr, hs_ptr, tok_ptr, hsum_ptr, st_ptr, M, nb, 1, HAS_ST, MB, RB)
+            _finish_counts(cnt_ptr, hsa_ptr, tok_ptr, hsum_ptr, st_ptr, M, HAS_ST, CB)
             tl.store(tk_ptr + pid_r, 0)
 
 
 @triton.jit
-def decode_finish_kernel(acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, rc_ptr, hs_ptr, tok_ptr, hsum_ptr, st_ptr,
-                         M, KO, NB, NRB,
+def decode_finish_kernel(acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, cnt_ptr, hsa_ptr, tok_ptr, hsum_ptr, st_ptr,
+                         M, KO,
                          HAS_BD: tl.constexpr, CLEAN: tl.constexpr, HAS_ST: tl.constexpr,
-                         MB: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK: tl.constexpr, CB: tl.constexpr, PDL: tl.constexpr):
     """The finish as its own launch: BLOCK accumulator elements per program, the last program
-    sums the statistics."""
+    reads the statistics counters."""
     _pdl_enter(PDL)
     pid = tl.program_id(0)
     if pid < tl.num_programs(0) - 1:
@@ -256,4 +320,4 @@ def decode_finish_kernel(acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, rc_ptr, hs_ptr, tok
         _finish_span(acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, lo, tl.minimum(M * KO, lo + BLOCK), KO,
                      HAS_BD, CLEAN, BLOCK)
     else:
-        _finish_stats(rc_ptr, hs_ptr, tok_ptr, hsum_ptr, st_ptr, M, NB, NRB, HAS_ST, MB, RB)
+        _finish_counts(cnt_ptr, hsa_ptr, tok_ptr, hsum_ptr, st_ptr, M, HAS_ST, CB)

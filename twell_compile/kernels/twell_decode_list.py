@@ -10,7 +10,10 @@ vs dense 34.1). Here the work is per active (row, neuron) pair instead:
   block: the gate (``_gate_block``: all of K, relu, the active set), then the active (row,
   neuron) pairs PB at a time: u = x[row] . W_up[neuron] with whole-row gathers (one memory
   round trip per PB pairs, K in chunks of KC), h = v * u rounded to x's dtype as eager rounds
-  h for the down GEMM. Statistics as the fused kernel's.
+  h for the down GEMM. Statistics: the pairs form adds them into counters as the fused kernel
+  does (rc_ptr, hs_ptr: the counters); the list form writes them per block (rc_ptr: non-zeros
+  per (row block, block, row), hs_ptr: sum |h| per block), summed in a fixed order by the
+  gather launch (integer counts and one fp32 order: bitwise repeatable).
   ADOWN (the pairs form, ``form="pairs"``): the pair's W_d^T row (first KOC columns requested
   with the W_up row) times h goes into the fp32 accumulator [M, K_out] by relaxed atomics,
   M x K_out values per pair instead of the tiles form's whole [MB, K_out] tile per block;
@@ -33,7 +36,7 @@ torch.use_deterministic_algorithms).
 import triton
 import triton.language as tl
 
-from twell_compile.kernels.twell_decode import _finish_stats, _gate_block, _pdl_enter, _rows_dot
+from twell_compile.kernels.twell_decode import _add_stats, _finish_stats, _gate_block, _pdl_enter, _rows_dot
 
 
 @triton.jit
@@ -87,9 +90,9 @@ def decode_pairs_kernel(
     v, nz, act = _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
                                 HAS_BG, MB, BN, BK)
     blk = pid_r * tl.num_programs(0) + pid_n
-    tl.store(rc_ptr + blk.to(tl.int64) * MB + tl.arange(0, MB), tl.sum(nz.to(tl.int32), axis=1))
     ai = act.to(tl.int32)
     if not ADOWN:     # the list form: counts, and each pair's list slot (block's base + rank in its row)
+        tl.store(rc_ptr + blk.to(tl.int64) * MB + tl.arange(0, MB), tl.sum(nz.to(tl.int32), axis=1))
         tl.store(lc_ptr + rm.to(tl.int64) * NB + pid_n, tl.sum(ai, axis=1), mask=m_ok)
         pos = rm.to(tl.int64)[:, None] * N + pid_n * BN + tl.cumsum(ai, axis=1) - 1
         tl.store(ln_ptr + pos, tl.zeros((MB, BN), dtype=tl.int32) + rn[None, :], mask=act)
@@ -146,7 +149,10 @@ def decode_pairs_kernel(
             else:
                 slot = tl.sum(tl.where(sel, fp[None, :], 0), axis=1)
                 tl.store(lh_ptr + slot, h, mask=p_ok)
-    tl.store(hs_ptr + blk, hsum)
+    if ADOWN:
+        _add_stats(rc_ptr, hs_ptr, nz, hsum, rm, m_ok)
+    else:
+        tl.store(hs_ptr + blk, hsum)
 
 
 @triton.jit

@@ -21,9 +21,9 @@ reading the copy as it was. Call ``refresh()`` after updating weights in place b
 (it rewrites every stale copy at its own address, so captured graphs see the new values).
 
 Each entry also holds the decode path's persistent state (``decode_state``): an fp32
-accumulator [STATE_ROWS, K_out] plus one ticket per row block, all zero between calls (the
-decode kernel's last program writes the zeros back), so no launch zero-fills them: 0.5 MB at
-K_out=2048. One stream at a time per layer, as a model runs. (A first try of this in the v2
+accumulator [STATE_ROWS, K_out], then one ticket per row block, non-zero counters per row and
+an fp32 sum |h|, all zero between calls (the decode kernels' finish writes the zeros back),
+so no launch zero-fills them: 0.5 MB at K_out=2048. One stream at a time per layer, as a model runs. (A first try of this in the v2
 decode kernels, re-zeroed by a separate finishing launch, gave wrong sums on 1 of 3 CUDA-graph
 replays on the H200, cause not found; tests/kernels/test_decode.py replays the v5 kernel many
 times against eager.)
@@ -54,6 +54,7 @@ _lock = threading.Lock()
 _entries: dict[tuple, _Entry] = {}
 STATE_ROWS = 64       # cuda_policy.DECODE_MAX_M: larger M gets a fresh zero-filled accumulator
 STATE_TICKETS = 8     # row blocks of the state (>= STATE_ROWS / cuda_decode.MAX_MB)
+STATE_TAIL = STATE_TICKETS + STATE_ROWS + 8   # tickets, counters per row, sum |h| (+ padding)
 
 
 def _key(w: Tensor) -> tuple:
@@ -99,7 +100,7 @@ def register(w: Tensor, base: Optional[Tensor] = None) -> bool:
         if e is not None and _live(key, e) is base:
             return True
         wt = None if w.t().is_contiguous() else w.t().contiguous()
-        state = torch.zeros(STATE_ROWS * w.shape[0] + STATE_TICKETS, dtype=torch.float32, device=w.device)
+        state = torch.zeros(STATE_ROWS * w.shape[0] + STATE_TAIL, dtype=torch.float32, device=w.device)
         entry = _Entry(weakref.ref(base), base.data_ptr(), (w.storage_offset(), tuple(w.shape), tuple(w.stride())),
                        wt, base._version, state)
         with _lock:
@@ -141,8 +142,9 @@ def transposed(w: Tensor) -> Tensor:
 
 def decode_state(w: Tensor, rows: int) -> Optional[tuple[Tensor, Tensor]]:
     """The registered W_down's persistent decode state for ``rows`` <= STATE_ROWS rows: (fp32
-    accumulator [rows * K_out], int32 tickets [STATE_TICKETS]), zero between calls; None if
-    ``w`` is not registered or rows is larger (then the caller zero-fills its own)."""
+    accumulator [rows * K_out], int32 tail [STATE_TAIL]: tickets, counters, sum |h|; see
+    cuda_decode.tail_parts), zero between calls; None if ``w`` is not registered or rows is
+    larger (then the caller zero-fills its own)."""
     return _state_of(w, _entry(w), rows)
 
 
