@@ -91,27 +91,28 @@ MAX_WIDTH = 8192
 # and the pairs form (two launches each), launched with PDL (cuda_decode.pdl_ok; without it
 # each form's fixed part is ~1.2 us more), statistics added into counters and the rows form's
 # GEMV gate at M=1 (session 13): fitted by benchmarks/tune_decode.py --fit-from
-# results/h200/session13/run5/grid1.json (56 points, each form forced at each point; points
-# within 1.6x of dense). Dense: 16.1 us + bytes / 3777 GB/s.
+# results/h200/ffn_decode.json (session 13's 56-point grid, results/h200/session13/run6/, run
+# with the fit of run 5's grid, <= 0.5% apart; each form forced at each point; points within
+# 1.6x of dense). Dense: 16.2 us + bytes / 3793 GB/s.
 # K=2048, N=5632, d=0.005: M=1 rows 12.6 us (2.71x), M=16 pairs 19.6 us vs dense 34.2 (1.75x).
 # MARGIN 0.9: on the grid no pick below 0.99x of dense (test_decode.py).
 DECODE_MAX_M = 64
 DEC_ROWS_FIXED_US = 5.88
-DEC_ROWS_GATE_GBPS = 2687.0
-DEC_ROWS_STEP_US = 2.6584
-DEC_TILES_FIXED_US = 6.86
-DEC_TILES_GATE_GBPS = 1621.0
-DEC_TILES_ROW_US = 0.4041
+DEC_ROWS_GATE_GBPS = 2692.0
+DEC_ROWS_STEP_US = 2.6569
+DEC_TILES_FIXED_US = 6.95
+DEC_TILES_GATE_GBPS = 1631.0
+DEC_TILES_ROW_US = 0.4031
 DEC_TILES_ENTRY_US = 0.0013
-DEC_LIST_FIXED_US = 14.06
-DEC_LIST_GATE_GBPS = 2272.0
-DEC_LIST_PAIR_US = 2.4235
-DEC_LIST_ENTRY_US = 0.0406
-DEC_PAIRS_FIXED_US = 4.71
-DEC_PAIRS_GATE_GBPS = 2308.0
-DEC_PAIRS_PAIR_US = 1.5003
-DENSE_FIXED_US = 16.13
-DENSE_GBPS = 3777.0
+DEC_LIST_FIXED_US = 14.1
+DEC_LIST_GATE_GBPS = 2283.0
+DEC_LIST_PAIR_US = 2.4212
+DEC_LIST_ENTRY_US = 0.0409
+DEC_PAIRS_FIXED_US = 4.72
+DEC_PAIRS_GATE_GBPS = 2311.0
+DEC_PAIRS_PAIR_US = 1.4999
+DENSE_FIXED_US = 16.18
+DENSE_GBPS = 3793.0
 DEC_MARGIN = 0.9
 DETERMINISTIC_FORMS = ("list",)   # the decode forms that sum without atomics
 MAX_N = 65536          # the per-row lists pack the column in 16 bits
