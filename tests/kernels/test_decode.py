@@ -140,11 +140,14 @@ def test_rows_form_gemv_gate_only_at_one_row():
 
 
 def test_state_tail_holds_tickets_counters_and_sum():
-    from twell_compile.kernels import cuda_decode, weight_cache
+    from twell_compile.kernels import weight_cache
 
-    assert cuda_decode.tail_size(weight_cache.STATE_ROWS) == weight_cache.STATE_TAIL
-    tail = torch.arange(cuda_decode.tail_size(5), dtype=torch.int32)
-    tk, cnt, hs = cuda_decode.tail_parts(tail)
+    w = torch.nn.Parameter(torch.randn(6, 5))
+    assert weight_cache.register(w)
+    tk, cnt, hs = weight_cache.tail_parts(weight_cache.decode_state(w.detach(), 3)[1])
+    assert (tk.numel(), cnt.numel(), hs.numel()) == (weight_cache.STATE_TICKETS, weight_cache.STATE_ROWS, 1)
+    tail = torch.arange(weight_cache.tail_size(5), dtype=torch.int32)
+    tk, cnt, hs = weight_cache.tail_parts(tail)
     assert tk.tolist() == list(range(weight_cache.STATE_TICKETS))
     assert cnt.numel() == 5 and int(cnt[0]) == weight_cache.STATE_TICKETS
     assert hs.dtype == torch.float32 and hs.numel() == 1

@@ -70,7 +70,7 @@ class Config(NamedTuple):
     koc: int = 2048    # pairs form: K_out per step of its W_d^T row loads and atomics
     gemv_bn: int = 0   # rows form at M=1: neurons per program of a whole-row GEMV gate (0: the
                        # tl.dot gate over bn); H200 K=2048: 12.5 us at 4 vs 14.9 (bn 32, tl.dot),
-                       # 12.9 at 8, 13.8 at 16 (results/h200/session13/run4/, probe_stats.py)
+                       # 12.9 at 8, 13.8 at 16 (results/h200/session13/run4/, probe_stats.py at 2583eb0)
 
 
 # By padded M, for K < WIDE_K: tuned on the H200 (benchmarks/tune_decode.py, results/h200/
@@ -108,10 +108,14 @@ def config_for(m: int, k: int) -> Config:
     return (WIDE_CONFIGS if k >= WIDE_K else CONFIGS)[mp]
 
 
+def rows_gemv(m: int, c: Config) -> bool:
+    """Whether the rows form gates M rows by the whole-row GEMV (M=1 where c.gemv_bn is set)."""
+    return m == 1 and c.gemv_bn > 0
+
+
 def rows_bn(m: int, c: Config) -> int:
-    """Neurons per program of the rows form for M rows: c.gemv_bn at M=1 where set (the GEMV
-    gate), else c.bn."""
-    return c.gemv_bn if m == 1 and c.gemv_bn else c.bn
+    """Neurons per program of the rows form for M rows: c.gemv_bn with the GEMV gate, else c.bn."""
+    return c.gemv_bn if rows_gemv(m, c) else c.bn
 
 
 def m_pad_rows(m: int) -> int:
@@ -204,7 +208,7 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: Config, gated: boo
     mb = min(m_pad(m), MAX_MB)
     nrb = -(-m // mb)
     lists = form in ("list", "pairs")
-    gemv = form == "rows" and rows_bn(m, c) != c.bn
+    gemv = form == "rows" and rows_gemv(m, c)
     bn = c.lbn if lists else rows_bn(m, c) if form == "rows" else c.bn
     nb = -(-n // bn)
     nl = m * n if form == "list" else 0
@@ -240,19 +244,6 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: Config, gated: boo
             KOP=_pow2(k_out) if ms else 1, FB=FINISH_BLOCK, CB=_pow2(m), GEMV=gemv, PDL=pdl), c.warps, c.stages)
         launch2 = None if fin else finish
     return Prepared(int_sizes, sum(int_sizes), float_sizes, sum(float_sizes), launch1, launch2)
-
-
-def tail_size(rows: int) -> int:
-    """int32 words of a decode state's tail for ``rows`` rows: tickets, a non-zero counter per
-    row, the fp32 sum |h|, padding (weight_cache.STATE_TAIL for its STATE_ROWS)."""
-    return weight_cache.STATE_TICKETS + rows + 8
-
-
-def tail_parts(tail: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(tickets, counters per row, sum |h| as fp32 [1]) of a state's int32 tail (tail_size)."""
-    t = weight_cache.STATE_TICKETS
-    tk, cnt, hs, _ = tail.split_with_sizes([t, tail.numel() - t - 8, 1, 7])
-    return tk, cnt, hs.view(torch.float32)
 
 
 _prepared: dict[tuple, Prepared] = {}
@@ -310,11 +301,11 @@ def _launch_all(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Opti
     elif form == "list":
         acc, tail = fw, None
     else:                               # unregistered weight: a fresh zeroed accumulator and tail
-        acc, tail = torch.zeros(m * k_out + tail_size(m), dtype=torch.float32, device=dev).split_with_sizes(
-            [m * k_out, tail_size(m)])
+        ts = weight_cache.tail_size(m)
+        acc, tail = torch.zeros(m * k_out + ts, dtype=torch.float32, device=dev).split_with_sizes([m * k_out, ts])
         tail = tail.view(torch.int32)
     if tail is not None:
-        tk, cnt, hsa = tail_parts(tail)
+        tk, cnt, hsa = weight_cache.tail_parts(tail)
     wu = w_up if w_up is not None else w_gate
     w = (x2, x2.stride(0), x2.stride(1), w_gate, w_gate.stride(0), w_gate.stride(1),
          b_gate if b_gate is not None else w_gate, wu, wu.stride(0), wu.stride(1),

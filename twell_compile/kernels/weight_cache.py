@@ -54,7 +54,21 @@ _lock = threading.Lock()
 _entries: dict[tuple, _Entry] = {}
 STATE_ROWS = 64       # cuda_policy.DECODE_MAX_M: larger M gets a fresh zero-filled accumulator
 STATE_TICKETS = 8     # row blocks of the state (>= STATE_ROWS / cuda_decode.MAX_MB)
-STATE_TAIL = STATE_TICKETS + STATE_ROWS + 8   # tickets, counters per row, sum |h| (+ padding)
+
+
+def tail_size(rows: int) -> int:
+    """int32 words of a decode state's tail for ``rows`` rows: tickets, a non-zero counter per
+    row, the fp32 sum |h|, padding."""
+    return STATE_TICKETS + rows + 8
+
+
+def tail_parts(tail: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(tickets, counters per row, sum |h| as fp32 [1]) of a state's int32 tail (tail_size)."""
+    tk, cnt, hs, _ = tail.split_with_sizes([STATE_TICKETS, tail.numel() - STATE_TICKETS - 8, 1, 7])
+    return tk, cnt, hs.view(torch.float32)
+
+
+STATE_TAIL = tail_size(STATE_ROWS)
 
 
 def _key(w: Tensor) -> tuple:
@@ -143,7 +157,7 @@ def transposed(w: Tensor) -> Tensor:
 def decode_state(w: Tensor, rows: int) -> Optional[tuple[Tensor, Tensor]]:
     """The registered W_down's persistent decode state for ``rows`` <= STATE_ROWS rows: (fp32
     accumulator [rows * K_out], int32 tail [STATE_TAIL]: tickets, counters, sum |h|; see
-    cuda_decode.tail_parts), zero between calls; None if ``w`` is not registered or rows is
+    tail_parts), zero between calls; None if ``w`` is not registered or rows is
     larger (then the caller zero-fills its own)."""
     return _state_of(w, _entry(w), rows)
 

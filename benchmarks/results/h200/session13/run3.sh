@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (its probe ran at commit 2583eb0 and was removed since: see README.md)
 # Session 13 run 3: the rows form with a whole-row GEMV gate over finer neuron blocks (probe_gemv.py).
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
 S=benchmarks/results/h200/session13
