@@ -83,7 +83,7 @@ SCRIPT = textwrap.dedent("""
 CASES = [
     # m, k, n, k_out, gated, bias, density, nan/inf rows, config (None: default): cuda_decode.Config
     # (bn, bk, bku, bko, vec_m, finish_max, warps, stages[, pb, kc, le, bo, gwarps, lbn, udot, lbk, lstages,
-    # koc]), form (None:
+    # koc, gemv_bn, pgemv_bn, pgemv_m]), form (None:
     # rows/tiles by vec_m); odd M: registered W_down (persistent state)
     (1, 33, 130, 17, True, True, 0.3, False, None, None),      # M = 1, odd K, N, K_out (per-neuron path, GEMV gate)
     (1, 40, 70, 40, True, False, 1.0, False, (32, 16, 16, 16, 4, 0, 4, 1) + (4, 2048, 64, 128, 4, 32, False, 0, 0,
@@ -118,6 +118,13 @@ CASES = [
     (40, 24, 61, 33, True, True, 0.3, True, (16, 16, 16, 16, 0, 0, 4, 1, 4, 32, 16, 16, 4, 16, False, 0, 0, 16), "pairs"),  # two row blocks, 3 K_out chunks
     (17, 72, 257, 65, False, True, 0.3, False, None, "pairs"),  # odd shapes, registered
     (5, 72, 257, 65, True, False, 0.3, True, (32, 32, 32, 16, 0, 0, 4, 1, 4, 32, 16, 16, 4, 32, True, 0, 0, 32), "pairs"),  # udot, NaN/Inf
+    # the pairs form gated by the whole-row GEMV (pgemv_bn neurons per program up to pgemv_m rows)
+    (5, 40, 70, 40, True, True, 0.3, True, (16, 16, 16, 16, 0, 0, 4, 1, 4, 32, 16, 16, 4, 16, False, 0, 0, 16, 0, 4, 16),
+     "pairs"),  # NaN/Inf, 3 K_out chunks, registered
+    (16, 33, 130, 17, False, True, 0.3, False, (16, 16, 16, 16, 0, 0, 4, 1, 2, 16, 16, 16, 4, 16, False, 0, 0, 16, 0, 8, 16),
+     "pairs"),  # non-gated, odd K, N, K_out, 16 rows
+    (2, 40, 70, 40, True, False, 1.0, False, (16, 16, 16, 16, 0, 0, 4, 1, 4, 32, 16, 16, 4, 16, False, 0, 0, 64, 0, 4, 2),
+     "pairs"),  # density 1
     (16, 40, 300, 40, True, True, 0.05, False, (32, 16, 16, 16, 0, 0, 4, 1, 4, 16, 16, 16, 4, 32, True, 0, 0, 16), "pairs"),  # udot
 ]
 

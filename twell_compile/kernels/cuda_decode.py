@@ -71,6 +71,8 @@ class Config(NamedTuple):
     gemv_bn: int = 0   # rows form at M=1: neurons per program of a whole-row GEMV gate (0: the
                        # tl.dot gate over bn); H200 K=2048: 12.5 us at 4 vs 14.9 (bn 32, tl.dot),
                        # 12.9 at 8, 13.8 at 16 (results/h200/session13/run4/, probe_stats.py at 2583eb0)
+    pgemv_bn: int = 0  # pairs form up to pgemv_m rows: neurons per program of the whole-row GEMV
+    pgemv_m: int = 0   # gate (0: the tl.dot gate over lbn)
 
 
 # By padded M, for K < WIDE_K: tuned on the H200 (benchmarks/tune_decode.py, results/h200/
@@ -116,6 +118,16 @@ def rows_gemv(m: int, c: Config) -> bool:
 def rows_bn(m: int, c: Config) -> int:
     """Neurons per program of the rows form for M rows: c.gemv_bn with the GEMV gate, else c.bn."""
     return c.gemv_bn if rows_gemv(m, c) else c.bn
+
+
+def pairs_gemv(m: int, c: Config) -> bool:
+    """Whether the pairs form gates M rows by the whole-row GEMV (M <= c.pgemv_m, one row block)."""
+    return c.pgemv_bn > 0 and m <= min(c.pgemv_m, MAX_MB)
+
+
+def pairs_bn(m: int, c: Config) -> int:
+    """Neurons per program of the pairs form for M rows: c.pgemv_bn with the GEMV gate, else c.lbn."""
+    return c.pgemv_bn if pairs_gemv(m, c) else c.lbn
 
 
 def m_pad_rows(m: int) -> int:
@@ -209,7 +221,8 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: Config, gated: boo
     nrb = -(-m // mb)
     lists = form in ("list", "pairs")
     gemv = form == "rows" and rows_gemv(m, c)
-    bn = c.lbn if lists else rows_bn(m, c) if form == "rows" else c.bn
+    pgemv = form == "pairs" and pairs_gemv(m, c)
+    bn = pairs_bn(m, c) if form == "pairs" else c.lbn if lists else rows_bn(m, c) if form == "rows" else c.bn
     nb = -(-n // bn)
     nl = m * n if form == "list" else 0
     # int32: (list form: neuron indices [M, N], counts per (token, block) [M, NB], non-zeros
@@ -223,9 +236,10 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: Config, gated: boo
     p2 = lambda v: min(v, max(16, _pow2(k)))  # noqa: E731  (a K step: at most K padded)
     if lists:
         launch1 = (decode_pairs_kernel, (nb, nrb), (m, k, n, nb, k_out), dict(
-            GATED=gated, HAS_BG=has_bg, HAS_BU=has_bu, MB=mb, BN=c.lbn, BK=p2(c.lbk or c.bk), PB=c.pb,
+            GATED=gated, HAS_BG=has_bg, HAS_BU=has_bu, MB=mb, BN=bn, BK=p2(c.lbk or c.bk), PB=c.pb,
             KC=p2(c.kc), UDOT=c.udot, BKU=p2(c.bku), ADOWN=form == "pairs",
-            KOC=min(c.koc, max(16, _pow2(k_out))), PDL=pdl), c.warps, c.lstages or c.stages)
+            KOC=min(c.koc, max(16, _pow2(k_out))), GEMV=pgemv, MS=m_pad_rows(m) if pgemv else 1,
+            KP=_pow2(k) if pgemv else 1, PDL=pdl), c.warps, c.lstages or c.stages)
         if form == "pairs":
             launch2 = finish
         else:
