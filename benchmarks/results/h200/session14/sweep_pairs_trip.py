@@ -4,7 +4,9 @@ chunk requested with them (koc), lbn and stages around it, each config timed ``R
 interleaved with the others (median), K=2048 N=5632 d=0.005. Every config is first checked
 against fp64 under the 2x rule (session9/probe_io.config_us).
 
-    python3 benchmarks/results/h200/session14/sweep_pairs_trip.py OUT.json [M ...]
+    python3 benchmarks/results/h200/session14/sweep_pairs_trip.py OUT.json [trip|gate] [M ...]
+
+Family "gate" (run 3): at lbn 16, pb 2, the tl.dot gate's K step (lbk), stages and warps.
 """
 import itertools
 import sys
@@ -14,8 +16,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "session9"))
 from probe_io import config_us, emit  # noqa: E402  (puts the repo root and benchmarks/ on sys.path)
 
 REPS = 3
-cfgs = {f"lbn{b}/pb{pb}/kc{kc}/koc{koc}/s{s}": dict(lbn=b, pb=pb, kc=kc, koc=koc, lstages=s)
-        for b, pb, kc, koc, s in itertools.product((16, 32), (1, 2, 4), (1024, 2048), (1024, 2048), (4, 5))}
+FAMILIES = {
+    "trip": {f"lbn{b}/pb{pb}/kc{kc}/koc{koc}/s{s}": dict(lbn=b, pb=pb, kc=kc, koc=koc, lstages=s)
+             for b, pb, kc, koc, s in itertools.product((16, 32), (1, 2, 4), (1024, 2048), (1024, 2048), (4, 5))},
+    "gate": {f"lbn16/pb2/lbk{k}/s{s}/w{w}": dict(lbn=16, pb=2, lbk=k, lstages=s, warps=w)
+             for k, s, w in itertools.product((64, 128, 256), (3, 4, 5, 6), (2, 4, 8))},
+}
 
 
 def main():
@@ -28,7 +34,9 @@ def main():
     torch.manual_seed(0)
     k, n, d = 2048, 5632, 0.005
     sets = weight_sets(64, k, n, d, 0.0, layers_for(k, n, k, True, 256), seed=11)
-    for m in tuple(int(v) for v in sys.argv[2:]) or (16, 8, 4, 2):
+    args = sys.argv[2:]
+    cfgs = FAMILIES[args.pop(0) if args and args[0] in FAMILIES else "trip"]
+    for m in tuple(int(v) for v in args) or (16, 8, 4, 2):
         a = [(p["x"][:m].contiguous(), p["w_gate"], None, p["w_up"], None, p["w_down"], None) for p in sets]
         base = cuda_decode.config_for(m, k)
         r = dict(K=k, N=n, M=m, density=d, form="pairs", shipped=base._asdict(), t={})
