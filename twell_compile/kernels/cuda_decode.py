@@ -73,6 +73,7 @@ class Config(NamedTuple):
                        # 12.9 at 8, 13.8 at 16 (results/h200/session13/run4/, probe_stats.py at 2583eb0)
     pgemv_bn: int = 0  # pairs form up to pgemv_m rows: neurons per program of the whole-row GEMV
     pgemv_m: int = 0   # gate (0: the tl.dot gate over lbn)
+    lwarps: int = 0    # warps of the list/pairs form's first kernel (0: warps)
 
 
 # By padded M, for K < WIDE_K: tuned on the H200 (benchmarks/tune_decode.py, results/h200/
@@ -239,7 +240,7 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: Config, gated: boo
             GATED=gated, HAS_BG=has_bg, HAS_BU=has_bu, MB=mb, BN=bn, BK=p2(c.lbk or c.bk), PB=c.pb,
             KC=p2(c.kc), UDOT=c.udot, BKU=p2(c.bku), ADOWN=form == "pairs",
             KOC=min(c.koc, max(16, _pow2(k_out))), GEMV=pgemv, MS=m_pad_rows(m) if pgemv else 1,
-            KP=_pow2(k) if pgemv else 1, PDL=pdl), c.warps, c.lstages or c.stages)
+            KP=_pow2(k) if pgemv else 1, PDL=pdl), c.lwarps or c.warps, c.lstages or c.stages)
         if form == "pairs":
             launch2 = finish
         else:

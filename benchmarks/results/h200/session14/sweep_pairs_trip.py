@@ -4,7 +4,7 @@ chunk requested with them (koc), lbn and stages around it, each config timed ``R
 interleaved with the others (median), K=2048 N=5632 d=0.005. Every config is first checked
 against fp64 under the 2x rule (session9/probe_io.config_us).
 
-    python3 benchmarks/results/h200/session14/sweep_pairs_trip.py OUT.json [trip|gate] [M ...]
+    python3 benchmarks/results/h200/session14/sweep_pairs_trip.py OUT.json [trip|gate|final] [M ...]
 
 Family "gate" (run 3): at lbn 16, pb 2, the tl.dot gate's K step (lbk), stages and warps.
 """
@@ -15,12 +15,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "session9"))
 from probe_io import config_us, emit  # noqa: E402  (puts the repo root and benchmarks/ on sys.path)
 
-REPS = 3
+REPS = int(__import__('os').environ.get('REPS', 3))
 FAMILIES = {
     "trip": {f"lbn{b}/pb{pb}/kc{kc}/koc{koc}/s{s}": dict(lbn=b, pb=pb, kc=kc, koc=koc, lstages=s)
              for b, pb, kc, koc, s in itertools.product((16, 32), (1, 2, 4), (1024, 2048), (1024, 2048), (4, 5))},
     "gate": {f"lbn16/pb2/lbk{k}/s{s}/w{w}": dict(lbn=16, pb=2, lbk=k, lstages=s, warps=w)
              for k, s, w in itertools.product((64, 128, 256), (3, 4, 5, 6), (2, 4, 8))},
+    # run 4: candidates at every M <= 16 (all share one config), 2 warps (lwarps: the pairs
+    # kernel's own warps, new this session) and its neighbours
+    "final": {"lbn16/pb2/s5/w2": dict(lbn=16, pb=2, lwarps=2),
+              "lbn16/pb2/s6/w2": dict(lbn=16, pb=2, lstages=6, lwarps=2),
+              "lbn16/pb2/s5/w1": dict(lbn=16, pb=2, lwarps=1),
+              "lbn32/pb2/s5/w2": dict(lbn=32, pb=2, lwarps=2),
+              "lbn16/pb1/s5/w2": dict(lbn=16, pb=1, lwarps=2),
+              "lbn16/pb4/s5/w2": dict(lbn=16, pb=4, lwarps=2),
+              "lbn16/pb2/kc1024/s5/w2": dict(lbn=16, pb=2, kc=1024, lwarps=2),
+              "lbn16/pb2/lbk64/s6/w2": dict(lbn=16, pb=2, lbk=64, lstages=6, lwarps=2),
+              "lbn16/pb2/s5/w4": dict(lbn=16, pb=2)},
 }
 
 
