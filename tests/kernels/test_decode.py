@@ -83,7 +83,7 @@ SCRIPT = textwrap.dedent("""
 CASES = [
     # m, k, n, k_out, gated, bias, density, nan/inf rows, config (None: default): cuda_decode.Config
     # (bn, bk, bku, bko, vec_m, finish_max, warps, stages[, pb, kc, le, bo, gwarps, lbn, udot, lbk, lstages,
-    # koc, gemv_bn, pgemv_bn, pgemv_m]), form (None:
+    # koc, gemv_bn, lwarps]), form (None:
     # rows/tiles by vec_m); odd M: registered W_down (persistent state)
     (1, 33, 130, 17, True, True, 0.3, False, None, None),      # M = 1, odd K, N, K_out (per-neuron path, GEMV gate)
     (1, 40, 70, 40, True, False, 1.0, False, (32, 16, 16, 16, 4, 0, 4, 1) + (4, 2048, 64, 128, 4, 32, False, 0, 0,
@@ -118,14 +118,6 @@ CASES = [
     (40, 24, 61, 33, True, True, 0.3, True, (16, 16, 16, 16, 0, 0, 4, 1, 4, 32, 16, 16, 4, 16, False, 0, 0, 16), "pairs"),  # two row blocks, 3 K_out chunks
     (17, 72, 257, 65, False, True, 0.3, False, None, "pairs"),  # odd shapes, registered
     (5, 72, 257, 65, True, False, 0.3, True, (32, 32, 32, 16, 0, 0, 4, 1, 4, 32, 16, 16, 4, 32, True, 0, 0, 32), "pairs"),  # udot, NaN/Inf
-    # the pairs form gated by the whole-row GEMV (pgemv_bn neurons per program up to pgemv_m rows)
-    (5, 40, 70, 40, True, True, 0.3, True, (16, 16, 16, 16, 0, 0, 4, 1, 4, 32, 16, 16, 4, 16, False, 0, 0, 16, 0, 4, 16),
-     "pairs"),  # NaN/Inf, 3 K_out chunks, registered
-    (16, 33, 130, 17, False, True, 0.3, False, (16, 16, 16, 16, 0, 0, 4, 1, 2, 16, 16, 16, 4, 16, False, 0, 0, 16, 0, 8, 16),
-     "pairs"),  # non-gated, odd K, N, K_out, 16 rows
-    (2, 40, 70, 40, True, False, 1.0, False, (16, 16, 16, 16, 0, 0, 4, 1, 4, 32, 16, 16, 4, 16, False, 0, 0, 64, 0, 4, 2),
-     "pairs"),  # density 1
-    (16, 40, 300, 40, True, True, 0.05, False, (32, 16, 16, 16, 0, 0, 4, 1, 4, 16, 16, 16, 4, 32, True, 0, 0, 16), "pairs"),  # udot
 ]
 
 
@@ -143,7 +135,24 @@ def test_rows_form_gemv_gate_only_at_one_row():
     p = cuda_decode.prepare(1, 2048, 5632, 2048, "tiles", c, True, False, False, False, True, True)
     assert p.launch1[3]["GEMV"] is False and p.launch1[3]["BN"] == c.bn
     p = cuda_decode.prepare(3, 2048, 5632, 2048, "list", c, True, False, False, False, True, False)
-    assert p.int_sizes[2] == 176 * 16      # the list form writes them per (block, row)
+    assert p.int_sizes[2] == -(-5632 // c.lbn) * 16      # the list form writes them per (block, row)
+
+
+def test_list_and_pairs_launch_take_their_own_warps_and_blocks():
+    from twell_compile.kernels import cuda_decode
+
+    c = cuda_decode.config_for(16, 2048)
+    assert c.lwarps and c.lwarps != c.warps
+    for form in ("pairs", "list"):
+        kern, grid, _, consts, warps, stages = cuda_decode.prepare(16, 2048, 5632, 2048, form, c, True, False, False,
+                                                                   False, True, True).launch1
+        assert (warps, stages, consts["BN"], consts["PB"]) == (c.lwarps, c.lstages, c.lbn, c.pb), form
+        assert grid == (-(-5632 // c.lbn), 1)
+    warps = cuda_decode.prepare(16, 2048, 5632, 2048, "tiles", c, True, False, False, False, True, True).launch1[4]
+    assert warps == c.warps
+    wide = cuda_decode.config_for(16, 4096)           # K >= WIDE_K: lwarps 0, the kernel takes warps
+    assert cuda_decode.prepare(16, 4096, 11008, 4096, "pairs", wide, True, False, False, False, True,
+                               True).launch1[4] == wide.warps
 
 
 def test_state_tail_holds_tickets_counters_and_sum():

@@ -71,8 +71,6 @@ class Config(NamedTuple):
     gemv_bn: int = 0   # rows form at M=1: neurons per program of a whole-row GEMV gate (0: the
                        # tl.dot gate over bn); H200 K=2048: 12.5 us at 4 vs 14.9 (bn 32, tl.dot),
                        # 12.9 at 8, 13.8 at 16 (results/h200/session13/run4/, probe_stats.py at 2583eb0)
-    pgemv_bn: int = 0  # pairs form up to pgemv_m rows: neurons per program of the whole-row GEMV
-    pgemv_m: int = 0   # gate (0: the tl.dot gate over lbn)
     lwarps: int = 0    # warps of the list/pairs form's first kernel (0: warps)
 
 
@@ -81,8 +79,11 @@ class Config(NamedTuple):
 # K=2048 N=5632 d=0.005: pairs at lbn 32, K step 128, 5 stages: M=4/8/16/32 17.6/19.7/20.9/27.8 us
 # vs dense 33.9-34.8; lbn 64 23.5 at M=16, lbn 16 24.6; 8 pairs per step 21.9; udot 26.5).
 # udot stays off (session 8: K=2048 M=16 24.7 us vs 26.8 for the list form, K=4096 slower).
+# Session 14 (results/h200/session14/, interleaved medians, d=0.005): the pairs form at 16
+# neurons per program, 2 pairs per trip and 2 warps: M=16/8/4/2 18.5/16.7/15.4/14.5 us vs
+# 19.6/18.0/16.2/15.9 at (lbn 32, pb 4, 4 warps); pb 4 at lbn 16 spends 22.6 at M=16, 1 warp 22.0.
 CONFIGS = {
-    16: Config(32, 256, 256, 256, 4, 0, 4, 3, lbk=128, lstages=5, gemv_bn=4),
+    16: Config(32, 256, 256, 256, 4, 0, 4, 3, lbk=128, lstages=5, gemv_bn=4, lbn=16, pb=2, lwarps=2),
     32: Config(64, 128, 256, 256, 0, 0, 4, 3, lbk=128, lstages=5),
     64: Config(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5),
     128: Config(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5),
@@ -94,7 +95,8 @@ CONFIGS = {
 WIDE_K = 3072
 WIDE_CONFIGS = {      # (the GEMV gate: not measured at K >= WIDE_K; a [4, 4096] row block
                       # holds 128 fp32 registers per thread at 4 warps)
-    16: CONFIGS[16]._replace(lbn=64, lbk=256, lstages=3, gemv_bn=0),
+    16: CONFIGS[16]._replace(lbn=64, lbk=256, lstages=3, gemv_bn=0, pb=4, lwarps=0),  # (session 14's
+                      # lbn 16 / pb 2 / 2 warps: not measured at K >= WIDE_K)
     **{mp: c._replace(lbn=32, lbk=256, lstages=3, koc=1024) for mp, c in CONFIGS.items() if mp > 16},
 }
 FINISH_BLOCK = 1024   # accumulator elements per step of a finishing program
@@ -119,16 +121,6 @@ def rows_gemv(m: int, c: Config) -> bool:
 def rows_bn(m: int, c: Config) -> int:
     """Neurons per program of the rows form for M rows: c.gemv_bn with the GEMV gate, else c.bn."""
     return c.gemv_bn if rows_gemv(m, c) else c.bn
-
-
-def pairs_gemv(m: int, c: Config) -> bool:
-    """Whether the pairs form gates M rows by the whole-row GEMV (M <= c.pgemv_m, one row block)."""
-    return c.pgemv_bn > 0 and m <= min(c.pgemv_m, MAX_MB)
-
-
-def pairs_bn(m: int, c: Config) -> int:
-    """Neurons per program of the pairs form for M rows: c.pgemv_bn with the GEMV gate, else c.lbn."""
-    return c.pgemv_bn if pairs_gemv(m, c) else c.lbn
 
 
 def m_pad_rows(m: int) -> int:
@@ -222,8 +214,7 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: Config, gated: boo
     nrb = -(-m // mb)
     lists = form in ("list", "pairs")
     gemv = form == "rows" and rows_gemv(m, c)
-    pgemv = form == "pairs" and pairs_gemv(m, c)
-    bn = pairs_bn(m, c) if form == "pairs" else c.lbn if lists else rows_bn(m, c) if form == "rows" else c.bn
+    bn = c.lbn if lists else rows_bn(m, c) if form == "rows" else c.bn
     nb = -(-n // bn)
     nl = m * n if form == "list" else 0
     # int32: (list form: neuron indices [M, N], counts per (token, block) [M, NB], non-zeros
@@ -237,10 +228,9 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: Config, gated: boo
     p2 = lambda v: min(v, max(16, _pow2(k)))  # noqa: E731  (a K step: at most K padded)
     if lists:
         launch1 = (decode_pairs_kernel, (nb, nrb), (m, k, n, nb, k_out), dict(
-            GATED=gated, HAS_BG=has_bg, HAS_BU=has_bu, MB=mb, BN=bn, BK=p2(c.lbk or c.bk), PB=c.pb,
+            GATED=gated, HAS_BG=has_bg, HAS_BU=has_bu, MB=mb, BN=c.lbn, BK=p2(c.lbk or c.bk), PB=c.pb,
             KC=p2(c.kc), UDOT=c.udot, BKU=p2(c.bku), ADOWN=form == "pairs",
-            KOC=min(c.koc, max(16, _pow2(k_out))), GEMV=pgemv, MS=m_pad_rows(m) if pgemv else 1,
-            KP=_pow2(k) if pgemv else 1, PDL=pdl), c.lwarps or c.warps, c.lstages or c.stages)
+            KOC=min(c.koc, max(16, _pow2(k_out))), PDL=pdl), c.lwarps or c.warps, c.lstages or c.stages)
         if form == "pairs":
             launch2 = finish
         else:

@@ -36,7 +36,7 @@ torch.use_deterministic_algorithms).
 import triton
 import triton.language as tl
 
-from twell_compile.kernels.twell_decode import _add_stats, _finish_stats, _gate_block, _gate_rows, _pdl_enter, _rows_dot
+from twell_compile.kernels.twell_decode import _add_stats, _finish_stats, _gate_block, _pdl_enter, _rows_dot
 
 
 @triton.jit
@@ -77,7 +77,7 @@ def decode_pairs_kernel(
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
     MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PB: tl.constexpr, KC: tl.constexpr,
     UDOT: tl.constexpr, BKU: tl.constexpr, ADOWN: tl.constexpr, KOC: tl.constexpr,
-    GEMV: tl.constexpr, MS: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     _pdl_enter(PDL)
     pid_n = tl.program_id(0)
@@ -87,12 +87,8 @@ def decode_pairs_kernel(
     rm = pid_r * MB + tl.arange(0, MB)
     m_ok = rm < M
     xbase = x_ptr + rm.to(tl.int64)[:, None] * sx_m
-    if GEMV:      # one row block of M <= MS rows: whole W_gate rows, FMA (Config.pgemv_bn)
-        v, nz, act = _gate_rows(x_ptr, sx_m, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, rm, m_ok, M, K,
-                                HAS_BG, MB, BN, MS, KP)
-    else:
-        v, nz, act = _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
-                                 HAS_BG, MB, BN, BK)
+    v, nz, act = _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
+                             HAS_BG, MB, BN, BK)
     blk = pid_r * tl.num_programs(0) + pid_n
     ai = act.to(tl.int32)
     if not ADOWN:     # the list form: counts, and each pair's list slot (block's base + rank in its row)
