@@ -45,10 +45,13 @@ def test_configs_file_sets_the_decode_configs(tmp_path, monkeypatch):
 
 
 def test_shipped_decode_configs_by_width():
-    """Session 9's sweep: 32 neurons per pairs/list program below WIDE_K, 64 up to 16 rows at
-    and above it; whole K_out per step except at K >= WIDE_K with 32+ rows."""
+    """Session 14's sweep: 16 neurons per pairs/list program, 2 pairs per trip and 2 warps up to
+    16 rows below WIDE_K, 32 neurons (4 pairs, 4 warps) above; session 9's: 64 up to 16 rows at
+    and above WIDE_K; whole K_out per step except at K >= WIDE_K with 32+ rows."""
     from twell_compile.kernels import cuda_decode
-    assert cuda_decode.config_for(16, 2048).lbn == 32 and cuda_decode.config_for(16, 2048).koc == 2048
+    c16, c32 = cuda_decode.config_for(16, 2048), cuda_decode.config_for(32, 2048)
+    assert (c16.lbn, c16.pb, c16.lwarps, c16.koc) == (16, 2, 2, 2048)
+    assert (c32.lbn, c32.pb, c32.lwarps or c32.warps) == (32, 4, 4)
     assert cuda_decode.config_for(16, 4096).lbn == 64 and cuda_decode.config_for(32, 4096).koc == 1024
     assert cuda_decode.config_for(1, 4096).vec_m == cuda_decode.config_for(1, 2048).vec_m
 

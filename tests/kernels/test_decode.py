@@ -265,7 +265,7 @@ def decode_wins_everywhere(monkeypatch):
         monkeypatch.setattr(cuda_policy, f"DEC_{var}_FIXED_US", 0.0)
         monkeypatch.setattr(cuda_policy, f"DEC_{var}_GATE_GBPS", cuda_policy.DENSE_GBPS)
     for name in ("DEC_ROWS_STEP_US", "DEC_TILES_ENTRY_US", "DEC_TILES_ROW_US", "DEC_LIST_PAIR_US",
-                 "DEC_LIST_ENTRY_US", "DEC_PAIRS_PAIR_US"):
+                 "DEC_LIST_ENTRY_US", "DEC_PAIRS_TRIP_US"):
         monkeypatch.setattr(cuda_policy, name, 0.0)
     monkeypatch.setattr(cuda_policy, "DENSE_FIXED_US", 1.0)
 

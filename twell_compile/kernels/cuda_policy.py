@@ -42,9 +42,9 @@ Three rules, in this order:
              DEC_LIST_FIXED_US + B * bytes(W_g) / DEC_LIST_GATE_GBPS
              + DEC_LIST_PAIR_US * d * R * LBN * K / 4096 + DEC_LIST_ENTRY_US * d * N * K_out / 4096
        pairs (two launches: gate, up and the down's atomics per active pair, then the finish;
-             a program's chain of pair steps moves W_u and W_d^T rows):
+             a program's chain of trips, PB pairs each, moves W_u and W_d^T rows):
              DEC_PAIRS_FIXED_US + B * bytes(W_g) / DEC_PAIRS_GATE_GBPS
-             + DEC_PAIRS_PAIR_US * d * R * LBN * (K + K_out) / 4096
+             + DEC_PAIRS_TRIP_US * d * R * LBN / PB * (K + K_out) / 4096
 
    The fastest form is the one run (decode_form), and the decode path runs while its time is
    under DEC_MARGIN * (DENSE_FIXED_US + bytes(W_g + W_u + W_d) / DENSE_GBPS) (decode_wins).
@@ -97,22 +97,22 @@ MAX_WIDTH = 8192
 # K=2048, N=5632, d=0.005: M=1 rows 12.6 us (2.71x), M=16 pairs 19.6 us vs dense 34.2 (1.75x).
 # MARGIN 0.9: on the grid no pick below 0.99x of dense (test_decode.py).
 DECODE_MAX_M = 64
-DEC_ROWS_FIXED_US = 5.88
-DEC_ROWS_GATE_GBPS = 2692.0
-DEC_ROWS_STEP_US = 2.6569
-DEC_TILES_FIXED_US = 6.95
-DEC_TILES_GATE_GBPS = 1631.0
-DEC_TILES_ROW_US = 0.4031
-DEC_TILES_ENTRY_US = 0.0013
-DEC_LIST_FIXED_US = 14.1
-DEC_LIST_GATE_GBPS = 2283.0
-DEC_LIST_PAIR_US = 2.4212
-DEC_LIST_ENTRY_US = 0.0409
-DEC_PAIRS_FIXED_US = 4.72
-DEC_PAIRS_GATE_GBPS = 2311.0
-DEC_PAIRS_PAIR_US = 1.4999
-DENSE_FIXED_US = 16.18
-DENSE_GBPS = 3793.0
+DEC_ROWS_FIXED_US = 6.88
+DEC_ROWS_GATE_GBPS = 2963.0
+DEC_ROWS_STEP_US = 2.646
+DEC_TILES_FIXED_US = 10.46
+DEC_TILES_GATE_GBPS = 1753.0
+DEC_TILES_ROW_US = 0.3279
+DEC_TILES_ENTRY_US = 0.001
+DEC_LIST_FIXED_US = 16.62
+DEC_LIST_GATE_GBPS = 3464.0
+DEC_LIST_PAIR_US = 3.05
+DEC_LIST_ENTRY_US = 0.0637
+DEC_PAIRS_FIXED_US = 5.73
+DEC_PAIRS_GATE_GBPS = 2521.0
+DEC_PAIRS_TRIP_US = 5.7106
+DENSE_FIXED_US = 16.25
+DENSE_GBPS = 3797.0
 DEC_MARGIN = 0.9
 DETERMINISTIC_FORMS = ("list",)   # the decode forms that sum without atomics
 MAX_N = 65536          # the per-row lists pack the column in 16 bits
@@ -157,7 +157,7 @@ def decode_us(density: float, m: int, k: int, n: int, k_out: int) -> dict[str, f
         + DEC_LIST_PAIR_US * d * min(m, mb) * c.lbn * k / 4096
         + DEC_LIST_ENTRY_US * d * n * k_out / 4096,
         "pairs": DEC_PAIRS_FIXED_US + 1e3 * gate_mb / DEC_PAIRS_GATE_GBPS
-        + DEC_PAIRS_PAIR_US * d * min(m, mb) * c.lbn * (k + k_out) / 4096,
+        + DEC_PAIRS_TRIP_US * d * min(m, mb) * c.lbn / c.pb * (k + k_out) / 4096,
     }
     if m <= c.vec_m:
         out["rows"] = (DEC_ROWS_FIXED_US + 1e3 * gate_mb / DEC_ROWS_GATE_GBPS

@@ -1,0 +1,305 @@
+"""Dense-or-sparse choice for the CUDA inference op, made without a per-call host sync.
+
+Three rules, in this order:
+
+1. Shape rule (host, from shapes and dtypes only), bf16/fp16 only:
+   - decode path (kernels/cuda_decode.py) for 1 <= M <= DECODE_MAX_M tokens, any K, N;
+   - per-row TwELL path for M >= MIN_TOKENS, MIN_WIDTH <= K (narrower layers measured slower
+     than dense), K and K_out <= 8192 (the fused kernel holds a whole x row and y row in
+     registers), N <= 65536 (16-bit columns in the per-row lists).
+   Everything else runs dense (eager's own calls, bit-identical to eager). Between the two
+   thresholds (H200, K=2048, N=5632, CUDA graphs, docs/inference.md "Decode"): decode forced
+   0.17-0.57x of dense at M 64-256, per-row path 0.90x at M=512 but 1.18x at M=2048 for
+   d=0.005 (MIN_TOKENS, set from eager timings, left as is).
+   fp32 stays dense: tl.dot would round its operands to tf32 (about 3e-4 relative error),
+   over twice eager fp32's error.
+2. Density rule (per layer, lagged): every probe call, dense or TwELL, writes the layer's
+   non-zero count of relu(gate(x)) into a device tensor (TwELL: summed from the counts the
+   gate kernel writes; dense: one count over h_g). A non-blocking copy to pinned host memory
+   and a CUDA event carry it back; a later call reads it only once ``event.query()`` says it
+   has landed (never waits). With d the measured density and g = 1 for a gated FFN, the layer
+   runs TwELL while the cost model, in units of one dense M x K x N GEMM,
+
+       GATE_UNITS + FIXED_UNITS + PAIR_UNITS * d * (1 + g) / 2  <  MARGIN * (2 + g)
+
+   holds (cuBLAS gate + compaction pass + per-row fused kernel vs dense FFN), dense
+   otherwise. The constants are measured (docs/inference.md). A layer starts dense (a probe
+   call), so a dense layer never pays for a sparse first call; dense layers re-probe every
+   PROBE_EVERY calls, TwELL layers every REFRESH_EVERY calls. The measured density also sets
+   the per-row list width (cuda_infer.list_width).
+3. Decode rule (M <= DECODE_MAX_M, same per-layer key and measurement): with d the density,
+   u = 1-(1-d)^R the expected fraction of neurons active in at least one of a row block's
+   R <= 32 rows, B row blocks, BN / LBN neurons per program and vec_m (cuda_decode.CONFIGS),
+   one predicted time per up/down form of the decode path (decode_us):
+
+       tiles: DEC_TILES_FIXED_US + B * bytes(W_g) / DEC_TILES_GATE_GBPS
+              + (DEC_TILES_ROW_US * R + DEC_TILES_ENTRY_US * u * N) * B * (K + K_out) / 4096
+       rows (M <= vec_m: one active neuron at a time, whole-row loads, a chain of u * BN steps per
+             program, each moving a W_u row, M x K_out atomics and a W_d^T row):
+             DEC_ROWS_FIXED_US + bytes(W_g) / DEC_ROWS_GATE_GBPS + DEC_ROWS_STEP_US * u * BN * (K + M_P * K_out) / 4096 (BN: cuda_decode.rows_bn)
+       list (two launches: gate + up per active pair into per-token lists, then a gather per
+             token; steps grow with the pairs per program and the entries per token):
+             DEC_LIST_FIXED_US + B * bytes(W_g) / DEC_LIST_GATE_GBPS
+             + DEC_LIST_PAIR_US * d * R * LBN * K / 4096 + DEC_LIST_ENTRY_US * d * N * K_out / 4096
+       pairs (two launches: gate, up and the down's atomics per active pair, then the finish;
+             a program's chain of pair steps moves W_u and W_d^T rows):
+             DEC_PAIRS_FIXED_US + B * bytes(W_g) / DEC_PAIRS_GATE_GBPS
+             + DEC_PAIRS_PAIR_US * d * R * LBN * (K + K_out) / 4096
+
+   The fastest form is the one run (decode_form), and the decode path runs while its time is
+   under DEC_MARGIN * (DENSE_FIXED_US + bytes(W_g + W_u + W_d) / DENSE_GBPS) (decode_wins).
+   Under torch.use_deterministic_algorithms(True) only the list form (no atomics) is
+   considered: same inputs, same bits (the others sum in the order their atomics land).
+   Before the layer's first measurement lands the rule is evaluated at density 0, the best
+   case (a ReLU layer the backend rewrote is expected sparse, and a CUDA graph recorded on the
+   second call, as reduce-overhead's cudagraph trees do, would otherwise keep dense forever).
+   The decode kernels write the non-zero count, so the probe works as on the per-row path. The
+   constants are least-squares fits to a device run (tune_decode.py, docs/inference.md
+   "Decode"); where even density 0 cannot win, dispatch.static_dense_reason leaves static
+   decode-sized FFNs to Inductor.
+
+Under CUDA-graph capture nothing is polled or copied: the graph records the path chosen by
+the calls before capture (torch.compile's reduce-overhead mode runs warm-up calls first).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+# Measured on H200 (docs/inference.md, K=2048 N=5632 bf16, M=16384), in units of one dense
+# M x K x N GEMM (cuBLAS 0.54 ms): TwELL = cuBLAS gate (1) + compaction pass over g (0.074-
+# 0.088 ms: 0.15; 0.29 ms with tl.store) + fused kernel 0.61 ms at 28 non-zeros/row and 1.97 ms
+# at 114 (run 1): 0.167 ms fixed (0.31) + 0.0158 ms per non-zero/row (x 5632 / 0.545 = 163 per
+# unit density, gated). Dense (Inductor) 2.9-3.0 units. Predicts 1.25 ms at d=0.005 (measured
+# 1.18-1.20) and TwELL for d < ~0.0082: every grid decision matched the faster path.
+GATE_UNITS = 1.2
+FIXED_UNITS = 0.31
+PAIR_UNITS = 163.0
+MARGIN = 0.95
+MIN_TOKENS = 8192      # H200 d=0.005: M=4096 twell 0.48 vs dense 0.44 ms, M=1024 0.20 vs 0.12
+MIN_WIDTH = 2048       # per-row path measured winning at K = 2048 and 4096 (1.36x, 1.21x); at
+                       # K=512, N=1408 (issue 6's model, 16384 tokens, density 0.003, H200) the
+                       # whole forward ran 0.71x of Inductor: its fixed per-row costs don't shrink
+                       # with K as the dense GEMMs do
+MAX_WIDTH = 8192
+# Decode rule (rule 3), H200 bf16, decode kernels v5 (rows, tiles: one launch), the list form
+# and the pairs form (two launches each), launched with PDL (cuda_decode.pdl_ok; without it
+# each form's fixed part is ~1.2 us more), statistics added into counters and the rows form's
+# GEMV gate at M=1 (session 13): fitted by benchmarks/tune_decode.py --fit-from
+# results/h200/ffn_decode.json (session 13's 56-point grid, results/h200/session13/run6/, run
+# with the fit of run 5's grid, <= 0.5% apart; each form forced at each point; points within
+# 1.6x of dense). Dense: 16.2 us + bytes / 3793 GB/s.
+# K=2048, N=5632, d=0.005: M=1 rows 12.6 us (2.71x), M=16 pairs 19.6 us vs dense 34.2 (1.75x).
+# MARGIN 0.9: on the grid no pick below 0.99x of dense (test_decode.py).
+DECODE_MAX_M = 64
+DEC_ROWS_FIXED_US = 5.91
+DEC_ROWS_GATE_GBPS = 2693.0
+DEC_ROWS_STEP_US = 2.6541
+DEC_TILES_FIXED_US = 6.93
+DEC_TILES_GATE_GBPS = 1624.0
+DEC_TILES_ROW_US = 0.4034
+DEC_TILES_ENTRY_US = 0.0013
+DEC_LIST_FIXED_US = 16.03
+DEC_LIST_GATE_GBPS = 2354.0
+DEC_LIST_PAIR_US = 2.3932
+DEC_LIST_ENTRY_US = 0.0398
+DEC_PAIRS_FIXED_US = 8.61
+DEC_PAIRS_GATE_GBPS = 2578.0
+DEC_PAIRS_PAIR_US = 1.5365
+DENSE_FIXED_US = 16.2
+DENSE_GBPS = 3789.0
+DEC_MARGIN = 0.9
+DETERMINISTIC_FORMS = ("list",)   # the decode forms that sum without atomics
+MAX_N = 65536          # the per-row lists pack the column in 16 bits
+PROBE_EVERY = 64
+REFRESH_EVERY = 16
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+def shape_ok(x: Tensor, m: int, k: int, k_out: int, n: int, tile_n: int = 0, slots: int = 0) -> bool:
+    """tile_n/slots: the op's TwELL config; the per-row path does not depend on them."""
+    return (x.is_cuda and x.dtype in DTYPES and m >= MIN_TOKENS and MIN_WIDTH <= k <= MAX_WIDTH
+            and k_out <= MAX_WIDTH and 1 <= n <= MAX_N)
+
+
+def decode_ok(x: Tensor, m: int, n: int) -> bool:
+    """Decode path shape rule: bf16/fp16 CUDA, 1 <= M <= DECODE_MAX_M tokens."""
+    return x.is_cuda and x.dtype in DTYPES and 1 <= m <= DECODE_MAX_M and n >= 1
+
+
+def union_fraction(density: float, m: int) -> float:
+    """Expected fraction of neurons active in at least one of m rows (independent rows)."""
+    d = min(max(float(density), 0.0), 1.0)
+    return 1.0 - (1.0 - d) ** m
+
+
+def decode_us(density: float, m: int, k: int, n: int, k_out: int) -> dict[str, float]:
+    """Predicted decode time (us) of each up/down form the decode path can run for M rows
+    ("rows" only where M <= vec_m)."""
+    from twell_compile.kernels import cuda_decode
+
+    mp = cuda_decode.m_pad(min(m, cuda_decode.MAX_M))
+    c = cuda_decode.config_for(m, k)
+    mb = min(mp, cuda_decode.MAX_MB)
+    blocks = -(-m // mb)
+    d = min(max(float(density), 0.0), 1.0)
+    u = union_fraction(d, min(m, mb))
+    gate_mb = 2e-6 * n * k * blocks
+    out = {
+        "tiles": DEC_TILES_FIXED_US + 1e3 * gate_mb / DEC_TILES_GATE_GBPS
+        + (DEC_TILES_ROW_US * min(m, mb) + DEC_TILES_ENTRY_US * u * n) * blocks * (k + k_out) / 4096,
+        "list": DEC_LIST_FIXED_US + 1e3 * gate_mb / DEC_LIST_GATE_GBPS
+        + DEC_LIST_PAIR_US * d * min(m, mb) * c.lbn * k / 4096
+        + DEC_LIST_ENTRY_US * d * n * k_out / 4096,
+        "pairs": DEC_PAIRS_FIXED_US + 1e3 * gate_mb / DEC_PAIRS_GATE_GBPS
+        + DEC_PAIRS_PAIR_US * d * min(m, mb) * c.lbn * (k + k_out) / 4096,
+    }
+    if m <= c.vec_m:
+        out["rows"] = (DEC_ROWS_FIXED_US + 1e3 * gate_mb / DEC_ROWS_GATE_GBPS
+                       + DEC_ROWS_STEP_US * u * cuda_decode.rows_bn(m, c)
+                       * (k + cuda_decode.m_pad_rows(m) * k_out) / 4096)
+    return out
+
+
+def _forms_us(density: float, m: int, k: int, n: int, k_out: int,
+              forms: Optional[tuple[str, ...]]) -> dict[str, float]:
+    t = decode_us(density, m, k, n, k_out)
+    return t if forms is None else {f: v for f, v in t.items() if f in forms}
+
+
+def decode_pick(density: float, m: int, k: int, n: int, k_out: int, gated: bool,
+                forms: Optional[tuple[str, ...]] = None) -> Optional[str]:
+    """The up/down form predicted fastest (cuda_decode.FORMS; only ``forms`` if given) when it
+    beats DEC_MARGIN x the dense FFN's predicted time, else None (dense)."""
+    t = _forms_us(density, m, k, n, k_out, forms)
+    form = min(t, key=t.get)
+    return form if t[form] < DEC_MARGIN * dense_us(k, n, k_out, gated) else None
+
+
+# H200 host: the op's dense path (dispatch, policy, three F.linear, relu and mul) issues in
+# 99-154 us per call at M=64 (bench_host.py "op_nograph", results/h200/session11/run7/: K=4096
+# 99, K=2048 154) and this host's Python timings spread 1.5-2.5x between runs (run12/: 184-471
+# us at K=4096, M=1, whose GEMMs take 76 us); a graphed call costs its copy and clone on the GPU
+OP_DENSE_HOST_US = 100.0
+
+
+def dense_us(k: int, n: int, k_out: int, gated: bool, elem: int = 2) -> float:
+    """Predicted GPU time of eager's dense FFN at decode sizes (weight bytes at DENSE_GBPS)."""
+    return DENSE_FIXED_US + 1e-3 * elem * n * (k * (2 if gated else 1) + k_out) / DENSE_GBPS
+
+
+def dense_host_bound(k: int, n: int, k_out: int, gated: bool, elem: int = 2) -> bool:
+    """Whether the op's dense path at decode sizes takes less GPU time than its calls take host
+    time (OP_DENSE_HOST_US): then replaying it from a CUDA graph (kernels/decode_graphs.py)
+    saves time. K=4096, N=11008 (~88 us predicted): graphed 0.098 ms per call at M=1 against
+    0.18-0.47 ungraphed on a slow host moment, 0.103 vs 0.099 at M=64 on a fast one
+    (session11/run10, run12)."""
+    return dense_us(k, n, k_out, gated, elem) < OP_DENSE_HOST_US
+
+
+def decode_form(density: float, m: int, k: int, n: int, k_out: int,
+                forms: Optional[tuple[str, ...]] = None) -> str:
+    """The decode path's up/down form predicted fastest (cuda_decode.FORMS; only ``forms``
+    if given)."""
+    t = _forms_us(density, m, k, n, k_out, forms)
+    return min(t, key=t.get)
+
+
+def decode_wins(density: float, m: int, k: int, n: int, k_out: int, gated: bool,
+                forms: Optional[tuple[str, ...]] = None) -> bool:
+    return decode_pick(density, m, k, n, k_out, gated, forms) is not None
+
+
+def twell_wins(density: float, gated: bool) -> bool:
+    g = 1.0 if gated else 0.0
+    return GATE_UNITS + FIXED_UNITS + PAIR_UNITS * density * (1 + g) / 2 < MARGIN * (2 + g)
+
+
+@dataclass
+class _Layer:
+    density: Optional[float] = None        # latest landed measurement
+    calls: int = 0
+    pending: Optional[tuple[torch.cuda.Event, Tensor, int]] = None  # (event, pinned, elements)
+    host: Optional[Tensor] = field(default=None, repr=False)
+
+
+_lock = threading.Lock()
+_layers: dict[tuple, _Layer] = {}
+
+
+def _state(key: tuple) -> _Layer:
+    st = _layers.get(key)
+    if st is None:
+        with _lock:
+            st = _layers.setdefault(key, _Layer())
+    return st
+
+
+def _poll(st: _Layer) -> None:
+    if st.pending is not None:
+        event, pinned, elements = st.pending
+        if event.query():
+            st.density = float(pinned[0]) / max(elements, 1)
+            st.pending = None
+
+
+def use_twell(key: tuple, gated: bool) -> bool:
+    """True: run TwELL this call. Never syncs."""
+    st = _state(key)
+    if not torch.cuda.is_current_stream_capturing():
+        _poll(st)
+    return st.density is not None and twell_wins(st.density, gated)
+
+
+def use_decode(key: tuple, m: int, k: int, n: int, k_out: int, gated: bool) -> Optional[str]:
+    """None: run dense this call; else run the decode path in the returned up/down form
+    (before the first measurement: as at density 0). Never syncs. Under
+    ``torch.use_deterministic_algorithms(True)`` only the forms without atomics
+    (DETERMINISTIC_FORMS: fixed summation order, the same bits every call) are considered."""
+    st = _state(key)
+    if not torch.cuda.is_current_stream_capturing():
+        _poll(st)
+    d = 0.0 if st.density is None else st.density
+    forms = DETERMINISTIC_FORMS if torch.are_deterministic_algorithms_enabled() else None
+    return decode_pick(d, m, k, n, k_out, gated, forms)
+
+
+def wants_probe(key: tuple, twell: bool, every: Optional[int] = None) -> bool:
+    """Whether this call should measure the layer's density (cheap for TwELL, one pass dense).
+    ``every``: probe interval in calls (default REFRESH_EVERY / PROBE_EVERY by path); one
+    probe is in flight at a time."""
+    st = _state(key)
+    if torch.cuda.is_current_stream_capturing() or st.pending is not None:
+        return False
+    every = every or (REFRESH_EVERY if twell else PROBE_EVERY)
+    return st.density is None or st.calls % every == 0
+
+
+def tick(key: tuple) -> None:
+    _state(key).calls += 1
+
+
+def submit(key: tuple, nnz: Tensor, elements: int) -> None:
+    """Start the async readback of a 0-d non-zero count covering ``elements`` entries."""
+    st = _state(key)
+    if st.host is None:
+        st.host = torch.empty(1, dtype=torch.float64, pin_memory=True)
+    st.host.copy_(nnz.reshape(1).to(torch.float64), non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    st.pending = (event, st.host, elements)
+
+
+def density(key: tuple) -> Optional[float]:
+    """Latest landed density of a layer (None before the first measurement lands)."""
+    return _state(key).density
+
+
+def reset() -> None:
+    with _lock:
+        _layers.clear()
