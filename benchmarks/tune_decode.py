@@ -51,6 +51,15 @@ def _lstsq(rows: list[list[float]], ts: list[float]) -> list[float]:
     return [float(v) for v in torch.linalg.lstsq(a, b.unsqueeze(1)).solution.squeeze(1)]
 
 
+# Each form's least squares weighs a point's residual by 1 / t ** power: relative error (1) for
+# the forms the rule picks between at small M (an absolute fit let K=4096's larger times steer
+# them: M=2 took rows at 1.16x the pairs form's time, session 14 run 5's grid); 1 / sqrt(t) for
+# tiles, which decides decode vs dense at K=4096, M=8-16 (60-110 us): fitted by relative error
+# it ran 0.96x of dense at M=16 d=0.02 (run 6). Picks vs the fastest form on run 6's grid: at
+# most 1.10x slower (rows at M=1 d=0.2), never below dense.
+WEIGHT_POWER = {"rows": 1.0, "tiles": 0.5, "list": 1.0, "pairs": 1.0}
+
+
 def fit_policy(points: list[dict], near: float = 1.6) -> dict[str, float]:
     """The decode rule's constants (kernels/cuda_policy.py) from measured points, each a dict
     with M, K, N, K_out, union (neurons active in some row), density, dense_us and forms
@@ -97,9 +106,8 @@ def fit_policy(points: list[dict], near: float = 1.6) -> dict[str, float]:
     for form, (a, t) in feats.items():
         if len(a) <= len(names[form]):
             continue
-        # least relative error: the rule compares forms by ratio; an absolute fit let K=4096's
-        # larger times steer it (session 14: picks up to 1.16x slower than the best form, 1.10 now)
-        sol = _lstsq([[v / ti for v in row] for row, ti in zip(a, t)], [1.0] * len(t))
+        wp = WEIGHT_POWER[form]
+        sol = _lstsq([[v / ti ** wp for v in row] for row, ti in zip(a, t)], [ti ** (1 - wp) for ti in t])
         for i, (name, v) in enumerate(zip(names[form], sol)):
             out[name] = round(1e3 / v, 0) if i == 1 else round(v, 2 if i == 0 else 4)
     if len(out) == 2:
