@@ -30,7 +30,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import graph_ms, layers_for, weight_sets  # noqa: E402
 
-from twell_compile.kernels import cuda_decode, weight_cache  # noqa: E402
+from twell_compile.kernels import cuda_decode, cuda_policy, weight_cache  # noqa: E402
 from twell_compile.kernels.cuda_decode import Config  # noqa: E402
 from twell_compile.reference import ffn_dense  # noqa: E402
 
@@ -51,13 +51,11 @@ def _lstsq(rows: list[list[float]], ts: list[float]) -> list[float]:
     return [float(v) for v in torch.linalg.lstsq(a, b.unsqueeze(1)).solution.squeeze(1)]
 
 
-# Each form's least squares weighs a point's residual by 1 / t ** power: relative error (1) for
-# the forms the rule picks between at small M (an absolute fit let K=4096's larger times steer
-# them: M=2 took rows at 1.16x the pairs form's time, session 14 run 5's grid); 1 / sqrt(t) for
-# tiles, which decides decode vs dense at K=4096, M=8-16 (60-110 us): fitted by relative error
-# it ran 0.96x of dense at M=16 d=0.02 (run 6). Picks vs the fastest form on run 6's grid: at
-# most 1.10x slower (rows at M=1 d=0.2), never below dense.
-WEIGHT_POWER = {"rows": 1.0, "tiles": 0.5, "list": 1.0, "pairs": 1.0}
+# Each form is fitted by least relative error (the rule compares forms by ratio): an absolute
+# fit let K=4096's larger times steer the small-M forms (M=2 K=2048 took rows at 1.16x the
+# pairs form's time, session 14 run 5's grid). Tiles' per-row cost is its atomics (R x K_out per
+# active block): a per-row term over K + K_out missed N's share (K=4096 M=16 d=0.02 ran 0.96x of
+# dense, run 6).
 
 
 def fit_policy(points: list[dict], near: float = 1.6) -> dict[str, float]:
@@ -67,7 +65,8 @@ def fit_policy(points: list[dict], near: float = 1.6) -> dict[str, float]:
     dense (where the rule's decisions are made). Dense: fixed + bytes(3 weights) / rate. With
     u = union / N, B row blocks of <= MAX_MB rows and the configs of cuda_decode:
       rows  = fixed + bytes(W_g) / rate + step x u x BN x (K + M_P x K_out) / 4096
-      tiles = fixed + B x bytes(W_g) / rate + (row x rows + entry x union) x B x (K + K_out) / 4096
+      tiles = fixed + B x bytes(W_g) / rate + add x rows x B x N_a x K_out / 1e6
+              + entry x union x B x (K + K_out) / 4096   (N_a: cuda_policy.tiles_active)
       list  = fixed + B x bytes(W_g) / rate + pair x d x rows x LBN x K / 4096 + entry x d x N x K_out / 4096
       pairs = fixed + B x bytes(W_g) / rate + trip x d x rows x LBN / PB x (K + K_out) / 4096
     A form with fewer points than constants + 1 keeps its constants."""
@@ -91,8 +90,8 @@ def fit_policy(points: list[dict], near: float = 1.6) -> dict[str, float]:
                 bn = cuda_decode.rows_bn(p["M"], c)
                 f = [1.0, gate_mb, u * bn * (p["K"] + cuda_decode.m_pad_rows(p["M"]) * ko) / 4096]
             elif form == "tiles":
-                w = blocks * (p["K"] + ko) / 4096
-                f = [1.0, gate_mb, rows * w, p["union"] * w]
+                na = cuda_policy.tiles_active(u, p["N"], c.bn)
+                f = [1.0, gate_mb, rows * blocks * na * ko / 1e6, p["union"] * blocks * (p["K"] + ko) / 4096]
             elif form == "list":
                 f = [1.0, gate_mb, d * rows * c.lbn * p["K"] / 4096, d * p["N"] * ko / 4096]
             else:
@@ -100,14 +99,13 @@ def fit_policy(points: list[dict], near: float = 1.6) -> dict[str, float]:
             feats[form][0].append(f)
             feats[form][1].append(us)
     names = {"rows": ("DEC_ROWS_FIXED_US", "DEC_ROWS_GATE_GBPS", "DEC_ROWS_STEP_US"),
-             "tiles": ("DEC_TILES_FIXED_US", "DEC_TILES_GATE_GBPS", "DEC_TILES_ROW_US", "DEC_TILES_ENTRY_US"),
+             "tiles": ("DEC_TILES_FIXED_US", "DEC_TILES_GATE_GBPS", "DEC_TILES_ADD_US", "DEC_TILES_ENTRY_US"),
              "list": ("DEC_LIST_FIXED_US", "DEC_LIST_GATE_GBPS", "DEC_LIST_PAIR_US", "DEC_LIST_ENTRY_US"),
              "pairs": ("DEC_PAIRS_FIXED_US", "DEC_PAIRS_GATE_GBPS", "DEC_PAIRS_TRIP_US")}
     for form, (a, t) in feats.items():
         if len(a) <= len(names[form]):
             continue
-        wp = WEIGHT_POWER[form]
-        sol = _lstsq([[v / ti ** wp for v in row] for row, ti in zip(a, t)], [ti ** (1 - wp) for ti in t])
+        sol = _lstsq([[v / ti for v in row] for row, ti in zip(a, t)], [1.0] * len(t))   # relative error
         for i, (name, v) in enumerate(zip(names[form], sol)):
             out[name] = round(1e3 / v, 0) if i == 1 else round(v, 2 if i == 0 else 4)
     if len(out) == 2:

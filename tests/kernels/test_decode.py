@@ -264,7 +264,7 @@ def decode_wins_everywhere(monkeypatch):
     for var in ("ROWS", "TILES", "LIST", "PAIRS"):
         monkeypatch.setattr(cuda_policy, f"DEC_{var}_FIXED_US", 0.0)
         monkeypatch.setattr(cuda_policy, f"DEC_{var}_GATE_GBPS", cuda_policy.DENSE_GBPS)
-    for name in ("DEC_ROWS_STEP_US", "DEC_TILES_ENTRY_US", "DEC_TILES_ROW_US", "DEC_LIST_PAIR_US",
+    for name in ("DEC_ROWS_STEP_US", "DEC_TILES_ENTRY_US", "DEC_TILES_ADD_US", "DEC_LIST_PAIR_US",
                  "DEC_LIST_ENTRY_US", "DEC_PAIRS_TRIP_US"):
         monkeypatch.setattr(cuda_policy, name, 0.0)
     monkeypatch.setattr(cuda_policy, "DENSE_FIXED_US", 1.0)
@@ -273,7 +273,7 @@ def decode_wins_everywhere(monkeypatch):
 # a cost model under which decode wins while the union is small (mechanism tests)
 _MECHANISM_CONSTANTS = (("DEC_ROWS_FIXED_US", 4.5), ("DEC_ROWS_GATE_GBPS", 3500.0), ("DEC_ROWS_STEP_US", 0.5),
                         ("DEC_TILES_FIXED_US", 5.0), ("DEC_TILES_GATE_GBPS", 3500.0), ("DEC_TILES_ENTRY_US", 0.01),
-                        ("DEC_TILES_ROW_US", 0.01), ("DEC_LIST_FIXED_US", 6.0), ("DEC_LIST_GATE_GBPS", 3500.0),
+                        ("DEC_TILES_ADD_US", 0.01), ("DEC_LIST_FIXED_US", 6.0), ("DEC_LIST_GATE_GBPS", 3500.0),
                         ("DEC_LIST_PAIR_US", 1.0), ("DEC_LIST_ENTRY_US", 0.01),
                         ("DENSE_FIXED_US", 2.0), ("DENSE_GBPS", 3500.0))
 

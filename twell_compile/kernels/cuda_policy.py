@@ -32,8 +32,11 @@ Three rules, in this order:
    R <= 32 rows, B row blocks, BN / LBN neurons per program and vec_m (cuda_decode.CONFIGS),
    one predicted time per up/down form of the decode path (decode_us):
 
-       tiles: DEC_TILES_FIXED_US + B * bytes(W_g) / DEC_TILES_GATE_GBPS
-              + (DEC_TILES_ROW_US * R + DEC_TILES_ENTRY_US * u * N) * B * (K + K_out) / 4096
+       tiles (each block with an active neuron adds its [R, K_out] tile into the accumulator:
+             R x K_out atomics per such block, N_a = N / BN x (1 - (1-u)^BN) of them):
+             DEC_TILES_FIXED_US + B * bytes(W_g) / DEC_TILES_GATE_GBPS
+              + DEC_TILES_ADD_US * R * B * N_a * K_out / 1e6
+              + DEC_TILES_ENTRY_US * u * N * B * (K + K_out) / 4096
        rows (M <= vec_m: one active neuron at a time, whole-row loads, a chain of u * BN steps per
              program, each moving a W_u row, M x K_out atomics and a W_d^T row):
              DEC_ROWS_FIXED_US + bytes(W_g) / DEC_ROWS_GATE_GBPS + DEC_ROWS_STEP_US * u * BN * (K + M_P * K_out) / 4096 (BN: cuda_decode.rows_bn)
@@ -97,22 +100,22 @@ MAX_WIDTH = 8192
 # K=2048, N=5632, d=0.005: M=1 rows 12.6 us (2.71x), M=16 pairs 19.6 us vs dense 34.2 (1.75x).
 # MARGIN 0.9: on the grid no pick below 0.99x of dense (test_decode.py).
 DECODE_MAX_M = 64
-DEC_ROWS_FIXED_US = 6.78
-DEC_ROWS_GATE_GBPS = 2937.0
-DEC_ROWS_STEP_US = 2.6292
-DEC_TILES_FIXED_US = 9.23
-DEC_TILES_GATE_GBPS = 1699.0
-DEC_TILES_ROW_US = 0.3411
-DEC_TILES_ENTRY_US = 0.0012
-DEC_LIST_FIXED_US = 16.49
-DEC_LIST_GATE_GBPS = 3441.0
-DEC_LIST_PAIR_US = 3.0531
-DEC_LIST_ENTRY_US = 0.0637
-DEC_PAIRS_FIXED_US = 5.64
-DEC_PAIRS_GATE_GBPS = 2508.0
-DEC_PAIRS_TRIP_US = 5.703
-DENSE_FIXED_US = 16.17
-DENSE_GBPS = 3789.0
+DEC_ROWS_FIXED_US = 6.82
+DEC_ROWS_GATE_GBPS = 2950.0
+DEC_ROWS_STEP_US = 2.634
+DEC_TILES_FIXED_US = 11.76
+DEC_TILES_GATE_GBPS = 1982.0
+DEC_TILES_ADD_US = 1.6221
+DEC_TILES_ENTRY_US = 0.0006
+DEC_LIST_FIXED_US = 16.57
+DEC_LIST_GATE_GBPS = 3458.0
+DEC_LIST_PAIR_US = 3.0563
+DEC_LIST_ENTRY_US = 0.0638
+DEC_PAIRS_FIXED_US = 5.71
+DEC_PAIRS_GATE_GBPS = 2516.0
+DEC_PAIRS_TRIP_US = 5.7156
+DENSE_FIXED_US = 16.18
+DENSE_GBPS = 3787.0
 DEC_MARGIN = 0.9
 DETERMINISTIC_FORMS = ("list",)   # the decode forms that sum without atomics
 MAX_N = 65536          # the per-row lists pack the column in 16 bits
@@ -138,6 +141,11 @@ def union_fraction(density: float, m: int) -> float:
     return 1.0 - (1.0 - d) ** m
 
 
+def tiles_active(u: float, n: int, bn: int) -> float:
+    """Expected neuron blocks of BN with an active neuron when a fraction u of N is active."""
+    return n / bn * (1.0 - (1.0 - u) ** bn)
+
+
 def decode_us(density: float, m: int, k: int, n: int, k_out: int) -> dict[str, float]:
     """Predicted decode time (us) of each up/down form the decode path can run for M rows
     ("rows" only where M <= vec_m)."""
@@ -152,7 +160,8 @@ def decode_us(density: float, m: int, k: int, n: int, k_out: int) -> dict[str, f
     gate_mb = 2e-6 * n * k * blocks
     out = {
         "tiles": DEC_TILES_FIXED_US + 1e3 * gate_mb / DEC_TILES_GATE_GBPS
-        + (DEC_TILES_ROW_US * min(m, mb) + DEC_TILES_ENTRY_US * u * n) * blocks * (k + k_out) / 4096,
+        + DEC_TILES_ADD_US * min(m, mb) * blocks * tiles_active(u, n, c.bn) * k_out / 1e6
+        + DEC_TILES_ENTRY_US * u * n * blocks * (k + k_out) / 4096,
         "list": DEC_LIST_FIXED_US + 1e3 * gate_mb / DEC_LIST_GATE_GBPS
         + DEC_LIST_PAIR_US * d * min(m, mb) * c.lbn * k / 4096
         + DEC_LIST_ENTRY_US * d * n * k_out / 4096,
