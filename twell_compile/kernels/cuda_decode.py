@@ -26,6 +26,8 @@ grid points, the list form at none (it stays for deterministic mode: no atomics)
 Session 11: launches with programmatic dependent launch on Hopper (``pdl_ok``; M=1 15.6 us,
 2.17x; M=16 19.8 us, 1.73x), and the op's eager calls replay their own CUDA graph
 (``execute(graphed=True)``, kernels/decode_graphs.py; host time, docs/inference.md).
+Session 14: the pairs form up to 16 rows at 16 neurons per program, 2 pairs per trip and 2 warps
+(M=16 18.5 us, 1.84x; M=2 15.2, 2.23x; results/h200/session14/).
 """
 
 from __future__ import annotations
