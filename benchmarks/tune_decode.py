@@ -95,7 +95,7 @@ def fit_policy(points: list[dict], near: float = 1.6) -> dict[str, float]:
             elif form == "list":
                 f = [1.0, gate_mb, d * rows * c.lbn * p["K"] / 4096, d * p["N"] * ko / 4096]
             else:
-                f = [1.0, gate_mb, d * rows * c.lbn / c.pb * (p["K"] + ko) / 4096]
+                f = [1.0, gate_mb, d * rows * cuda_decode.pairs_bn(c) / cuda_decode.pairs_pb(c) * (p["K"] + ko) / 4096]
             feats[form][0].append(f)
             feats[form][1].append(us)
     names = {"rows": ("DEC_ROWS_FIXED_US", "DEC_ROWS_GATE_GBPS", "DEC_ROWS_STEP_US"),

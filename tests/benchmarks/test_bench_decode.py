@@ -45,13 +45,15 @@ def test_configs_file_sets_the_decode_configs(tmp_path, monkeypatch):
 
 
 def test_shipped_decode_configs_by_width():
-    """Session 14's sweep: 16 neurons per pairs/list program, 2 pairs per trip and 2 warps up to
-    16 rows below WIDE_K, 32 neurons (4 pairs, 4 warps) above; session 9's: 64 up to 16 rows at
-    and above WIDE_K; whole K_out per step except at K >= WIDE_K with 32+ rows."""
+    """Session 14's sweep: the pairs form at 16 neurons per program, 2 pairs per trip and 2 warps
+    up to 16 rows below WIDE_K (the list form keeps session 9's 32 neurons, 4 pairs, 4 warps),
+    32 neurons (4 pairs, 4 warps) above; session 9's: 64 up to 16 rows at and above WIDE_K;
+    whole K_out per step except at K >= WIDE_K with 32+ rows."""
     from twell_compile.kernels import cuda_decode
     c16, c32 = cuda_decode.config_for(16, 2048), cuda_decode.config_for(32, 2048)
-    assert (c16.lbn, c16.pb, c16.lwarps, c16.koc) == (16, 2, 2, 2048)
-    assert (c32.lbn, c32.pb, c32.lwarps or c32.warps) == (32, 4, 4)
+    assert (cuda_decode.pairs_bn(c16), cuda_decode.pairs_pb(c16), c16.pwarps, c16.koc) == (16, 2, 2, 2048)
+    assert (c16.lbn, c16.pb, c16.warps) == (32, 4, 4)
+    assert (cuda_decode.pairs_bn(c32), cuda_decode.pairs_pb(c32), c32.pwarps or c32.warps) == (32, 4, 4)
     assert cuda_decode.config_for(16, 4096).lbn == 64 and cuda_decode.config_for(32, 4096).koc == 1024
     assert cuda_decode.config_for(1, 4096).vec_m == cuda_decode.config_for(1, 2048).vec_m
 

@@ -83,7 +83,7 @@ SCRIPT = textwrap.dedent("""
 CASES = [
     # m, k, n, k_out, gated, bias, density, nan/inf rows, config (None: default): cuda_decode.Config
     # (bn, bk, bku, bko, vec_m, finish_max, warps, stages[, pb, kc, le, bo, gwarps, lbn, udot, lbk, lstages,
-    # koc, gemv_bn, lwarps]), form (None:
+    # koc, gemv_bn, pbn, ppb, pwarps]), form (None:
     # rows/tiles by vec_m); odd M: registered W_down (persistent state)
     (1, 33, 130, 17, True, True, 0.3, False, None, None),      # M = 1, odd K, N, K_out (per-neuron path, GEMV gate)
     (1, 40, 70, 40, True, False, 1.0, False, (32, 16, 16, 16, 4, 0, 4, 1) + (4, 2048, 64, 128, 4, 32, False, 0, 0,
@@ -142,17 +142,19 @@ def test_list_and_pairs_launch_take_their_own_warps_and_blocks():
     from twell_compile.kernels import cuda_decode
 
     c = cuda_decode.config_for(16, 2048)
-    assert c.lwarps and c.lwarps != c.warps
-    for form in ("pairs", "list"):
+    assert c.pbn and c.ppb and c.pwarps and (c.pbn, c.ppb, c.pwarps) != (c.lbn, c.pb, c.warps)
+    want = {"pairs": (c.pwarps, c.pbn, c.ppb), "list": (c.warps, c.lbn, c.pb)}
+    for form, (warps_w, bn_w, pb_w) in want.items():
         kern, grid, _, consts, warps, stages = cuda_decode.prepare(16, 2048, 5632, 2048, form, c, True, False, False,
                                                                    False, True, True).launch1
-        assert (warps, stages, consts["BN"], consts["PB"]) == (c.lwarps, c.lstages, c.lbn, c.pb), form
-        assert grid == (-(-5632 // c.lbn), 1)
+        assert (warps, stages, consts["BN"], consts["PB"]) == (warps_w, c.lstages, bn_w, pb_w), form
+        assert grid == (-(-5632 // bn_w), 1)
     warps = cuda_decode.prepare(16, 2048, 5632, 2048, "tiles", c, True, False, False, False, True, True).launch1[4]
     assert warps == c.warps
-    wide = cuda_decode.config_for(16, 4096)           # K >= WIDE_K: lwarps 0, the kernel takes warps
-    assert cuda_decode.prepare(16, 4096, 11008, 4096, "pairs", wide, True, False, False, False, True,
-                               True).launch1[4] == wide.warps
+    wide = cuda_decode.config_for(16, 4096)           # K >= WIDE_K: the pairs form takes the list form's fields
+    kern, grid, _, consts, warps, _ = cuda_decode.prepare(16, 4096, 11008, 4096, "pairs", wide, True, False, False,
+                                                          False, True, True).launch1
+    assert (warps, consts["BN"], consts["PB"]) == (wide.warps, wide.lbn, wide.pb)
 
 
 def test_state_tail_holds_tickets_counters_and_sum():

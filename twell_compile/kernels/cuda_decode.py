@@ -73,7 +73,9 @@ class Config(NamedTuple):
     gemv_bn: int = 0   # rows form at M=1: neurons per program of a whole-row GEMV gate (0: the
                        # tl.dot gate over bn); H200 K=2048: 12.5 us at 4 vs 14.9 (bn 32, tl.dot),
                        # 12.9 at 8, 13.8 at 16 (results/h200/session13/run4/, probe_stats.py at 2583eb0)
-    lwarps: int = 0    # warps of the list/pairs form's first kernel (0: warps)
+    pbn: int = 0       # the pairs form's own neurons per program (0: lbn), pairs per trip (0: pb)
+    ppb: int = 0       # and warps (0: warps): session 14 tuned them apart from the list form,
+    pwarps: int = 0    # which their values (16, 2, 2) made 20% slower (M=16: 30.8 us vs 25.7)
 
 
 # By padded M, for K < WIDE_K: tuned on the H200 (benchmarks/tune_decode.py, results/h200/
@@ -85,7 +87,7 @@ class Config(NamedTuple):
 # neurons per program, 2 pairs per trip and 2 warps: M=16/8/4/2 18.5/16.7/15.4/14.5 us vs
 # 19.6/18.0/16.2/15.9 at (lbn 32, pb 4, 4 warps); pb 4 at lbn 16 spends 22.6 at M=16, 1 warp 22.0.
 CONFIGS = {
-    16: Config(32, 256, 256, 256, 4, 0, 4, 3, lbk=128, lstages=5, gemv_bn=4, lbn=16, pb=2, lwarps=2),
+    16: Config(32, 256, 256, 256, 4, 0, 4, 3, lbk=128, lstages=5, gemv_bn=4, pbn=16, ppb=2, pwarps=2),
     32: Config(64, 128, 256, 256, 0, 0, 4, 3, lbk=128, lstages=5),
     64: Config(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5),
     128: Config(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5),
@@ -97,7 +99,7 @@ CONFIGS = {
 WIDE_K = 3072
 WIDE_CONFIGS = {      # (the GEMV gate: not measured at K >= WIDE_K; a [4, 4096] row block
                       # holds 128 fp32 registers per thread at 4 warps)
-    16: CONFIGS[16]._replace(lbn=64, lbk=256, lstages=3, gemv_bn=0, pb=4, lwarps=0),  # (session 14's
+    16: CONFIGS[16]._replace(lbn=64, lbk=256, lstages=3, gemv_bn=0, pbn=0, ppb=0, pwarps=0),  # (session 14's
                       # lbn 16 / pb 2 / 2 warps: not measured at K >= WIDE_K)
     **{mp: c._replace(lbn=32, lbk=256, lstages=3, koc=1024) for mp, c in CONFIGS.items() if mp > 16},
 }
@@ -123,6 +125,16 @@ def rows_gemv(m: int, c: Config) -> bool:
 def rows_bn(m: int, c: Config) -> int:
     """Neurons per program of the rows form for M rows: c.gemv_bn with the GEMV gate, else c.bn."""
     return c.gemv_bn if rows_gemv(m, c) else c.bn
+
+
+def pairs_bn(c: Config) -> int:
+    """Neurons per program of the pairs form (c.pbn, else the list form's c.lbn)."""
+    return c.pbn or c.lbn
+
+
+def pairs_pb(c: Config) -> int:
+    """Active pairs per trip of the pairs form (c.ppb, else the list form's c.pb)."""
+    return c.ppb or c.pb
 
 
 def m_pad_rows(m: int) -> int:
@@ -216,7 +228,8 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: Config, gated: boo
     nrb = -(-m // mb)
     lists = form in ("list", "pairs")
     gemv = form == "rows" and rows_gemv(m, c)
-    bn = c.lbn if lists else rows_bn(m, c) if form == "rows" else c.bn
+    pairs = form == "pairs"
+    bn = pairs_bn(c) if pairs else c.lbn if lists else rows_bn(m, c) if form == "rows" else c.bn
     nb = -(-n // bn)
     nl = m * n if form == "list" else 0
     # int32: (list form: neuron indices [M, N], counts per (token, block) [M, NB], non-zeros
@@ -230,9 +243,11 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: Config, gated: boo
     p2 = lambda v: min(v, max(16, _pow2(k)))  # noqa: E731  (a K step: at most K padded)
     if lists:
         launch1 = (decode_pairs_kernel, (nb, nrb), (m, k, n, nb, k_out), dict(
-            GATED=gated, HAS_BG=has_bg, HAS_BU=has_bu, MB=mb, BN=c.lbn, BK=p2(c.lbk or c.bk), PB=c.pb,
+            GATED=gated, HAS_BG=has_bg, HAS_BU=has_bu, MB=mb, BN=bn, BK=p2(c.lbk or c.bk),
+            PB=pairs_pb(c) if pairs else c.pb,
             KC=p2(c.kc), UDOT=c.udot, BKU=p2(c.bku), ADOWN=form == "pairs",
-            KOC=min(c.koc, max(16, _pow2(k_out))), PDL=pdl), c.lwarps or c.warps, c.lstages or c.stages)
+            KOC=min(c.koc, max(16, _pow2(k_out))), PDL=pdl),
+            (c.pwarps or c.warps) if pairs else c.warps, c.lstages or c.stages)
         if form == "pairs":
             launch2 = finish
         else:

@@ -166,7 +166,7 @@ def decode_us(density: float, m: int, k: int, n: int, k_out: int) -> dict[str, f
         + DEC_LIST_PAIR_US * d * min(m, mb) * c.lbn * k / 4096
         + DEC_LIST_ENTRY_US * d * n * k_out / 4096,
         "pairs": DEC_PAIRS_FIXED_US + 1e3 * gate_mb / DEC_PAIRS_GATE_GBPS
-        + DEC_PAIRS_TRIP_US * d * min(m, mb) * c.lbn / c.pb * (k + k_out) / 4096,
+        + DEC_PAIRS_TRIP_US * d * min(m, mb) * cuda_decode.pairs_bn(c) / cuda_decode.pairs_pb(c) * (k + k_out) / 4096,
     }
     if m <= c.vec_m:
         out["rows"] = (DEC_ROWS_FIXED_US + 1e3 * gate_mb / DEC_ROWS_GATE_GBPS
