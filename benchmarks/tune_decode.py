@@ -68,7 +68,7 @@ def fit_policy(points: list[dict], near: float = 1.6) -> dict[str, float]:
       tiles = fixed + B x bytes(W_g) / rate + add x rows x B x N_a x K_out / 1e6
               + entry x union x B x (K + K_out) / 4096   (N_a: cuda_policy.tiles_active)
       list  = fixed + B x bytes(W_g) / rate + pair x d x rows x LBN x K / 4096 + entry x d x N x K_out / 4096
-      pairs = fixed + B x bytes(W_g) / rate + trip x d x rows x LBN / PB x (K + K_out) / 4096
+      pairs = fixed + B x bytes(W_g) / rate + trip x d x rows x B x LBN / PB x (K + K_out) / 4096
     A form with fewer points than constants + 1 keeps its constants."""
     dense = _lstsq([[1.0, 2e-6 * p["N"] * 3 * p["K"]] for p in points], [p["dense_us"] for p in points])
     out = {"DENSE_FIXED_US": round(dense[0], 2), "DENSE_GBPS": round(1e3 / dense[1], 0)}
@@ -95,7 +95,8 @@ def fit_policy(points: list[dict], near: float = 1.6) -> dict[str, float]:
             elif form == "list":
                 f = [1.0, gate_mb, d * rows * c.lbn * p["K"] / 4096, d * p["N"] * ko / 4096]
             else:
-                f = [1.0, gate_mb, d * rows * cuda_decode.pairs_bn(c) / cuda_decode.pairs_pb(c) * (p["K"] + ko) / 4096]
+                f = [1.0, gate_mb,
+                     d * rows * blocks * cuda_decode.pairs_bn(c) / cuda_decode.pairs_pb(c) * (p["K"] + ko) / 4096]
             feats[form][0].append(f)
             feats[form][1].append(us)
     names = {"rows": ("DEC_ROWS_FIXED_US", "DEC_ROWS_GATE_GBPS", "DEC_ROWS_STEP_US"),

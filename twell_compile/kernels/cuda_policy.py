@@ -45,9 +45,10 @@ Three rules, in this order:
              DEC_LIST_FIXED_US + B * bytes(W_g) / DEC_LIST_GATE_GBPS
              + DEC_LIST_PAIR_US * d * R * LBN * K / 4096 + DEC_LIST_ENTRY_US * d * N * K_out / 4096
        pairs (two launches: gate, up and the down's atomics per active pair, then the finish;
-             a program's chain of trips, PB pairs each, moves W_u and W_d^T rows):
+             a program's chain of trips, PB pairs each, moves W_u and W_d^T rows; B row blocks
+             run B times the programs on the same SMs; LBN, PB: cuda_decode.pairs_bn/pairs_pb):
              DEC_PAIRS_FIXED_US + B * bytes(W_g) / DEC_PAIRS_GATE_GBPS
-             + DEC_PAIRS_TRIP_US * d * R * LBN / PB * (K + K_out) / 4096
+             + DEC_PAIRS_TRIP_US * d * R * B * LBN / PB * (K + K_out) / 4096
 
    The fastest form is the one run (decode_form), and the decode path runs while its time is
    under DEC_MARGIN * (DENSE_FIXED_US + bytes(W_g + W_u + W_d) / DENSE_GBPS) (decode_wins).
@@ -100,22 +101,22 @@ MAX_WIDTH = 8192
 # K=2048, N=5632, d=0.005: M=1 rows 12.6 us (2.71x), M=16 pairs 19.6 us vs dense 34.2 (1.75x).
 # MARGIN 0.9: on the grid no pick below 0.99x of dense (test_decode.py).
 DECODE_MAX_M = 64
-DEC_ROWS_FIXED_US = 6.95
-DEC_ROWS_GATE_GBPS = 2977.0
-DEC_ROWS_STEP_US = 2.6469
-DEC_TILES_FIXED_US = 11.94
-DEC_TILES_GATE_GBPS = 2003.0
-DEC_TILES_ADD_US = 1.6511
+DEC_ROWS_FIXED_US = 6.88
+DEC_ROWS_GATE_GBPS = 2961.0
+DEC_ROWS_STEP_US = 2.6256
+DEC_TILES_FIXED_US = 11.72
+DEC_TILES_GATE_GBPS = 1974.0
+DEC_TILES_ADD_US = 1.6256
 DEC_TILES_ENTRY_US = 0.0006
-DEC_LIST_FIXED_US = 16.77
-DEC_LIST_GATE_GBPS = 3495.0
-DEC_LIST_PAIR_US = 3.0688
-DEC_LIST_ENTRY_US = 0.065
-DEC_PAIRS_FIXED_US = 5.78
-DEC_PAIRS_GATE_GBPS = 2527.0
-DEC_PAIRS_TRIP_US = 5.7361
-DENSE_FIXED_US = 16.53
-DENSE_GBPS = 3870.0
+DEC_LIST_FIXED_US = 14.81
+DEC_LIST_GATE_GBPS = 3245.0
+DEC_LIST_PAIR_US = 3.109
+DEC_LIST_ENTRY_US = 0.0625
+DEC_PAIRS_FIXED_US = 5.92
+DEC_PAIRS_GATE_GBPS = 2589.0
+DEC_PAIRS_TRIP_US = 5.7516
+DENSE_FIXED_US = 16.12
+DENSE_GBPS = 3774.0
 DEC_MARGIN = 0.9
 DETERMINISTIC_FORMS = ("list",)   # the decode forms that sum without atomics
 MAX_N = 65536          # the per-row lists pack the column in 16 bits
@@ -166,7 +167,8 @@ def decode_us(density: float, m: int, k: int, n: int, k_out: int) -> dict[str, f
         + DEC_LIST_PAIR_US * d * min(m, mb) * c.lbn * k / 4096
         + DEC_LIST_ENTRY_US * d * n * k_out / 4096,
         "pairs": DEC_PAIRS_FIXED_US + 1e3 * gate_mb / DEC_PAIRS_GATE_GBPS
-        + DEC_PAIRS_TRIP_US * d * min(m, mb) * cuda_decode.pairs_bn(c) / cuda_decode.pairs_pb(c) * (k + k_out) / 4096,
+        + DEC_PAIRS_TRIP_US * d * min(m, mb) * blocks * cuda_decode.pairs_bn(c) / cuda_decode.pairs_pb(c)
+        * (k + k_out) / 4096,
     }
     if m <= c.vec_m:
         out["rows"] = (DEC_ROWS_FIXED_US + 1e3 * gate_mb / DEC_ROWS_GATE_GBPS
