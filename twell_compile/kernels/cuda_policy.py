@@ -93,12 +93,13 @@ MIN_WIDTH = 2048       # per-row path measured winning at K = 2048 and 4096 (1.3
 MAX_WIDTH = 8192
 # Decode rule (rule 3), H200 bf16, decode kernels v5 (rows, tiles: one launch), the list form
 # and the pairs form (two launches each), launched with PDL (cuda_decode.pdl_ok; without it
-# each form's fixed part is ~1.2 us more), statistics added into counters and the rows form's
-# GEMV gate at M=1 (session 13): fitted by benchmarks/tune_decode.py --fit-from
-# results/h200/ffn_decode.json (session 13's 56-point grid, results/h200/session13/run6/, run
-# with the fit of run 5's grid, <= 0.5% apart; each form forced at each point; points within
-# 1.6x of dense). Dense: 16.2 us + bytes / 3793 GB/s.
-# K=2048, N=5632, d=0.005: M=1 rows 12.6 us (2.71x), M=16 pairs 19.6 us vs dense 34.2 (1.75x).
+# each form's fixed part is ~1.2 us more), statistics added into counters, the rows form's
+# GEMV gate at M=1 (session 13) and the pairs form's own config up to 16 rows (session 14):
+# fitted by benchmarks/tune_decode.py --fit-from results/h200/ffn_decode.json (session 14's
+# 56-point grid, results/h200/session14/run14/, run with the fit of run 8's grid; each form
+# forced at each point; points within 1.6x of dense, least relative error). Dense:
+# 16.12 us + bytes / 3774 GB/s.
+# K=2048, N=5632, d=0.005: M=1 rows 12.6 us (2.70x), M=16 pairs 18.5 us vs dense 34.4 (1.86x).
 # MARGIN 0.9: on the grid no pick below 0.99x of dense (test_decode.py).
 DECODE_MAX_M = 64
 DEC_ROWS_FIXED_US = 6.88
