@@ -62,47 +62,21 @@ def fit_policy(points: list[dict], near: float = 1.6) -> dict[str, float]:
     """The decode rule's constants (kernels/cuda_policy.py) from measured points, each a dict
     with M, K, N, K_out, union (neurons active in some row), density, dense_us and forms
     ({form: decode us}, each form forced), each form fitted to its points within ``near`` x of
-    dense (where the rule's decisions are made). Dense: fixed + bytes(3 weights) / rate. With
-    u = union / N, B row blocks of <= MAX_MB rows and the configs of cuda_decode:
-      rows  = fixed + bytes(W_g) / rate + step x u x BN x (K + M_P x K_out) / 4096
-      tiles = fixed + B x bytes(W_g) / rate + add x rows x B x N_a x K_out / 1e6
-              + entry x union x B x (K + K_out) / 4096   (N_a: cuda_policy.tiles_active)
-      list  = fixed + B x bytes(W_g) / rate + pair x d x rows x LBN x K / 4096 + entry x d x N x K_out / 4096
-      pairs = fixed + B x bytes(W_g) / rate + trip x d x rows x B x LBN / PB x (K + K_out) / 4096
-    A form with fewer points than constants + 1 keeps its constants."""
+    dense (where the rule's decisions are made). Dense: fixed + bytes(3 weights) / rate; each
+    decode form: its terms (cuda_policy.decode_terms, with u = union / N measured) times its
+    constants (cuda_policy.DECODE_CONSTANTS). A form with fewer points than constants + 1 keeps
+    its constants."""
     dense = _lstsq([[1.0, 2e-6 * p["N"] * 3 * p["K"]] for p in points], [p["dense_us"] for p in points])
     out = {"DENSE_FIXED_US": round(dense[0], 2), "DENSE_GBPS": round(1e3 / dense[1], 0)}
     feats: dict[str, tuple[list, list]] = {f: ([], []) for f in cuda_decode.FORMS}
     for p in points:
-        mp = cuda_decode.m_pad(p["M"])
-        c = cuda_decode.config_for(p["M"], p["K"])
-        mb = min(mp, cuda_decode.MAX_MB)
-        rows = min(p["M"], mb)
-        blocks = -(-p["M"] // mb)
-        ko = p.get("K_out", p["K"])
-        gate_mb = 2e-6 * p["N"] * p["K"] * blocks
-        u = p["union"] / p["N"]
-        d = p["density"]
         for form, us in p["forms"].items():
             if us > near * p["dense_us"]:
                 continue
-            if form == "rows":
-                bn = cuda_decode.rows_bn(p["M"], c)
-                f = [1.0, gate_mb, u * bn * (p["K"] + cuda_decode.m_pad_rows(p["M"]) * ko) / 4096]
-            elif form == "tiles":
-                na = cuda_policy.tiles_active(u, p["N"], c.bn)
-                f = [1.0, gate_mb, rows * blocks * na * ko / 1e6, p["union"] * blocks * (p["K"] + ko) / 4096]
-            elif form == "list":
-                f = [1.0, gate_mb, d * rows * c.lbn * p["K"] / 4096, d * p["N"] * ko / 4096]
-            else:
-                f = [1.0, gate_mb,
-                     d * rows * blocks * cuda_decode.pairs_bn(c) / cuda_decode.pairs_pb(c) * (p["K"] + ko) / 4096]
-            feats[form][0].append(f)
+            feats[form][0].append(cuda_policy.decode_terms(form, p["density"], p["union"] / p["N"], p["M"], p["K"],
+                                                           p["N"], p.get("K_out", p["K"])))
             feats[form][1].append(us)
-    names = {"rows": ("DEC_ROWS_FIXED_US", "DEC_ROWS_GATE_GBPS", "DEC_ROWS_STEP_US"),
-             "tiles": ("DEC_TILES_FIXED_US", "DEC_TILES_GATE_GBPS", "DEC_TILES_ADD_US", "DEC_TILES_ENTRY_US"),
-             "list": ("DEC_LIST_FIXED_US", "DEC_LIST_GATE_GBPS", "DEC_LIST_PAIR_US", "DEC_LIST_ENTRY_US"),
-             "pairs": ("DEC_PAIRS_FIXED_US", "DEC_PAIRS_GATE_GBPS", "DEC_PAIRS_TRIP_US")}
+    names = cuda_policy.DECODE_CONSTANTS
     for form, (a, t) in feats.items():
         if len(a) <= len(names[form]):
             continue

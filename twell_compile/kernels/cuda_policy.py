@@ -148,33 +148,51 @@ def tiles_active(u: float, n: int, bn: int) -> float:
     return n / bn * (1.0 - (1.0 - u) ** bn)
 
 
+# Each decode form's constants, in the order of its terms in decode_terms (the second is a
+# rate: the term is bytes(W_g) in MB, its coefficient 1e3 / GB/s); tune_decode.py fits them.
+DECODE_CONSTANTS = {
+    "tiles": ("DEC_TILES_FIXED_US", "DEC_TILES_GATE_GBPS", "DEC_TILES_ADD_US", "DEC_TILES_ENTRY_US"),
+    "list": ("DEC_LIST_FIXED_US", "DEC_LIST_GATE_GBPS", "DEC_LIST_PAIR_US", "DEC_LIST_ENTRY_US"),
+    "pairs": ("DEC_PAIRS_FIXED_US", "DEC_PAIRS_GATE_GBPS", "DEC_PAIRS_TRIP_US"),
+    "rows": ("DEC_ROWS_FIXED_US", "DEC_ROWS_GATE_GBPS", "DEC_ROWS_STEP_US"),
+}
+
+
+def decode_terms(form: str, density: float, u: float, m: int, k: int, n: int, k_out: int) -> list[float]:
+    """The terms of ``form``'s predicted time for M rows (the formulas of rule 3 above, each
+    without its constant): 1, bytes(W_g) in MB, then the form's work terms. ``u``: fraction of
+    neurons active in some row of a row block (union_fraction; measured where fitted)."""
+    from twell_compile.kernels import cuda_decode
+
+    c = cuda_decode.config_for(m, k)
+    mb = min(cuda_decode.m_pad(min(m, cuda_decode.MAX_M)), cuda_decode.MAX_MB)
+    rows, blocks = min(m, mb), -(-m // mb)
+    d = min(max(float(density), 0.0), 1.0)
+    head = [1.0, 2e-6 * n * k * blocks]
+    if form == "tiles":
+        return head + [rows * blocks * tiles_active(u, n, c.bn) * k_out / 1e6, u * n * blocks * (k + k_out) / 4096]
+    if form == "list":
+        return head + [d * rows * c.lbn * k / 4096, d * n * k_out / 4096]
+    if form == "pairs":
+        return head + [d * rows * blocks * cuda_decode.pairs_bn(c) / cuda_decode.pairs_pb(c) * (k + k_out) / 4096]
+    return head + [u * cuda_decode.rows_bn(m, c) * (k + cuda_decode.m_pad_rows(m) * k_out) / 4096]
+
+
 def decode_us(density: float, m: int, k: int, n: int, k_out: int) -> dict[str, float]:
     """Predicted decode time (us) of each up/down form the decode path can run for M rows
     ("rows" only where M <= vec_m)."""
     from twell_compile.kernels import cuda_decode
 
-    mp = cuda_decode.m_pad(min(m, cuda_decode.MAX_M))
-    c = cuda_decode.config_for(m, k)
-    mb = min(mp, cuda_decode.MAX_MB)
-    blocks = -(-m // mb)
-    d = min(max(float(density), 0.0), 1.0)
-    u = union_fraction(d, min(m, mb))
-    gate_mb = 2e-6 * n * k * blocks
-    out = {
-        "tiles": DEC_TILES_FIXED_US + 1e3 * gate_mb / DEC_TILES_GATE_GBPS
-        + DEC_TILES_ADD_US * min(m, mb) * blocks * tiles_active(u, n, c.bn) * k_out / 1e6
-        + DEC_TILES_ENTRY_US * u * n * blocks * (k + k_out) / 4096,
-        "list": DEC_LIST_FIXED_US + 1e3 * gate_mb / DEC_LIST_GATE_GBPS
-        + DEC_LIST_PAIR_US * d * min(m, mb) * c.lbn * k / 4096
-        + DEC_LIST_ENTRY_US * d * n * k_out / 4096,
-        "pairs": DEC_PAIRS_FIXED_US + 1e3 * gate_mb / DEC_PAIRS_GATE_GBPS
-        + DEC_PAIRS_TRIP_US * d * min(m, mb) * blocks * cuda_decode.pairs_bn(c) / cuda_decode.pairs_pb(c)
-        * (k + k_out) / 4096,
-    }
-    if m <= c.vec_m:
-        out["rows"] = (DEC_ROWS_FIXED_US + 1e3 * gate_mb / DEC_ROWS_GATE_GBPS
-                       + DEC_ROWS_STEP_US * u * cuda_decode.rows_bn(m, c)
-                       * (k + cuda_decode.m_pad_rows(m) * k_out) / 4096)
+    mb = min(cuda_decode.m_pad(min(m, cuda_decode.MAX_M)), cuda_decode.MAX_MB)
+    u = union_fraction(density, min(m, mb))
+    rows_ok = m <= cuda_decode.config_for(m, k).vec_m
+    out = {}
+    for form, names in DECODE_CONSTANTS.items():
+        if form == "rows" and not rows_ok:
+            continue
+        coef = [globals()[name] for name in names]
+        coef[1] = 1e3 / coef[1]
+        out[form] = sum(a * b for a, b in zip(coef, decode_terms(form, density, u, m, k, n, k_out)))
     return out
 
 
