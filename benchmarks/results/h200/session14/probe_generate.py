@@ -12,38 +12,26 @@ Run 11 adds batch 16 (run 10: generate() 2.265 vs 2.417 ms per step, twell slowe
 step loop is 1.19x faster), the wall time of a plain and of the profiled call, and counts of
 CUDA-graph recording and capture events, Dynamo recompiles and the op's own decode graphs.
 """
-import copy
-import contextlib
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "session9"))
-from probe_io import emit  # noqa: E402  (puts the repo root and benchmarks/ on sys.path)
+from probe_io import backend_generate, calibrated_model, emit  # noqa: E402  (puts the repo root and benchmarks/ on sys.path)
 import torch  # noqa: E402
-import transformers  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import bench_e2e as be  # noqa: E402
 
 NEW = 48
 BATCHES = [int(v) for v in sys.argv[2:]] or [1]
-a = be.parse_args(["--generate", "--batch", str(max(BATCHES)), "--seq", "128", "--new-tokens", str(NEW), "--density", "0.005",
-                   "--no-energy"])
-model = be.build_model(a, torch.bfloat16, a.seed).eval()
-calib = be.token_batch(a, a.calib_batch, a.seq, a.seed + 1)
+a, model = calibrated_model(max(BATCHES), NEW)
 prompts = {b: be.token_batch(a, b, a.seq, a.seed + 2) for b in BATCHES}
-be.calibrate(model, calib, 0.005, contextlib.nullcontext, 16)
 for (batch, prompt), name in ((bp, nm) for bp in prompts.items() for nm in ("inductor", "twell")):
     from torch._dynamo.utils import counters
     from twell_compile.kernels import decode_graphs
     counters.clear()
-    m = copy.deepcopy(model)
-    cc = transformers.CompileConfig(**be.compile_kwargs(name, a, "reduce-overhead"))
-    if name == "twell":
-        be.reset_twell_policy()
-    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, do_sample=False,
-              cache_implementation="static", compile_config=cc)
+    m, kw = backend_generate(name, a, model, prompt)
     with torch.no_grad():
         for _ in range(3):
             m.generate(prompt, **kw)

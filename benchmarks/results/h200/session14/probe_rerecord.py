@@ -7,18 +7,15 @@ op's eager calls (twell::ffn outside any graph).
 
     python3 benchmarks/results/h200/session14/probe_rerecord.py OUT.json [BATCH ...]
 """
-import contextlib
-import copy
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "session9"))
-from probe_io import emit  # noqa: E402  (puts the repo root and benchmarks/ on sys.path)
+from probe_io import backend_generate, calibrated_model, emit  # noqa: E402  (puts the repo root and benchmarks/ on sys.path)
 import torch  # noqa: E402
 import torch._inductor.cudagraph_trees as cgt  # noqa: E402
-import transformers  # noqa: E402
 
 import bench_e2e as be  # noqa: E402
 
@@ -39,20 +36,11 @@ def counting(name):
 for name in ("record_function", "run_eager"):
     counting(name)
 
-a = be.parse_args(["--generate", "--batch", str(max(BATCHES)), "--seq", "128", "--new-tokens", str(NEW),
-                   "--density", "0.005", "--no-energy"])
-model = be.build_model(a, torch.bfloat16, a.seed).eval()
-calib = be.token_batch(a, a.calib_batch, a.seq, a.seed + 1)
-be.calibrate(model, calib, 0.005, contextlib.nullcontext, 16)
+a, model = calibrated_model(max(BATCHES), NEW)
 for batch in BATCHES:
     prompt = be.token_batch(a, batch, a.seq, a.seed + 2)
     for name in ("inductor", "twell"):
-        m = copy.deepcopy(model)
-        cc = transformers.CompileConfig(**be.compile_kwargs(name, a, "reduce-overhead"))
-        if name == "twell":
-            be.reset_twell_policy()
-        kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, do_sample=False,
-                  cache_implementation="static", compile_config=cc)
+        m, kw = backend_generate(name, a, model, prompt)
         per_call = []
         with torch.no_grad():
             for i in range(9):

@@ -19,13 +19,26 @@ def emit(r):
     Path(out).write_text(json.dumps(res, indent=1))
 
 
-def compiled_decode_steps(batches):
-    """bench_e2e's generate() model (16 layers, gate biases calibrated to d=0.005), per batch
-    size, compiled per backend (inductor, twell) as generate() compiles it (reduce-overhead; one
-    generate() call compiles and records the graphs). Yields (batch, bench_e2e args, prompt,
-    backend, the backend's model copy, its compiled step); the copy is freed once the caller
-    moves on."""
+def calibrated_model(batch, new_tokens=48):
+    """bench_e2e's generate() model (16 layers, seq 128, gate biases calibrated to d=0.005 over
+    max(batch, 16) sequences per forward): (its bench_e2e args, the model)."""
     import contextlib
+
+    import torch
+
+    import bench_e2e as be
+
+    a = be.parse_args(["--generate", "--batch", str(batch), "--seq", "128", "--new-tokens", str(new_tokens),
+                       "--density", "0.005", "--no-energy"])
+    model = be.build_model(a, torch.bfloat16, a.seed).eval()
+    be.calibrate(model, be.token_batch(a, a.calib_batch, a.seq, a.seed + 1), 0.005, contextlib.nullcontext,
+                 max(batch, 16))
+    return a, model
+
+
+def backend_generate(name, a, model, prompt):
+    """A copy of ``model`` for backend ``name`` (inductor, twell: its policy reset) and the
+    generate() kwargs that compile it as bench_e2e does (reduce-overhead, static cache)."""
     import copy
 
     import torch
@@ -33,22 +46,31 @@ def compiled_decode_steps(batches):
 
     import bench_e2e as be
 
+    m = copy.deepcopy(model)
+    cc = transformers.CompileConfig(**be.compile_kwargs(name, a, "reduce-overhead"))
+    if name == "twell":
+        be.reset_twell_policy()
+    return m, dict(attention_mask=torch.ones_like(prompt), max_new_tokens=a.new_tokens, do_sample=False,
+                   cache_implementation="static", compile_config=cc)
+
+
+def compiled_decode_steps(batches):
+    """bench_e2e's generate() model (calibrated_model), per batch size, compiled per backend
+    (inductor, twell) as generate() compiles it (reduce-overhead; one generate() call compiles
+    and records the graphs). Yields (batch, bench_e2e args, prompt, backend, the backend's model
+    copy, its compiled step); the copy is freed once the caller moves on."""
+    import torch
+
+    import bench_e2e as be
+
     for batch in batches:
-        a = be.parse_args(["--generate", "--batch", str(batch), "--seq", "128", "--new-tokens", "48",
-                           "--density", "0.005", "--no-energy"])
-        model = be.build_model(a, torch.bfloat16, a.seed).eval()
-        calib = be.token_batch(a, a.calib_batch, a.seq, a.seed + 1)
+        a, model = calibrated_model(batch)
         prompt = be.token_batch(a, batch, a.seq, a.seed + 2)
-        be.calibrate(model, calib, 0.005, contextlib.nullcontext, max(batch, 16))
         for name in ("inductor", "twell"):
-            m = copy.deepcopy(model)
-            cc = transformers.CompileConfig(**be.compile_kwargs(name, a, "reduce-overhead"))
-            if name == "twell":
-                be.reset_twell_policy()
+            m, kw = backend_generate(name, a, model, prompt)
             with torch.no_grad():
-                m.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=a.new_tokens,
-                           do_sample=False, cache_implementation="static", compile_config=cc)
-            compiled = m.get_compiled_call(cc)
+                m.generate(prompt, **kw)
+            compiled = m.get_compiled_call(kw["compile_config"])
             yield batch, a, prompt, name, m, compiled
             del m, compiled
             torch.cuda.empty_cache()
