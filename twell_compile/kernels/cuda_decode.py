@@ -75,7 +75,8 @@ class Config(NamedTuple):
                        # 12.9 at 8, 13.8 at 16 (results/h200/session13/run4/, probe_stats.py at 2583eb0)
     pbn: int = 0       # the pairs form's own neurons per program (0: lbn), pairs per trip (0: pb)
     ppb: int = 0       # and warps (0: warps): session 14 tuned them apart from the list form,
-    pwarps: int = 0    # which their values (16, 2, 2) made 20% slower (M=16: 30.8 us vs 25.7)
+    pwarps: int = 0    # which their values (16, 2, 2) made 20% slower (M=16: 30.8 us vs 25.7,
+                       # bench_ffn.py --decode, results/h200/session14/run8 vs run14)
 
 
 # By padded M, for K < WIDE_K: tuned on the H200 (benchmarks/tune_decode.py, results/h200/
@@ -83,9 +84,10 @@ class Config(NamedTuple):
 # K=2048 N=5632 d=0.005: pairs at lbn 32, K step 128, 5 stages: M=4/8/16/32 17.6/19.7/20.9/27.8 us
 # vs dense 33.9-34.8; lbn 64 23.5 at M=16, lbn 16 24.6; 8 pairs per step 21.9; udot 26.5).
 # udot stays off (session 8: K=2048 M=16 24.7 us vs 26.8 for the list form, K=4096 slower).
-# Session 14 (results/h200/session14/, interleaved medians, d=0.005): the pairs form at 16
-# neurons per program, 2 pairs per trip and 2 warps: M=16/8/4/2 18.5/16.7/15.4/14.5 us vs
-# 19.6/18.0/16.2/15.9 at (lbn 32, pb 4, 4 warps); pb 4 at lbn 16 spends 22.6 at M=16, 1 warp 22.0.
+# Session 14 (results/h200/session14/run4, sweep_pairs_trip.py final, interleaved medians,
+# d=0.005): the pairs form at 16 neurons per program, 2 pairs per trip and 2 warps: M=16/8/4/2
+# 18.5/16.7/15.4/14.5 us vs 19.6/18.0/16.2/15.9 at (lbn 32, pb 4, 4 warps); pb 4 at lbn 16
+# spends 22.6 at M=16 (run 1), 1 warp 22.0 (run 4).
 CONFIGS = {
     16: Config(32, 256, 256, 256, 4, 0, 4, 3, lbk=128, lstages=5, gemv_bn=4, pbn=16, ppb=2, pwarps=2),
     32: Config(64, 128, 256, 256, 0, 0, 4, 3, lbk=128, lstages=5),
