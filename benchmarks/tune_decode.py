@@ -73,8 +73,8 @@ def fit_policy(points: list[dict], near: float = 1.6) -> dict[str, float]:
         for form, us in p["forms"].items():
             if us > near * p["dense_us"]:
                 continue
-            feats[form][0].append(cuda_policy.decode_terms(form, p["density"], p["union"] / p["N"], p["M"], p["K"],
-                                                           p["N"], p.get("K_out", p["K"])))
+            feats[form][0].append(cuda_policy.decode_terms(p["density"], p["union"] / p["N"], p["M"], p["K"], p["N"],
+                                                           p.get("K_out", p["K"]))[form])
             feats[form][1].append(us)
     names = cuda_policy.DECODE_CONSTANTS
     for form, (a, t) in feats.items():

@@ -158,41 +158,44 @@ DECODE_CONSTANTS = {
 }
 
 
-def decode_terms(form: str, density: float, u: float, m: int, k: int, n: int, k_out: int) -> list[float]:
-    """The terms of ``form``'s predicted time for M rows (the formulas of rule 3 above, each
-    without its constant): 1, bytes(W_g) in MB, then the form's work terms. ``u``: fraction of
-    neurons active in some row of a row block (union_fraction; measured where fitted)."""
+def decode_terms(density: float, u: Optional[float], m: int, k: int, n: int, k_out: int) -> dict[str, list[float]]:
+    """Per decode form the terms of its predicted time for M rows (the formulas of rule 3
+    above, each without its constant): 1, bytes(W_g) in MB, then the form's work terms; "rows"
+    only where M <= vec_m. ``u``: fraction of neurons active in some row of a row block
+    (measured where fitted; None: union_fraction's expectation)."""
     from twell_compile.kernels import cuda_decode
 
     c = cuda_decode.config_for(m, k)
     mb = min(cuda_decode.m_pad(min(m, cuda_decode.MAX_M)), cuda_decode.MAX_MB)
     rows, blocks = min(m, mb), -(-m // mb)
     d = min(max(float(density), 0.0), 1.0)
-    head = [1.0, 2e-6 * n * k * blocks]
-    if form == "tiles":
-        return head + [rows * blocks * tiles_active(u, n, c.bn) * k_out / 1e6, u * n * blocks * (k + k_out) / 4096]
-    if form == "list":
-        return head + [d * rows * c.lbn * k / 4096, d * n * k_out / 4096]
-    if form == "pairs":
-        return head + [d * rows * blocks * cuda_decode.pairs_bn(c) / cuda_decode.pairs_pb(c) * (k + k_out) / 4096]
-    return head + [u * cuda_decode.rows_bn(m, c) * (k + cuda_decode.m_pad_rows(m) * k_out) / 4096]
+    if u is None:
+        u = union_fraction(d, rows)
+    gate_mb = 2e-6 * n * k * blocks
+    out = {
+        "tiles": [1.0, gate_mb, rows * blocks * tiles_active(u, n, c.bn) * k_out / 1e6,
+                  u * n * blocks * (k + k_out) / 4096],
+        "list": [1.0, gate_mb, d * rows * c.lbn * k / 4096, d * n * k_out / 4096],
+        "pairs": [1.0, gate_mb,
+                  d * rows * blocks * cuda_decode.pairs_bn(c) / cuda_decode.pairs_pb(c) * (k + k_out) / 4096],
+    }
+    if m <= c.vec_m:
+        out["rows"] = [1.0, gate_mb, u * cuda_decode.rows_bn(m, c) * (k + cuda_decode.m_pad_rows(m) * k_out) / 4096]
+    return out
 
 
 def decode_us(density: float, m: int, k: int, n: int, k_out: int) -> dict[str, float]:
     """Predicted decode time (us) of each up/down form the decode path can run for M rows
-    ("rows" only where M <= vec_m)."""
-    from twell_compile.kernels import cuda_decode
-
-    mb = min(cuda_decode.m_pad(min(m, cuda_decode.MAX_M)), cuda_decode.MAX_MB)
-    u = union_fraction(density, min(m, mb))
-    rows_ok = m <= cuda_decode.config_for(m, k).vec_m
+    ("rows" only where M <= vec_m): decode_terms times DECODE_CONSTANTS. On the op's host path
+    (use_decode, every call)."""
+    g = globals()
     out = {}
-    for form, names in DECODE_CONSTANTS.items():
-        if form == "rows" and not rows_ok:
-            continue
-        coef = [globals()[name] for name in names]
-        coef[1] = 1e3 / coef[1]
-        out[form] = sum(a * b for a, b in zip(coef, decode_terms(form, density, u, m, k, n, k_out)))
+    for form, t in decode_terms(density, None, m, k, n, k_out).items():
+        names = DECODE_CONSTANTS[form]
+        us = g[names[0]] + 1e3 * t[1] / g[names[1]]
+        for name, x in zip(names[2:], t[2:]):
+            us += g[name] * x
+        out[form] = us
     return out
 
 
