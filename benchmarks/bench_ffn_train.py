@@ -70,8 +70,9 @@ def parts(ms, ds, ts, k, n, cfg, reps) -> int:
     from twell_compile.kernels import cuda_train
     from twell_compile.kernels.torch_impl import backup_capacity
 
-    configs = [current_config(cuda_train), (4, 4, 4, 4, 1024, 4), (4, 4, 2, 4, 512, 4),
-               (4, 4, 4, 8, 1024, 4), (4, 4, 4, 4, 1024, 8), (4, 8, 4, 4, 1024, 4)]
+    # current, then: wgrad without prefetch, 8 / 2 entries per step, 1024-column X chunks
+    configs = [current_config(cuda_train), (0, 4, 4, 4, 2048, 4, 0), (0, 4, 4, 8, 2048, 4, 1),
+               (0, 4, 4, 2, 2048, 4, 1), (0, 4, 4, 4, 1024, 4, 1)]
     totals = {c: 0.0 for c in configs}
     print(f"{'M':>6} {'dens':>6} {'tail':>4} {'config':>14} {'gate':>7} {'state':>7} {'fwd':>7} {'bwd':>7} "
           f"{'total':>7}", flush=True)
@@ -109,21 +110,24 @@ def parts(ms, ds, ts, k, n, cfg, reps) -> int:
                 del p, x, wg, wu, wd, g, st
     best = min(totals, key=totals.get)
     print("config: row-kernel warps, pairs per step, wgrad warps, wgrad entries per step, wgrad K chunk, "
-          "dx pairs per step")
+          "dx pairs per step, wgrad prefetch")
     print("best config " + ",".join(map(str, best)), flush=True)
     return 0
 
 
 def current_config(ct) -> tuple:
-    return (ct.FWD_WARPS, ct.PAIRS, ct.WG_WARPS, ct.WG_ENTRIES, ct.WG_BK, ct.DX_PAIRS)
+    return (ct.FWD_WARPS, ct.PAIRS, ct.WG_WARPS, ct.WG_ENTRIES, ct.WG_BK, ct.DX_PAIRS, ct.WG_PF)
 
 
 def set_config(ct, c) -> None:
-    """c = (row-kernel warps, pairs per step, wgrad warps, wgrad entries, wgrad K chunk[, dx pairs])."""
+    """c = (row-kernel warps, pairs per step, wgrad warps, wgrad entries, wgrad K chunk[, dx pairs
+    [, wgrad prefetch]])."""
     ct.FWD_WARPS = ct.BWD_WARPS = c[0]
     ct.PAIRS, ct.WG_WARPS, ct.WG_ENTRIES, ct.WG_BK = c[1:5]
     if len(c) > 5:
         ct.DX_PAIRS = c[5]
+    if len(c) > 6:
+        ct.WG_PF = c[6]
 
 
 def main(argv=None) -> int:

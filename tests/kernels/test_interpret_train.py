@@ -24,6 +24,8 @@ SCRIPT = textwrap.dedent("""
     from twell_compile.kernels.torch_impl import backup_capacity
     from twell_compile.formats import Hybrid, unpack_hybrid
     ct.WG_BK = 32          # several K chunks per neuron in the weight-gradient kernel
+    ct.WG_ENTRIES = 2      # several steps per neuron there (the last case: ~12 entries per neuron)
+    ct.WG_PF = {pf}           # its entries loaded one step ahead (1) or at each step (0)
     torch.manual_seed({seed})
     m, k, n, ko, gated, bias, width, brows, bad, l1, dens = {case}
     dt = torch.float16
@@ -145,13 +147,14 @@ CASES = [
     (5, 24, 50, 24, True, True, 8, 2, False, True, 1.0),      # everything fires, L1
     (6, 40, 70, 40, True, True, 4, 3, True, False, 0.05),     # NaN/Inf in x, NaN in dy
     (6, 40, 70, 40, False, False, 4, 1000, True, False, 0.05),  # the same, non-gated, no backup room
+    (40, 24, 24, 16, True, True, 16, 2, False, True, 0.3),   # ~12 entries per neuron: many wgrad steps
 ]
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_train_kernels_under_interpreter(case):
+@pytest.mark.parametrize("case, pf", [(c, 1 - i % 2) for i, c in enumerate(CASES)] + [(CASES[-1], 1)])
+def test_train_kernels_under_interpreter(case, pf):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "-c", SCRIPT.format(seed=sum(case[:4]), case=case)],
+    r = subprocess.run([sys.executable, "-c", SCRIPT.format(seed=sum(case[:4]), case=case, pf=pf)],
                        env=env, capture_output=True, text=True, timeout=300)
     old = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7)
     if r.returncode != 0 and old and "InterpreterError" in r.stderr:

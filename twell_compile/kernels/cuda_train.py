@@ -82,6 +82,7 @@ BWD_WARPS = 0
 WG_ENTRIES = 4
 WG_BK = 2048
 WG_WARPS = 4
+WG_PF = 1         # 1: next step's entries loaded one step ahead (twell_train_wgrad.py)
 DX_PAIRS = 4      # slots per step of dx_rows_kernel
 RANK_BM, RANK_BP = 8, 32    # rank_kernel: rows per program, slots per step
 BUSY_PROGRAMS = 1024        # the busy-row kernel's fixed grid (it strides over the busy rows)
@@ -323,7 +324,7 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
     del xb, dyb
     db = torch.empty((2, n), dtype=f32, device=dev)
     common = dict(GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
-                  E=WG_ENTRIES)
+                  E=WG_ENTRIES, PF=WG_PF)
     args = (order, off, hist, width, ell_g, ell_u if gated else ell_g, eg, eu, x2, x2.stride(0),
             dy2, dy2.stride(0), mlist, mctr, w_gate, w_gate.stride(0),
             b_gate if b_gate is not None else w_gate, wu, wu.stride(0),
