@@ -85,19 +85,6 @@ def _listed(m, n, x_ptr, sx_m, dy_ptr, sdy_m, wg_ptr, swg_n, bgate_ptr, wu_ptr, 
 
 
 @triton.jit
-def _slot_vals(idx, live, ellg_ptr, ellu_ptr, eg_ptr, eu_ptr, GATED: tl.constexpr, DY: tl.constexpr):
-    """Per-slot values a step needs, fp32: DY pass (h_g, u) from the ELL slots; X pass (d_g, d_u)
-    the DY pass wrote (the X pass runs after it: no slot is read before it is written)."""
-    if DY:
-        a = tl.load(ellg_ptr + idx, mask=live, other=0.0).to(tl.float32)
-        b = tl.load(ellu_ptr + idx, mask=live, other=0.0).to(tl.float32) if GATED else a
-    else:
-        a = tl.load(eg_ptr + idx, mask=live, other=0.0)
-        b = tl.load(eu_ptr + idx, mask=live, other=0.0) if GATED else a
-    return a, b
-
-
-@triton.jit
 def wgrad_kernel(
     order_ptr, off_ptr, hist_ptr, W,
     ellg_ptr, ellu_ptr, eg_ptr, eu_ptr, x_ptr, sx_m, dy_ptr, sdy_m,
@@ -105,7 +92,7 @@ def wgrad_kernel(
     dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr,   # [N, K], [N, K], [N, KO] (backup part in), fp32 [N]
     K, KO,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, L1: tl.constexpr,
-    DY: tl.constexpr, BKW: tl.constexpr, E: tl.constexpr, PF: tl.constexpr,
+    DY: tl.constexpr, BKW: tl.constexpr, E: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -121,27 +108,16 @@ def wgrad_kernel(
     su = tl.zeros((E,), dtype=tl.float32)
     if DY:
         wd = tl.load(wdt_ptr + n * swd_n + ks, mask=ok, other=0.0).to(tl.float32)
-    # PF=1: the next step's entries and their per-slot values are loaded one step ahead, so a
-    # step waits on its row gather only, not on the order load and then the gather (PF=0)
-    if PF:
-        live = ea < c
-        idx = tl.load(order_ptr + start + ea, mask=live, other=0).to(tl.int64)
-        va, vb = _slot_vals(idx, live, ellg_ptr, ellu_ptr, eg_ptr, eu_ptr, GATED, DY)
     for e0 in range(0, c, E):
-        if PF:
-            live1 = (e0 + E + ea) < c
-            idx1 = tl.load(order_ptr + start + e0 + E + ea, mask=live1, other=0).to(tl.int64)
-            va1, vb1 = _slot_vals(idx1, live1, ellg_ptr, ellu_ptr, eg_ptr, eu_ptr, GATED, DY)
-        else:
-            live = (e0 + ea) < c
-            idx = tl.load(order_ptr + start + e0 + ea, mask=live, other=0).to(tl.int64)
-            va, vb = _slot_vals(idx, live, ellg_ptr, ellu_ptr, eg_ptr, eu_ptr, GATED, DY)
+        e = e0 + ea
+        live = e < c
+        idx = tl.load(order_ptr + start + e, mask=live, other=0).to(tl.int64)
         m = idx // W
         if DY:
             dyt = tl.load(dy_ptr + m[:, None] * sdy_m + ks[None, :], mask=live[:, None] & ok[None, :], other=0.0).to(tl.float32)
             dh = tl.sum(dyt * wd[None, :], axis=1)
-            hg = va
-            u = vb if GATED else hg
+            hg = tl.load(ellg_ptr + idx, mask=live, other=0.0).to(tl.float32)
+            u = tl.load(ellu_ptr + idx, mask=live, other=0.0).to(tl.float32) if GATED else hg
             h = hg * u if GATED else hg
             if L1:
                 dh += l1c * (tl.where(h > 0.0, 1.0, 0.0) - tl.where(h < 0.0, 1.0, 0.0))
@@ -157,11 +133,11 @@ def wgrad_kernel(
             su += du
         else:
             xt = tl.load(x_ptr + m[:, None] * sx_m + ks[None, :], mask=live[:, None] & ok[None, :], other=0.0).to(tl.float32)
-            acc1 += tl.sum(va[:, None] * xt, axis=0)
+            dg = tl.load(eg_ptr + idx, mask=live, other=0.0)
+            acc1 += tl.sum(dg[:, None] * xt, axis=0)
             if GATED:
-                acc2 += tl.sum(vb[:, None] * xt, axis=0)
-        if PF:
-            idx, live, va, vb = idx1, live1, va1, vb1
+                du = tl.load(eu_ptr + idx, mask=live, other=0.0)
+                acc2 += tl.sum(du[:, None] * xt, axis=0)
     # rows listed by the row kernel: recompute g, u, dh at (m, n)
     for i in range(0, tl.load(mctr_ptr)):
         m = tl.load(mlist_ptr + i).to(tl.int64)
