@@ -70,9 +70,10 @@ def parts(ms, ds, ts, k, n, cfg, reps) -> int:
     from twell_compile.kernels import cuda_train
     from twell_compile.kernels.torch_impl import backup_capacity
 
-    # current, then: wgrad without prefetch, 8 / 2 entries per step, 1024-column X chunks
-    configs = [current_config(cuda_train), (0, 4, 4, 4, 2048, 4, 0), (0, 4, 4, 8, 2048, 4, 1),
-               (0, 4, 4, 2, 2048, 4, 1), (0, 4, 4, 4, 1024, 4, 1)]
+    # current, then session 14's wgrad config (4 entries / 4 warps in both passes), and the
+    # X pass at 4 warps or in 1024-column chunks
+    configs = [current_config(cuda_train), (0, 4, 4, 4, 2048, 4, 4, 512), (0, 4, 4, 2, 2048, 4, 1, 1024),
+               (0, 4, 2, 2, 1024, 4, 1, 1024)]
     totals = {c: 0.0 for c in configs}
     print(f"{'M':>6} {'dens':>6} {'tail':>4} {'config':>14} {'gate':>7} {'state':>7} {'fwd':>7} {'bwd':>7} "
           f"{'total':>7}", flush=True)
@@ -109,25 +110,26 @@ def parts(ms, ds, ts, k, n, cfg, reps) -> int:
                 del st2
                 del p, x, wg, wu, wd, g, st
     best = min(totals, key=totals.get)
-    print("config: row-kernel warps, pairs per step, wgrad warps, wgrad entries per step, wgrad K chunk, "
-          "dx pairs per step, wgrad prefetch")
+    print("config: forward-row-kernel warps (0: by width), its pairs per step, X-pass warps, X-pass entries per step, X-pass K chunk, "
+          "dx pairs per step, DY-pass entries per step, DY-pass columns per warp")
     print("best config " + ",".join(map(str, best)), flush=True)
     return 0
 
 
 def current_config(ct) -> tuple:
-    return (ct.FWD_WARPS, ct.PAIRS, ct.WG_WARPS, ct.WG_ENTRIES, ct.WG_BK, ct.DX_PAIRS, ct.WG_PF)
+    return (ct.FWD_WARPS, ct.FWD_PAIRS, ct.WG_X_WARPS, ct.WG_X_ENTRIES, ct.WG_BK, ct.DX_PAIRS, ct.WG_DY_ENTRIES,
+            ct.WG_DY_COLS_PER_WARP)
 
 
 def set_config(ct, c) -> None:
-    """c = (row-kernel warps, pairs per step, wgrad warps, wgrad entries, wgrad K chunk[, dx pairs
-    [, wgrad prefetch]])."""
-    ct.FWD_WARPS = ct.BWD_WARPS = c[0]
-    ct.PAIRS, ct.WG_WARPS, ct.WG_ENTRIES, ct.WG_BK = c[1:5]
+    """c = (forward-row-kernel warps (0: by width), its pairs per step, X-pass warps, X-pass entries, X-pass K chunk[,
+    dx pairs[, DY-pass entries, DY-pass columns per warp]])."""
+    ct.FWD_WARPS = c[0]
+    ct.FWD_PAIRS, ct.WG_X_WARPS, ct.WG_X_ENTRIES, ct.WG_BK = c[1:5]
     if len(c) > 5:
         ct.DX_PAIRS = c[5]
     if len(c) > 6:
-        ct.WG_PF = c[6]
+        ct.WG_DY_ENTRIES, ct.WG_DY_COLS_PER_WARP = c[6:8]
 
 
 def main(argv=None) -> int:

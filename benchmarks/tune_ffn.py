@@ -4,7 +4,7 @@ cuda_policy's constants).
     python3 benchmarks/tune_ffn.py --path rows [--M 16384] [--density 0.005 0.02] [--tail 0 0.2]
     python3 benchmarks/tune_ffn.py --path tiles ...      # the tile path (Triton gate epilogue)
 
-rows: cuBLAS gate, compaction variants (BM,CH,warps), fused variants (PAIRS,PF,warps), the
+rows: cuBLAS gate, compaction variants (BM,CH,warps), fused variants (PAIRS,PF,columns per warp), the
 whole twell_forward, eager dense, and the kernel's error vs fp32 next to eager bf16's."""
 
 from __future__ import annotations
@@ -56,18 +56,19 @@ def rows(a) -> None:
         r = cuda_infer.gate_rows(x, wg, None, width)
         over = int((r.cnt > width).sum())
         print(line + f" | rows over W {over}", flush=True)
+        shipped = cuda_infer.ROW_PAIRS, cuda_infer.ROW_PF, cuda_infer.ROW_COLS_PER_WARP
         for f in a.fused:
-            pairs, pf, warps = (int(v) for v in f.split(","))
-            cuda_infer.ROW_PAIRS, cuda_infer.ROW_PF, cuda_infer.ROW_WARPS = pairs, pf, warps
+            pairs, pf, cpw = (int(v) for v in f.split(","))
+            cuda_infer.ROW_PAIRS, cuda_infer.ROW_PF, cuda_infer.ROW_COLS_PER_WARP = pairs, pf, cpw
             try:
                 ms = bench(lambda: cuda_infer.fused_rows(x, r, wu, None, wd, None))
             except Exception as ex:
                 print("   ", f, type(ex).__name__, str(ex)[:200])
                 continue
             gb = nnz * m * 2 * a.K * 2 / 1e9
-            print(f"    fused PAIRS={pairs} PF={pf} warps={warps}: {ms:.3f} ms "
+            print(f"    fused PAIRS={pairs} PF={pf} cols/warp={cpw}: {ms:.3f} ms "
                   f"({gb / ms:.1f} TB/s of weight rows)", flush=True)
-        cuda_infer.ROW_PAIRS, cuda_infer.ROW_PF, cuda_infer.ROW_WARPS = 4, 1, 0
+        cuda_infer.ROW_PAIRS, cuda_infer.ROW_PF, cuda_infer.ROW_COLS_PER_WARP = shipped
         tot = bench(lambda: cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width=width))
         rr = min(m, 4096)
         y = cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width=width)[0][:rr]
@@ -83,8 +84,8 @@ def main() -> int:
     ap.add_argument("--path", choices=["rows", "tiles"], default="rows")
     ap.add_argument("--compact", nargs="+", default=["16,256,4", "8,256,4", "4,512,4"],
                     help="rows: BM,CH,warps of the compaction pass")
-    ap.add_argument("--rows-fused", dest="rfused", nargs="+", default=["4,1,4", "4,0,4", "2,1,4", "4,1,8"],
-                    help="rows: PAIRS,PF,warps of the fused kernel")
+    ap.add_argument("--rows-fused", dest="rfused", nargs="+", default=["1,1,1024", "4,1,512", "2,1,512", "1,1,512"],
+                    help="rows: PAIRS,PF,columns of max(K, K_out) per warp of the fused kernel")
     ap.add_argument("--width", type=int, default=0, help="rows: list width (0: from the density)")
     ap.add_argument("--M", type=int, nargs="+", default=[16384])
     ap.add_argument("--K", type=int, default=2048)

@@ -24,8 +24,7 @@ SCRIPT = textwrap.dedent("""
     from twell_compile.kernels.torch_impl import backup_capacity
     from twell_compile.formats import Hybrid, unpack_hybrid
     ct.WG_BK = 32          # several K chunks per neuron in the weight-gradient kernel
-    ct.WG_ENTRIES = 2      # several steps per neuron there (the last case: ~12 entries per neuron)
-    ct.WG_PF = {pf}           # its entries loaded one step ahead (1) or at each step (0)
+    ct.WG_DY_ENTRIES, ct.WG_X_ENTRIES = {ent}   # several steps per neuron (last case: ~12 entries)
     torch.manual_seed({seed})
     m, k, n, ko, gated, bias, width, brows, bad, l1, dens = {case}
     dt = torch.float16
@@ -151,10 +150,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case, pf", [(c, 1 - i % 2) for i, c in enumerate(CASES)] + [(CASES[-1], 1)])
-def test_train_kernels_under_interpreter(case, pf):
+@pytest.mark.parametrize("case, ent", [(c, (1, 2)) for c in CASES] + [(CASES[-1], (2, 4))])
+def test_train_kernels_under_interpreter(case, ent):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "-c", SCRIPT.format(seed=sum(case[:4]), case=case, pf=pf)],
+    r = subprocess.run([sys.executable, "-c", SCRIPT.format(seed=sum(case[:4]), case=case, ent=ent)],
                        env=env, capture_output=True, text=True, timeout=300)
     old = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7)
     if r.returncode != 0 and old and "InterpreterError" in r.stderr:

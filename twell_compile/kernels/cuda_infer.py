@@ -43,10 +43,13 @@ FUSED_WARPS = 0       # 0: 8 warps for K >= 2048, else 4
 COMPACT_BM = 16       # rows per compaction program (H200 M=16384: BM 8/16 0.088/0.074 ms)
 COMPACT_CH = 256      # columns per step: 32 lanes x 8, one warp per row (scan in shuffles)
 COMPACT_WARPS = 4
-ROW_PAIRS = 4         # listed pairs per fused iteration
+# listed pairs per fused iteration, and columns of max(K, K_out) per warp (warps =
+# pow2(max(K, K_out)) / ROW_COLS_PER_WARP, at least 1): H200 M=16384 K=2048 d=0.005, session
+# 15 run 3 (probe_rows.py): 1 pair / 2 warps 493 us, 4 / 4 531, 2 / 4 595, 4 / 2 617
+ROW_PAIRS = 1
 ROW_PF = 1            # 0 none, 1: next (col, value) one step ahead, 2: next weight rows too
                       # (H200 M=16384 d=0.005: PF 0/1/2 at 8 warps 0.715/0.736/1.219 ms)
-ROW_WARPS = 0         # 0: 4 warps for K <= 2048 (0.610 ms vs 0.736 at 8), else 8
+ROW_COLS_PER_WARP = 1024
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # no inline PTX there
 TAIL_CH = 256         # columns per step of the exact tail over g
 MIN_WIDTH = 32
@@ -218,7 +221,7 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
         y, y.stride(0), y.stride(1), hsum, k, n, k_out, r.lst.shape[1],
         GATED=w_up is not None, HAS_BU=b_up is not None, HAS_BD=b_down is not None,
         K_P=_pow2(k), KO_P=_pow2(k_out), PAIRS=ROW_PAIRS, CH=min(TAIL_CH, _pow2(n)), PF=ROW_PF,
-        num_warps=ROW_WARPS or (8 if kp > 2048 else 4))
+        num_warps=max(1, kp // ROW_COLS_PER_WARP))
     return y, hsum
 
 

@@ -71,18 +71,20 @@ MIN_TOKENS = 8192  # the inference rule's; at 1024 tokens both paths trail eager
 PAIRS = 4
 CH = 256          # columns per scan step over g / backup rows
 RBK = 64          # K per recompute step in the backward (CH columns x RBK)
-FWD_WARPS = 0     # 0: 4 warps for K, K_out <= 2048, else 8
+FWD_WARPS = 0     # train_fwd_kernel: 0: pow2(max(K, K_out)) / FWD_COLS_PER_WARP warps
+FWD_COLS_PER_WARP = 1024    # H200 M=16384 K=2048 d=0.005 (session 15 run 3, probe_rows.py):
+FWD_PAIRS = 1               # 1 pair / 2 warps 531 us, 4 / 4 682, 1 / 4 566, 2 / 4 705
 BWD_WARPS = 0
-# Per-neuron weight-gradient passes: entries (gathered rows) per step, columns of K per
-# program in the X pass (chunks run one after another, so a chunk's x columns are the
-# pass's working set: 32 MB for 1024 of 2048 columns at M=16384 bf16) (the DY pass takes whole rows of K_out, warps = max(WG_WARPS,
-# pow2(K_out) / 512)), warps. Whole rows, 4 entries, 4 warps is the layout measured in run 2
-# (H200, M=16384 d=0.005: whole backward 2.66 ms); chunks of 128/256 columns measured
-# 5.7-14.6 ms for the backward (twell_train_wgrad.py says why).
-WG_ENTRIES = 4
+# Per-neuron weight-gradient passes (twell_train_wgrad.py), per pass: entries (gathered rows)
+# per step, warps; the X pass takes K in chunks of WG_BK columns, the DY pass whole rows of
+# K_out. H200, M=16384 d=0.005 (session 15 run 2, probe_wgrad.py, 24 configs per pass): DY 1
+# entry, 2 warps: 460 us (4 entries / 4 warps: 636); X 2 entries, 2 warps: 391 us (4 / 4: 437).
+# Loading the next entries one step ahead gained nothing (run 1: backward 1.792 vs 1.802 ms).
+WG_DY_ENTRIES = 1
+WG_DY_COLS_PER_WARP = 1024   # DY warps = pow2(K_out) / this, at least 1
+WG_X_ENTRIES = 2
+WG_X_WARPS = 2
 WG_BK = 2048
-WG_WARPS = 4
-WG_PF = 1         # 1: next step's entries loaded one step ahead (twell_train_wgrad.py)
 DX_PAIRS = 4      # slots per step of dx_rows_kernel
 RANK_BM, RANK_BP = 8, 32    # rank_kernel: rows per program, slots per step
 BUSY_PROGRAMS = 1024        # the busy-row kernel's fixed grid (it strides over the busy rows)
@@ -164,8 +166,8 @@ def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b
             cols, ell_g, ell_u, bidx, bg, bu, ctr,
             k, n, k_out, width, cap,
             GATED=gated, HAS_BU=b_up is not None, HAS_BD=b_down is not None, Y=compute_y,
-            K_P=_pow2(k), KO_P=_pow2(k_out), PAIRS=PAIRS, CH=min(CH, _pow2(n)),
-            num_warps=_warps(k, k_out, FWD_WARPS))
+            K_P=_pow2(k), KO_P=_pow2(k_out), PAIRS=FWD_PAIRS, CH=min(CH, _pow2(n)),
+            num_warps=FWD_WARPS or max(1, _pow2(max(k, k_out)) // FWD_COLS_PER_WARP))
     missing = (ctr[0] - cap).clamp(min=0)
     return y, hsum, cnt, cols, ell_g, ell_u, bidx, bg, bu, missing
 
@@ -323,17 +325,17 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
     dwdt = sh.t().mm(dyb)
     del xb, dyb
     db = torch.empty((2, n), dtype=f32, device=dev)
-    common = dict(GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
-                  E=WG_ENTRIES, PF=WG_PF)
+    common = dict(GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c))
     args = (order, off, hist, width, ell_g, ell_u if gated else ell_g, eg, eu, x2, x2.stride(0),
             dy2, dy2.stride(0), mlist, mctr, w_gate, w_gate.stride(0),
             b_gate if b_gate is not None else w_gate, wu, wu.stride(0),
             b_up if b_up is not None else w_gate, wdt, wdt.stride(0), float(l1c),
             dwg, dwu if gated else dwg, dwdt, db[0], db[1], k, k_out)
     bk_dy = _pow2(k_out)                       # the DY pass needs whole dy rows for dh
-    wgrad_kernel[(n, 1)](*args, DY=True, BKW=bk_dy, num_warps=max(WG_WARPS, bk_dy // 512), **common)
+    wgrad_kernel[(n, 1)](*args, DY=True, BKW=bk_dy, E=WG_DY_ENTRIES,
+                         num_warps=max(1, bk_dy // WG_DY_COLS_PER_WARP), **common)
     bkw = min(WG_BK, _pow2(k))
-    wgrad_kernel[(n, -(-k // bkw))](*args, DY=False, BKW=bkw, num_warps=WG_WARPS, **common)
+    wgrad_kernel[(n, -(-k // bkw))](*args, DY=False, BKW=bkw, E=WG_X_ENTRIES, num_warps=WG_X_WARPS, **common)
     if m:
         dx_rows_kernel[(m,)](q, cols, eg, eu, width, w_gate, w_gate.stride(0), wu, wu.stride(0),
                              dx, dx.stride(0), k, GATED=gated, K_P=_pow2(k), PAIRS=DX_PAIRS,

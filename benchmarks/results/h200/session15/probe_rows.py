@@ -2,7 +2,7 @@
 registers and spills: inference twell_rows_kernel, training train_fwd_kernel and
 dx_rows_kernel, and the weight-gradient passes at 1-2 warps. Each kernel's launch is captured
 once from the shipped path, then relaunched with the overrides. M=16384 K=2048 N=5632
-d=0.005 tail 0 (bench_ffn_train's generator, seed 1)."""
+d=0.005 tail 0 (bench_ffn_train's generator, seed 1), or M K N from the command line."""
 import importlib
 import sys
 from pathlib import Path
@@ -15,7 +15,9 @@ from synthetic import make_ffn  # noqa: E402
 from twell_compile.kernels import cuda_infer, cuda_train  # noqa: E402
 from twell_compile.kernels.torch_impl import backup_capacity  # noqa: E402
 
-M, K, N, D = 16384, 2048, 5632, 0.005
+M, K, N = (int(v) for v in sys.argv[1:4]) if len(sys.argv) > 3 else (16384, 2048, 5632)
+D = 0.005
+print(f"M={M} K={K} N={N} d={D}", flush=True)
 p = make_ffn(M, K, N, D, 0.0, device="cuda", seed=1)
 x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
 dy = torch.randn(M, K, device="cuda", dtype=x.dtype)
@@ -45,11 +47,12 @@ for mod, name in SPY.items():
     setattr(importlib.import_module(f"twell_compile.kernels.{mod}"), name, real[name])
 torch.cuda.synchronize()
 
+WARPS = (2, 4) if K <= 2048 else (2, 4, 8)
 VARIANTS = {
-    "twell_rows_kernel": [dict(num_warps=w, PAIRS=pp, PF=pf) for w in (2, 4) for pp in (1, 2, 4) for pf in (0, 1)],
-    "train_fwd_kernel": [dict(num_warps=w, PAIRS=pp) for w in (2, 4) for pp in (1, 2, 4)],
-    "dx_rows_kernel": [dict(num_warps=w, PAIRS=pp) for w in (2, 4) for pp in (1, 2, 4)],
-    "wgrad_kernel": [dict(num_warps=w, E=e) for w in (1, 2) for e in (1, 2)],
+    "twell_rows_kernel": [dict(num_warps=w, PAIRS=pp, PF=pf) for w in WARPS for pp in (1, 2, 4) for pf in (0, 1)],
+    "train_fwd_kernel": [dict(num_warps=w, PAIRS=pp) for w in WARPS for pp in (1, 2, 4)],
+    "dx_rows_kernel": [dict(num_warps=w, PAIRS=pp) for w in WARPS for pp in (1, 2, 4)],
+    "wgrad_kernel": [dict(num_warps=w, E=e) for w in (1, 2, 4) for e in (1, 2)],
 }
 for name, grid, args, kw in calls:
     tag = name + ("" if name != "wgrad_kernel" else (" DY" if kw["DY"] else " X"))
