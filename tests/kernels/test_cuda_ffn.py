@@ -107,8 +107,8 @@ def test_tile_path_exact(density, tail):
 
 @pytest.mark.parametrize("width", [1, 8, 64, 1024])
 def test_rows_lists_match_relu_g_and_overflow_rows_exact(width):
-    """vals/cols hold the first W non-zeros of relu(g) in column order, cnt all of them; rows
-    over W (a mix at this density) stay exact."""
+    """vals/cols hold the first W non-zeros of relu(g) in column order, cnt all of them, order
+    every row once with those over W first; rows over W (a mix at this density) stay exact."""
     from twell_compile.kernels import cuda_infer
     p = _ffn(1200, 192, 900, 160, 0.05, 0.5, torch.bfloat16)
     r = cuda_infer.gate_rows(p["x"], p["w_gate"], p["b_gate"], width)
@@ -121,6 +121,10 @@ def test_rows_lists_match_relu_g_and_overflow_rows_exact(width):
         assert torch.equal(r.vals[i, :c], hg[i, nz])
     if width in (8, 64):
         assert ((r.cnt > width).any() and (r.cnt <= width).any())
+    o = r.order.long()                  # the row kernels' order: a permutation, rows over W first
+    assert torch.equal(o.sort().values, torch.arange(len(o), device=o.device))
+    over = (r.cnt[o] > width).int()
+    assert torch.equal(over, over.sort(descending=True, stable=True).values)
     _check_exact(p, width=width)
 
 

@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent("""
     import torch, torch.nn.functional as F
-    from twell_compile.kernels.cuda_infer import twell_forward, twell_forward_tiles
+    from twell_compile.kernels.cuda_infer import gate_rows, twell_forward, twell_forward_tiles
     from twell_compile.reference import ffn_dense
     from twell_compile.formats import pack_twell
     torch.manual_seed({seed})
@@ -39,6 +39,10 @@ SCRIPT = textwrap.dedent("""
     else:   # per-row path, list width = slots (rows over it take the exact tail over g)
         y, counts, hsum = twell_forward(*args, width=slots)
         assert torch.equal(counts, (hg != 0).sum(1).int()), "counts"
+        o = gate_rows(x, wg, bg, slots).order.long()      # the row kernels' order
+        assert torch.equal(o.sort().values, torch.arange(m)), ("order: a permutation", o)
+        over = (counts[o] > slots).int()
+        assert torch.equal(over, over.sort(descending=True, stable=True).values), ("order: over W first", over)
     eager = ffn_dense(*args)
     assert torch.equal(torch.isnan(y), torch.isnan(eager)), "nan pattern"
     fin = torch.isfinite(x).all(1)
@@ -57,6 +61,7 @@ CASES = [
     (4, 40, 70, 40, True, True, 32, 4, True),     # NaN and Inf rows
     (1, 33, 130, 17, True, False, 32, 32, False),  # M = 1
     (6, 40, 300, 40, True, True, 64, 64, False),  # per-row lists wide enough for most rows
+    (40, 24, 60, 24, True, False, 32, 4, False),  # several compaction programs (16 rows each)
 ]
 
 

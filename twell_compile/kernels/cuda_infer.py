@@ -173,6 +173,7 @@ class Rows(NamedTuple):
     g: Tensor        # [M, N] pre-activation (cuBLAS), read again only by the exact tail
     lst: Tensor      # [M, W] int32: first W non-zeros of relu(g) per row, (col << 16) | bits
     cnt: Tensor      # [M] int32 non-zeros per row (may exceed W); slots >= cnt unwritten
+    order: Tensor    # [M] int32 permutation of the rows, those with cnt > W first
 
     @property
     def cols(self) -> Tensor:
@@ -192,12 +193,14 @@ def gate_rows(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], width: int) 
     g = F.linear(x2, w_gate, b_gate)
     lst = torch.empty((m, width), dtype=torch.int32, device=x2.device)
     cnt = torch.empty((m,), dtype=torch.int32, device=x2.device)
+    order = torch.empty((m,), dtype=torch.int32, device=x2.device)
     if m:
+        ctr = torch.zeros((2,), dtype=torch.int32, device=x2.device)
         compact_rows_kernel[(-(-m // COMPACT_BM),)](
-            g, g.stride(0), lst, cnt, m, n, width,
+            g, g.stride(0), lst, cnt, order, ctr, m, n, width,
             BM=COMPACT_BM, CH=min(COMPACT_CH, _pow2(n)), ASM=not _INTERPRET,
             num_warps=COMPACT_WARPS)
-    return Rows(g, lst, cnt)
+    return Rows(g, lst, cnt, order)
 
 
 def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tensor],
@@ -215,7 +218,7 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
         return y, hsum
     kp = _pow2(max(k, k_out))
     twell_rows_kernel[(m,)](
-        x2, x2.stride(0), x2.stride(1), r.g, r.g.stride(0), r.lst, r.cnt,
+        x2, x2.stride(0), x2.stride(1), r.g, r.g.stride(0), r.lst, r.cnt, r.order,
         wu, wu.stride(0), wu.stride(1), b_up if b_up is not None else x2,
         wdt, wdt.stride(0), wdt.stride(1), b_down if b_down is not None else x2,
         y, y.stride(0), y.stride(1), hsum, k, n, k_out, r.lst.shape[1],

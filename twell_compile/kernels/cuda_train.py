@@ -147,17 +147,18 @@ def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b
     bidx = torch.full((cap,), -1, dtype=torch.int64, device=dev)
     bg = torch.zeros((cap, n), dtype=dt, device=dev)
     bu = torch.zeros((cap, n if gated else 0), dtype=dt, device=dev)
-    ctr = torch.zeros((1,), dtype=torch.int32, device=dev)
+    ctr = torch.zeros((3,), dtype=torch.int32, device=dev)     # backup slots; the order's two
+    order = torch.empty((m,), dtype=torch.int32, device=dev)
     y = torch.empty((m, k_out), dtype=dt, device=dev) if compute_y else None
     hsum = torch.empty((m,), dtype=torch.float32, device=dev) if compute_y else None
     if m:
         compact_rows_kernel[(-(-m // COMPACT_BM),)](
-            g, g.stride(0), lst, cnt, m, n, width,
+            g, g.stride(0), lst, cnt, order, ctr[1:], m, n, width,
             BM=COMPACT_BM, CH=min(COMPACT_CH, _pow2(n)), ASM=not _INTERPRET, num_warps=COMPACT_WARPS)
         wdt = _transposed(w_down) if compute_y else g
         wu = w_up if (compute_y and gated) else g
         train_fwd_kernel[(m,)](
-            x2, x2.stride(0), g, g.stride(0), lst, cnt,
+            x2, x2.stride(0), g, g.stride(0), lst, cnt, order,
             u if u is not None else g, u.stride(0) if u is not None else 0,
             wu, wu.stride(0), b_up if b_up is not None else g,
             wdt, wdt.stride(0), b_down if b_down is not None else g,

@@ -7,8 +7,11 @@ registers with a running prefix count:
     cnt[m]        non-zeros of the row (NaN counts; may exceed W)
     list[m, :W]   its first W non-zeros in column order, int32 (column << 16) | bits(value)
                   (N <= 65536; slots >= cnt left unwritten)
+    order         the rows, those with cnt > W first (two atomic counters, no sort): the
+                  row kernels take rows in this order, so the long chains of the exact tail
+                  start first instead of finishing after everything else
 
-``twell_rows_kernel``: one program per token row, x row and y row in registers, h never in
+``twell_rows_kernel``: one program per token row (in ``order``), x row and y row in registers, h never in
 global memory:
   1. list loop: pairs list[m, p] for p < min(cnt, W), PAIRS per iteration, the
      next pairs' (col, value) loaded one iteration ahead (PF=1) or also their weight rows
@@ -40,9 +43,10 @@ def _store_b32(addr, val, mask, ASM: tl.constexpr):
 
 
 @triton.jit
-def compact_rows_kernel(g_ptr, sg_m, list_ptr, cnt_ptr, M, N, W,
+def compact_rows_kernel(g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N, W,
                         BM: tl.constexpr, CH: tl.constexpr, ASM: tl.constexpr):
-    """list[m, r] = (column << 16) | bits(relu(g)[m, column]) for the r-th non-zero, r < W."""
+    """list[m, r] = (column << 16) | bits(relu(g)[m, column]) for the r-th non-zero, r < W;
+    order: a permutation of the rows, rows over W first (ctr: two zeroed int32 counters)."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     m_ok = rm < M
     ci = tl.arange(0, CH)
@@ -62,6 +66,15 @@ def compact_rows_kernel(g_ptr, sg_m, list_ptr, cnt_ptr, M, N, W,
         _store_b32(lbase + rank.to(tl.int64) * 4, (cn[None, :] << 16) | bits, keep, ASM)
         run += tl.sum(nzi, axis=1)
     tl.store(cnt_ptr + rm, run, mask=m_ok)
+    # rows over W (their tail scans g: a chain of ~N / CH + cnt - W steps) from the front of
+    # order, the others from the back, so the row kernels start the long chains first
+    over = (run > W) & m_ok
+    quiet = (run <= W) & m_ok
+    oi, qi = over.to(tl.int32), quiet.to(tl.int32)
+    f0 = tl.atomic_add(ctr_ptr, tl.sum(oi, axis=0))
+    b0 = tl.atomic_add(ctr_ptr + 1, tl.sum(qi, axis=0))
+    pos = tl.where(over, f0 + tl.cumsum(oi, axis=0) - oi, M - 1 - (b0 + tl.cumsum(qi, axis=0) - qi))
+    tl.store(order_ptr + pos, rm, mask=m_ok)
 
 
 @triton.jit
@@ -101,7 +114,7 @@ def _pair(acc, hs, xr, g, n, live, wu, wd, bu_ptr, k_ok,
 @triton.jit
 def twell_rows_kernel(
     x_ptr, sx_m, sx_k, g_ptr, sg_m,
-    list_ptr, cnt_ptr,
+    list_ptr, cnt_ptr, order_ptr,
     wu_ptr, swu_n, swu_k, bu_ptr,
     wdt_ptr, swd_n, swd_k, bd_ptr,
     y_ptr, sy_m, sy_k, hsum_ptr,
@@ -110,7 +123,7 @@ def twell_rows_kernel(
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
     PF: tl.constexpr,
 ):
-    m = tl.program_id(0).to(tl.int64)
+    m = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)     # rows over W first
     ks = tl.arange(0, K_P)
     k_ok = ks < K
     ko = tl.arange(0, KO_P)

@@ -1,7 +1,8 @@
 """Triton device code: the training forward's per-row kernel (after the cuBLAS gate GEMM and
 ``twell_rows.compact_rows_kernel``), writing y and the hybrid state of formats.Hybrid.
 
-One program per token row m, x row and y row in registers:
+One program per token row m (rows over W first: ``order`` from the compaction), x row and
+y row in registers:
   * busy rows (count > W, or x holding NaN/Inf) take a backup slot from an atomic counter;
     a slot < C stores the row's relu(g) densely (backup_g) and u at its non-zeros (backup_u,
     every column for non-finite x; zero elsewhere);
@@ -39,7 +40,7 @@ def _up(xr, n, live, wu_ptr, swu_n, bu_ptr, ks, k_ok, u_ptr, su_m, m,
 
 @triton.jit
 def train_fwd_kernel(
-    x_ptr, sx_m, g_ptr, sg_m, list_ptr, cnt_ptr, u_ptr, su_m,
+    x_ptr, sx_m, g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, u_ptr, su_m,
     wu_ptr, swu_n, bu_ptr, wdt_ptr, swd_n, bd_ptr,
     y_ptr, sy_m, hsum_ptr,
     cols_ptr, ellg_ptr, ellu_ptr, bidx_ptr, bg_ptr, bu2_ptr, ctr_ptr,
@@ -47,7 +48,7 @@ def train_fwd_kernel(
     GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr, Y: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
 ):
-    m = tl.program_id(0).to(tl.int64)
+    m = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)     # rows over W first
     ks = tl.arange(0, K_P)
     k_ok = ks < K
     ko = tl.arange(0, KO_P)

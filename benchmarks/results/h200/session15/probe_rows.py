@@ -4,6 +4,7 @@ dx_rows_kernel, and the weight-gradient passes at 1-2 warps. Each kernel's launc
 once from the shipped path, then relaunched with the overrides. M=16384 K=2048 N=5632
 d=0.005 tail 0 (bench_ffn_train's generator, seed 1), or M K N from the command line."""
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -49,12 +50,15 @@ torch.cuda.synchronize()
 
 WARPS = (2, 4) if K <= 2048 else (2, 4, 8)
 VARIANTS = {
-    "twell_rows_kernel": [dict(num_warps=w, PAIRS=pp, PF=pf) for w in WARPS for pp in (1, 2, 4) for pf in (0, 1)],
+    "twell_rows_kernel": [dict(num_warps=w, PAIRS=pp, PF=pf) for w in WARPS for pp in (1, 2, 4) for pf in (0, 1, 2)],
     "train_fwd_kernel": [dict(num_warps=w, PAIRS=pp) for w in WARPS for pp in (1, 2, 4)],
     "dx_rows_kernel": [dict(num_warps=w, PAIRS=pp) for w in WARPS for pp in (1, 2, 4)],
     "wgrad_kernel": [dict(num_warps=w, E=e) for w in (1, 2, 4) for e in (1, 2)],
 }
+ONLY = os.environ.get("PROBE_ONLY", "").split(",")   # kernel names, empty: all
 for name, grid, args, kw in calls:
+    if ONLY != [""] and name not in ONLY:
+        continue
     tag = name + ("" if name != "wgrad_kernel" else (" DY" if kw["DY"] else " X"))
     shipped = {k: kw.get(k) for k in VARIANTS[name][0]}
     res = []
