@@ -116,7 +116,7 @@ def run_point(sets, m: int, d: float, reps: int, tag: str) -> dict:
         form = cuda_policy.use_decode(key, m, k, n, k_out, gated)
         path = "dense" if form is None else f"decode-{form}"
     elif cuda_policy.shape_ok(xs[0], m, k, k_out, n):
-        path = "rows" if cuda_policy.use_twell(key, gated) else "dense"
+        path = "rows" if cuda_policy.use_twell(key, gated, k, n, k_out, xs[0].element_size()) else "dense"
     else:
         path = "dense"
     kname = "decode" if m <= cuda_decode.MAX_M else "rows"

@@ -287,13 +287,14 @@ def twell_stats_density() -> dict[str, float]:
     return {name: s.density for name, s in twell_compile.layer_stats().items()}
 
 
-def twell_sparse_layers(densities: dict[str, float]) -> Optional[int]:
-    """Layers whose measured density the CUDA policy's cost model sends to the TwELL kernels."""
+def twell_sparse_layers(densities: dict[str, float], hidden: int, ffn: int) -> Optional[int]:
+    """Layers whose measured density the CUDA policy's cost model sends to the TwELL kernels
+    (bf16 weights)."""
     if not torch.cuda.is_available():
         return None
     from twell_compile.kernels import cuda_policy
 
-    return sum(cuda_policy.twell_wins(d, gated=True) for d in densities.values())
+    return sum(cuda_policy.twell_wins(d, True, hidden, ffn, hidden, 2) for d in densities.values())
 
 
 def reset_twell_policy() -> None:
@@ -519,7 +520,7 @@ def run_forward(a: argparse.Namespace, result: dict[str, Any]) -> None:
                            **energy_fields(timing, tokens * timing["reps"], energy, "--no-energy"))
                 if name == "twell":
                     row["twell_layer_density"] = twell_stats_density()
-                    row["twell_sparse_layers_by_policy"] = twell_sparse_layers(row["twell_layer_density"])
+                    row["twell_sparse_layers_by_policy"] = twell_sparse_layers(row["twell_layer_density"], a.hidden, a.ffn)
                 run["backends"][name] = row
                 print(f"  {name:>8}: {row['median_ms']:8.2f} ms  {row['tokens_per_s']:12.0f} tok/s  "
                       f"max|dlogit| {mx:.3g}  rel {rel:.2e}  first call {first_s:.1f} s  "

@@ -150,7 +150,8 @@ def main(argv=None) -> int:
                     key = (layer, x.device, x.dtype, k, n, k, True)
                     form = cuda_policy.use_decode(key, m, k, n, k, True) if cuda_policy.decode_ok(x, m, n) else None
                     path = (f"decode:{form}" if form else "twell" if cuda_policy.shape_ok(
-                        x, m, k, k, n, args.tile_n, args.slots) and cuda_policy.use_twell(key, True) else "dense")
+                        x, m, k, k, n, args.tile_n, args.slots) and cuda_policy.use_twell(key, True, k, n, k, x.element_size())
+                        else "dense")
                     row = dict(M=m, K=k, N=n, density=d, tail=t, dense_ms=dense_ms, inductor_ms=ind_ms,
                                gate_ms=gate_ms, twell_ms=twell_ms, rel_err=err, dense_rel_err=derr,
                                kernel_ms=kernel_ms, kernel_rel_err=kerr, nnz_per_row=nnz,

@@ -33,8 +33,7 @@ def _fresh_policy(monkeypatch):
     # TwELL wins at low density (the measured constants route these shapes dense).
     monkeypatch.setattr(cuda_policy, "MIN_TOKENS", 1024)
     monkeypatch.setattr(cuda_policy, "MIN_WIDTH", 1)
-    monkeypatch.setattr(cuda_policy, "GATE_UNITS", 1.1)
-    monkeypatch.setattr(cuda_policy, "FIXED_UNITS", 0.2)
+    monkeypatch.setattr(cuda_policy, "GATE_UNITS", 1.3)
     monkeypatch.setattr(cuda_policy, "PAIR_UNITS", 80.0)
     yield
 
@@ -224,10 +223,10 @@ def test_op_policy_starts_dense_then_twell_and_stays_dense_when_dense():
         p = _ffn(4096, 256, 1024, 256, density, 0.0, torch.bfloat16)
         layer = f"policy{density}"
         key = (layer, p["x"].device, torch.bfloat16, 256, 1024, 256, True)
-        assert not cuda_policy.use_twell(key, True)  # nothing measured yet: dense
+        assert not cuda_policy.use_twell(key, True, 256, 1024, 256, 2)  # nothing measured yet: dense
         y0 = torch.ops.twell.ffn(*_args(p), 128, 16, layer, True)
         torch.cuda.synchronize()
-        assert cuda_policy.use_twell(key, True) == want
+        assert cuda_policy.use_twell(key, True, 256, 1024, 256, 2) == want
         y1 = torch.ops.twell.ffn(*_args(p), 128, 16, layer, True)
         ref = ffn_dense(*(None if a is None else a.float() for a in _args(p)))
         assert _rel(y1, ref) <= 2 * _rel(y0, ref) + 1e-6
@@ -297,7 +296,7 @@ def test_compile_end_to_end_uses_twell():
             y = f(x)
             torch.cuda.synchronize()
         ref = model.float()(x.float())
-    assert any(st.density is not None and cuda_policy.twell_wins(st.density, True)
+    assert any(st.density is not None and cuda_policy.twell_wins(st.density, True, 256, 1024, 256, 2)
                for st in cuda_policy._layers.values())
     assert _rel(y, ref) < 2e-2
 

@@ -344,7 +344,7 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
         if keep_stats:
             stats.record(layer, per_token, hsum.sum(), per_token.new_zeros(()), n)
         return y.reshape(*x.shape[:-1], k_out)
-    sparse = form is not None if decode else cuda_policy.use_twell(key, gated)
+    sparse = form is not None if decode else cuda_policy.use_twell(key, gated, k, n, k_out, x.element_size())
     probe = cuda_policy.wants_probe(key, sparse)
     if sparse and decode:
         from twell_compile.kernels.cuda_decode import decode_forward

@@ -20,10 +20,11 @@ Three rules, in this order:
    has landed (never waits). With d the measured density and g = 1 for a gated FFN, the layer
    runs TwELL while the cost model, in units of one dense M x K x N GEMM,
 
-       GATE_UNITS + FIXED_UNITS + PAIR_UNITS * d * (1 + g) / 2  <  MARGIN * (2 + g)
+       GATE_UNITS + PAIR_UNITS * d * (1 + g) / 2  <  MARGIN * (2 + g)
 
    holds (cuBLAS gate + compaction pass + per-row fused kernel vs dense FFN), dense
-   otherwise. The constants are measured (docs/inference.md). A layer starts dense (a probe
+   otherwise; PAIR_UNITS_HBM replaces PAIR_UNITS when W_u and W_d together exceed L2_BYTES
+   (the fused kernel gathers a row of each per active pair). The constants are measured (docs/inference.md). A layer starts dense (a probe
    call), so a dense layer never pays for a sparse first call; dense layers re-probe every
    PROBE_EVERY calls, TwELL layers every REFRESH_EVERY calls. The measured density also sets
    the per-row list width (cuda_infer.list_width).
@@ -75,15 +76,18 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-# Measured on H200 (docs/inference.md, K=2048 N=5632 bf16, M=16384), in units of one dense
-# M x K x N GEMM (cuBLAS 0.54 ms): TwELL = cuBLAS gate (1) + compaction pass over g (0.074-
-# 0.088 ms: 0.15; 0.29 ms with tl.store) + fused kernel 0.61 ms at 28 non-zeros/row and 1.97 ms
-# at 114 (run 1): 0.167 ms fixed (0.31) + 0.0158 ms per non-zero/row (x 5632 / 0.545 = 163 per
-# unit density, gated). Dense (Inductor) 2.9-3.0 units. Predicts 1.25 ms at d=0.005 (measured
-# 1.18-1.20) and TwELL for d < ~0.0082: every grid decision matched the faster path.
+# Measured on H200 (session 15 run 6: bench_ffn.py's forced-kernel column, M = 16384 and 65536,
+# tail 0), in units of one dense M x K x N GEMM (the cuBLAS gate alone): TwELL = GATE_UNITS
+# (gate + compaction + the fused kernel's fixed part) + PAIR_UNITS x d (gated), least relative
+# error: 1.21 + 145 d at K=2048 N=5632 (W_u + W_d 46 MB, in L2), 1.16 + 230 d at K=4096
+# N=11008 (180 MB). Dense (Inductor) 2.8-3.1 units. TwELL for d < 0.0114 (K=2048; d=0.01
+# measured 1.08-1.16x of Inductor) and d < 0.0072 (K=4096), gated. A long tail costs more than
+# its density says (tail 0.2, d=0.009: 0.3 units over the line at K=2048, still 1.01-1.07x of
+# Inductor; left dense at K=4096). Session 14's kernels: 1.51 + 163 d, TwELL for d < 0.0082.
 GATE_UNITS = 1.2
-FIXED_UNITS = 0.31
-PAIR_UNITS = 163.0
+PAIR_UNITS = 145.0
+PAIR_UNITS_HBM = 230.0
+L2_BYTES = 50e6        # H100 / H200 L2
 MARGIN = 0.95
 MIN_TOKENS = 8192      # H200 d=0.005: M=4096 twell 0.48 vs dense 0.44 ms, M=1024 0.20 vs 0.12
 MIN_WIDTH = 2048       # per-row path measured winning at K = 2048 and 4096 (1.36x, 1.21x); at
@@ -248,9 +252,12 @@ def decode_wins(density: float, m: int, k: int, n: int, k_out: int, gated: bool,
     return decode_pick(density, m, k, n, k_out, gated, forms) is not None
 
 
-def twell_wins(density: float, gated: bool) -> bool:
+def twell_wins(density: float, gated: bool, k: int, n: int, k_out: int, itemsize: int) -> bool:
+    """The density rule (rule 2) for a layer with weights W_g, W_u [n, k], W_d [k_out, n]."""
     g = 1.0 if gated else 0.0
-    return GATE_UNITS + FIXED_UNITS + PAIR_UNITS * density * (1 + g) / 2 < MARGIN * (2 + g)
+    gathered = n * (k * g + k_out) * itemsize            # W_u and W_d^T rows, one per pair
+    pair = PAIR_UNITS if gathered <= L2_BYTES else PAIR_UNITS_HBM
+    return GATE_UNITS + pair * density * (1 + g) / 2 < MARGIN * (2 + g)
 
 
 @dataclass
@@ -281,12 +288,18 @@ def _poll(st: _Layer) -> None:
             st.pending = None
 
 
-def use_twell(key: tuple, gated: bool) -> bool:
+def poll(key: tuple) -> None:
+    """Take the layer's measurement if it has landed. Never syncs; not under capture."""
+    if not torch.cuda.is_current_stream_capturing():
+        _poll(_state(key))
+
+
+def use_twell(key: tuple, gated: bool, k: int, n: int, k_out: int, itemsize: int) -> bool:
     """True: run TwELL this call. Never syncs."""
     st = _state(key)
     if not torch.cuda.is_current_stream_capturing():
         _poll(st)
-    return st.density is not None and twell_wins(st.density, gated)
+    return st.density is not None and twell_wins(st.density, gated, k, n, k_out, itemsize)
 
 
 def use_decode(key: tuple, m: int, k: int, n: int, k_out: int, gated: bool) -> Optional[str]:

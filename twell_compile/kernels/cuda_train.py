@@ -233,8 +233,8 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
     # compact states are built with atomic slot and rank counters
     if m >= MIN_TOKENS and cap < m and not torch.are_deterministic_algorithms_enabled():
         if torch._C._current_graph_task_id() == -1:     # not in a backward (checkpoint recompute)
-            cuda_policy.use_twell(key, gated)           # polls the lagged measurements
-            cuda_policy.use_twell(lkey, gated)
+            cuda_policy.poll(key)                       # the lagged measurements
+            cuda_policy.poll(lkey)
         d = cuda_policy.density(key)
         sparse = d is not None and d < SPARSE_MAX_DENSITY
         lost = cuda_policy.density(lkey)
