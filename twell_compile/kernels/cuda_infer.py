@@ -50,7 +50,6 @@ ROW_PAIRS = 1
 ROW_PF = 1            # 0 none, 1: next (col, value) one step ahead, 2: next weight rows too
                       # (H200 M=16384 d=0.005: PF 0/1/2 at 8 warps 0.715/0.736/1.219 ms)
 ROW_COLS_PER_WARP = 1024
-ROW_WPOL, ROW_XPOL = "", ""   # L2 eviction hints of the weight-row gathers, of x and y
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # no inline PTX there
 TAIL_CH = 256         # columns per step of the exact tail over g
 MIN_WIDTH = 32
@@ -225,7 +224,6 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
         y, y.stride(0), y.stride(1), hsum, k, n, k_out, r.lst.shape[1],
         GATED=w_up is not None, HAS_BU=b_up is not None, HAS_BD=b_down is not None,
         K_P=_pow2(k), KO_P=_pow2(k_out), PAIRS=ROW_PAIRS, CH=min(TAIL_CH, _pow2(n)), PF=ROW_PF,
-        WPOL=ROW_WPOL, XPOL=ROW_XPOL,
         num_warps=max(1, kp // ROW_COLS_PER_WARP))
     return y, hsum
 

@@ -86,11 +86,10 @@ def _unpack(pk, dtype):
 
 
 @triton.jit
-def _wrows(ptr, n, s_n, ks, s_k, live, k_mask, dummy, LOAD: tl.constexpr, POL: tl.constexpr = ""):
-    """Weight rows n [PAIRS] x ks, in the weight dtype (dummy when not LOAD); POL: L2 eviction."""
+def _wrows(ptr, n, s_n, ks, s_k, live, k_mask, dummy, LOAD: tl.constexpr):
+    """Weight rows n [PAIRS] x ks, in the weight dtype (dummy when not LOAD)."""
     if LOAD:
-        return tl.load(ptr + n[:, None] * s_n + ks[None, :] * s_k, mask=live[:, None] & k_mask, other=0.0,
-                       eviction_policy=POL)
+        return tl.load(ptr + n[:, None] * s_n + ks[None, :] * s_k, mask=live[:, None] & k_mask, other=0.0)
     else:
         return dummy
 
@@ -122,14 +121,14 @@ def twell_rows_kernel(
     K, N, KO, W,
     GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
-    PF: tl.constexpr, WPOL: tl.constexpr, XPOL: tl.constexpr,
+    PF: tl.constexpr,
 ):
     m = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)     # rows over W first
     ks = tl.arange(0, K_P)
     k_ok = ks < K
     ko = tl.arange(0, KO_P)
     ko_ok = ko < KO
-    xr = tl.load(x_ptr + m * sx_m + ks * sx_k, mask=k_ok, other=0.0, eviction_policy=XPOL).to(tl.float32)
+    xr = tl.load(x_ptr + m * sx_m + ks * sx_k, mask=k_ok, other=0.0).to(tl.float32)
     bad = tl.sum(((xr != xr) | (tl.abs(xr) == float("inf"))).to(tl.int32), axis=0) > 0
     cnt = tl.load(cnt_ptr + m)
     nl = tl.where(bad, 0, tl.minimum(cnt, W))
@@ -145,14 +144,14 @@ def twell_rows_kernel(
     live = pa < nl
     n, g = _unpack(tl.load(list_ptr + lrow + pa, mask=live, other=0), dt)
     if PF == 2:
-        wu = _wrows(wu_ptr, n, swu_n, ks, swu_k, live, wu_m, g, GATED, WPOL)
-        wd = _wrows(wdt_ptr, n, swd_n, ko, swd_k, live, wd_m, g, True, WPOL)
+        wu = _wrows(wu_ptr, n, swu_n, ks, swu_k, live, wu_m, g, GATED)
+        wd = _wrows(wdt_ptr, n, swd_n, ko, swd_k, live, wd_m, g, True)
         live1 = (PAIRS + pa) < nl
         n1, g1 = _unpack(tl.load(list_ptr + lrow + PAIRS + pa, mask=live1, other=0), dt)
         for p0 in range(0, nl, PAIRS):
             # weight rows of the next pairs, (col, value) of the pairs after, then this step
-            wu1 = _wrows(wu_ptr, n1, swu_n, ks, swu_k, live1, wu_m, g1, GATED, WPOL)
-            wd1 = _wrows(wdt_ptr, n1, swd_n, ko, swd_k, live1, wd_m, g1, True, WPOL)
+            wu1 = _wrows(wu_ptr, n1, swu_n, ks, swu_k, live1, wu_m, g1, GATED)
+            wd1 = _wrows(wdt_ptr, n1, swd_n, ko, swd_k, live1, wd_m, g1, True)
             p2 = p0 + 2 * PAIRS + pa
             live2 = p2 < nl
             n2, g2 = _unpack(tl.load(list_ptr + lrow + p2, mask=live2, other=0), dt)
@@ -161,8 +160,8 @@ def twell_rows_kernel(
             g1, n1, live1 = g2, n2, live2
     else:
         for p0 in range(0, nl, PAIRS):
-            wu = _wrows(wu_ptr, n, swu_n, ks, swu_k, live, wu_m, g, GATED, WPOL)
-            wd = _wrows(wdt_ptr, n, swd_n, ko, swd_k, live, wd_m, g, True, WPOL)
+            wu = _wrows(wu_ptr, n, swu_n, ks, swu_k, live, wu_m, g, GATED)
+            wd = _wrows(wdt_ptr, n, swd_n, ko, swd_k, live, wd_m, g, True)
             if PF == 1:   # next (col, value) requested before this step's reductions
                 p1 = p0 + PAIRS + pa
                 live1 = p1 < nl
@@ -195,10 +194,10 @@ def twell_rows_kernel(
             tl_live = j <= na
             tn = (c0 + tl.sum(tl.where(sel, cc[None, :], 0), axis=1)).to(tl.int64)
             tg = tl.sum(tl.where(sel, v[None, :], 0.0), axis=1)
-            twu = _wrows(wu_ptr, tn, swu_n, ks, swu_k, tl_live, wu_m, tg, GATED, WPOL)
-            twd = _wrows(wdt_ptr, tn, swd_n, ko, swd_k, tl_live, wd_m, tg, True, WPOL)
+            twu = _wrows(wu_ptr, tn, swu_n, ks, swu_k, tl_live, wu_m, tg, GATED)
+            twd = _wrows(wdt_ptr, tn, swd_n, ko, swd_k, tl_live, wd_m, tg, True)
             acc, hs = _pair(acc, hs, xr, tg, tn, tl_live, twu, twd, bu_ptr, k_ok, GATED, HAS_BU)
     if HAS_BD:
         acc += tl.load(bd_ptr + ko, mask=ko_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m * sy_m + ko * sy_k, acc.to(y_ptr.dtype.element_ty), mask=ko_ok, eviction_policy=XPOL)
+    tl.store(y_ptr + m * sy_m + ko * sy_k, acc.to(y_ptr.dtype.element_ty), mask=ko_ok)
     tl.store(hsum_ptr + m, tl.sum(hs, axis=0))

@@ -55,7 +55,7 @@ VARIANTS = {
     "dx_rows_kernel": [dict(num_warps=w, PAIRS=pp) for w in WARPS for pp in (1, 2, 4)],
     "wgrad_kernel": [dict(num_warps=w, E=e) for w in (1, 2, 4) for e in (1, 2)],
 }
-if os.environ.get("PROBE_SET") == "evict":           # L2 eviction hints of the rows kernel
+if os.environ.get("PROBE_SET") == "evict":   # L2 eviction hints (kernel params of commit 6e4b648, reverted)
     VARIANTS["twell_rows_kernel"] = [dict(WPOL=w, XPOL=x) for w in ("", "evict_last") for x in ("", "evict_first")]
 ONLY = os.environ.get("PROBE_ONLY", "").split(",")   # kernel names, empty: all
 for name, grid, args, kw in calls:
