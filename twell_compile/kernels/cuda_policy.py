@@ -24,7 +24,8 @@ Three rules, in this order:
 
    holds (cuBLAS gate + compaction pass + per-row fused kernel vs dense FFN), dense
    otherwise; PAIR_UNITS_HBM replaces PAIR_UNITS when W_u and W_d together exceed L2_BYTES
-   (the fused kernel gathers a row of each per active pair). The constants are measured (docs/inference.md). A layer starts dense (a probe
+   (the fused kernel gathers a row of each per active pair). The constants are measured
+   (docs/inference.md). A layer starts dense (a probe
    call), so a dense layer never pays for a sparse first call; dense layers re-probe every
    PROBE_EVERY calls, TwELL layers every REFRESH_EVERY calls. The measured density also sets
    the per-row list width (cuda_infer.list_width).
