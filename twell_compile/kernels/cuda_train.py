@@ -74,6 +74,11 @@ RBK = 64          # K per recompute step in the backward (CH columns x RBK)
 FWD_WARPS = 0     # train_fwd_kernel: 0: pow2(max(K, K_out)) / FWD_COLS_PER_WARP warps
 FWD_COLS_PER_WARP = 1024    # H200 M=16384 K=2048 d=0.005 (session 15 run 3, probe_rows.py):
 FWD_PAIRS = 1               # 1 pair / 2 warps 531 us, 4 / 4 682, 1 / 4 566, 2 / 4 705
+# the same kernel writing the state only (Y=False: the dense path's compact state, u read from
+# the dense u, no weight rows): its per-pair work is a few loads and stores, so more pairs per
+# step; session 14's 4 pairs / 4 warps (1 / 2 made bench_e2e --train's dense steps 280 vs 243 ms)
+STATE_PAIRS = 4
+STATE_COLS_PER_WARP = 512
 BWD_WARPS = 0
 # Per-neuron weight-gradient passes (twell_train_wgrad.py), per pass: entries (gathered rows)
 # per step, warps; the X pass takes K in chunks of WG_BK columns, the DY pass whole rows of
@@ -167,8 +172,9 @@ def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b
             cols, ell_g, ell_u, bidx, bg, bu, ctr,
             k, n, k_out, width, cap,
             GATED=gated, HAS_BU=b_up is not None, HAS_BD=b_down is not None, Y=compute_y,
-            K_P=_pow2(k), KO_P=_pow2(k_out), PAIRS=FWD_PAIRS, CH=min(CH, _pow2(n)),
-            num_warps=FWD_WARPS or max(1, _pow2(max(k, k_out)) // FWD_COLS_PER_WARP))
+            K_P=_pow2(k), KO_P=_pow2(k_out), PAIRS=FWD_PAIRS if compute_y else STATE_PAIRS,
+            CH=min(CH, _pow2(n)), num_warps=FWD_WARPS or max(1, _pow2(max(k, k_out)) // (
+                FWD_COLS_PER_WARP if compute_y else STATE_COLS_PER_WARP)))
     missing = (ctr[0] - cap).clamp(min=0)
     return y, hsum, cnt, cols, ell_g, ell_u, bidx, bg, bu, missing
 
