@@ -70,10 +70,9 @@ def parts(ms, ds, ts, k, n, cfg, reps) -> int:
     from twell_compile.kernels import cuda_train
     from twell_compile.kernels.torch_impl import backup_capacity
 
-    # current, then session 14's wgrad config (4 entries / 4 warps in both passes), and the
-    # X pass at 4 warps or in 1024-column chunks
-    configs = [current_config(cuda_train), (0, 4, 4, 4, 2048, 4, 4, 512), (0, 4, 4, 2, 2048, 4, 1, 1024),
-               (0, 4, 2, 2, 1024, 4, 1, 1024)]
+    # current, then the wgrad passes at session 15's probe optimum (DY 1 entry / 2 warps, X 2 / 2,
+    # faster on this layer, slower on bench_e2e --train) and the forward row kernel at 4 / 4
+    configs = [current_config(cuda_train), (0, 1, 2, 2, 2048, 4, 1, 1024), (0, 4, 4, 4, 2048, 4, 4, 512)]
     totals = {c: 0.0 for c in configs}
     print(f"{'M':>6} {'dens':>6} {'tail':>4} {'config':>14} {'gate':>7} {'state':>7} {'fwd':>7} {'bwd':>7} "
           f"{'total':>7}", flush=True)

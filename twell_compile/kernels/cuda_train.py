@@ -82,13 +82,15 @@ STATE_COLS_PER_WARP = 512
 BWD_WARPS = 0
 # Per-neuron weight-gradient passes (twell_train_wgrad.py), per pass: entries (gathered rows)
 # per step, warps; the X pass takes K in chunks of WG_BK columns, the DY pass whole rows of
-# K_out. H200, M=16384 d=0.005 (session 15 run 2, probe_wgrad.py, 24 configs per pass): DY 1
-# entry, 2 warps: 460 us (4 entries / 4 warps: 636); X 2 entries, 2 warps: 391 us (4 / 4: 437).
-# Loading the next entries one step ahead gained nothing (run 1: backward 1.792 vs 1.802 ms).
-WG_DY_ENTRIES = 1
-WG_DY_COLS_PER_WARP = 1024   # DY warps = pow2(K_out) / this, at least 1
-WG_X_ENTRIES = 2
-WG_X_WARPS = 2
+# K_out. Session 14's 4 entries / 4 warps in both passes: on the synthetic layer (M=16384
+# d=0.005, no bias, no penalty; session 15 run 2, probe_wgrad.py) DY 1 entry / 2 warps ran 460
+# us against 636 and X 2 / 2 391 against 437, but on bench_e2e --train (biases, twell.l1=12)
+# those configs made the step 214.8 ms against 197.7 (run 16, same run, everything else equal),
+# so the whole model keeps these. Loading the next entries one step ahead: no gain (run 1).
+WG_DY_ENTRIES = 4
+WG_DY_COLS_PER_WARP = 512    # DY warps = pow2(K_out) / this, at least 1
+WG_X_ENTRIES = 4
+WG_X_WARPS = 4
 WG_BK = 2048
 DX_PAIRS = 4      # slots per step of dx_rows_kernel
 RANK_BM, RANK_BP = 8, 32    # rank_kernel: rows per program, slots per step
