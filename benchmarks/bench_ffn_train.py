@@ -109,8 +109,8 @@ def parts(ms, ds, ts, k, n, cfg, reps) -> int:
                 del st2
                 del p, x, wg, wu, wd, g, st
     best = min(totals, key=totals.get)
-    print("config: forward-row-kernel warps (0: by width), its pairs per step, X-pass warps, X-pass entries per step, X-pass K chunk, "
-          "dx pairs per step, DY-pass entries per step, DY-pass columns per warp")
+    print("config: forward-row-kernel warps (0: by width), its pairs per step, X-pass warps, X-pass entries "
+          "per step, X-pass K chunk, dx pairs per step, DY-pass entries per step, DY-pass columns per warp")
     print("best config " + ",".join(map(str, best)), flush=True)
     return 0
 
@@ -121,8 +121,8 @@ def current_config(ct) -> tuple:
 
 
 def set_config(ct, c) -> None:
-    """c = (forward-row-kernel warps (0: by width), its pairs per step, X-pass warps, X-pass entries, X-pass K chunk[,
-    dx pairs[, DY-pass entries, DY-pass columns per warp]])."""
+    """c = (forward-row-kernel warps (0: by width), its pairs per step, X-pass warps, X-pass entries,
+    X-pass K chunk[, dx pairs[, DY-pass entries, DY-pass columns per warp]])."""
     ct.FWD_WARPS = c[0]
     ct.FWD_PAIRS, ct.WG_X_WARPS, ct.WG_X_ENTRIES, ct.WG_BK = c[1:5]
     if len(c) > 5:

@@ -85,6 +85,11 @@ def _pow2(v: int) -> int:
     return 1 << max(0, (int(v) - 1).bit_length())
 
 
+def warps_by_width(width: int, cols_per_warp: int) -> int:
+    """Warps for a program holding rows of ``width`` columns: pow2(width) / cols_per_warp, >= 1."""
+    return max(1, _pow2(width) // cols_per_warp)
+
+
 class Packed(NamedTuple):
     """The gate kernel's output: TwELL slots plus the dense overflow buffer."""
     vals: Tensor     # [M, n_tiles, slots]
@@ -216,7 +221,6 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
     hsum = torch.empty((m,), dtype=torch.float32, device=x2.device)
     if m == 0:
         return y, hsum
-    kp = _pow2(max(k, k_out))
     twell_rows_kernel[(m,)](
         x2, x2.stride(0), x2.stride(1), r.g, r.g.stride(0), r.lst, r.cnt, r.order,
         wu, wu.stride(0), wu.stride(1), b_up if b_up is not None else x2,
@@ -224,7 +228,7 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
         y, y.stride(0), y.stride(1), hsum, k, n, k_out, r.lst.shape[1],
         GATED=w_up is not None, HAS_BU=b_up is not None, HAS_BD=b_down is not None,
         K_P=_pow2(k), KO_P=_pow2(k_out), PAIRS=ROW_PAIRS, CH=min(TAIL_CH, _pow2(n)), PF=ROW_PF,
-        num_warps=max(1, kp // ROW_COLS_PER_WARP))
+        num_warps=warps_by_width(max(k, k_out), ROW_COLS_PER_WARP))
     return y, hsum
 
 

@@ -47,7 +47,8 @@ from torch import Tensor
 
 from twell_compile import stats
 from twell_compile.kernels import cuda_policy
-from twell_compile.kernels.cuda_infer import COMPACT_BM, COMPACT_CH, COMPACT_WARPS, _INTERPRET, _pow2, _rows, _transposed
+from twell_compile.kernels.cuda_infer import (COMPACT_BM, COMPACT_CH, COMPACT_WARPS, _INTERPRET, _pow2, _rows,
+                                             _transposed, warps_by_width)
 from twell_compile.kernels.torch_impl import backup_capacity
 
 # Sparse while the layer's measured density is under this. H200, M=16384, K=2048, N=5632
@@ -164,6 +165,7 @@ def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b
             BM=COMPACT_BM, CH=min(COMPACT_CH, _pow2(n)), ASM=not _INTERPRET, num_warps=COMPACT_WARPS)
         wdt = _transposed(w_down) if compute_y else g
         wu = w_up if (compute_y and gated) else g
+        pairs, cpw = (FWD_PAIRS, FWD_COLS_PER_WARP) if compute_y else (STATE_PAIRS, STATE_COLS_PER_WARP)
         train_fwd_kernel[(m,)](
             x2, x2.stride(0), g, g.stride(0), lst, cnt, order,
             u if u is not None else g, u.stride(0) if u is not None else 0,
@@ -174,9 +176,8 @@ def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b
             cols, ell_g, ell_u, bidx, bg, bu, ctr,
             k, n, k_out, width, cap,
             GATED=gated, HAS_BU=b_up is not None, HAS_BD=b_down is not None, Y=compute_y,
-            K_P=_pow2(k), KO_P=_pow2(k_out), PAIRS=FWD_PAIRS if compute_y else STATE_PAIRS,
-            CH=min(CH, _pow2(n)), num_warps=FWD_WARPS or max(1, _pow2(max(k, k_out)) // (
-                FWD_COLS_PER_WARP if compute_y else STATE_COLS_PER_WARP)))
+            K_P=_pow2(k), KO_P=_pow2(k_out), PAIRS=pairs, CH=min(CH, _pow2(n)),
+            num_warps=FWD_WARPS or warps_by_width(max(k, k_out), cpw))
     missing = (ctr[0] - cap).clamp(min=0)
     return y, hsum, cnt, cols, ell_g, ell_u, bidx, bg, bu, missing
 
@@ -342,7 +343,7 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
             dwg, dwu if gated else dwg, dwdt, db[0], db[1], k, k_out)
     bk_dy = _pow2(k_out)                       # the DY pass needs whole dy rows for dh
     wgrad_kernel[(n, 1)](*args, DY=True, BKW=bk_dy, E=WG_DY_ENTRIES,
-                         num_warps=max(1, bk_dy // WG_DY_COLS_PER_WARP), **common)
+                         num_warps=warps_by_width(k_out, WG_DY_COLS_PER_WARP), **common)
     bkw = min(WG_BK, _pow2(k))
     wgrad_kernel[(n, -(-k // bkw))](*args, DY=False, BKW=bkw, E=WG_X_ENTRIES, num_warps=WG_X_WARPS, **common)
     if m:

@@ -2,14 +2,8 @@
 # Session 15 run 7: the refitted density rule (PAIR_UNITS by L2 residency). Inference grid at
 # M >= 16384 (both shapes; the op's own choice now), CUDA inference tests and the compile-level
 # ones, then bench_e2e --forward (batch 8 x 2048, d = 0.005 and 0.02).
-python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
-R="$OUT/run7"; mkdir -p "$R"
-for s in 2048x5632 4096x11008; do
-  timeout 150 python3 benchmarks/bench_ffn.py --shapes $s --M 16384 65536 --reps 50 \
-    --out "$R/ffn_inference_$s.json" > "$R/bench_ffn_$s.log" 2>&1
-  echo "rc=$?" >> "$R/bench_ffn_$s.log"
-  grep -E "^ +(16384|65536) .* (0.005|0.01) |rc=" "$R/bench_ffn_$s.log"
-done
+R="$OUT/run7"; source benchmarks/results/h200/session15/lib.sh; setup
+infer_grid 150 " .* (0.005|0.01) "
 rm -rf /tmp/torchinductor_root
 timeout 150 python3 -m pytest -q -x tests/kernels/test_cuda_ffn.py tests/kernels/test_cuda_policy.py tests/test_dispatch.py tests/test_modes.py > "$R/tests.log" 2>&1
 tail -2 "$R/tests.log"
