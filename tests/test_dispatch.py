@@ -48,6 +48,36 @@ def test_training_reasons_on_cuda_only_for_slow_paths():
         assert dispatch.static_dense_train_reason(CUDA, torch.bfloat16, m, 2048, 5632, 2048) is None
 
 
+def test_training_dynamic_token_counts_are_answered_under_a_guard():
+    """A SymInt token count is answered as its hint would be, and the answer joins the shape
+    environment's guards (m < MIN_TOKENS or its negation); unbacked counts keep the rewrite."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from twell_compile.kernels import cuda_train
+
+    def tokens(hint):
+        env = ShapeEnv()
+        b = env.create_symintnode(env.create_symbol(hint, source=ConstantSource("b")), hint=hint)
+        return env, b * 4                  # [b, 4, K]: 4b tokens
+
+    env, m = tokens(256)
+    why = dispatch.static_dense_train_reason(CUDA, torch.bfloat16, m, 2048, 5632, 2048)
+    assert why and "1024 now" in why and "recompiles once" in why
+    assert [str(g.expr) for g in env.guards] == [f"{m.node.expr} < {cuda_train.MIN_TOKENS}"]
+    env, m = tokens(cuda_train.MIN_TOKENS // 4)
+    assert dispatch.static_dense_train_reason(CUDA, torch.bfloat16, m, 2048, 5632, 2048) is None
+    assert [str(g.expr) for g in env.guards] == [f"{m.node.expr} >= {cuda_train.MIN_TOKENS}"]
+    env, m = tokens(256)                   # facts that decide without the count add no guard
+    assert "float32" in dispatch.static_dense_train_reason(CUDA, torch.float32, m, 2048, 5632, 2048)
+    assert dispatch.static_dense_train_reason(torch.device("cpu"), torch.bfloat16, m, 2048, 5632, 2048) is None
+    assert not env.guards
+    env = ShapeEnv()
+    u = env.create_unbacked_symint()
+    assert dispatch.static_dense_train_reason(CUDA, torch.bfloat16, u * 4, 2048, 5632, 2048) is None
+    assert not env.guards
+
+
 def test_cuda_decode_sizes_need_cuda_graphs():
     """Without CUDA graphs the decode step is host-bound and the rewrite lost end to end (H200,
     0.63x at batch 1): static decode-sized FFNs then stay with Inductor; dynamic M does not."""

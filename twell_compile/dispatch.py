@@ -10,7 +10,7 @@ values only through device-side or lagged counts: never a host sync on the call 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -92,8 +92,8 @@ def static_dense_reason(device: torch.device, dtype: torch.dtype, m: Optional[in
     return None
 
 
-def static_dense_train_reason(device: torch.device, dtype: torch.dtype, m: Optional[int], k: int,
-                              n: int, k_out: int) -> Optional[str]:
+def static_dense_train_reason(device: torch.device, dtype: torch.dtype, m: Optional[Union[int, torch.SymInt]],
+                              k: int, n: int, k_out: int) -> Optional[str]:
     """Why the training op would surely run a path slower than Inductor's dense FFN for these
     compile-time facts, or None. CUDA only (the CPU keeps the rewrite: tests and the recipe
     run there). The pass asks only when no L1 penalty is set (the penalty lives in our
@@ -101,8 +101,15 @@ def static_dense_train_reason(device: torch.device, dtype: torch.dtype, m: Optio
 
     H200 (docs/training-design.md): the CUDA training path's dense branch runs 0.73-0.81x of
     eager at 16k-64k tokens and 0.23-0.45x at 1024; fp32 and very wide layers train on the
-    plain-PyTorch path (host syncs). Only a static token count >= cuda_train.MIN_TOKENS of
-    bf16/fp16 within the kernels' widths can reach the sparse branch.
+    plain-PyTorch path (host syncs). Only a token count >= cuda_train.MIN_TOKENS of bf16/fp16
+    within the kernels' widths can reach the sparse branch.
+
+    ``m`` is the token count: an int when static, a SymInt under dynamic shapes, None when
+    unknown. A SymInt with a hint under MIN_TOKENS is answered like a static count, and the
+    answer is guarded (``m < MIN_TOKENS`` joins the graph's guards): at 1024 dynamic tokens
+    the rewritten step ran 1644 us against Inductor's 745 (H200, session16/run1), so this graph
+    serves small counts through Inductor and the first count >= MIN_TOKENS recompiles once,
+    rewritten (guarded ``m >= MIN_TOKENS``). Unbacked counts keep the rewrite.
     """
     if device.type != "cuda":
         return None
@@ -114,6 +121,16 @@ def static_dense_train_reason(device: torch.device, dtype: torch.dtype, m: Optio
                 f"(the sparse training kernels take bf16/fp16, e.g. under autocast)")
     if k > cp.MAX_WIDTH or k_out > cp.MAX_WIDTH or n > cp.MAX_N:
         return f"layer too wide for the CUDA sparse training kernels (K={k}, K_out={k_out}, N={n})"
+    if isinstance(m, torch.SymInt):
+        if not m.node.has_hint():
+            return None
+        hint = int(m.node.hint)
+        if m < ct.MIN_TOKENS:           # a guard either way
+            return (f"{m} tokens (dynamic, {hint} now): below the {ct.MIN_TOKENS} where the CUDA sparse "
+                    f"training kernels can win (no twell.l1 penalty needs our backward); this graph is "
+                    f"guarded to fewer than {ct.MIN_TOKENS} tokens, a larger count recompiles once and "
+                    f"is rewritten")
+        return None
     if m is not None and m < ct.MIN_TOKENS:
         return (f"{m} tokens: below the {ct.MIN_TOKENS} where the CUDA sparse training kernels "
                 f"can win (no twell.l1 penalty needs our backward)")

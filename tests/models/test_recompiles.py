@@ -91,3 +91,56 @@ def test_llama_mark_dynamic_batch_and_sequence() -> None:
             check_close("logits", main_output(compiled(input_ids=ids)), main_output(model(input_ids=ids)))
     assert backend.calls == 1, f"{backend.calls} compiles"
     assert backend.ops == ["twell::ffn", "twell::ffn"]
+
+
+def test_training_token_counts_across_the_small_m_rule(monkeypatch) -> None:
+    """Under dynamic shapes a training FFN's token count is answered by the CUDA small-M rule
+    under a guard (CUDA facts stood in for on the CPU, MIN_TOKENS lowered to 40): the graph
+    compiled at a small count leaves the FFN to Inductor and serves every count under 40; the
+    first count over it recompiles once, rewritten; after that nothing compiles."""
+    from twell_compile import dispatch
+    from twell_compile.kernels import cuda_train
+
+    real = dispatch.static_dense_train_reason
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(dispatch, "static_dense_train_reason",
+                        lambda dev, dt, m, k, n, k_out: real(cuda, torch.bfloat16, m, k, n, k_out))
+    monkeypatch.setattr(cuda_train, "MIN_TOKENS", 40)
+    torch.manual_seed(0)
+    model = Block()
+    backend = CountingTwell()
+    compiled = torch.compile(model, backend=backend)
+    # tokens: 6 (static), 12 (dynamic, < 40), 9, 51 (>= 40: recompiles), 27, 60, 15
+    for step, (batch, calls) in enumerate(((2, 1), (4, 2), (3, 2), (17, 3), (9, 3), (20, 3), (5, 3))):
+        x = torch.randn(batch, 3, 16, requires_grad=True)
+        got = compiled(x)
+        want = model(x)
+        check_close("output", got, want)
+        dy = torch.randn_like(want)
+        params = [x] + list(model.parameters())
+        for a, b in zip(torch.autograd.grad(got, params, dy), torch.autograd.grad(want, params, dy)):
+            check_close("grad", a, b)
+        assert backend.calls == calls, f"step {step}, {batch * 3} tokens: {backend.calls} compiles"
+    assert backend.ops == ["twell::ffn_train"]      # only the graph guarded to >= 40 tokens
+
+
+def test_training_mark_dynamic_across_the_small_m_rule(monkeypatch) -> None:
+    """mark_dynamic's dimension may be narrowed to a range (not specialised): no
+    ConstraintViolationError, one compile per side of the rule."""
+    from twell_compile import dispatch
+    from twell_compile.kernels import cuda_train
+
+    real = dispatch.static_dense_train_reason
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(dispatch, "static_dense_train_reason",
+                        lambda dev, dt, m, k, n, k_out: real(cuda, torch.bfloat16, m, k, n, k_out))
+    monkeypatch.setattr(cuda_train, "MIN_TOKENS", 40)
+    torch.manual_seed(0)
+    model = Block()
+    backend = CountingTwell()
+    compiled = torch.compile(model, backend=backend)
+    for batch in (4, 7, 30, 2, 33):
+        x = torch.randn(batch, 5, 16, requires_grad=True)
+        torch._dynamo.mark_dynamic(x, 0)
+        check_close("output", compiled(x), model(x))
+    assert backend.calls == 2 and backend.ops == ["twell::ffn_train"]

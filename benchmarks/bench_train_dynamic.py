@@ -1,0 +1,201 @@
+"""Compiled FFN training step under dynamic token counts: backend="twell" vs "inductor".
+
+    python3 benchmarks/bench_train_dynamic.py                 # M = 1024 4096 16384 2048, d = 0.005
+    python3 benchmarks/bench_train_dynamic.py --quick         # CPU smoke test, tiny shapes
+
+One gated ReLU FFN module (nn.Linear, bf16, no biases; weights and inputs from
+benchmarks/synthetic.py) compiled once per backend with ``dynamic=True``, then stepped at each M
+in the order given (y = ffn(x); torch.autograd.grad of x and the three weights). This is what
+a model sees when its batch changes: the twell backend answers the small-M rule under a guard
+(dispatch.static_dense_train_reason), so counts under cuda_train.MIN_TOKENS run Inductor's FFN
+and the first larger count recompiles once, rewritten. Per M: wall us per step (back-to-back
+steps, synchronised at the end; best of ``--rounds`` rounds: at small M the step is host-bound
+and do_bench's events would hide that), the compiles so far per backend, whether twell's step ran
+our op, and the gradients' error against fp32 autograd next to Inductor's. Writes
+benchmarks/results/<gpu>/train_dynamic.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from synthetic import make_ffn  # noqa: E402
+from timing import gpu_name, rel  # noqa: E402
+
+
+class FFN(nn.Module):
+    def __init__(self, k: int, n: int):
+        super().__init__()
+        self.gate = nn.Linear(k, n, bias=False)
+        self.up = nn.Linear(k, n, bias=False)
+        self.down = nn.Linear(n, k, bias=False)
+
+    def forward(self, x):
+        return self.down(F.relu(self.gate(x)) * self.up(x))
+
+
+class Counting:
+    """A backend wrapper counting compiles."""
+
+    def __init__(self, name: str):
+        self.name, self.calls = name, 0
+
+    def __call__(self, gm, example_inputs, **kw):
+        if self.name == "twell":
+            from twell_compile.backend import twell_backend
+            compiled = twell_backend(gm, example_inputs, **kw)
+        else:
+            from torch._inductor.compile_fx import compile_fx
+            compiled = compile_fx(gm, example_inputs)
+        self.calls += 1
+        return compiled
+
+
+class OpCalls:
+    """Counts calls of the training op's implementation (dispatch.ffn_train_forward, looked up
+    by the op at each call), so a step can tell which graph ran: ours or Inductor's FFN. With
+    ``cpu_rule``, the CUDA small-M rule also answers CPU facts, at MIN_TOKENS 32 (--quick).
+    Everything is put back on exit."""
+
+    def __init__(self, cpu_rule: bool):
+        self.n, self.cpu_rule = 0, cpu_rule
+
+    def __enter__(self):
+        from twell_compile import dispatch
+        from twell_compile.kernels import cuda_train
+        self._saved = (dispatch.ffn_train_forward, dispatch.static_dense_train_reason, cuda_train.MIN_TOKENS)
+        fwd, rule, _ = self._saved
+
+        def counted(*args, **kwargs):
+            self.n += 1
+            return fwd(*args, **kwargs)
+        dispatch.ffn_train_forward = counted
+        if self.cpu_rule:
+            cuda_train.MIN_TOKENS = 32
+            dispatch.static_dense_train_reason = (
+                lambda d, t, m, k, n, k_out: rule(torch.device("cuda"), torch.bfloat16, m, k, n, k_out))
+        return self
+
+    def __exit__(self, *exc):
+        from twell_compile import dispatch
+        from twell_compile.kernels import cuda_train
+        dispatch.ffn_train_forward, dispatch.static_dense_train_reason, cuda_train.MIN_TOKENS = self._saved
+        return False
+
+
+def wall_us(fn, steps: int, rounds: int, cuda: bool) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / steps * 1e6)
+    return best
+
+
+def positive(name: str, v: str) -> int:
+    i = int(v)
+    if i < 1:
+        raise ValueError(f"{name} must be >= 1, got {v}")
+    return i
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--M", nargs="+", default=None, help="token counts, stepped in this order")
+    ap.add_argument("--density", type=float, default=0.005)
+    ap.add_argument("--K", default="2048")
+    ap.add_argument("--N", default="5632")
+    ap.add_argument("--steps", default="50", help="steps per timing round")
+    ap.add_argument("--rounds", default="3")
+    ap.add_argument("--quick", action="store_true", help="CPU smoke test on tiny shapes")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    ms = [positive("--M", v) for v in (a.M or (["16", "48", "8"] if a.quick else ["1024", "4096", "16384", "2048"]))]
+    k, n = positive("--K", a.K), positive("--N", a.N)
+    steps, rounds = positive("--steps", a.steps), positive("--rounds", a.rounds)
+    if not 0.0 < a.density <= 1.0:
+        raise ValueError(f"--density must be in (0, 1], got {a.density}")
+    if a.quick:
+        k, n, steps, rounds = 32, 80, 2, 1
+    cuda = not a.quick
+    dev = torch.device("cuda" if cuda else "cpu")
+    dt = torch.bfloat16 if cuda else torch.float32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with OpCalls(cpu_rule=a.quick) as op_calls:
+        rows = run(ms, k, n, a.density, steps, rounds, dev, dt, op_calls)
+    out = Path(a.out) if a.out else (Path(__file__).resolve().parent / "results" / gpu_name() / "train_dynamic.json"
+                                     if cuda else Path("/tmp/train_dynamic_quick.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
+    print(f"wrote {out} ({len(rows)} rows)")
+    return 0
+
+
+def run(ms, k, n, density, steps, rounds, dev, dt, op_calls) -> list[dict]:
+    cuda = dev.type == "cuda"
+    p0 = make_ffn(max(ms), k, n, density, 0.0, device=dev, seed=1, dtype=dt)
+    mods, compiled, backends = {}, {}, {}
+    for name in ("twell", "inductor"):
+        mod = FFN(k, n).to(dev, dt)
+        with torch.no_grad():
+            mod.gate.weight.copy_(p0["w_gate"])
+            mod.up.weight.copy_(p0["w_up"])
+            mod.down.weight.copy_(p0["w_down"])
+        backends[name] = Counting(name)
+        mods[name] = mod
+        compiled[name] = torch.compile(mod, backend=backends[name], dynamic=True)
+    rows = []
+    print(f"{'M':>6} {'twell_us':>9} {'ind_us':>9} {'ratio':>6} {'op':>3} {'tw_cmp':>6} {'ind_cmp':>7} "
+          f"{'err':>8} {'ind_err':>8}", flush=True)
+    for m in ms:
+        x0 = p0["x"][:m].detach()
+        dy = torch.randn(m, k, device=dev, dtype=torch.float32,
+                         generator=torch.Generator(dev).manual_seed(m)).to(dt)
+        x = x0.clone().requires_grad_()
+        res = {}
+        for name in ("twell", "inductor"):
+            params = (x, *mods[name].parameters())
+
+            def step(f=compiled[name], params=params):
+                return torch.autograd.grad(f(x), params, dy)
+            before = op_calls.n
+            got = step()                                 # compiles here if it must
+            if name == "twell":
+                ran_op = op_calls.n > before
+            for _ in range(3):
+                step()
+            res[name] = (wall_us(step, steps, rounds, cuda), got)
+        ref_mod = FFN(k, n).to(dev, torch.float32)
+        ref_mod.load_state_dict({kk: v.float() for kk, v in mods["twell"].state_dict().items()})
+        x64 = x0.float().requires_grad_()
+        ref = torch.autograd.grad(ref_mod(x64), (x64, *ref_mod.parameters()), dy.float())
+        err = max(rel(g, r) for g, r in zip(res["twell"][1], ref))
+        ierr = max(rel(g, r) for g, r in zip(res["inductor"][1], ref))
+        tw, ind = res["twell"][0], res["inductor"][0]
+        row = dict(M=m, K=k, N=n, density=density, twell_us=tw, inductor_us=ind,
+                   twell_op_ran=ran_op, twell_compiles=backends["twell"].calls,
+                   inductor_compiles=backends["inductor"].calls, grad_rel_err=err,
+                   inductor_grad_rel_err=ierr, gpu=torch.cuda.get_device_name() if cuda else "cpu")
+        rows.append(row)
+        print(f"{m:>6} {tw:>9.1f} {ind:>9.1f} {ind / tw:>6.2f} {'yes' if ran_op else 'no':>3} "
+              f"{row['twell_compiles']:>6} {row['inductor_compiles']:>7} {err:>8.1e} {ierr:>8.1e}"
+              + ("  ERR>2x" if err > 2 * ierr else ""), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())
