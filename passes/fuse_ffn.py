@@ -150,13 +150,10 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
             xe = example(found.x)
             n = found.gate.rows[1] - found.gate.rows[0] if found.gate.rows else int(example(found.down.x).shape[-1])
             if config.skip_dense and (not out.requires_grad or not config.l1):
-                m_ = _tokens_count(xe.shape)
-                facts = (out.device, out.dtype, int(xe.shape[-1]), n, int(out.shape[-1]))
-                # training: a dynamic count may be answered under a guard (dispatch); inference
-                # keeps every dynamic count (its op picks decode, dense or per-row by M)
-                why = (dispatch.static_dense_train_reason(facts[0], facts[1], m_, *facts[2:]) if out.requires_grad
-                       else dispatch.static_dense_reason(facts[0], facts[1], m_ if isinstance(m_, int) else None,
-                                                         *facts[2:], cudagraphs=config.cudagraphs != "off"))
+                # a dynamic count (SymInt) may be answered under a guard (dispatch)
+                facts = (out.device, out.dtype, _tokens_count(xe.shape), int(xe.shape[-1]), n, int(out.shape[-1]))
+                why = (dispatch.static_dense_train_reason(*facts) if out.requires_grad else
+                       dispatch.static_dense_reason(*facts, cudagraphs=config.cudagraphs != "off"))
                 if why is not None:
                     report.add_rejection(RejectionEntry(found.layer, f"{why}; Inductor's dense FFN is faster "
                                                         "(twell.skip_dense=False rewrites it anyway)", sub_name))

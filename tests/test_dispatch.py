@@ -78,6 +78,38 @@ def test_training_dynamic_token_counts_are_answered_under_a_guard():
     assert not env.guards
 
 
+def test_inference_dynamic_token_counts_are_guarded_to_their_range():
+    """A SymInt count in the band between the decode path and the per-row path is left to
+    Inductor under guards for the band; counts outside it are rewritten, guarded to their side
+    (decode or per-row), and the static-only rules do not apply to them."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    lo, hi = cuda_policy.DECODE_MAX_M, cuda_policy.MIN_TOKENS
+
+    def tokens(hint):
+        env = ShapeEnv()
+        return env, env.create_symintnode(env.create_symbol(hint, source=ConstantSource("m")), hint=hint)
+
+    env, m = tokens(1024)
+    why = dispatch.static_dense_reason(CUDA, torch.bfloat16, m, 2048, 5632, 2048)
+    assert why and "1024 now" in why and "guarded to that band" in why
+    assert sorted(str(g.expr) for g in env.guards) == sorted([f"{m.node.expr} < {hi}", f"{m.node.expr} > {lo}"])
+    env, m = tokens(2)                     # decode-sized, no CUDA graphs: rewritten all the same
+    assert dispatch.static_dense_reason(CUDA, torch.bfloat16, m, 2048, 5632, 2048, cudagraphs=False) is None
+    assert [str(g.expr) for g in env.guards] == [f"{m.node.expr} <= {lo}"]
+    env, m = tokens(hi)
+    assert dispatch.static_dense_reason(CUDA, torch.bfloat16, m, 64, cuda_policy.MAX_N + 1, 64) is None
+    assert sorted(str(g.expr) for g in env.guards) == sorted([f"{m.node.expr} > {lo}", f"{m.node.expr} >= {hi}"])
+    env, m = tokens(1024)                  # decided without the count: no guard
+    assert "float32" in dispatch.static_dense_reason(CUDA, torch.float32, m, 2048, 5632, 2048)
+    assert dispatch.static_dense_reason(torch.device("cpu"), torch.bfloat16, m, 2048, 5632, 2048) is None
+    assert not env.guards
+    env = ShapeEnv()
+    assert dispatch.static_dense_reason(CUDA, torch.bfloat16, env.create_unbacked_symint(), 2048, 5632, 2048) is None
+    assert not env.guards
+
+
 def test_cuda_decode_sizes_need_cuda_graphs():
     """Without CUDA graphs the decode step is host-bound and the rewrite lost end to end (H200,
     0.63x at batch 1): static decode-sized FFNs then stay with Inductor; dynamic M does not."""

@@ -51,8 +51,8 @@ def _cpu_infer(x: Tensor, w_gate: Tensor, w_down: Tensor):
     return cpu_ffn if cpu_ffn.supports(x, w_gate, w_down) else None
 
 
-def static_dense_reason(device: torch.device, dtype: torch.dtype, m: Optional[int], k: int, n: int,
-                        k_out: int, cudagraphs: bool = True) -> Optional[str]:
+def static_dense_reason(device: torch.device, dtype: torch.dtype, m: Optional[Union[int, torch.SymInt]], k: int,
+                        n: int, k_out: int, cudagraphs: bool = True) -> Optional[str]:
     """Why the inference op would surely run dense for these compile-time shapes, or None.
 
     CUDA only, and only from facts fixed at compile time (M must be static): the CUDA shape
@@ -66,7 +66,12 @@ def static_dense_reason(device: torch.device, dtype: torch.dtype, m: Optional[in
     0.63x of Inductor's tokens/s at batch 1 (7.9 vs 5.0 ms per step, H200, default mode,
     results/h200/session11/run9/), although one eager call of the op alone now costs less host
     time than Inductor's compiled FFN (75-112 vs 92-128 us at M=1-16, bench_host.py, session11/run7).
-    Dynamic M is always rewritten.
+
+    A dynamic M (SymInt with a hint) is asked the band rule only, under guards: a graph compiled
+    at a count in the band serves the band through Inductor; one compiled outside it is guarded
+    to its side (M <= DECODE_MAX_M, or M >= MIN_TOKENS) and rewritten, so a count in another
+    range recompiles once. The other rules stay for static counts (a dynamic decode-sized M is
+    rewritten whatever ``cudagraphs`` says). Unbacked counts are rewritten.
     """
     if device.type != "cuda":
         return None
@@ -74,6 +79,13 @@ def static_dense_reason(device: torch.device, dtype: torch.dtype, m: Optional[in
 
     if dtype not in cp.DTYPES:
         return f"{str(dtype).replace('torch.', '')} on CUDA runs dense (the sparse kernels take bf16/fp16)"
+    if isinstance(m, torch.SymInt):
+        if m.node.has_hint() and cp.DECODE_MAX_M < m < cp.MIN_TOKENS:     # guards on the side(s) taken
+            return (f"{m} tokens (dynamic, {int(m.node.hint)} now): above the decode path's "
+                    f"{cp.DECODE_MAX_M} and below the per-row path's {cp.MIN_TOKENS}, where the CUDA "
+                    f"sparse kernels lose to dense; this graph is guarded to that band, a count outside "
+                    f"it recompiles once and is rewritten")
+        return None
     if m is not None and cp.DECODE_MAX_M < m < cp.MIN_TOKENS:
         return (f"{m} tokens: above the decode path's {cp.DECODE_MAX_M} and below the per-row path's "
                 f"{cp.MIN_TOKENS}, where the CUDA sparse kernels lose to dense")

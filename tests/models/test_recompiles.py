@@ -144,3 +144,31 @@ def test_training_mark_dynamic_across_the_small_m_rule(monkeypatch) -> None:
         torch._dynamo.mark_dynamic(x, 0)
         check_close("output", compiled(x), model(x))
     assert backend.calls == 2 and backend.ops == ["twell::ffn_train"]
+
+
+def test_inference_token_counts_across_the_band_rule(monkeypatch) -> None:
+    """Inference under dynamic shapes: counts in the band between the decode path and the
+    per-row path (CUDA facts stood in for on the CPU: band 8 < M < 40) run Inductor's FFN, and
+    each range compiles once: band, per-row sized, decode-sized."""
+    from twell_compile import dispatch
+    from twell_compile.kernels import cuda_policy
+
+    real = dispatch.static_dense_reason
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(dispatch, "static_dense_reason",
+                        lambda dev, dt, m, k, n, k_out, **kw: real(cuda, torch.bfloat16, m, k, n, k_out, **kw))
+    monkeypatch.setattr(cuda_policy, "DECODE_MAX_M", 8)
+    monkeypatch.setattr(cuda_policy, "MIN_TOKENS", 40)
+    torch.manual_seed(0)
+    model = Block()
+    backend = CountingTwell()
+    compiled = torch.compile(model, backend=backend)
+    # tokens: 12 static (band: Inductor), 15 dynamic (band: Inductor), 27, 51 (per-row: op),
+    # 6 (decode: op, CUDA graphs or not), 60, 30, 9
+    expected = ((4, 1), (5, 2), (9, 2), (17, 3), (2, 4), (20, 4), (10, 4), (3, 4))
+    for step, (batch, calls) in enumerate(expected):
+        x = torch.randn(batch, 3, 16)
+        with torch.no_grad():
+            check_close("output", compiled(x), model(x))
+        assert backend.calls == calls, f"step {step}, {batch * 3} tokens: {backend.calls} compiles"
+    assert backend.ops == ["twell::ffn"] * 2      # per-row sized, decode-sized
