@@ -1,18 +1,22 @@
-"""Compiled FFN training step under dynamic token counts: backend="twell" vs "inductor".
+"""Compiled FFN under dynamic token counts: backend="twell" vs "inductor", training or inference.
 
-    python3 benchmarks/bench_train_dynamic.py                 # M = 1024 4096 16384 2048, d = 0.005
-    python3 benchmarks/bench_train_dynamic.py --quick         # CPU smoke test, tiny shapes
+    python3 benchmarks/bench_dynamic.py                 # training step, M = 1024 4096 16384 2048
+    python3 benchmarks/bench_dynamic.py --inference     # forward, M = 1024 16384 16 4096
+    python3 benchmarks/bench_dynamic.py --quick         # CPU smoke test, tiny shapes (both modes)
 
 One gated ReLU FFN module (nn.Linear, bf16, no biases; weights and inputs from
-benchmarks/synthetic.py) compiled once per backend with ``dynamic=True``, then stepped at each M
-in the order given (y = ffn(x); torch.autograd.grad of x and the three weights). This is what
-a model sees when its batch changes: the twell backend answers the small-M rule under a guard
-(dispatch.static_dense_train_reason), so counts under cuda_train.MIN_TOKENS run Inductor's FFN
-and the first larger count recompiles once, rewritten. Per M: wall us per step (back-to-back
-steps, synchronised at the end; best of ``--rounds`` rounds, alternating between the backends:
-at small M the step is host-bound and do_bench's events would hide that), the compiles so far per backend, whether twell's step ran
-our op, and the gradients' error against fp32 autograd next to Inductor's. Writes
-benchmarks/results/<gpu>/train_dynamic.json.
+benchmarks/synthetic.py, d=0.005) compiled once per backend with ``dynamic=True``, then run at
+each M in the order given: a training step (y = ffn(x); torch.autograd.grad of x and the three
+weights) or, with --inference, a forward under no_grad. This is what a model sees when its
+batch changes: the twell backend answers its token-count rules under guards
+(dispatch.static_dense_train_reason: under cuda_train.MIN_TOKENS; dispatch.static_dense_reason:
+the band between the decode path and the per-row path), so counts there run Inductor's FFN and
+a count in another range recompiles once. Per M: wall us per call (back-to-back calls,
+synchronised at the end; best of ``--rounds`` rounds, alternating between the backends: at
+small M the call is host-bound and do_bench's events would hide that), the compiles so far per
+backend, whether twell's call ran our op, and the error (max over the gradients, or the
+output's) against fp32 next to Inductor's. Writes benchmarks/results/<gpu>/dynamic_train.json
+or dynamic_inference.json.
 """
 
 from __future__ import annotations
@@ -61,34 +65,45 @@ class Counting:
 
 
 class OpCalls:
-    """Counts calls of the training op's implementation (dispatch.ffn_train_forward, looked up
-    by the op at each call), so a step can tell which graph ran: ours or Inductor's FFN. With
-    ``cpu_rule``, the CUDA small-M rule also answers CPU facts, at MIN_TOKENS 32 (--quick).
-    Everything is put back on exit."""
+    """Counts calls of our ops' implementations (dispatch.ffn_train_forward and
+    dispatch.ffn_infer, looked up by the ops at each call), so a step can tell which graph ran:
+    ours or Inductor's FFN. With ``cpu_rule``, the CUDA token-count rules also answer CPU facts,
+    at small thresholds (--quick: decode <= 8, per-row and training >= 32). Everything is put
+    back on exit."""
 
     def __init__(self, cpu_rule: bool):
         self.n, self.cpu_rule = 0, cpu_rule
 
     def __enter__(self):
         from twell_compile import dispatch
-        from twell_compile.kernels import cuda_train
-        self._saved = (dispatch.ffn_train_forward, dispatch.static_dense_train_reason, cuda_train.MIN_TOKENS)
-        fwd, rule, _ = self._saved
+        from twell_compile.kernels import cuda_policy, cuda_train
+        self._saved = (dispatch.ffn_train_forward, dispatch.ffn_infer, dispatch.static_dense_train_reason,
+                       dispatch.static_dense_reason, cuda_train.MIN_TOKENS, cuda_policy.DECODE_MAX_M,
+                       cuda_policy.MIN_TOKENS)
+        fwd, infer, train_rule, infer_rule = self._saved[:4]
 
-        def counted(*args, **kwargs):
-            self.n += 1
-            return fwd(*args, **kwargs)
-        dispatch.ffn_train_forward = counted
+        def counting(fn):
+            def counted(*args, **kwargs):
+                self.n += 1
+                return fn(*args, **kwargs)
+            return counted
+        dispatch.ffn_train_forward, dispatch.ffn_infer = counting(fwd), counting(infer)
         if self.cpu_rule:
-            cuda_train.MIN_TOKENS = 32
+            cuda = torch.device("cuda")
+            cuda_train.MIN_TOKENS = cuda_policy.MIN_TOKENS = 32
+            cuda_policy.DECODE_MAX_M = 8
             dispatch.static_dense_train_reason = (
-                lambda d, t, m, k, n, k_out: rule(torch.device("cuda"), torch.bfloat16, m, k, n, k_out))
+                lambda d, t, m, k, n, k_out: train_rule(cuda, torch.bfloat16, m, k, n, k_out))
+            dispatch.static_dense_reason = (
+                lambda d, t, m, k, n, k_out, **kw: infer_rule(cuda, torch.bfloat16, m, k, n, k_out, **kw))
         return self
 
     def __exit__(self, *exc):
         from twell_compile import dispatch
-        from twell_compile.kernels import cuda_train
-        dispatch.ffn_train_forward, dispatch.static_dense_train_reason, cuda_train.MIN_TOKENS = self._saved
+        from twell_compile.kernels import cuda_policy, cuda_train
+        (dispatch.ffn_train_forward, dispatch.ffn_infer, dispatch.static_dense_train_reason,
+         dispatch.static_dense_reason, cuda_train.MIN_TOKENS, cuda_policy.DECODE_MAX_M,
+         cuda_policy.MIN_TOKENS) = self._saved
         return False
 
 
@@ -121,10 +136,13 @@ def main(argv=None) -> int:
     ap.add_argument("--N", default="5632")
     ap.add_argument("--steps", default="50", help="steps per timing round")
     ap.add_argument("--rounds", default="5")
+    ap.add_argument("--inference", action="store_true", help="forward under no_grad instead of a training step")
     ap.add_argument("--quick", action="store_true", help="CPU smoke test on tiny shapes")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    ms = [positive("--M", v) for v in (a.M or (["16", "48", "8"] if a.quick else ["1024", "4096", "16384", "2048"]))]
+    default = ((["16", "48", "4", "24"] if a.inference else ["16", "48", "8"]) if a.quick else
+               (["1024", "16384", "16", "4096"] if a.inference else ["1024", "4096", "16384", "2048"]))
+    ms = [positive("--M", v) for v in (a.M or default)]
     k, n = positive("--K", a.K), positive("--N", a.N)
     steps, rounds = positive("--steps", a.steps), positive("--rounds", a.rounds)
     if not 0.0 < a.density <= 1.0:
@@ -136,16 +154,17 @@ def main(argv=None) -> int:
     dt = torch.bfloat16 if cuda else torch.float32
     torch.backends.cuda.matmul.allow_tf32 = False
     with OpCalls(cpu_rule=a.quick) as op_calls:
-        rows = run(ms, k, n, a.density, steps, rounds, dev, dt, op_calls)
-    out = Path(a.out) if a.out else (Path(__file__).resolve().parent / "results" / gpu_name() / "train_dynamic.json"
-                                     if cuda else Path("/tmp/train_dynamic_quick.json"))
+        rows = run(ms, k, n, a.density, steps, rounds, dev, dt, op_calls, not a.inference)
+    name = "dynamic_train.json" if not a.inference else "dynamic_inference.json"
+    out = Path(a.out) if a.out else (Path(__file__).resolve().parent / "results" / gpu_name() / name
+                                     if cuda else Path("/tmp") / name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
     print(f"wrote {out} ({len(rows)} rows)")
     return 0
 
 
-def run(ms, k, n, density, steps, rounds, dev, dt, op_calls) -> list[dict]:
+def run(ms, k, n, density, steps, rounds, dev, dt, op_calls, train: bool) -> list[dict]:
     cuda = dev.type == "cuda"
     p0 = make_ffn(max(ms), k, n, density, 0.0, device=dev, seed=1, dtype=dt)
     mods, compiled, backends = {}, {}, {}
@@ -165,12 +184,15 @@ def run(ms, k, n, density, steps, rounds, dev, dt, op_calls) -> list[dict]:
         x0 = p0["x"][:m].detach()
         dy = torch.randn(m, k, device=dev, dtype=torch.float32,
                          generator=torch.Generator(dev).manual_seed(m)).to(dt)
-        x = x0.clone().requires_grad_()
+        x = x0.clone().requires_grad_(train)
         steppers, got = {}, {}
         for name in ("twell", "inductor"):
             params = (x, *mods[name].parameters())
 
             def step(f=compiled[name], params=params):
+                if not train:
+                    with torch.no_grad():
+                        return (f(x),)
                 return torch.autograd.grad(f(x), params, dy)
             before = op_calls.n
             got[name] = step()                           # compiles here if it must
@@ -188,15 +210,19 @@ def run(ms, k, n, density, steps, rounds, dev, dt, op_calls) -> list[dict]:
         res = {name: (us[name], got[name]) for name in steppers}
         ref_mod = FFN(k, n).to(dev, torch.float32)
         ref_mod.load_state_dict({kk: v.float() for kk, v in mods["twell"].state_dict().items()})
-        x64 = x0.float().requires_grad_()
-        ref = torch.autograd.grad(ref_mod(x64), (x64, *ref_mod.parameters()), dy.float())
+        x64 = x0.float().requires_grad_(train)
+        if train:
+            ref = torch.autograd.grad(ref_mod(x64), (x64, *ref_mod.parameters()), dy.float())
+        else:
+            with torch.no_grad():
+                ref = (ref_mod(x64),)
         err = max(rel(g, r) for g, r in zip(res["twell"][1], ref))
         ierr = max(rel(g, r) for g, r in zip(res["inductor"][1], ref))
         tw, ind = res["twell"][0], res["inductor"][0]
-        row = dict(M=m, K=k, N=n, density=density, twell_us=tw, inductor_us=ind,
-                   twell_op_ran=ran_op, twell_compiles=backends["twell"].calls,
-                   inductor_compiles=backends["inductor"].calls, grad_rel_err=err,
-                   inductor_grad_rel_err=ierr, gpu=torch.cuda.get_device_name() if cuda else "cpu")
+        row = dict(M=m, K=k, N=n, density=density, mode="train" if train else "inference", twell_us=tw,
+                   inductor_us=ind, twell_op_ran=ran_op, twell_compiles=backends["twell"].calls,
+                   inductor_compiles=backends["inductor"].calls, rel_err=err, inductor_rel_err=ierr,
+                   gpu=torch.cuda.get_device_name() if cuda else "cpu")
         rows.append(row)
         print(f"{m:>6} {tw:>9.1f} {ind:>9.1f} {ind / tw:>6.2f} {'yes' if ran_op else 'no':>3} "
               f"{row['twell_compiles']:>6} {row['inductor_compiles']:>7} {err:>8.1e} {ierr:>8.1e}"
