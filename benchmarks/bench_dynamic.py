@@ -68,7 +68,7 @@ class OpCalls:
     """Counts calls of our ops' implementations (dispatch.ffn_train_forward and
     dispatch.ffn_infer, looked up by the ops at each call), so a step can tell which graph ran:
     ours or Inductor's FFN. With ``cpu_rule``, the CUDA token-count rules also answer CPU facts,
-    at small thresholds (--quick: decode <= 8, per-row and training >= 32). Everything is put
+    at small thresholds (--quick: decode <= 8, per-row and training >= 32, K >= 16). Everything is put
     back on exit."""
 
     def __init__(self, cpu_rule: bool):
@@ -79,7 +79,7 @@ class OpCalls:
         from twell_compile.kernels import cuda_policy, cuda_train
         self._saved = (dispatch.ffn_train_forward, dispatch.ffn_infer, dispatch.static_dense_train_reason,
                        dispatch.static_dense_reason, cuda_train.MIN_TOKENS, cuda_policy.DECODE_MAX_M,
-                       cuda_policy.MIN_TOKENS)
+                       cuda_policy.MIN_TOKENS, cuda_policy.MIN_WIDTH)
         fwd, infer, train_rule, infer_rule = self._saved[:4]
 
         def counting(fn):
@@ -92,6 +92,7 @@ class OpCalls:
             cuda = torch.device("cuda")
             cuda_train.MIN_TOKENS = cuda_policy.MIN_TOKENS = 32
             cuda_policy.DECODE_MAX_M = 8
+            cuda_policy.MIN_WIDTH = 16
             dispatch.static_dense_train_reason = (
                 lambda d, t, m, k, n, k_out: train_rule(cuda, torch.bfloat16, m, k, n, k_out))
             dispatch.static_dense_reason = (
@@ -103,7 +104,7 @@ class OpCalls:
         from twell_compile.kernels import cuda_policy, cuda_train
         (dispatch.ffn_train_forward, dispatch.ffn_infer, dispatch.static_dense_train_reason,
          dispatch.static_dense_reason, cuda_train.MIN_TOKENS, cuda_policy.DECODE_MAX_M,
-         cuda_policy.MIN_TOKENS) = self._saved
+         cuda_policy.MIN_TOKENS, cuda_policy.MIN_WIDTH) = self._saved
         return False
 
 

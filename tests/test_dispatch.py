@@ -79,9 +79,9 @@ def test_training_dynamic_token_counts_are_answered_under_a_guard():
 
 
 def test_inference_dynamic_token_counts_are_guarded_to_their_range():
-    """A SymInt count in the band between the decode path and the per-row path is left to
-    Inductor under guards for the band; counts outside it are rewritten, guarded to their side
-    (decode or per-row), and the static-only rules do not apply to them."""
+    """A SymInt count is answered as its hint is, and the range the hint is in (decode-sized,
+    the band, per-row sized) joins the shape environment's guards; facts that decide without
+    the count add no guard; unbacked counts keep the rewrite."""
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -91,16 +91,23 @@ def test_inference_dynamic_token_counts_are_guarded_to_their_range():
         env = ShapeEnv()
         return env, env.create_symintnode(env.create_symbol(hint, source=ConstantSource("m")), hint=hint)
 
+    def guards(env):
+        return sorted(str(g.expr) for g in env.guards)
+
     env, m = tokens(1024)
     why = dispatch.static_dense_reason(CUDA, torch.bfloat16, m, 2048, 5632, 2048)
-    assert why and "1024 now" in why and "guarded to that band" in why
-    assert sorted(str(g.expr) for g in env.guards) == sorted([f"{m.node.expr} < {hi}", f"{m.node.expr} > {lo}"])
-    env, m = tokens(2)                     # decode-sized, no CUDA graphs: rewritten all the same
-    assert dispatch.static_dense_reason(CUDA, torch.bfloat16, m, 2048, 5632, 2048, cudagraphs=False) is None
-    assert [str(g.expr) for g in env.guards] == [f"{m.node.expr} <= {lo}"]
+    assert why and "1024 now" in why and f"guarded to {lo + 1}-{hi - 1} tokens" in why and "decode path" in why
+    assert guards(env) == sorted([f"{m.node.expr} < {hi}", f"{m.node.expr} > {lo}"])
+    for cudagraphs in (False, True):       # decode-sized: the CUDA-graph rule as for a static count
+        env, m = tokens(2)
+        why = dispatch.static_dense_reason(CUDA, torch.bfloat16, m, 2048, 5632, 2048, cudagraphs=cudagraphs)
+        assert (why is None) == cudagraphs and (cudagraphs or f"guarded to <= {lo}" in why)
+        assert guards(env) == [f"{m.node.expr} <= {lo}"]
     env, m = tokens(hi)
-    assert dispatch.static_dense_reason(CUDA, torch.bfloat16, m, 64, cuda_policy.MAX_N + 1, 64) is None
-    assert sorted(str(g.expr) for g in env.guards) == sorted([f"{m.node.expr} > {lo}", f"{m.node.expr} >= {hi}"])
+    assert dispatch.static_dense_reason(CUDA, torch.bfloat16, m, 2048, 5632, 2048) is None
+    assert guards(env) == sorted([f"{m.node.expr} > {lo}", f"{m.node.expr} >= {hi}"])
+    env, m = tokens(hi)                    # per-row sized: the width rules apply
+    assert "wide" in dispatch.static_dense_reason(CUDA, torch.bfloat16, m, 64, cuda_policy.MAX_N + 1, 64)
     env, m = tokens(1024)                  # decided without the count: no guard
     assert "float32" in dispatch.static_dense_reason(CUDA, torch.float32, m, 2048, 5632, 2048)
     assert dispatch.static_dense_reason(torch.device("cpu"), torch.bfloat16, m, 2048, 5632, 2048) is None

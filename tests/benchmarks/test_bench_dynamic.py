@@ -15,16 +15,17 @@ def _stand_ins():
     from twell_compile import dispatch
     from twell_compile.kernels import cuda_policy, cuda_train
     return (dispatch.ffn_train_forward, dispatch.ffn_infer, dispatch.static_dense_train_reason,
-            dispatch.static_dense_reason, cuda_train.MIN_TOKENS, cuda_policy.DECODE_MAX_M, cuda_policy.MIN_TOKENS)
+            dispatch.static_dense_reason, cuda_train.MIN_TOKENS, cuda_policy.DECODE_MAX_M, cuda_policy.MIN_TOKENS,
+            cuda_policy.MIN_WIDTH)
 
 
 @pytest.mark.parametrize("mode,ms,ran,compiles", [
     # training (rule: >= 32): 16 guarded to Inductor, 48 recompiles once (our op), 8 and 64
     # take the graphs already there
     ([], ["16", "48", "8", "64"], [False, True, False, True], [1, 2, 2, 2]),
-    # inference (band 8 < M < 32): 16 (band: Inductor), 48 (per-row: op), 4 (decode: op), 24
-    # (the band's graph)
-    (["--inference"], ["16", "48", "4", "24"], [False, True, True, False], [1, 2, 3, 3]),
+    # inference (band 8 < M < 32): 16 (band: Inductor), 48 (per-row: op), 4 (decode-sized
+    # without CUDA graphs: Inductor), 24 (the band's graph)
+    (["--inference"], ["16", "48", "4", "24"], [False, True, False, False], [1, 2, 3, 3]),
 ])
 def test_quick_runs_inductor_where_the_rules_say_and_our_op_elsewhere(tmp_path, mode, ms, ran, compiles):
     saved = _stand_ins()

@@ -146,10 +146,11 @@ def test_training_mark_dynamic_across_the_small_m_rule(monkeypatch) -> None:
     assert backend.calls == 2 and backend.ops == ["twell::ffn_train"]
 
 
-def test_inference_token_counts_across_the_band_rule(monkeypatch) -> None:
-    """Inference under dynamic shapes: counts in the band between the decode path and the
-    per-row path (CUDA facts stood in for on the CPU: band 8 < M < 40) run Inductor's FFN, and
-    each range compiles once: band, per-row sized, decode-sized."""
+@pytest.mark.parametrize("cudagraphs", ["off", "on"])
+def test_inference_token_counts_across_the_ranges(monkeypatch, cudagraphs: str) -> None:
+    """Inference under dynamic shapes (CUDA facts stood in for on the CPU: decode-sized <= 8,
+    per-row sized >= 40, K >= 16): each range compiles once; the band runs Inductor's FFN, per-row sized
+    counts our op, decode-sized counts our op only where CUDA graphs replay the step."""
     from twell_compile import dispatch
     from twell_compile.kernels import cuda_policy
 
@@ -159,16 +160,17 @@ def test_inference_token_counts_across_the_band_rule(monkeypatch) -> None:
                         lambda dev, dt, m, k, n, k_out, **kw: real(cuda, torch.bfloat16, m, k, n, k_out, **kw))
     monkeypatch.setattr(cuda_policy, "DECODE_MAX_M", 8)
     monkeypatch.setattr(cuda_policy, "MIN_TOKENS", 40)
+    monkeypatch.setattr(cuda_policy, "MIN_WIDTH", 16)
     torch.manual_seed(0)
     model = Block()
     backend = CountingTwell()
-    compiled = torch.compile(model, backend=backend)
-    # tokens: 12 static (band: Inductor), 15 dynamic (band: Inductor), 27, 51 (per-row: op),
-    # 6 (decode: op, CUDA graphs or not), 60, 30, 9
+    compiled = torch.compile(model, backend=backend, options={"twell.cudagraphs": cudagraphs})
+    # tokens: 12 static (band), 15 dynamic (band), 27, 51 (per-row sized), 6 (decode-sized), 60,
+    # 30, 9 (band again)
     expected = ((4, 1), (5, 2), (9, 2), (17, 3), (2, 4), (20, 4), (10, 4), (3, 4))
     for step, (batch, calls) in enumerate(expected):
         x = torch.randn(batch, 3, 16)
         with torch.no_grad():
             check_close("output", compiled(x), model(x))
         assert backend.calls == calls, f"step {step}, {batch * 3} tokens: {backend.calls} compiles"
-    assert backend.ops == ["twell::ffn"] * 2      # per-row sized, decode-sized
+    assert backend.ops == ["twell::ffn"] * (2 if cudagraphs == "on" else 1)
