@@ -97,15 +97,15 @@ def test_inference_dynamic_token_counts_are_guarded_to_their_range():
     env, m = tokens(1024)
     why = dispatch.static_dense_reason(CUDA, torch.bfloat16, m, 2048, 5632, 2048)
     assert why and "1024 now" in why and f"guarded to {lo + 1}-{hi - 1} tokens" in why and "decode path" in why
-    assert guards(env) == sorted([f"{m.node.expr} < {hi}", f"{m.node.expr} > {lo}"])
+    assert guards(env) == sorted([f"{m.node.expr} < {hi}", f"{m.node.expr} >= {lo + 1}"])
     for cudagraphs in (False, True):       # decode-sized: the CUDA-graph rule as for a static count
         env, m = tokens(2)
         why = dispatch.static_dense_reason(CUDA, torch.bfloat16, m, 2048, 5632, 2048, cudagraphs=cudagraphs)
         assert (why is None) == cudagraphs and (cudagraphs or f"guarded to <= {lo}" in why)
-        assert guards(env) == [f"{m.node.expr} <= {lo}"]
+        assert guards(env) == [f"{m.node.expr} < {lo + 1}"]
     env, m = tokens(hi)
     assert dispatch.static_dense_reason(CUDA, torch.bfloat16, m, 2048, 5632, 2048) is None
-    assert guards(env) == sorted([f"{m.node.expr} > {lo}", f"{m.node.expr} >= {hi}"])
+    assert guards(env) == sorted([f"{m.node.expr} >= {lo + 1}", f"{m.node.expr} >= {hi}"])
     env, m = tokens(hi)                    # per-row sized: the width rules apply
     assert "wide" in dispatch.static_dense_reason(CUDA, torch.bfloat16, m, 64, cuda_policy.MAX_N + 1, 64)
     env, m = tokens(1024)                  # decided without the count: no guard

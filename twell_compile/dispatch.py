@@ -18,6 +18,25 @@ from torch import Tensor
 from twell_compile.kernels import torch_impl
 
 
+def _sym_lt(m: torch.SymInt, limit: int) -> Optional[bool]:
+    """m < limit for a backed SymInt token count: from its value range where that decides it
+    (no guard); else guarded (the graph then serves that side only) when every symbol in m is
+    unbounded above; else None. A finite bound is a user's range (mark_dynamic(min=, max=)),
+    which a narrowing guard would turn into a ConstraintViolationError."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    from torch.utils._sympy.numbers import int_oo
+
+    if statically_known_true(m < limit):
+        return True
+    if statically_known_true(m >= limit):
+        return False
+    env = m.node.shape_env
+    if any(env.var_to_range.get(s) is None or env.var_to_range[s].upper != int_oo
+           for s in m.node.expr.free_symbols):
+        return None
+    return bool(m < limit)
+
+
 def _cuda_infer(x: Tensor):
     """The CUDA inference implementation (kernels/cuda_infer.py) for CUDA tensors, else None.
 
@@ -69,7 +88,8 @@ def static_dense_reason(device: torch.device, dtype: torch.dtype, m: Optional[Un
 
     A dynamic M (SymInt with a hint) is answered as its hint is, under guards for the hint's
     range (M <= DECODE_MAX_M, the band, M >= MIN_TOKENS): the graph serves that range only and
-    a count in another range recompiles once. Measured with the decode range rewritten
+    a count in another range recompiles once (a user's mark_dynamic range is never narrowed:
+    see _sym_lt). Measured with the decode range rewritten
     unguarded (session 16 run 4, bench_dynamic.py --inference, H200, default mode): 16 dynamic
     tokens ran the op at 183 us against Inductor's 124 (no CUDA graphs). Unbacked counts are
     rewritten.
@@ -84,9 +104,12 @@ def static_dense_reason(device: torch.device, dtype: torch.dtype, m: Optional[Un
         if not m.node.has_hint():
             return None
         hint = int(m.node.hint)
-        # each comparison guards the side it takes
-        where = (f"<= {cp.DECODE_MAX_M}" if m <= cp.DECODE_MAX_M else f">= {cp.MIN_TOKENS}" if m >= cp.MIN_TOKENS
-                 else f"{cp.DECODE_MAX_M + 1}-{cp.MIN_TOKENS - 1}")
+        decode = _sym_lt(m, cp.DECODE_MAX_M + 1)
+        band = None if decode in (None, True) else _sym_lt(m, cp.MIN_TOKENS)
+        if decode is None or (decode is False and band is None):
+            return None                  # a user's range spans ranges: the op decides per call
+        where = (f"<= {cp.DECODE_MAX_M}" if decode else f"{cp.DECODE_MAX_M + 1}-{cp.MIN_TOKENS - 1}" if band
+                 else f">= {cp.MIN_TOKENS}")
         why = _count_reason(cp, hint, k, n, k_out, cudagraphs)
         return why and (f"dynamic token count {m}, {hint} now; this graph is guarded to {where} tokens "
                         f"(another range recompiles once): {why}")
@@ -130,7 +153,8 @@ def static_dense_train_reason(device: torch.device, dtype: torch.dtype, m: Optio
     answer is guarded (``m < MIN_TOKENS`` joins the graph's guards): at 1024 dynamic tokens
     the rewritten step ran 1644 us against Inductor's 745 (H200, session16/run1), so this graph
     serves small counts through Inductor and the first count >= MIN_TOKENS recompiles once,
-    rewritten (guarded ``m >= MIN_TOKENS``). Unbacked counts keep the rewrite.
+    rewritten (guarded ``m >= MIN_TOKENS``). Unbacked counts, and a user's range spanning
+    MIN_TOKENS, keep the rewrite.
     """
     if device.type != "cuda":
         return None
@@ -146,7 +170,7 @@ def static_dense_train_reason(device: torch.device, dtype: torch.dtype, m: Optio
         if not m.node.has_hint():
             return None
         hint = int(m.node.hint)
-        if m < ct.MIN_TOKENS:           # a guard either way
+        if _sym_lt(m, ct.MIN_TOKENS):    # guarded either way, unless a user's range decides
             return (f"{m} tokens (dynamic, {hint} now): below the {ct.MIN_TOKENS} where the CUDA sparse "
                     f"training kernels can win (no twell.l1 penalty needs our backward); this graph is "
                     f"guarded to fewer than {ct.MIN_TOKENS} tokens, a larger count recompiles once and "

@@ -174,3 +174,35 @@ def test_inference_token_counts_across_the_ranges(monkeypatch, cudagraphs: str) 
             check_close("output", compiled(x), model(x))
         assert backend.calls == calls, f"step {step}, {batch * 3} tokens: {backend.calls} compiles"
     assert backend.ops == ["twell::ffn"] * (2 if cudagraphs == "on" else 1)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("max_tokens,rewritten", [(1000, True), (30, False)])
+def test_a_users_dynamic_range_is_never_narrowed(monkeypatch, grad: bool, max_tokens: int, rewritten: bool) -> None:
+    """mark_dynamic(min=, max=) is a strict range: a guard narrowing it would fail the compile
+    (ConstraintViolationError). A range spanning the rules' thresholds (CUDA facts stood in for:
+    decode <= 8, per-row and training >= 40) keeps the rewrite, unguarded (the op decides per
+    call); a range wholly inside one side is answered without a guard."""
+    from twell_compile import dispatch
+    from twell_compile.kernels import cuda_policy, cuda_train
+
+    cuda = torch.device("cuda")
+    train_rule, infer_rule = dispatch.static_dense_train_reason, dispatch.static_dense_reason
+    monkeypatch.setattr(dispatch, "static_dense_train_reason",
+                        lambda dev, dt, m, k, n, k_out: train_rule(cuda, torch.bfloat16, m, k, n, k_out))
+    monkeypatch.setattr(dispatch, "static_dense_reason",
+                        lambda dev, dt, m, k, n, k_out, **kw: infer_rule(cuda, torch.bfloat16, m, k, n, k_out, **kw))
+    for mod, name, value in ((cuda_policy, "DECODE_MAX_M", 8), (cuda_policy, "MIN_TOKENS", 40),
+                             (cuda_policy, "MIN_WIDTH", 16), (cuda_train, "MIN_TOKENS", 40)):
+        monkeypatch.setattr(mod, name, value)
+    torch.manual_seed(0)
+    model = Block()
+    backend = CountingTwell()
+    compiled = torch.compile(model, backend=backend)
+    for batch in (12, 29, 13) if max_tokens < 40 else (12, 100, 9):
+        x = torch.randn(batch, 16, requires_grad=grad)
+        torch._dynamo.mark_dynamic(x, 0, min=9, max=max_tokens)
+        with torch.set_grad_enabled(grad):
+            check_close("output", compiled(x), model(x))
+    assert backend.calls == 1
+    assert backend.ops == ([("twell::ffn_train" if grad else "twell::ffn")] if rewritten else [])
