@@ -101,36 +101,37 @@ def static_dense_reason(device: torch.device, dtype: torch.dtype, m: Optional[Un
     if dtype not in cp.DTYPES:
         return f"{str(dtype).replace('torch.', '')} on CUDA runs dense (the sparse kernels take bf16/fp16)"
     if isinstance(m, torch.SymInt):
-        if not m.node.has_hint():
-            return None
-        hint = int(m.node.hint)
-        decode = _sym_lt(m, cp.DECODE_MAX_M + 1)
-        band = None if decode in (None, True) else _sym_lt(m, cp.MIN_TOKENS)
-        if decode is None or (decode is False and band is None):
-            return None                  # a user's range spans ranges: the op decides per call
+        decode = _sym_lt(m, cp.DECODE_MAX_M + 1) if m.node.has_hint() else None
+        band = _sym_lt(m, cp.MIN_TOKENS) if decode is False else False
+        if decode is None or band is None:
+            return None                  # unbacked, or a user's range spans two ranges: the op decides
         where = (f"<= {cp.DECODE_MAX_M}" if decode else f"{cp.DECODE_MAX_M + 1}-{cp.MIN_TOKENS - 1}" if band
                  else f">= {cp.MIN_TOKENS}")
-        why = _count_reason(cp, hint, k, n, k_out, cudagraphs)
-        return why and (f"dynamic token count {m}, {hint} now; this graph is guarded to {where} tokens "
-                        f"(another range recompiles once): {why}")
-    return _count_reason(cp, m, k, n, k_out, cudagraphs)
+        return _guarded(m, where, _count_reason(cp, int(m.node.hint), k, n, k_out, cudagraphs))
+    return None if m is None else _count_reason(cp, m, k, n, k_out, cudagraphs)
 
 
-def _count_reason(cp, m: Optional[int], k: int, n: int, k_out: int, cudagraphs: bool) -> Optional[str]:
-    """static_dense_reason's rules on the token count (CUDA, bf16/fp16), for an int or None."""
-    if m is not None and cp.DECODE_MAX_M < m < cp.MIN_TOKENS:
+def _guarded(m: torch.SymInt, where: str, why: Optional[str]) -> Optional[str]:
+    """A static count's reason, told for a dynamic count whose graph is guarded to ``where``."""
+    return why and (f"dynamic token count {m}, {int(m.node.hint)} now; this graph is guarded to {where} "
+                    f"tokens (another range recompiles once): {why}")
+
+
+def _count_reason(cp, m: int, k: int, n: int, k_out: int, cudagraphs: bool) -> Optional[str]:
+    """static_dense_reason's rules on a static token count (CUDA, bf16/fp16)."""
+    if cp.DECODE_MAX_M < m < cp.MIN_TOKENS:
         return (f"{m} tokens: above the decode path's {cp.DECODE_MAX_M} and below the per-row path's "
                 f"{cp.MIN_TOKENS}, where the CUDA sparse kernels lose to dense")
-    if m is not None and 1 <= m <= cp.DECODE_MAX_M and not cudagraphs:
+    if 1 <= m <= cp.DECODE_MAX_M and not cudagraphs:
         return (f"{m} tokens without CUDA graphs: the step is host-bound, and with these FFNs "
                 f"rewritten generate() ran 0.63x of Inductor's speed at batch 1 (H200); compile with "
                 f"mode='reduce-overhead', or set twell.cudagraphs='on' if you capture CUDA graphs yourself")
-    if m is not None and 1 <= m <= cp.DECODE_MAX_M and not cp.decode_wins(0.0, m, k, n, k_out, True):
+    if 1 <= m <= cp.DECODE_MAX_M and not cp.decode_wins(0.0, m, k, n, k_out, True):
         return (f"{m} tokens: the CUDA decode path's cost model (measured on H200) has dense "
                 f"faster for this layer even at density 0")
-    if m is not None and m >= cp.MIN_TOKENS and (k > cp.MAX_WIDTH or k_out > cp.MAX_WIDTH or n > cp.MAX_N):
+    if m >= cp.MIN_TOKENS and (k > cp.MAX_WIDTH or k_out > cp.MAX_WIDTH or n > cp.MAX_N):
         return f"layer too wide for the CUDA sparse kernels (K={k}, K_out={k_out}, N={n})"
-    if m is not None and m >= cp.MIN_TOKENS and k < cp.MIN_WIDTH:
+    if m >= cp.MIN_TOKENS and k < cp.MIN_WIDTH:
         return (f"K={k}: below the {cp.MIN_WIDTH} where the CUDA per-row kernels beat dense at "
                 f"{m} tokens (measured on H200)")
     return None
@@ -166,20 +167,16 @@ def static_dense_train_reason(device: torch.device, dtype: torch.dtype, m: Optio
                 f"(the sparse training kernels take bf16/fp16, e.g. under autocast)")
     if k > cp.MAX_WIDTH or k_out > cp.MAX_WIDTH or n > cp.MAX_N:
         return f"layer too wide for the CUDA sparse training kernels (K={k}, K_out={k_out}, N={n})"
-    if isinstance(m, torch.SymInt):
-        if not m.node.has_hint():
-            return None
-        hint = int(m.node.hint)
-        if _sym_lt(m, ct.MIN_TOKENS):    # guarded either way, unless a user's range decides
-            return (f"{m} tokens (dynamic, {hint} now): below the {ct.MIN_TOKENS} where the CUDA sparse "
-                    f"training kernels can win (no twell.l1 penalty needs our backward); this graph is "
-                    f"guarded to fewer than {ct.MIN_TOKENS} tokens, a larger count recompiles once and "
-                    f"is rewritten")
-        return None
-    if m is not None and m < ct.MIN_TOKENS:
-        return (f"{m} tokens: below the {ct.MIN_TOKENS} where the CUDA sparse training kernels "
+    def below(count: int) -> str:
+        return (f"{count} tokens: below the {ct.MIN_TOKENS} where the CUDA sparse training kernels "
                 f"can win (no twell.l1 penalty needs our backward)")
-    return None
+
+    if isinstance(m, torch.SymInt):
+        # guarded either way; None: unbacked, or a user's range spanning MIN_TOKENS
+        if m.node.has_hint() and _sym_lt(m, ct.MIN_TOKENS):
+            return _guarded(m, f"< {ct.MIN_TOKENS}", below(int(m.node.hint)))
+        return None
+    return below(m) if m is not None and m < ct.MIN_TOKENS else None
 
 
 def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],

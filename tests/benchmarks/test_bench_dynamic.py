@@ -46,3 +46,10 @@ def test_quick_runs_inductor_where_the_rules_say_and_our_op_elsewhere(tmp_path, 
 def test_bad_flags_raise_naming_the_flag(argv, match):
     with pytest.raises(ValueError, match=match):
         bench_dynamic.main([*argv, "--quick"])
+
+
+def test_quick_keeps_the_shapes_given(tmp_path):
+    out = tmp_path / "t.json"
+    assert bench_dynamic.main(["--quick", "--inference", "--K", "48", "--N", "24", "--M", "8", "--out", str(out)]) == 0
+    row, = json.loads(out.read_text())
+    assert (row["M"], row["K"], row["N"]) == (8, 48, 24)

@@ -93,19 +93,29 @@ def test_llama_mark_dynamic_batch_and_sequence() -> None:
     assert backend.ops == ["twell::ffn", "twell::ffn"]
 
 
-def test_training_token_counts_across_the_small_m_rule(monkeypatch) -> None:
+@pytest.fixture
+def cuda_count_rules(monkeypatch):
+    """The CUDA token-count rules answer these CPU compiles (as for bf16 CUDA tensors) at small
+    thresholds: decode-sized <= 8, per-row sized and training >= 40, per-row K >= 16."""
+    from twell_compile import dispatch
+    from twell_compile.kernels import cuda_policy, cuda_train
+
+    cuda = torch.device("cuda")
+    train_rule, infer_rule = dispatch.static_dense_train_reason, dispatch.static_dense_reason
+    monkeypatch.setattr(dispatch, "static_dense_train_reason",
+                        lambda dev, dt, m, k, n, k_out: train_rule(cuda, torch.bfloat16, m, k, n, k_out))
+    monkeypatch.setattr(dispatch, "static_dense_reason",
+                        lambda dev, dt, m, k, n, k_out, **kw: infer_rule(cuda, torch.bfloat16, m, k, n, k_out, **kw))
+    for mod, name, value in ((cuda_policy, "DECODE_MAX_M", 8), (cuda_policy, "MIN_TOKENS", 40),
+                             (cuda_policy, "MIN_WIDTH", 16), (cuda_train, "MIN_TOKENS", 40)):
+        monkeypatch.setattr(mod, name, value)
+
+
+def test_training_token_counts_across_the_small_m_rule(cuda_count_rules) -> None:
     """Under dynamic shapes a training FFN's token count is answered by the CUDA small-M rule
-    under a guard (CUDA facts stood in for on the CPU, MIN_TOKENS lowered to 40): the graph
+    under a guard (cuda_count_rules: MIN_TOKENS 40): the graph
     compiled at a small count leaves the FFN to Inductor and serves every count under 40; the
     first count over it recompiles once, rewritten; after that nothing compiles."""
-    from twell_compile import dispatch
-    from twell_compile.kernels import cuda_train
-
-    real = dispatch.static_dense_train_reason
-    cuda = torch.device("cuda")
-    monkeypatch.setattr(dispatch, "static_dense_train_reason",
-                        lambda dev, dt, m, k, n, k_out: real(cuda, torch.bfloat16, m, k, n, k_out))
-    monkeypatch.setattr(cuda_train, "MIN_TOKENS", 40)
     torch.manual_seed(0)
     model = Block()
     backend = CountingTwell()
@@ -124,17 +134,9 @@ def test_training_token_counts_across_the_small_m_rule(monkeypatch) -> None:
     assert backend.ops == ["twell::ffn_train"]      # only the graph guarded to >= 40 tokens
 
 
-def test_training_mark_dynamic_across_the_small_m_rule(monkeypatch) -> None:
+def test_training_mark_dynamic_across_the_small_m_rule(cuda_count_rules) -> None:
     """mark_dynamic's dimension may be narrowed to a range (not specialised): no
     ConstraintViolationError, one compile per side of the rule."""
-    from twell_compile import dispatch
-    from twell_compile.kernels import cuda_train
-
-    real = dispatch.static_dense_train_reason
-    cuda = torch.device("cuda")
-    monkeypatch.setattr(dispatch, "static_dense_train_reason",
-                        lambda dev, dt, m, k, n, k_out: real(cuda, torch.bfloat16, m, k, n, k_out))
-    monkeypatch.setattr(cuda_train, "MIN_TOKENS", 40)
     torch.manual_seed(0)
     model = Block()
     backend = CountingTwell()
@@ -147,20 +149,10 @@ def test_training_mark_dynamic_across_the_small_m_rule(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("cudagraphs", ["off", "on"])
-def test_inference_token_counts_across_the_ranges(monkeypatch, cudagraphs: str) -> None:
-    """Inference under dynamic shapes (CUDA facts stood in for on the CPU: decode-sized <= 8,
-    per-row sized >= 40, K >= 16): each range compiles once; the band runs Inductor's FFN, per-row sized
-    counts our op, decode-sized counts our op only where CUDA graphs replay the step."""
-    from twell_compile import dispatch
-    from twell_compile.kernels import cuda_policy
-
-    real = dispatch.static_dense_reason
-    cuda = torch.device("cuda")
-    monkeypatch.setattr(dispatch, "static_dense_reason",
-                        lambda dev, dt, m, k, n, k_out, **kw: real(cuda, torch.bfloat16, m, k, n, k_out, **kw))
-    monkeypatch.setattr(cuda_policy, "DECODE_MAX_M", 8)
-    monkeypatch.setattr(cuda_policy, "MIN_TOKENS", 40)
-    monkeypatch.setattr(cuda_policy, "MIN_WIDTH", 16)
+def test_inference_token_counts_across_the_ranges(cuda_count_rules, cudagraphs: str) -> None:
+    """Inference under dynamic shapes (cuda_count_rules): each range compiles once; the band
+    runs Inductor's FFN, per-row sized counts our op, decode-sized counts our op only where CUDA
+    graphs replay the step."""
     torch.manual_seed(0)
     model = Block()
     backend = CountingTwell()
@@ -178,23 +170,12 @@ def test_inference_token_counts_across_the_ranges(monkeypatch, cudagraphs: str) 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
 @pytest.mark.parametrize("max_tokens,rewritten", [(1000, True), (30, False)])
-def test_a_users_dynamic_range_is_never_narrowed(monkeypatch, grad: bool, max_tokens: int, rewritten: bool) -> None:
+def test_a_users_dynamic_range_is_never_narrowed(cuda_count_rules, grad: bool, max_tokens: int,
+                                                 rewritten: bool) -> None:
     """mark_dynamic(min=, max=) is a strict range: a guard narrowing it would fail the compile
-    (ConstraintViolationError). A range spanning the rules' thresholds (CUDA facts stood in for:
-    decode <= 8, per-row and training >= 40) keeps the rewrite, unguarded (the op decides per
+    (ConstraintViolationError). A range spanning the rules' thresholds (cuda_count_rules) keeps
+    the rewrite, unguarded (the op decides per
     call); a range wholly inside one side is answered without a guard."""
-    from twell_compile import dispatch
-    from twell_compile.kernels import cuda_policy, cuda_train
-
-    cuda = torch.device("cuda")
-    train_rule, infer_rule = dispatch.static_dense_train_reason, dispatch.static_dense_reason
-    monkeypatch.setattr(dispatch, "static_dense_train_reason",
-                        lambda dev, dt, m, k, n, k_out: train_rule(cuda, torch.bfloat16, m, k, n, k_out))
-    monkeypatch.setattr(dispatch, "static_dense_reason",
-                        lambda dev, dt, m, k, n, k_out, **kw: infer_rule(cuda, torch.bfloat16, m, k, n, k_out, **kw))
-    for mod, name, value in ((cuda_policy, "DECODE_MAX_M", 8), (cuda_policy, "MIN_TOKENS", 40),
-                             (cuda_policy, "MIN_WIDTH", 16), (cuda_train, "MIN_TOKENS", 40)):
-        monkeypatch.setattr(mod, name, value)
     torch.manual_seed(0)
     model = Block()
     backend = CountingTwell()

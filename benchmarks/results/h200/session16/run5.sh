@@ -3,7 +3,7 @@
 # (a dynamic decode-sized FFN without CUDA graphs now goes to Inductor); the GPU tests that
 # compile with changing shapes or touch the rules (generate, decode graphs, modes, CUDA FFN,
 # dispatch, recompiles).
-R=${OUT:-/tmp}/run5
+R=${R:-${OUT:-/tmp}/run5}
 . benchmarks/results/h200/session15/lib.sh
 setup
 for mode in inference train; do
