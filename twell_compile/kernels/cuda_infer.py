@@ -20,7 +20,6 @@ policy only polls CUDA events.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import NamedTuple, Optional
 
@@ -31,8 +30,6 @@ from torch import Tensor
 from twell_compile import stats
 from twell_compile.kernels import cuda_policy, decode_graphs, weight_cache
 from twell_compile.kernels.launch import launch
-
-log = logging.getLogger("twell_compile")
 
 OVF_DIV = 16          # overflow buffer: one dense tile per 16 (row, tile) pairs
 GATE_BLOCK_M = 128
@@ -53,7 +50,6 @@ ROW_PAIRS = 1
 ROW_PF = 1            # 0 none, 1: next (col, value) one step ahead, 2: next weight rows too
                       # (H200 M=16384 d=0.005: PF 0/1/2 at 8 warps 0.715/0.736/1.219 ms)
 ROW_COLS_PER_WARP = 1024
-ROW_SPLIT = True      # down projection by csrc/twell_down.cu's column kernel (down_cols_width)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # no inline PTX there
 TAIL_CH = 256         # columns per step of the exact tail over g
 MIN_WIDTH = 32
@@ -212,73 +208,9 @@ def gate_rows(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], width: int) 
     return Rows(g, lst, cnt, order)
 
 
-def down_cols_width(n: int, k_out: int, element_size: int, device: torch.device) -> int:
-    """Output columns per block of the column-split down kernel (csrc/twell_down.cu): the widest
-    of 16/8/4 whose W_down^T slice [N, C] fits the device's shared memory per block (227 KB on
-    H100/H200: C=16 up to N=7264 in bf16); 0 when none fits (the fused row kernel then does
-    the down projection too)."""
-    if not ROW_SPLIT or device.type != "cuda" or element_size != 2 or k_out < 1:
-        return 0
-    limit = _smem_optin(device)
-    c = next((c for c in (16, 8, 4) if n * c * element_size <= limit), 0)
-    return c if c and _down_module() is not None else 0
-
-
-def _down_module():
-    """csrc/twell_down.cu, built on first use; None (logged once) where it cannot be built:
-    the fused row kernel then keeps the down projection, same results, slower."""
-    if "mod" not in _DOWN:
-        from twell_compile import build
-
-        try:
-            _DOWN["mod"] = build.load("twell_down")
-        except build.BuildError as e:
-            log.warning("twell: column-split down kernel not built (%s); the per-row kernel does "
-                        "the down projection (about 0.15 ms slower at 16k tokens, K=2048)", e)
-            _DOWN["mod"] = None
-    return _DOWN["mod"]
-
-
-_DOWN: dict = {}
-
-
-def _smem_optin(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMEM:
-        _SMEM[idx] = int(torch.cuda.get_device_properties(idx).shared_memory_per_block_optin)
-    return _SMEM[idx]
-
-
-_SMEM: dict[int, int] = {}
-
-
-def _down_span(m: int, k_out: int, cols: int, device: torch.device) -> int:
-    """Tokens per block of the down kernel: all of them while the column slices alone fill the
-    SMs (K_out=2048, C=16: 128 blocks), else M split so that the grid covers every SM once."""
-    blocks = -(-k_out // cols)
-    sms = _sm_count(device)
-    split = max(1, sms // blocks)
-    return max(1, -(-m // split))
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = int(torch.cuda.get_device_properties(idx).multi_processor_count)
-    return _SMS[idx]
-
-
-_SMS: dict[int, int] = {}
-
-
 def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tensor],
                w_down: Tensor, b_down: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """(y [M, K_out], sum |h| per row [M] fp32) from the per-row lists.
-
-    Split (``down_cols_width`` > 0): the row kernel computes h for the listed pairs of plain
-    rows and overwrites their list values with it (r.lst then holds h, not g), then
-    csrc/twell_down.cu's column kernel does those rows' down projection; rows over W or with
-    non-finite x are finished by the row kernel as in the fused form."""
+    """(y [M, K_out], sum |h| per row [M] fp32) from the per-row lists."""
     from twell_compile.kernels.twell_rows import twell_rows_kernel
 
     m, k = x2.shape
@@ -289,22 +221,14 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
     hsum = torch.empty((m,), dtype=torch.float32, device=x2.device)
     if m == 0:
         return y, hsum
-    cols = (down_cols_width(n, k_out, x2.element_size(), x2.device)
-            if r.lst.shape[1] % 4 == 0 and wdt.dtype == x2.dtype and wdt.stride(1) == 1
-            and (b_down is None or (b_down.dtype == x2.dtype and b_down.is_contiguous())) else 0)
-    nl = torch.empty((m,), dtype=torch.int32, device=x2.device) if cols else r.cnt
     twell_rows_kernel[(m,)](
         x2, x2.stride(0), x2.stride(1), r.g, r.g.stride(0), r.lst, r.cnt, r.order,
         wu, wu.stride(0), wu.stride(1), b_up if b_up is not None else x2,
         wdt, wdt.stride(0), wdt.stride(1), b_down if b_down is not None else x2,
-        y, y.stride(0), y.stride(1), hsum, nl, k, n, k_out, r.lst.shape[1],
+        y, y.stride(0), y.stride(1), hsum, k, n, k_out, r.lst.shape[1],
         GATED=w_up is not None, HAS_BU=b_up is not None, HAS_BD=b_down is not None,
         K_P=_pow2(k), KO_P=_pow2(k_out), PAIRS=ROW_PAIRS, CH=min(TAIL_CH, _pow2(n)), PF=ROW_PF,
-        SPLIT=bool(cols), num_warps=warps_by_width(max(k, k_out), ROW_COLS_PER_WARP))
-    if cols:
-        _down_module().down_cols(
-            r.lst, nl, wdt, b_down, y, cols, _down_span(m, k_out, cols, x2.device),
-            torch.cuda.current_stream(x2.device).cuda_stream)
+        num_warps=warps_by_width(max(k, k_out), ROW_COLS_PER_WARP))
     return y, hsum
 
 

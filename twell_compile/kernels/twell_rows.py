@@ -117,11 +117,11 @@ def twell_rows_kernel(
     list_ptr, cnt_ptr, order_ptr,
     wu_ptr, swu_n, swu_k, bu_ptr,
     wdt_ptr, swd_n, swd_k, bd_ptr,
-    y_ptr, sy_m, sy_k, hsum_ptr, nl_ptr,
+    y_ptr, sy_m, sy_k, hsum_ptr,
     K, N, KO, W,
     GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
-    PF: tl.constexpr, SPLIT: tl.constexpr = False,
+    PF: tl.constexpr,
 ):
     m = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)     # rows over W first
     ks = tl.arange(0, K_P)
@@ -138,39 +138,9 @@ def twell_rows_kernel(
     hs = tl.zeros((PAIRS,), dtype=tl.float32)
     wu_m = k_ok[None, :]
     wd_m = ko_ok[None, :]
-    dt = g_ptr.dtype.element_ty
-
-    # 0. SPLIT: a plain row (cnt <= W, finite x) only gets h = g * u, rounded to the input dtype
-    # as eager rounds it, written over its list entries' values; csrc/twell_down.cu's column
-    # kernel does its down projection. nl[m] = its pair count, or -1: this kernel finishes the
-    # row (steps 1-2, y written here).
-    if SPLIT:
-        plain = (cnt <= W) & (~bad)
-        nu = tl.where(plain, nl, 0)
-        nl = tl.where(plain, 0, nl)
-        live = pa < nu
-        pk = tl.load(list_ptr + lrow + pa, mask=live, other=0)
-        for p0 in range(0, nu, PAIRS):
-            p1 = p0 + PAIRS + pa
-            live1 = p1 < nu
-            pk1 = tl.load(list_ptr + lrow + p1, mask=live1, other=0)   # one step ahead
-            n, g = _unpack(pk, dt)
-            if GATED:
-                wu = tl.load(wu_ptr + n[:, None] * swu_n + ks[None, :] * swu_k,
-                             mask=live[:, None] & wu_m, other=0.0)
-                u = tl.sum(wu.to(tl.float32) * xr[None, :], axis=1)
-                if HAS_BU:
-                    u += tl.load(bu_ptr + n, mask=live, other=0.0).to(tl.float32)
-                h = (g * u).to(dt)
-            else:
-                h = g.to(dt)
-            hs += tl.where(live, tl.abs(h.to(tl.float32)), 0.0)
-            bits = h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            tl.store(list_ptr + lrow + p0 + pa, (pk & -65536) | bits, mask=live)
-            pk, live = pk1, live1
-        tl.store(nl_ptr + m, tl.where(plain, cnt, -1))
 
     # 1. list loop. Prologue: (col, value) of pairs 0..PAIRS-1.
+    dt = g_ptr.dtype.element_ty
     live = pa < nl
     n, g = _unpack(tl.load(list_ptr + lrow + pa, mask=live, other=0), dt)
     if PF == 2:
@@ -229,9 +199,5 @@ def twell_rows_kernel(
             acc, hs = _pair(acc, hs, xr, tg, tn, tl_live, twu, twd, bu_ptr, k_ok, GATED, HAS_BU)
     if HAS_BD:
         acc += tl.load(bd_ptr + ko, mask=ko_ok, other=0.0).to(tl.float32)
-    y_ok = ko_ok
-    if SPLIT:
-        # rows finished here (not plain); tl.where: the interpreter makes int32 of vector & scalar
-        y_ok = tl.where((cnt > W) | bad, ko_ok, False)
-    tl.store(y_ptr + m * sy_m + ko * sy_k, acc.to(y_ptr.dtype.element_ty), mask=y_ok)
+    tl.store(y_ptr + m * sy_m + ko * sy_k, acc.to(y_ptr.dtype.element_ty), mask=ko_ok)
     tl.store(hsum_ptr + m, tl.sum(hs, axis=0))

@@ -1,6 +1,8 @@
 """Session 17 probe: the column-split down projection (csrc/twell_down.cu + twell_rows_kernel's
 SPLIT mode) against the fused per-row kernel, by parts, on anchors.md's generator.
-Run from the repo root: python3 benchmarks/results/h200/session17/probe_down.py OUT.json"""
+The code is in the package at commit 464a896 only (removed after this probe: slower, see
+README.md). Check that commit out, then from the repo root:
+python3 benchmarks/results/h200/session17/probe_down.py OUT.json"""
 import json
 import sys
 import time
