@@ -8,10 +8,14 @@
     python3 benchmarks/bench_ffn.py --decode --M 64 128 256 512 2048 8192 --density 0.005 \
         --shapes 2048x5632 --out /tmp/crossover.json    # where dense starts to win
 
-Inputs: benchmarks/synthetic.py (anchors.md's generator), bf16. Times are medians of
-triton.testing.do_bench (CUDA events). twell_ms is the op torch.ops.twell.ffn as the backend
-calls it (policy included: it may run dense; W_down registered with weight_cache as the backend
-does at compile time); kernel_ms forces the TwELL kernels (per-row path,
+Inputs: benchmarks/synthetic.py (anchors.md's generator), bf16, under no_grad. Times are
+medians of triton.testing.do_bench (CUDA events) taken in interleaved rounds (timing.py:
+every variant once per round, --rounds rounds, the median round). twell_ms is the product: a
+gated FFN module (3 nn.Linear) holding the point's weights, compiled with backend="twell"
+(dynamic=False, --mode), so shapes the backend leaves to Inductor read Inductor's time and
+``path`` says which ran ("inductor", or the op's path); op_ms is the op torch.ops.twell.ffn
+called directly (policy included: it may run dense; W_down registered with weight_cache as the
+backend does at compile time), the twell_ms of sessions <= 16; kernel_ms forces the TwELL kernels (per-row path,
 list width from the measured non-zeros as the op picks it; not timed at density >= 0.2 where
 they are hopeless: NaN); tiles_ms (--tiles) the tile path of the first design. rel_err is
 ||y - y_fp32|| / ||y_fp32|| against an fp32 reference (TF32 off) on up to 8192 rows;
@@ -27,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -36,7 +39,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synthetic import load_profile, make_ffn, make_ffn_profile  # noqa: E402
-from timing import gpu_name, median_ms, rel  # noqa: E402
+from bench_dynamic import FFN, OpCalls  # noqa: E402
+from timing import gpu_name, interleaved_ms, median_ms, rel  # noqa: E402
 
 import twell_compile.ops  # noqa: E402,F401  (registers torch.ops.twell)
 from twell_compile.kernels import cuda_infer, cuda_policy, weight_cache  # noqa: E402
@@ -78,7 +82,10 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="+", default=None, help="KxN pairs, e.g. 2048x5632")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-inductor", action="store_true")
-    ap.add_argument("--reps", type=int, default=100, help="do_bench rep (ms)")
+    ap.add_argument("--reps", type=int, default=100, help="do_bench rep (ms) per variant, split over the rounds")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    ap.add_argument("--mode", default="default", choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+                    help="torch.compile mode of the Inductor and twell modules")
     ap.add_argument("--tile-n", type=int, default=128)
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--tiles", action="store_true", help="also time the tile path (twell_forward_tiles)")
@@ -95,7 +102,7 @@ def main(argv=None) -> int:
     else:
         ms, ds, ts, shapes = FULL_M, FULL_D, FULL_T, FULL_S
     ms, ds, ts, shapes = args.M or ms, args.density or ds, args.tail or ts, args.shapes or shapes
-    profile = None
+    profile = layer_name = None
     if args.nnz_profile:
         layer_name, profile = load_profile(args.nnz_profile, args.profile_layer)
         ds, ts = [float(profile["density"])], [0.0]
@@ -108,13 +115,24 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / gpu_name() / "ffn_inference.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     hdr = (f"{'M':>6} {'K':>5} {'N':>6} {'dens':>6} {'tail':>4} {'nnz/r':>6} {'W':>5} {'ovf%':>5} {'dense':>7} "
-           f"{'induct':>7} {'gate':>7} {'twell':>7} {'kernel':>7} {'x_ind':>6} {'x_krn':>6} {'%floor':>6} "
+           f"{'induct':>7} {'gate':>7} {'twell':>7} {'op':>7} {'kernel':>7} {'x_ind':>6} {'x_op':>6} {'x_krn':>6} {'%floor':>6} "
            f"{'err':>8} {'d_err':>8} path")
     print(hdr, flush=True)
+    torch.set_grad_enabled(False)       # inference: the backend rewrites to the inference op
+    with OpCalls(cpu_rule=False) as op_calls:
+        _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_calls)
+    out.write_text(json.dumps(rows, indent=1))
+    print(f"wrote {out} ({len(rows)} rows)")
+    return 0
+
+
+def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_calls) -> None:
     for shape in shapes:
         k, n = (int(v) for v in shape.split("x"))
         for m in ms:
-            inductor = None if args.no_inductor else torch.compile(ffn_dense, dynamic=False)
+            inductor = None if args.no_inductor else torch.compile(ffn_dense, dynamic=False, mode=args.mode)
+            tw_mod = FFN(k, n).to(dev, torch.bfloat16)     # the product: weights copied in per point
+            tw = torch.compile(tw_mod, backend="twell", dynamic=False, mode=args.mode)
             for d in ds:
                 for t in ts:
                     seed = hash((m, k, n, d, t)) & 0xFFFF
@@ -125,14 +143,29 @@ def main(argv=None) -> int:
                     weight_cache.register(wd)   # as the backend does at compile time (W_down^T)
                     layer = f"bench/{m}/{k}/{n}/{d}/{t}"
                     op = lambda: torch.ops.twell.ffn(*args7, args.tile_n, args.slots, layer, False)
-                    dense_ms = bench(lambda: ffn_dense(*args7), args.reps)
-                    ind_ms = bench(lambda: inductor(*args7), args.reps) if inductor else float("nan")
-                    gate_ms = bench(lambda: F.linear(x, wg), args.reps)
-                    twell_ms = bench(op, args.reps)
+                    tw_mod.gate.weight.copy_(wg)
+                    tw_mod.up.weight.copy_(wu)
+                    tw_mod.down.weight.copy_(wd)
+                    cuda_policy.reset()          # no density measured on the previous point's weights
+                    before = op_calls.n
+                    tw(x)                        # compiles on the first point of this M
+                    ran_op = op_calls.n > before
+                    for _ in range(20):          # the policy's first measurement lands
+                        tw(x)
+                    torch.cuda.synchronize()
                     nnz = float((F.linear(x, wg) > 0).sum()) / m
                     width = cuda_infer.list_width(n, nnz)
                     kern = lambda: cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width=width)
-                    kernel_ms = bench(kern, args.reps) if d <= args.kernel_max_density else float("nan")
+                    fns = dict(dense=lambda: ffn_dense(*args7), gate=lambda: F.linear(x, wg), op=op,
+                               twell=lambda: tw(x))
+                    if inductor:
+                        fns["inductor"] = lambda: inductor(*args7)
+                    if d <= args.kernel_max_density:
+                        fns["kernel"] = kern
+                    t_ms = interleaved_ms(fns, args.reps, args.rounds)
+                    nan = float("nan")
+                    dense_ms, gate_ms, op_ms, twell_ms = t_ms["dense"], t_ms["gate"], t_ms["op"], t_ms["twell"]
+                    ind_ms, kernel_ms = t_ms.get("inductor", nan), t_ms.get("kernel", nan)
                     tiles_ms = float("nan")
                     if args.tiles and d <= args.kernel_max_density:
                         tiles_ms = bench(lambda: cuda_infer.twell_forward_tiles(
@@ -140,20 +173,24 @@ def main(argv=None) -> int:
                     # accuracy on up to ERR_ROWS rows, fresh outputs
                     r = min(m, ERR_ROWS)
                     y_op = op()[:r]
+                    y_tw = tw(x)[:r]
                     y_k, counts, _ = cuda_infer.twell_forward(x[:r], wg, None, wu, None, wd, None, width=width)
                     ref = ffn_dense(*(a[:r].float() if i == 0 else (None if a is None else a.float())
                                       for i, a in enumerate(args7)))
-                    err = rel(y_op, ref)
+                    err = rel(y_tw, ref)
+                    op_err = rel(y_op, ref)
                     kerr = rel(y_k, ref)
                     derr = rel(ffn_dense(*args7)[:r], ref)
                     ovf = float((counts > width).float().mean()) * 100     # rows over the list width
                     key = (layer, x.device, x.dtype, k, n, k, True)
                     form = cuda_policy.use_decode(key, m, k, n, k, True) if cuda_policy.decode_ok(x, m, n) else None
-                    path = (f"decode:{form}" if form else "twell" if cuda_policy.shape_ok(
+                    op_path = (f"decode:{form}" if form else "twell" if cuda_policy.shape_ok(
                         x, m, k, k, n, args.tile_n, args.slots) and cuda_policy.use_twell(key, True, k, n, k, x.element_size())
                         else "dense")
+                    path = op_path if ran_op else "inductor"
                     row = dict(M=m, K=k, N=n, density=d, tail=t, dense_ms=dense_ms, inductor_ms=ind_ms,
                                gate_ms=gate_ms, twell_ms=twell_ms, rel_err=err, dense_rel_err=derr,
+                               op_ms=op_ms, op_rel_err=op_err, op_path=op_path, mode=args.mode,
                                kernel_ms=kernel_ms, kernel_rel_err=kerr, nnz_per_row=nnz,
                                list_width=width, overflow_row_pct=ovf, tiles_ms=tiles_ms, path=path, gpu=torch.cuda.get_device_name(),
                                profile=f"{args.nnz_profile}:{layer_name}" if profile is not None else None)
@@ -161,17 +198,16 @@ def main(argv=None) -> int:
                     out.write_text(json.dumps(rows, indent=1))     # every row: a timeout keeps the done ones
                     base = ind_ms if ind_ms == ind_ms else dense_ms
                     print(f"{m:>6} {k:>5} {n:>6} {d:>6} {t:>4} {nnz:>6.1f} {width:>5} {ovf:>5.2f} {dense_ms:>7.3f} "
-                          f"{ind_ms:>7.3f} {gate_ms:>7.3f} {twell_ms:>7.3f} {kernel_ms:>7.3f} "
-                          f"{base / twell_ms:>6.2f} {base / kernel_ms:>6.2f} {100 * gate_ms / twell_ms:>5.0f}% "
-                          f"{err:>8.1e} {derr:>8.1e} {path}" + ("  ERR>2x" if err > 2 * derr else "")
+                          f"{ind_ms:>7.3f} {gate_ms:>7.3f} {twell_ms:>7.3f} {op_ms:>7.3f} {kernel_ms:>7.3f} "
+                          f"{base / twell_ms:>6.2f} {base / op_ms:>6.2f} {base / kernel_ms:>6.2f} "
+                          f"{100 * gate_ms / twell_ms:>5.0f}% {err:>8.1e} {derr:>8.1e} {path}"
+                          + (f" (op {op_path})" if path != op_path else "")
+                          + ("  ERR>2x" if max(err, op_err) > 2 * derr else "")
                           + (f" tiles {tiles_ms:.3f}" if args.tiles else ""), flush=True)
                     weight_cache.clear()
                     del p, x, wg, wu, wd, args7
-            del inductor
+            del inductor, tw, tw_mod
             torch._dynamo.reset()
-    out.write_text(json.dumps(rows, indent=1))
-    print(f"wrote {out} ({len(rows)} rows)")
-    return 0
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ do_bench medians (CUDA events)."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -27,3 +27,19 @@ def median_ms(fn: Callable[[], object], reps: int, warmup: Optional[int] = None)
     from triton.testing import do_bench
     return float(do_bench(fn, warmup=max(10, reps // 4) if warmup is None else warmup, rep=reps,
                           return_mode="median"))
+
+
+def interleaved_ms(fns: Mapping[str, Callable[[], object]], reps: int, rounds: int = 5) -> dict[str, float]:
+    """Median ms per variant over ``rounds`` rounds; each round times every variant once
+    (do_bench, rep ``reps // rounds`` ms), starting one variant later each round. Timed one
+    after the other instead, the same dense call read 5-24% apart at K=4096 (session 15 run 13:
+    the op's dense path 6.53 vs eager 6.47 ms interleaved, 0.86-0.95x in the grid's order)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    names = list(fns)
+    got: dict[str, list[float]] = {name: [] for name in names}
+    rep = max(10, reps // rounds)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            got[name].append(median_ms(fns[name], rep))
+    return {name: sorted(v)[len(v) // 2] for name, v in got.items()}

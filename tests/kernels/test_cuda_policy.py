@@ -22,8 +22,10 @@ def _rows():
 
 def _sparse_ms(r):
     """TwELL's time at a point: the forced kernel's, or the op's where the op ran TwELL too (two
-    timings of the same kernels in one run; they differ by up to 14% at tail 0.2, run 7)."""
-    return min(r["kernel_ms"], r["twell_ms"]) if r["path"] == "twell" else r["kernel_ms"]
+    timings of the same kernels in one run; they differ by up to 14% at tail 0.2, run 7).
+    Rows from session 17 on time the op as op_ms (op_path) and the compiled module as twell_ms."""
+    op_ms, op_path = r.get("op_ms", r["twell_ms"]), r.get("op_path", r["path"])
+    return min(r["kernel_ms"], op_ms) if op_path == "twell" else r["kernel_ms"]
 
 
 def _wins(r):

@@ -1,0 +1,32 @@
+"""benchmarks/timing.py's interleaved rounds (CPU: do_bench stood in by a recorder)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import timing  # noqa: E402
+
+
+def test_interleaved_rounds_rotate_and_take_the_median(monkeypatch):
+    calls = []
+    readings = {"a": iter([5.0, 1.0, 3.0]), "b": iter([2.0, 9.0, 4.0]), "c": iter([7.0, 7.0, 1.0])}
+
+    def fake_median_ms(fn, rep):
+        name = fn()
+        calls.append((name, rep))
+        return next(readings[name])
+
+    monkeypatch.setattr(timing, "median_ms", fake_median_ms)
+    got = timing.interleaved_ms({n: (lambda n=n: n) for n in "abc"}, reps=60, rounds=3)
+    assert [c[0] for c in calls] == list("abc" "bca" "cab")      # one later start each round
+    assert all(rep == 20 for _, rep in calls)                  # reps split over the rounds
+    assert got == {"a": 3.0, "b": 4.0, "c": 7.0}
+
+
+def test_interleaved_rejects_no_rounds():
+    with pytest.raises(ValueError, match="rounds"):
+        timing.interleaved_ms({"a": lambda: None}, reps=10, rounds=0)
