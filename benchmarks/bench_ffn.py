@@ -146,6 +146,7 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                     tw_mod.gate.weight.copy_(wg)
                     tw_mod.up.weight.copy_(wu)
                     tw_mod.down.weight.copy_(wd)
+                    weight_cache.register(tw_mod.down.weight)   # the compile's registration, gone with clear()
                     cuda_policy.reset()          # no density measured on the previous point's weights
                     before = op_calls.n
                     tw(x)                        # compiles on the first point of this M
