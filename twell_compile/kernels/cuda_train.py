@@ -93,10 +93,6 @@ WG_DY_COLS_PER_WARP = 512    # DY warps = pow2(K_out) / this, at least 1
 WG_X_ENTRIES = 4
 WG_X_WARPS = 4
 WG_BK = 2048
-# Each neuron's entries sorted by row before the wgrad passes (sort_segments_kernel), in
-# chunks of pow2(2 x the rows' expected entries at SPARSE_MAX_DENSITY), 32 to WG_SORT_MAX.
-WG_SORT = True
-WG_SORT_MAX = 1024
 DX_PAIRS = 4      # slots per step of dx_rows_kernel
 RANK_BM, RANK_BP = 8, 32    # rank_kernel: rows per program, slots per step
 BUSY_PROGRAMS = 1024        # the busy-row kernel's fixed grid (it strides over the busy rows)
@@ -282,7 +278,7 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
     then dx of the quiet rows. Each gathering pass reads rows of one tensor only (dy; x;
     W_g and W_u), so its working set is about the L2's size."""
     from twell_compile.kernels.twell_train_bwd import dx_rows_kernel, rank_kernel, train_bwd_kernel
-    from twell_compile.kernels.twell_train_wgrad import scatter_kernel, sort_segments_kernel, wgrad_kernel
+    from twell_compile.kernels.twell_train_wgrad import scatter_kernel, wgrad_kernel
 
     m, k = x2.shape
     n, k_out = w_gate.shape[0], w_down.shape[0]
@@ -328,9 +324,6 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
     order = torch.empty((max(m * width, 1),), dtype=i32, device=dev)
     if m:
         scatter_kernel[(m,)](cols, rk, q, off, order, width, WP=_pow2(width), num_warps=1)
-        if WG_SORT:
-            chunk = min(WG_SORT_MAX, max(32, _pow2(int(2 * m * SPARSE_MAX_DENSITY))))
-            sort_segments_kernel[(n,)](order, off, hist, S=chunk, num_warps=4)
     # the backup rows' parts: cuBLAS on the gathered x / dy rows (padding slots: zero rows),
     # written into the outputs that wgrad_kernel then completes in place
     valid = (bidx >= 0).unsqueeze(1)

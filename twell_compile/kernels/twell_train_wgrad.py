@@ -5,13 +5,6 @@
 hist, entry (m, p) of column n goes to order[off[n] + rk[m, p]] = m * W + p. No host sync:
 order has the fixed size M * W.
 
-``sort_segments_kernel``: the ranks come from atomics, so a column's entries lie in no
-particular row order; sorted ascending (by row, in chunks of S) the concurrently running
-per-neuron programs below walk x and dy together from the first row to the last, and the rows
-they gather stay in L2. Gathering x rows per neuron on the H100 (session 18 run 1,
-bench_floor.py, M=16384 d=0.005, a 64 MB x): 0.252 ms sorted vs 0.366 in random order; at
-M=65536 (256 MB) 1.19 vs 2.22 ms.
-
 ``wgrad_kernel``: one program per (neuron n, chunk of BKW columns), fp32, over the quiet
 rows' entries of n, E at a time, in one of two passes (constexpr DY). Each pass gathers rows
 of one [M, 2048]-sized tensor only (64 MB at M=16384 bf16: about the H200's 50 MB L2), where
@@ -49,19 +42,6 @@ def scatter_kernel(cols_ptr, rk_ptr, q_ptr, off_ptr, order_ptr, W, WP: tl.conste
         n = tl.load(cols_ptr + m * W + pp, mask=live, other=0)
         pos = tl.load(off_ptr + n, mask=live, other=0) + tl.load(rk_ptr + m * W + pp, mask=live, other=0)
         tl.store(order_ptr + pos.to(tl.int64), (m * W + pp).to(tl.int32), mask=live)
-
-
-@triton.jit
-def sort_segments_kernel(order_ptr, off_ptr, hist_ptr, S: tl.constexpr):
-    """order[off[n]:off[n] + hist[n]] ascending, each chunk of S entries sorted on its own."""
-    n = tl.program_id(0)
-    start = tl.load(off_ptr + n).to(tl.int64)
-    c = tl.load(hist_ptr + n)
-    i = tl.arange(0, S)
-    for c0 in range(0, c, S):
-        live = c0 + i < c
-        v = tl.load(order_ptr + start + c0 + i, mask=live, other=2147483647)
-        tl.store(order_ptr + start + c0 + i, tl.sort(v), mask=live)
 
 
 @triton.jit

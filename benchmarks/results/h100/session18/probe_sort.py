@@ -2,7 +2,7 @@
 against the atomic ranks' order, and the wgrad passes' configs on the sorted order; one process,
 interleaved rounds. Also the gradients' largest relative difference between the orders.
 
-    python3 benchmarks/results/h200/session18/probe_sort.py OUT.json
+    python3 benchmarks/results/h100/session18/probe_sort.py OUT.json
 """
 import json
 import sys
