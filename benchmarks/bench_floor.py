@@ -138,35 +138,35 @@ def point(ext, m, k, n, d, tail, reps, rounds, inductor) -> dict:
     with torch.no_grad():
         t = interleaved_ms({kk: v for kk, v in fns.items() if kk != "eager_train"}, reps, rounds)
     t.update(interleaved_ms({"eager_train": fns["eager_train"]}, reps, rounds))
-    row_bytes = 2 * k * x.element_size()                         # per pair, two rows
-    gemm2_fwd = 2 * t["gate"]                                    # up + down, dense
-    gemm2_dx = 2 * t["gemm_dx"]
-    gemm2_w = 2 * t["gemm_wgrad"]
+    ti, tt = TARGETS.get((m, d, tail), (None, None))
+    return dict(M=m, K=k, N=n, density=d, tail=tail, pairs=pairs, nnz_per_row=pairs / m, times_ms=t,
+                configs=dict(pairs=pair[1], cols=col[1], cols_shuffled=col_s[1], cols_x_dy=col2[1]),
+                probe_rel_err=max(errs), **floors(t, pairs, 2 * k * x.element_size()), infer_target=ti,
+                train_target=tt, gpu=torch.cuda.get_device_name())
+
+
+def floors(t: dict, pairs: int, row_bytes: int) -> dict:
+    """The floors from one point's times (ms; keys as in ``point``): ``row_bytes`` is the two
+    rows moved per pair (4 * K bytes in bf16)."""
+    gemm_fwd = 2 * t["gate"]                          # up + down, dense
     dense_ind = t.get("inductor_ffn", t["eager_ffn"])
     infer_floor = t["gate"] + t["pairs"]
     cols_best = min(t["cols"], t["cols_shuffled"])
     # the four row groups of a training step, each gathered or done as its two dense GEMMs
-    groups = {"forward (W_up, W_down^T rows)": (t["pairs"], gemm2_fwd),
-              "dx (W_gate, W_up rows)": (t["pairs"], gemm2_dx),
-              "dW_gate, dW_up (x rows)": (cols_best, gemm2_w),
+    groups = {"forward (W_up, W_down^T rows)": (t["pairs"], gemm_fwd),
+              "dx (W_gate, W_up rows)": (t["pairs"], 2 * t["gemm_dx"]),
+              "dW_gate, dW_up (x rows)": (cols_best, 2 * t["gemm_wgrad"]),
               "dh, dW_down (dy rows)": (cols_best, t["gemm_dx"] + t["gemm_wgrad"])}
     train_floor = t["gate"] + sum(min(g, dn) for g, dn in groups.values())
-    train_floor_sparse = t["gate"] + sum(g for g, _ in groups.values())
-    ti, tt = TARGETS.get((m, d, tail), (None, None))
+    tb = lambda nbytes, ms: nbytes / ms / 1e9
     return dict(
-        M=m, K=k, N=n, density=d, tail=tail, pairs=pairs, nnz_per_row=pairs / m, times_ms=t,
-        configs=dict(pairs=pair[1], cols=col[1], cols_shuffled=col_s[1], cols_x_dy=col2[1]),
-        probe_rel_err=max(errs),
-        pair_gather_tb_s=pairs * row_bytes / t["pairs"] / 1e9,
-        col_gather_tb_s=pairs * row_bytes / 2 / t["cols"] / 1e9,
-        col_shuffled_tb_s=pairs * row_bytes / 2 / t["cols_shuffled"] / 1e9,
-        col_x_dy_tb_s=pairs * row_bytes / t["cols_x_dy"] / 1e9,
+        pair_gather_tb_s=tb(pairs * row_bytes, t["pairs"]), col_gather_tb_s=tb(pairs * row_bytes / 2, t["cols"]),
+        col_shuffled_tb_s=tb(pairs * row_bytes / 2, t["cols_shuffled"]),
+        col_x_dy_tb_s=tb(pairs * row_bytes, t["cols_x_dy"]),
         infer_floor_ms=infer_floor, infer_dense_ms=dense_ind, infer_max_ratio=dense_ind / infer_floor,
-        infer_target=ti,
-        train_floor_ms=train_floor, train_floor_sparse_ms=train_floor_sparse, train_eager_ms=t["eager_train"],
-        train_max_ratio=t["eager_train"] / train_floor, train_target=tt,
-        train_groups={kk: dict(gather_ms=g, dense_ms=dn) for kk, (g, dn) in groups.items()},
-        gpu=torch.cuda.get_device_name())
+        train_floor_ms=train_floor, train_floor_sparse_ms=t["gate"] + sum(g for g, _ in groups.values()),
+        train_eager_ms=t["eager_train"], train_max_ratio=t["eager_train"] / train_floor,
+        train_groups={kk: dict(gather_ms=g, dense_ms=dn) for kk, (g, dn) in groups.items()})
 
 
 def main(argv=None) -> int:
