@@ -13,7 +13,10 @@ medians of triton.testing.do_bench (CUDA events) taken in interleaved rounds (ti
 every variant once per round, --rounds rounds, the median round). twell_ms is the product: a
 gated FFN module (3 nn.Linear) holding the point's weights, compiled with backend="twell"
 (dynamic=False, --mode), so shapes the backend leaves to Inductor read Inductor's time and
-``path`` says which ran ("inductor", or the op's path); op_ms is the op torch.ops.twell.ffn
+``path`` says which ran ("inductor", or the op's path); inductor_ms is the same module compiled
+by Inductor (same mode; session 17 compiled ffn_dense, a function taking the weights as
+arguments, whose host time differs from the module's: at M <= 64 in the default mode both are
+host-bound, 0.06-0.18 ms per call in session 18 run 3); op_ms is the op torch.ops.twell.ffn
 called directly (policy included: it may run dense; W_down registered with weight_cache as the
 backend does at compile time), the twell_ms of sessions <= 16; kernel_ms forces the TwELL kernels (per-row path,
 list width from the measured non-zeros as the op picks it; not timed at density >= 0.2 where
@@ -130,8 +133,10 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
     for shape in shapes:
         k, n = (int(v) for v in shape.split("x"))
         for m in ms:
-            inductor = None if args.no_inductor else torch.compile(ffn_dense, dynamic=False, mode=args.mode)
-            tw_mod = FFN(k, n).to(dev, torch.bfloat16)     # the product: weights copied in per point
+            # the product and its baseline: one gated FFN module each, weights copied in per point
+            tw_mod = FFN(k, n).to(dev, torch.bfloat16)
+            ind_mod = FFN(k, n).to(dev, torch.bfloat16)
+            inductor = None if args.no_inductor else torch.compile(ind_mod, dynamic=False, mode=args.mode)
             tw = torch.compile(tw_mod, backend="twell", dynamic=False, mode=args.mode)
             for d in ds:
                 for t in ts:
@@ -143,9 +148,10 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                     weight_cache.register(wd)   # as the backend does at compile time (W_down^T)
                     layer = f"bench/{m}/{k}/{n}/{d}/{t}"
                     op = lambda: torch.ops.twell.ffn(*args7, args.tile_n, args.slots, layer, False)
-                    tw_mod.gate.weight.copy_(wg)
-                    tw_mod.up.weight.copy_(wu)
-                    tw_mod.down.weight.copy_(wd)
+                    for mod in (tw_mod, ind_mod):
+                        mod.gate.weight.copy_(wg)
+                        mod.up.weight.copy_(wu)
+                        mod.down.weight.copy_(wd)
                     weight_cache.register(tw_mod.down.weight)   # the compile's registration, gone with clear()
                     cuda_policy.reset()          # no density measured on the previous point's weights
                     before = op_calls.n
@@ -160,7 +166,7 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                     fns = dict(dense=lambda: ffn_dense(*args7), gate=lambda: F.linear(x, wg), op=op,
                                twell=lambda: tw(x))
                     if inductor:
-                        fns["inductor"] = lambda: inductor(*args7)
+                        fns["inductor"] = lambda: inductor(x)
                     if d <= args.kernel_max_density:
                         fns["kernel"] = kern
                     t_ms = interleaved_ms(fns, args.reps, args.rounds)
@@ -207,7 +213,7 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                           + (f" tiles {tiles_ms:.3f}" if args.tiles else ""), flush=True)
                     weight_cache.clear()
                     del p, x, wg, wu, wd, args7
-            del inductor, tw, tw_mod
+            del inductor, tw, tw_mod, ind_mod
             torch._dynamo.reset()
 
 
