@@ -165,7 +165,7 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                     kern = lambda: cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width=width)
                     fns = dict(dense=lambda: ffn_dense(*args7), gate=lambda: F.linear(x, wg), op=op,
                                twell=lambda: tw(x))
-                    if inductor:
+                    if inductor is not None:
                         fns["inductor"] = lambda: inductor(x)
                     if d <= args.kernel_max_density:
                         fns["kernel"] = kern
