@@ -5,11 +5,7 @@ R=${R:-${OUT:-/tmp}/run4}
 source benchmarks/results/h200/session15/lib.sh
 setup
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv > "$R/gpu.txt"; cat "$R/gpu.txt"
-grid() {   # NAME TIMEOUT ARGS...
-  local name=$1 t=$2; shift 2
-  PYTHONUNBUFFERED=1 timeout "$t" python3 benchmarks/bench_ffn.py --reps 50 --out "$R/$name.json" "$@" > "$R/$name.log" 2>&1
-  echo "rc=$?" >> "$R/$name.log"; grep -v Warn "$R/$name.log" | grep -E "^ +[0-9]|rc="
-}
+source benchmarks/results/h200/session18/lib.sh
 grid ffn_2048 200 --shapes 2048x5632
 grid ffn_2048_decode_ro 120 --shapes 2048x5632 --M 1 64 --mode reduce-overhead
 grid ffn_4096 200 --shapes 4096x11008 --M 16384 65536
