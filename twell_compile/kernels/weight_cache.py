@@ -10,8 +10,11 @@ not tracked as outputs"). Memory cost: one extra copy of W_down per registered l
 K=2048, N=5632 in bf16; 90 MB at K=4096, N=11008).
 
 ``transposed(w)`` finds the copy by (data_ptr, shape, stride, dtype, device). The entry keeps a
-weak reference to the registered parameter: if that is gone or now points elsewhere the entry
-is dropped (no stale data from a reused address). If the parameter's version counter moved
+weak reference to the registered parameter: when the parameter is freed the entry goes with it
+(its copy and state freed; before session 18 a dead entry held its 23 MB until a lookup of the
+same key, so a process compiling model after model kept every old layer's copy), and if the
+parameter now points elsewhere the entry is dropped at lookup (no stale data from a reused
+address). If the parameter's version counter moved
 (an in-place update: optimizer step, ``copy_``, ``load_state_dict``) the copy is refreshed in
 place (``copy_``, same address) before use; the version check is host-only, no sync. Weights
 never registered are transposed per call, uncached.
@@ -31,6 +34,7 @@ times against eager.)
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -50,7 +54,7 @@ class _Entry:
     state: Optional[Tensor] = None   # decode accumulator + tickets, zero between calls
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()    # re-entered when a garbage collection inside it drops an entry
 _entries: dict[tuple, _Entry] = {}
 STATE_ROWS = 64       # cuda_policy.DECODE_MAX_M: larger M gets a fresh zero-filled accumulator
 STATE_TICKETS = 8     # row blocks of the state (>= STATE_ROWS / cuda_decode.MAX_MB)
@@ -115,11 +119,20 @@ def register(w: Tensor, base: Optional[Tensor] = None) -> bool:
             return True
         wt = None if w.t().is_contiguous() else w.t().contiguous()
         state = torch.zeros(STATE_ROWS * w.shape[0] + STATE_TAIL, dtype=torch.float32, device=w.device)
-        entry = _Entry(weakref.ref(base), base.data_ptr(), (w.storage_offset(), tuple(w.shape), tuple(w.stride())),
+        entry = _Entry(weakref.ref(base, functools.partial(_drop, key)), base.data_ptr(), (w.storage_offset(), tuple(w.shape), tuple(w.stride())),
                        wt, base._version, state)
         with _lock:
             _entries[key] = entry
     return True
+
+
+def _drop(key: tuple, ref: weakref.ref) -> None:
+    """The registered parameter behind ``ref`` was freed: drop its entry (unless the key now
+    holds a newer entry for another tensor at the same address)."""
+    with _lock:
+        e = _entries.get(key)
+        if e is not None and e.base is ref:
+            del _entries[key]
 
 
 def _entry(w: Tensor) -> Optional[tuple[_Entry, Tensor]]:
