@@ -9,8 +9,9 @@ pair and, with no weight row reused across tokens, moves whole 2*K-byte rows per
   training: the same in the forward, then W_gate[n] and W_up[n] to m for dx, and x[m] and
             dy[m] to neuron n for dW_gate, dW_up, dW_down and dh (24 KB per pair in all).
 With the anchors' generator every (m, n) fires independently, so tokens share almost no active
-neurons (a block of 128 tokens at d=0.005 reuses a loaded row 1.35 times on average; reuse of 2
-needs ~400 x 400 row blocks on chip, 3.2 MB, over a 16-SM cluster's shared memory).
+neurons: a block of B tokens reuses a loaded row B d / (1 - (1 - d)^B) times, 1.35 at B=128 and
+d=0.005; reuse 2 needs B ~ 320, whose x and fp32 y rows (3.9 MB) exceed a 16-SM cluster's 3.6 MB
+of shared memory.
 
 This script times the sum of those rows and nothing else (``csrc/gather_probe.cu``: no dot
 products, no dependency between rows, the best of 9 launch configurations) on the point's own
