@@ -78,13 +78,13 @@ def best_gather(ext, a, b, off, idx, out, reps: int) -> tuple[float, tuple[int, 
     return best
 
 
-def check_gather(ext, a, b, off, idx) -> float:
-    """Relative error of the probe's sums on its first 64 rows against torch (it must be exact to
-    bf16 rounding, or the times mean nothing)."""
+def check_gather(ext, a, b, off, idx, config: tuple[int, int]) -> float:
+    """Relative error of the probe's sums (launched with the timed ``config``) on its first 64
+    rows against torch (it must be exact to bf16 rounding, or the times mean nothing)."""
     t = min(64, off.numel() - 1)
     o, ix = off[:t + 1].clone(), idx[:int(off[t])]
     out = torch.full((t, a.shape[1]), float("nan"), dtype=a.dtype, device=a.device)
-    ext.gather_sum(a, a.new_empty(0) if b is None else b, o, ix, out, 64, 4, torch.cuda.current_stream().cuda_stream)
+    ext.gather_sum(a, a.new_empty(0) if b is None else b, o, ix, out, *config, torch.cuda.current_stream().cuda_stream)
     rows = torch.repeat_interleave(torch.arange(t, device=a.device), (o[1:] - o[:-1]).long())
     ref = torch.zeros(t, a.shape[1], dtype=torch.float32, device=a.device)
     src = a[ix.long()].float() + (0 if b is None else b[ix.long()].float())
@@ -112,12 +112,13 @@ def point(ext, m, k, n, d, tail, reps, rounds, inductor) -> dict:
     del active
     y_rows = torch.empty(m, k, dtype=x.dtype, device=dev)
     y_cols = torch.empty(n, k, dtype=x.dtype, device=dev)
-    errs = [check_gather(ext, wu, wdt, off_r, idx_r), check_gather(ext, x, None, off_c, idx_c)]
     sweep = max(10, reps // 4)
     pair = best_gather(ext, wu, wdt, off_r, idx_r, y_rows, sweep)
     col = best_gather(ext, x, None, off_c, idx_c, y_cols, sweep)
     col_s = best_gather(ext, x, None, off_s, idx_s, y_cols, sweep)
     col2 = best_gather(ext, x, dy, off_c, idx_c, y_cols, sweep)      # x and dy rows in one pass
+    errs = [check_gather(ext, wu, wdt, off_r, idx_r, pair[1]), check_gather(ext, x, None, off_c, idx_c, col[1]),
+            check_gather(ext, x, None, off_s, idx_s, col_s[1]), check_gather(ext, x, dy, off_c, idx_c, col2[1])]
     stream = torch.cuda.current_stream().cuda_stream
     empty = x.new_empty(0)
     xr = x.detach().requires_grad_()
