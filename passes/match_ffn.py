@@ -12,6 +12,7 @@ FFN-shaped blocks that are *not* rewritten come back as rejections with a plain 
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -348,6 +349,22 @@ def _describe(node: Any) -> str:
     return f"{node.op} {node.target}"
 
 
+# Dynamo names a module by the source it was reached through: the compiled callable's own
+# argument (L['self'], L['mod'], or L['args'][0] where a decorator wraps forward, as in
+# transformers 5.24), or a global (G['model']), then the attribute path from there.
+_ROOT_SOURCE = re.compile(r"""^[LG]\[(?:'[^']*'|"[^"]*")\](?:\[[^\]]*\])*""")
+
+
+def module_path(source: str) -> str:
+    """The module path (``model.layers.0.mlp``) of a Dynamo module source, whatever its root:
+    ``L['self'].model.layers[0].mlp``, ``L['args'][0]._modules['model'].layers.0.mlp`` and
+    ``G['net'].model.layers.0.mlp`` all give ``model.layers.0.mlp``."""
+    rest = _ROOT_SOURCE.sub("", source, count=1)
+    rest = re.sub(r"""\._modules\[(?:'([^']*)'|"([^"]*)")\]""", lambda m: "." + (m.group(1) or m.group(2)), rest)
+    rest = re.sub(r"""\[(?:'([^']*)'|"([^"]*)"|(-?\d+))\]""", lambda m: "." + next(g for g in m.groups() if g is not None), rest)
+    return rest.lstrip(".")
+
+
 def _layer_name(nodes: list[fx.Node]) -> str:
     """The innermost module path shared by the projections (e.g. 'model.layers.0.mlp')."""
     stacks = [list((n.meta.get("nn_module_stack") or {}).values()) for n in nodes]
@@ -359,11 +376,7 @@ def _layer_name(nodes: list[fx.Node]) -> str:
         common.append(paths.pop())
     if not common:
         return ""
-    path = common[-1]
-    if path.startswith("L['") or path.startswith("L[\""):
-        end = path.find("]")
-        path = path[end + 1:].lstrip(".")
-    return path.replace("._modules['", ".").replace("']", "")
+    return module_path(common[-1])
 
 
 def _has_outside_users(internal: list[fx.Node], end: fx.Node) -> Optional[fx.Node]:

@@ -144,11 +144,19 @@ def test_dense_path_at_decode_sizes_is_graphed(monkeypatch, gated):
     decode_graphs.clear()
 
 
-def test_math_mode_is_part_of_the_dense_key(monkeypatch):
-    """A graph keeps the cuBLAS settings of its capture: changing TF32 gives another key."""
+def test_math_mode_is_part_of_the_dense_key():
+    """A graph keeps the cuBLAS settings of its capture: changing TF32 gives another key.
+    The flag is a property of torch's cuBLAS module, set and restored by hand (monkeypatch's
+    undo deletes it on pytest 9.2, which raises AttributeError)."""
+    m = torch.backends.cuda.matmul
+    old = m.allow_tf32
     before = decode_graphs.math_mode()
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", not torch.backends.cuda.matmul.allow_tf32)
-    assert decode_graphs.math_mode() != before
+    try:
+        m.allow_tf32 = not old
+        assert decode_graphs.math_mode() != before
+    finally:
+        m.allow_tf32 = old
+    assert decode_graphs.math_mode() == before
 
 
 class _Step(nn.Module):

@@ -69,6 +69,28 @@ def test_relu_family_rewrites_every_layer(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
+def test_layer_names_are_module_paths(name: str) -> None:
+    """explain and layer_stats name each FFN by its module path, whatever source prefix Dynamo
+    gives the compiled callable (transformers 5.24 wraps forward: ``L['args'][0].model...``)."""
+    fam = FAMILIES[name]
+    model = build(name, "relu")
+    want = [fam.layer.replace(".0", f".{i}", 1) for i in range(LAYERS)]
+    modules = dict(model.named_modules())
+    assert all(w in modules for w in want), want
+    with torch.no_grad():
+        report = twell_compile.explain(model, input_ids=_ids())
+    assert [r.layer for r in report.rewrites] == want, str(report)
+    # Training graphs and the per-layer statistics use the same names.
+    report = twell_compile.explain(model, input_ids=_ids())
+    assert [r.layer for r in report.rewrites] == want, str(report)
+    torch._dynamo.reset()
+    twell_compile.reset_stats()
+    compiled = torch.compile(model, backend="twell", options={"twell.l1": 1e-3})
+    main_output(compiled(input_ids=_ids())).sum().backward()
+    assert set(twell_compile.layer_stats()) >= set(want), twell_compile.layer_stats()
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_default_activation_is_rejected_and_exact(name: str) -> None:
     fam = FAMILIES[name]
     model = build(name, fam.default_act)

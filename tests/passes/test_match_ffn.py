@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import twell_compile
-from twell_compile.passes.match_ffn import Match, Rejection, find_ffns, skip
+from twell_compile.passes.match_ffn import Match, Rejection, find_ffns, module_path, skip
 
 from ffn_zoo import Spec, build, eager_allows, specs
 from graph_capture import dynamo_graph, param_name
@@ -279,3 +279,17 @@ def test_transformer_encoder_layer(grad: bool) -> None:
         assert not report.rewrites and len(report.rejections) == 2, str(report)
         assert all("fast path" in r.reason for r in report.rejections)
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("source, path", [
+    ("L['self'].model.layers[0].mlp", "model.layers.0.mlp"),
+    ("L['args'][0].model.layers.0.mlp", "model.layers.0.mlp"),          # a decorated forward
+    ("L['self']._modules['model']._modules['layers']._modules['3'].mlp", "model.layers.3.mlp"),
+    ("G['net'].transformer.h.1.mlp", "transformer.h.1.mlp"),
+    ("L[\"mod\"].blocks[12].ffn", "blocks.12.ffn"),
+    ("L['kwargs']['model'].encoder.layer.0", "encoder.layer.0"),
+    ("layers.0.mlp", "layers.0.mlp"),                                   # an fx / export path
+    ("L['self']", ""),
+])
+def test_module_path_drops_any_source_prefix(source: str, path: str) -> None:
+    assert module_path(source) == path
