@@ -149,11 +149,9 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                         mod.gate.weight.copy_(p["w_gate"])
                         mod.up.weight.copy_(p["w_up"])
                         mod.down.weight.copy_(p["w_down"])
-                    # the op and the kernels read the product's weights, hence the W_down^T copy the
-                    # backend registered at compile time (rewritten in place here, so CUDA graphs
-                    # captured at the first point read this point's weights)
+                    # the op and the kernels read the product's weights (rewritten in place here,
+                    # so CUDA graphs captured at the first point read this point's weights)
                     wg, wu, wd = tw_mod.gate.weight, tw_mod.up.weight, tw_mod.down.weight
-                    weight_cache.refresh()
                     args7 = (x, wg, None, wu, None, wd, None)
                     layer = f"bench/{m}/{k}/{n}/{d}/{t}"
                     op = lambda: torch.ops.twell.ffn(*args7, args.tile_n, args.slots, layer, False)

@@ -7,9 +7,14 @@
 //   3. otherwise pack each row's active columns (CSR) and, per block of tokens, sort the block's
 //      pairs by neuron, then
 //        A: h[p] = g[p] * (x[m] . W_up[n] + b_up[n])   parallel over the block's active neurons
-//        B: y[m, k0:k1] += h[p] * W_down^T[n, k0:k1]     parallel over output column chunks
-//      reading only active rows of W_up and of W_down^T (both contiguous: 8 KB at K = 2048 fp32),
-//      each once per block.
+//        B: y[m, k0:k1] += h[p] * W_down[k0:k1, n]       parallel over output column chunks
+//      reading only active rows of W_up and active columns of W_down, in the weights' own
+//      layouts (no derived copy that could go stale): each thread packs its chunk's active
+//      columns of W_down (a forward sweep over each row of the chunk, columns ascending) into
+//      a buffer [active, k1 - k0], then runs the axpys from it. A W_down that is a transposed
+//      view (column stride 1) is read in place.
+//   Weight maxima for the overflow rule (max|W_up|, max|b_up|, max|W_down|) are computed per
+//   call by the caller for the same reason.
 //   Rows whose up projection could overflow (non-finite x, or sum|x| max|W_up| + max|b_up| near
 //   FLT_MAX) go dense: there dense PyTorch makes 0 * Inf = NaN at inactive neurons, and so do we.
 //
@@ -139,12 +144,13 @@ void relu_pass(const at::Tensor& x2, at::Tensor& hg, double wmax, double bmax, b
 template <typename T>
 void sparse_up_down(const at::Tensor& x2, const at::Tensor& hg, const int32_t* work,
                     const c10::optional<at::Tensor>& w_up, const c10::optional<at::Tensor>& b_up,
-                    const at::Tensor& wdt, float* yacc, float* abs_sum_out, int64_t block) {
-  const int64_t m = x2.size(0), k = x2.size(1), n = hg.size(1), kout = wdt.size(1);
+                    const at::Tensor& w_down, float* yacc, float* abs_sum_out, int64_t block) {
+  const int64_t m = x2.size(0), k = x2.size(1), n = hg.size(1), kout = w_down.size(0);
   const T* xp = x2.data_ptr<T>();
   const T* gp = hg.data_ptr<T>();
-  const T* wdp = wdt.data_ptr<T>();
-  const int64_t ld_wd = wdt.stride(0);
+  const T* wdp = w_down.data_ptr<T>();
+  const int64_t wd_row = w_down.stride(0), wd_col = w_down.stride(1);
+  const bool wd_in_place = wd_row == 1;  // a transposed view: W_down^T rows are contiguous
   const T* wup = w_up.has_value() ? w_up->data_ptr<T>() : nullptr;
   const int64_t ld_up = w_up.has_value() ? w_up->stride(0) : 0;
   const T* bup = b_up.has_value() ? b_up->data_ptr<T>() : nullptr;
@@ -216,14 +222,24 @@ void sparse_up_down(const at::Tensor& x2, const at::Tensor& hg, const int32_t* w
       for (int64_t p = p0; p < p0 + np; ++p) abs_total += std::fabs(static_cast<double>(h[p]));
     }
 
-    // B: y[row, k0:k1] += h[p] * W_down^T[col, k0:k1]; each thread owns a column chunk.
+    // B: y[row, k0:k1] += h[p] * W_down[k0:k1, col]; each thread owns a column chunk.
 #pragma omp parallel for schedule(dynamic, 1) if (np * kout >= kGrain && chunks > 1)
     for (int64_t t = 0; t < chunks; ++t) {
       const int64_t k0 = t * width, kw = std::min(width, kout - k0);
+      std::vector<T> packed;
+      if (!wd_in_place) {
+        // The chunk's active columns, [nu, kw]: row kk of W_down swept once, columns ascending.
+        packed.resize(static_cast<size_t>(nu * kw));
+        for (int64_t kk = 0; kk < kw; ++kk) {
+          const T* row = wdp + (k0 + kk) * wd_row;
+          for (int64_t i = 0; i < nu; ++i) packed[i * kw + kk] = row[static_cast<int64_t>(ucols[i]) * wd_col];
+        }
+      }
       for (int64_t i = 0; i < nu; ++i) {
         const int64_t c = ucols[i];
-        if (i + 1 < nu) prefetch_bytes(wdp + static_cast<int64_t>(ucols[i + 1]) * ld_wd + k0, kw * sizeof(T));
-        const T* w = wdp + c * ld_wd + k0;
+        const T* w = wd_in_place ? wdp + c * wd_col + k0 : packed.data() + i * kw;
+        if (wd_in_place && i + 1 < nu)
+          prefetch_bytes(wdp + static_cast<int64_t>(ucols[i + 1]) * wd_col + k0, kw * sizeof(T));
         for (int64_t q = start[c]; q < start[c + 1]; ++q) {
           const int64_t p = order[q];
           axpy(yacc + static_cast<int64_t>(row_of[p]) * kout + k0, h[p], w, kw);
@@ -237,21 +253,19 @@ void sparse_up_down(const at::Tensor& x2, const at::Tensor& hg, const int32_t* w
 }  // namespace
 
 // x2 [M, K] contiguous; w_gate [N, K]; w_up [N, K] with unit column stride (or None);
-// w_down [K_out, N] (used by the dense paths); wdt = W_down^T [N, K_out] with unit column stride;
-// up_bound = max|W_up| (ignored when not gated), up_bias_bound = max|b_up|; block: tokens per
+// w_down [K_out, N], any strides (read in place); up_bound = max|W_up| (ignored when not gated), up_bias_bound = max|b_up|; block: tokens per
 // block of the sparse part.
 // Returns (y [M, K_out], counts [M] int32, abs_sum [] fp32, dense [] bool).
 std::vector<at::Tensor> ffn_forward(const at::Tensor& x2, const at::Tensor& w_gate,
                                     const c10::optional<at::Tensor>& b_gate,
                                     const c10::optional<at::Tensor>& w_up,
                                     const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down,
-                                    const at::Tensor& wdt, const c10::optional<at::Tensor>& b_down,
+                                    const c10::optional<at::Tensor>& b_down,
                                     double max_density, double up_bound, double up_bias_bound,
                                     bool want_abs_sum, int64_t block) {
   TORCH_CHECK(x2.dim() == 2 && x2.is_contiguous(), "x2 must be a contiguous [M, K] tensor");
   TORCH_CHECK(x2.scalar_type() == at::kFloat || x2.scalar_type() == at::kBFloat16,
               "cpu_ffn supports float32 and bfloat16, got ", x2.scalar_type());
-  TORCH_CHECK(wdt.stride(1) == 1, "W_down^T must have unit column stride");
   TORCH_CHECK(!w_up.has_value() || w_up->stride(1) == 1, "w_up must have unit column stride");
   const int64_t m = x2.size(0), k = x2.size(1), n = w_gate.size(0), kout = w_down.size(0);
   const bool gated = w_up.has_value();
@@ -282,9 +296,9 @@ std::vector<at::Tensor> ffn_forward(const at::Tensor& x2, const at::Tensor& w_ga
   else yacc.zero_();
   float abs_acc = 0.f;
   float* abs_ptr = want_abs_sum ? &abs_acc : nullptr;
-  if (fp32) sparse_up_down<float>(x2, hg, work.data(), w_up, b_up, wdt, yacc.data_ptr<float>(), abs_ptr,
+  if (fp32) sparse_up_down<float>(x2, hg, work.data(), w_up, b_up, w_down, yacc.data_ptr<float>(), abs_ptr,
                                                   std::max<int64_t>(1, block));
-  else sparse_up_down<c10::BFloat16>(x2, hg, work.data(), w_up, b_up, wdt, yacc.data_ptr<float>(), abs_ptr,
+  else sparse_up_down<c10::BFloat16>(x2, hg, work.data(), w_up, b_up, w_down, yacc.data_ptr<float>(), abs_ptr,
                                                   std::max<int64_t>(1, block));
   if (!fp32) y.copy_(yacc);
 

@@ -120,13 +120,12 @@ def _real_tensor(node: Any, gm: fx.GraphModule, inputs: dict[fx.Node, Any]) -> O
     return t
 
 
-def reserve_weight_copies(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
-    """Make the W_down^T copy (kernels/weight_cache.py) of every
-    rewritten CUDA bf16/fp16 inference FFN whose decode path can win (the decode rule at M=1,
-    density 0: its best case) now, outside any CUDA-graph pool: +1 copy of W_down per such
-    layer. Other layers (on H200 every measured shape) keep transposing per call on the per-row
-    path (~15 us of ~1.2 ms). Weights inside subgraphs or computed in the graph are not found
-    here and are transposed per call."""
+def reserve_decode_state(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
+    """Make the decode state (kernels/weight_cache.py: a persistent fp32 accumulator, 0.5 MB at
+    K_out=2048; no weight values) of every rewritten CUDA bf16/fp16 inference FFN whose decode
+    path can win (the decode rule at M=1, density 0: its best case) now, outside any CUDA-graph
+    pool. Weights inside subgraphs or computed in the graph are not found here; their decode
+    calls zero-fill a state per call."""
     from twell_compile.kernels import cuda_policy, weight_cache
     from twell_compile.ops import arg_index
 
@@ -166,9 +165,20 @@ def twell_backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: Option
     config = with_cudagraphs(config, patches)
     gm = run_passes(gm, config)
     reserve_stats(gm)
-    reserve_weight_copies(gm, example_inputs)
+    reserve_decode_state(gm, example_inputs)
     # The AOTAutograd cache key does not cover Python autograd formulas: tag it with our
     # version and options so a cached compile never reuses a stale backward.
     tag = f"{torch.compiler.config.cache_key_tag}|twell-{__version__}-{source_fingerprint()}|{config.cache_tag()}"
     with torch.compiler.config.patch(cache_key_tag=tag):
         return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _reset() -> None:
+    from twell_compile import dispatch
+
+    dispatch.reset()
+
+
+# torch._dynamo.reset() calls reset() on each backend it has compiled with: the ops' runtime
+# state (the CUDA policy's measurements) goes with the compiled code.
+twell_backend.reset = _reset

@@ -129,14 +129,25 @@ def test_non_contiguous_weights(path, dtype):
         check_exact({**t, **v})
 
 
-def test_weight_cache_sees_in_place_updates(path):
+@pytest.mark.parametrize("how", ["in_place", "data", "rebind_max"])
+def test_kernel_reads_weights_as_they_are_now(path, how):
+    """No derived copy: updates that bump no version counter (through .data) are seen too,
+    including one that makes W_up's maximum (the overflow rule's bound) non-finite."""
     t = make(9, 48, 100, 48, 0.2, torch.float32, seed=8)
     wide = torch.cat([t["w_down"], t["w_down"]], 1)
-    t["w_down"] = wide[:, :100]  # not a transposed view: the kernel reads a cached W_down^T
+    t["w_down"] = wide[:, :100]  # not a transposed view: the kernel packs W_down's columns
     y0 = twell(t)
-    with torch.no_grad():
-        wide.mul_(-3.0)
-    torch.testing.assert_close(twell(t), -3.0 * y0, rtol=1e-5, atol=1e-5)
+    if how == "in_place":
+        with torch.no_grad():
+            wide.mul_(-3.0)
+        torch.testing.assert_close(twell(t), -3.0 * y0, rtol=1e-5, atol=1e-5)
+    elif how == "data":
+        wide.data.mul_(-3.0)
+        torch.testing.assert_close(twell(t), -3.0 * y0, rtol=1e-5, atol=1e-5)
+    else:
+        t["w_up"].data[5, 7] = float("inf")
+        dense = ffn_dense(*args(t))
+        assert torch.equal(torch.isnan(twell(t)), torch.isnan(dense))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -217,13 +228,16 @@ def test_in_kernel_branch_follows_the_counted_density():
     density = (F.linear(x, wg) > 0).float().mean().item()
     mod = cpu_ffn.extension()
     ys = {}
-    for thr, want_dense in ((density - 0.01, True), (density + 0.01, False)):
-        y, counts, _, dense = mod.ffn_forward(x, wg, bg, wu, bu, wd, wd.t().contiguous(), bd, thr,
-                                              wu.abs().max().item(), 0.0, False, 16)
-        assert bool(dense) is want_dense
-        assert counts.sum().item() == (F.linear(x, wg) > 0).sum().item()
-        ys[want_dense] = y
-    torch.testing.assert_close(ys[True], ys[False], rtol=1e-5, atol=1e-5)
+    # W_down in nn.Linear's layout (packed per call) and as a transposed view (read in place).
+    for layout, w in (("rows", wd), ("view", wd.t().contiguous().t())):
+        for thr, want_dense in ((density - 0.01, True), (density + 0.01, False)):
+            y, counts, _, dense = mod.ffn_forward(x, wg, bg, wu, bu, w, bd, thr,
+                                                  wu.abs().max().item(), 0.0, False, 16)
+            assert bool(dense) is want_dense
+            assert counts.sum().item() == (F.linear(x, wg) > 0).sum().item()
+            ys[layout, want_dense] = y
+    for key, y in ys.items():
+        torch.testing.assert_close(y, ys["rows", True], rtol=1e-5, atol=1e-5, msg=str(key))
 
 
 def test_threshold_is_measured_shape_rule():

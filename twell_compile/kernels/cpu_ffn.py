@@ -8,24 +8,21 @@ The extension is built on first use (never at import) and cached. If the build f
 with the reason is issued once and the exact plain-PyTorch implementation runs instead;
 ``active_impl()`` says which one is in use.
 
-Weight layouts the kernel reads (cached per weight, keyed on storage pointer, shape, strides and
-version counter so in-place updates invalidate them):
-  W_down^T [N, K_out] with unit column stride: free when w_down is itself a transposed view,
-      otherwise one transposed copy per layer (the size of W_down: 46 MB fp32 at 2048 x 5632).
-  W_up with unit column stride: free for nn.Linear weights and row slices of fused weights.
-  max|W_up|, max|b_up|, max|W_down|: scalars bounding the up projection (rows that could overflow
-      go dense) and detecting non-finite weights (then dense, as exact as eager).
+The kernel reads every weight in its own layout at every call and keeps no derived copy, so an
+update made any way (in place through ``.data``, ``set_``, a fused optimizer, a rebinding)
+is seen by the next call. Per call it computes max|W_up|, max|b_up| and max|W_down| (the
+overflow rule: rows whose up projection could overflow go dense, and a non-finite W_down
+sends the call dense, as exact as eager); a W_up whose columns are not unit-stride (a
+transposed view, rare) is made contiguous per call.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import warnings
-from collections import OrderedDict
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -36,14 +33,9 @@ from twell_compile.build import BuildError, load
 log = logging.getLogger(__name__)
 
 DTYPES = (torch.float32, torch.bfloat16)
-# Derived copies kept at most (LRU, bytes); ~ 40 layers of 2048 x 5632 fp32 W_down^T.
-CACHE_BYTES = int(os.environ.get("TWELL_CPU_CACHE_MB", "2048")) * 2**20
-
 _lock = threading.Lock()
 _module = None
 _failure: Optional[str] = None
-_cache: "OrderedDict[tuple, tuple[Tensor, object, int]]" = OrderedDict()
-_cache_bytes = 0
 
 
 def extension():
@@ -69,7 +61,7 @@ def active_impl() -> str:
 
 
 # Below this many multiply-adds (M N (K + K_out)) the whole dense FFN takes < ~30 us and the
-# kernel's fixed cost (~15 us: weight-cache look-ups, CSR set-up) cannot pay off; measured
+# kernel's fixed cost (~15 us: weight maxima, CSR set-up) cannot pay off; measured
 # 36 vs 20 us at M N (K + K_out) = 6400, 290 vs 430 us at 1.5e6 (docs/cpu.md).
 MIN_WORK = 1 << 17
 
@@ -108,57 +100,16 @@ def block_tokens(k: int, k_out: int, element_size: int) -> int:
     return max(16, min(512, (2 << 20) // row_bytes))
 
 
-def _key(t: Tensor, tag: str) -> Optional[tuple]:
-    if t.is_inference():  # no version counter: cannot see in-place updates, so never cache
-        return None
-    return (tag, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
-
-
-def _cached(t: Tensor, tag: str, make: Callable[[Tensor], object], nbytes: int) -> object:
-    """make(t), cached while t's storage and version are unchanged (holds t to pin its address)."""
-    global _cache_bytes
-    key = _key(t, tag)
-    if key is None:
-        return make(t)
-    with _lock:
-        hit = _cache.get(key)
-        if hit is not None:
-            _cache.move_to_end(key)
-            return hit[1]
-    value = make(t)
-    with _lock:
-        _cache[key] = (t, value, nbytes)
-        _cache_bytes += nbytes
-        while _cache_bytes > CACHE_BYTES and len(_cache) > 1:
-            _, (_, _, size) = _cache.popitem(last=False)
-            _cache_bytes -= size
-    return value
-
-
-def clear_cache() -> None:
-    """Drop every cached weight copy (e.g. after deleting a model)."""
-    global _cache_bytes
-    with _lock:
-        _cache.clear()
-        _cache_bytes = 0
-
-
-def _down_t(w_down: Tensor) -> Tensor:
-    if w_down.stride(0) == 1:  # already a transposed view: W_down^T rows are contiguous
-        return w_down.t()
-    return _cached(w_down, "down_t", lambda w: w.t().contiguous(), w_down.numel() * w_down.element_size())
-
-
 def _unit_cols(w: Tensor) -> Tensor:
-    if w.stride(1) == 1:
-        return w
-    return _cached(w, "rows", lambda t: t.contiguous(), w.numel() * w.element_size())
+    """w with unit column stride: itself for nn.Linear weights and row slices of fused ones."""
+    return w if w.stride(1) == 1 else w.contiguous()
 
 
 def _abs_max(t: Optional[Tensor]) -> float:
+    """max|t| (NaN if t holds one), read from t now: one pass over the weight, no copy."""
     if t is None or t.numel() == 0:
         return 0.0
-    return float(_cached(t, "absmax", lambda v: v.detach().abs().max().float().item(), 0))
+    return float(torch.linalg.vector_norm(t.detach(), float("inf"), dtype=torch.float32))
 
 
 def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
@@ -175,8 +126,8 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     thr = max_density(m)
     if not math.isfinite(_abs_max(w_down)):
         thr = -1.0
-    y, counts, abs_sum, _dense = mod.ffn_forward(x2, w_gate, b_gate, up, b_up, w_down, _down_t(w_down),
-                                                 b_down, thr, _abs_max(w_up), _abs_max(b_up), keep_stats,
+    y, counts, abs_sum, _dense = mod.ffn_forward(x2, w_gate, b_gate, up, b_up, w_down, b_down, thr,
+                                                 _abs_max(w_up), _abs_max(b_up), keep_stats,
                                                  block_tokens(k, k_out, x.element_size()))
     if keep_stats:
         stats.record(layer, counts, abs_sum, counts.new_zeros(()), n)

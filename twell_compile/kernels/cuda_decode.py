@@ -2,8 +2,8 @@
 
 For x [M, K] with M <= MAX_M: ``decode_fused_kernel``, one program per neuron block: gate over
 all of K, relu, the active set, then up/down for the active neurons only (W_up rows contiguous
-in nn.Linear's [N, K] layout, W_down^T rows [N, K_out] made once per weight by
-``weight_cache``), one neuron at a time with whole-row loads ("rows", M <= cfg.vec_m) or as
+in nn.Linear's [N, K] layout, W_down^T rows read through W_down's transposed view, strided,
+never copied), one neuron at a time with whole-row loads ("rows", M <= cfg.vec_m) or as
 tl.dot tiles, added into an fp32 accumulator by atomics; the row block's last program (ticket)
 writes y, the statistics and zeroes the accumulator again. One launch per FFN when the weight
 is registered (its persistent accumulator, ``weight_cache.decode_state``) and the finish is
@@ -285,8 +285,11 @@ def execute(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional
     m, k = x2.shape
     n, k_out = w_gate.shape[0], w_down.shape[0]
     dev = x2.device
-    wdt, state = weight_cache.decode_weights(w_down, m)
-    registered = state is not None      # W_down^T and the accumulator persist: graphs may bake them
+    # W_down^T rows read through the transposed view (strided, no copy: a copy went stale on
+    # updates that bump no version counter); the decode sizes gather few rows.
+    wdt = w_down.t()
+    state = weight_cache.decode_state(w_down, m)
+    registered = state is not None      # the accumulator persists: graphs may bake it
     if form == "list":
         state = None                    # no accumulator: the gather writes y
     key = (m, k, n, k_out, form, c, w_up is not None, b_gate is not None, b_up is not None,

@@ -10,8 +10,8 @@ TwELL path (``twell_forward``), for x [M, K] (bf16/fp16), three launches:
      projection, y written once. Rows with count > W continue over g after the W-th listed
      column; rows whose x holds NaN/Inf take every column. Exact, nothing dropped.
 Decode path (M <= cuda_policy.DECODE_MAX_M tokens): ``cuda_decode.decode_forward``, gate GEMV
-over all of W_gate, up/down rows of the union of active neurons only (W_down^T rows from
-``weight_cache``, made once per weight).
+over all of W_gate, up/down rows of the union of active neurons only (W_down^T rows read
+through the transposed view of W_down: no copy).
 The tile path of issue 3's first design (``twell_forward_tiles``: Triton gate GEMM with the
 TwELL epilogue + ``twell_fused.py``) stays for comparison (docs/inference.md has both timings).
 No host sync on either path: capacities are fixed, overflow is decided on the device, and the
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from twell_compile import stats
-from twell_compile.kernels import cuda_policy, decode_graphs, weight_cache
+from twell_compile.kernels import cuda_policy, decode_graphs
 from twell_compile.kernels.launch import launch
 
 OVF_DIV = 16          # overflow buffer: one dense tile per 16 (row, tile) pairs
@@ -59,9 +59,8 @@ def _transposed(w: Tensor) -> Tensor:
     """w.t() contiguous, recomputed per call by ``transpose.transpose_kernel`` (PyTorch's own
     strided copy took 77 us at [2048, 5632] bf16 on the H200).
 
-    The inference paths use ``weight_cache.transposed`` instead (copies made once per weight
-    at compile time, outside any CUDA-graph pool); this uncached form is for weights that
-    change every step (training).
+    Made per call, never cached: a copy kept across calls goes stale when a weight changes
+    without a version bump (``.data``); in a CUDA graph the transpose is replayed too.
     """
     from twell_compile.kernels.transpose import transpose_kernel
 
@@ -137,7 +136,7 @@ def fused(x2: Tensor, pk: Packed, w_gate: Tensor, b_gate: Optional[Tensor], w_up
     n, k_out = w_gate.shape[0], w_down.shape[0]
     nt, slots = pk.vals.shape[1], pk.vals.shape[2]
     tile_n = pk.ovals.shape[1]
-    wdt = weight_cache.transposed(w_down)
+    wdt = _transposed(w_down)   # per call: ~15 us of ~1 ms, never stale
     wu = w_up if w_up is not None else w_gate
     y = torch.empty((m, k_out), dtype=x2.dtype, device=x2.device)
     hsum = torch.empty((m,), dtype=torch.float32, device=x2.device)
@@ -215,7 +214,7 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
 
     m, k = x2.shape
     n, k_out = r.g.shape[1], w_down.shape[0]
-    wdt = weight_cache.transposed(w_down)
+    wdt = _transposed(w_down)   # per call: ~15 us of ~1 ms, never stale
     wu = w_up if w_up is not None else wdt
     y = torch.empty((m, k_out), dtype=x2.dtype, device=x2.device)
     hsum = torch.empty((m,), dtype=torch.float32, device=x2.device)

@@ -9,8 +9,7 @@ a copy of x into the graph's input, one replay, one clone of its output. The den
 same sizes (eager's GEMMs, cuda_infer.dense_forward without statistics) is graphed likewise.
 
 Semantics are the eager call's: the output is a fresh tensor; the weights are read at replay
-time (in-place updates are seen; W_down^T copies are refreshed by the caller's
-``weight_cache.decode_weights`` before the lookup, in place, so the graph keeps reading them);
+time, from the parameters themselves (no copies: updates made any way are seen);
 a key holds every pointer the graph bakes in, so a new weight or statistics buffer captures a
 new graph. Not used while the current stream is capturing (the caller's graph records the
 kernels), nor under the Triton interpreter. The first capture per key synchronizes the device
