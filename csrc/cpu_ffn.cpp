@@ -101,6 +101,52 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
 }
 
+// max|t| over a dense tensor (any strides without gaps or overlap: the span is numel elements),
+// NaN if t holds one. One streaming pass, 16 lanes, both cores: read per call, never cached
+// (a cached maximum went stale after updates through .data, which bump no version counter).
+template <typename T>
+double abs_max_dense(const T* p, int64_t n) {
+  const int64_t chunk = int64_t(1) << 16;
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  float best = 0.f;
+  bool nan = false;
+#pragma omp parallel for schedule(static) reduction(max : best) reduction(|| : nan) if (n >= kGrain)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t i0 = c * chunk, i1 = std::min(n, i0 + chunk);
+    f32x16 m = {};
+    u32x16 bad = {};
+    int64_t i = i0;
+    for (; i + kLanes <= i1; i += kLanes) {
+      f32x16 v = load16(p + i);
+      f32x16 a = v < 0 ? -v : v;
+      m = a > m ? a : m;
+      bad |= (u32x16)(v != v);
+    }
+    float mx = 0.f;
+    bool any_nan = false;
+    for (int l = 0; l < kLanes; ++l) {
+      mx = std::max(mx, m[l]);
+      any_nan = any_nan || bad[l];
+    }
+    for (; i < i1; ++i) {
+      const float v = to_f32(p[i]);
+      any_nan = any_nan || v != v;
+      mx = std::max(mx, std::fabs(v));
+    }
+    best = std::max(best, mx);
+    nan = nan || any_nan;
+  }
+  return nan ? std::numeric_limits<double>::quiet_NaN() : static_cast<double>(best);
+}
+
+double abs_max(const c10::optional<at::Tensor>& t) {
+  if (!t.has_value() || t->numel() == 0) return 0.0;
+  // Dense with non-negative strides: the elements fill [data_ptr, data_ptr + numel).
+  const at::Tensor d = t->is_non_overlapping_and_dense() ? *t : t->contiguous();
+  if (d.scalar_type() == at::kFloat) return abs_max_dense<float>(d.data_ptr<float>(), d.numel());
+  return abs_max_dense<c10::BFloat16>(d.data_ptr<c10::BFloat16>(), d.numel());
+}
+
 // ReLU in place keeping NaN (as torch.relu); returns the row's non-zeros (NaN counts as one).
 template <typename T>
 inline int32_t relu_count(T* g, int64_t n) {
@@ -253,22 +299,27 @@ void sparse_up_down(const at::Tensor& x2, const at::Tensor& hg, const int32_t* w
 }  // namespace
 
 // x2 [M, K] contiguous; w_gate [N, K]; w_up [N, K] with unit column stride (or None);
-// w_down [K_out, N], any strides (read in place); up_bound = max|W_up| (ignored when not gated), up_bias_bound = max|b_up|; block: tokens per
-// block of the sparse part.
+// w_down [K_out, N], any strides (read in place); block: tokens per block of the sparse part;
+// max_density: above it the call runs dense.
 // Returns (y [M, K_out], counts [M] int32, abs_sum [] fp32, dense [] bool).
 std::vector<at::Tensor> ffn_forward(const at::Tensor& x2, const at::Tensor& w_gate,
                                     const c10::optional<at::Tensor>& b_gate,
                                     const c10::optional<at::Tensor>& w_up,
                                     const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down,
                                     const c10::optional<at::Tensor>& b_down,
-                                    double max_density, double up_bound, double up_bias_bound,
-                                    bool want_abs_sum, int64_t block) {
+                                    double max_density, bool want_abs_sum, int64_t block) {
   TORCH_CHECK(x2.dim() == 2 && x2.is_contiguous(), "x2 must be a contiguous [M, K] tensor");
   TORCH_CHECK(x2.scalar_type() == at::kFloat || x2.scalar_type() == at::kBFloat16,
               "cpu_ffn supports float32 and bfloat16, got ", x2.scalar_type());
   TORCH_CHECK(!w_up.has_value() || w_up->stride(1) == 1, "w_up must have unit column stride");
   const int64_t m = x2.size(0), k = x2.size(1), n = w_gate.size(0), kout = w_down.size(0);
   const bool gated = w_up.has_value();
+  // Overflow rule inputs, read from the weights now: a non-finite W_down sends the call dense
+  // (eager's 0 * Inf = NaN at inactive neurons), max|W_up| and max|b_up| bound each row's up
+  // projection (Inf/NaN there sends every row dense).
+  const double up_bound = gated ? abs_max(w_up) : 0.0;
+  const double up_bias_bound = gated ? abs_max(b_up) : 0.0;
+  if (!std::isfinite(abs_max(c10::optional<at::Tensor>(w_down)))) max_density = -1.0;
 
   at::Tensor hg = at::linear(x2, w_gate, b_gate).contiguous();
   at::Tensor counts = at::empty({m}, x2.options().dtype(at::kInt));

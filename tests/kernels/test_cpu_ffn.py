@@ -231,8 +231,7 @@ def test_in_kernel_branch_follows_the_counted_density():
     # W_down in nn.Linear's layout (packed per call) and as a transposed view (read in place).
     for layout, w in (("rows", wd), ("view", wd.t().contiguous().t())):
         for thr, want_dense in ((density - 0.01, True), (density + 0.01, False)):
-            y, counts, _, dense = mod.ffn_forward(x, wg, bg, wu, bu, w, bd, thr,
-                                                  wu.abs().max().item(), 0.0, False, 16)
+            y, counts, _, dense = mod.ffn_forward(x, wg, bg, wu, bu, w, bd, thr, False, 16)
             assert bool(dense) is want_dense
             assert counts.sum().item() == (F.linear(x, wg) > 0).sum().item()
             ys[layout, want_dense] = y

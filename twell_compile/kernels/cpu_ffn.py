@@ -10,8 +10,8 @@ with the reason is issued once and the exact plain-PyTorch implementation runs i
 
 The kernel reads every weight in its own layout at every call and keeps no derived copy, so an
 update made any way (in place through ``.data``, ``set_``, a fused optimizer, a rebinding)
-is seen by the next call. Per call it computes max|W_up|, max|b_up| and max|W_down| (the
-overflow rule: rows whose up projection could overflow go dense, and a non-finite W_down
+is seen by the next call. Per call the kernel reads max|W_up|, max|b_up| and max|W_down|
+(the overflow rule: rows whose up projection could overflow go dense, and a non-finite W_down
 sends the call dense, as exact as eager); a W_up whose columns are not unit-stride (a
 transposed view, rare) is made contiguous per call.
 """
@@ -105,13 +105,6 @@ def _unit_cols(w: Tensor) -> Tensor:
     return w if w.stride(1) == 1 else w.contiguous()
 
 
-def _abs_max(t: Optional[Tensor]) -> float:
-    """max|t| (NaN if t holds one), read from t now: one pass over the weight, no copy."""
-    if t is None or t.numel() == 0:
-        return 0.0
-    return float(torch.linalg.vector_norm(t.detach(), float("inf"), dtype=torch.float32))
-
-
 def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
               layer: str, keep_stats: bool) -> Tensor:
@@ -121,13 +114,10 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
     up = None if w_up is None else _unit_cols(w_up)
-    # Non-finite weights make dense PyTorch put NaN where a sparse kernel skips work (0 * Inf):
-    # max|W_up| = Inf/NaN sends every row dense in the kernel; a non-finite W_down, the whole call.
-    thr = max_density(m)
-    if not math.isfinite(_abs_max(w_down)):
-        thr = -1.0
-    y, counts, abs_sum, _dense = mod.ffn_forward(x2, w_gate, b_gate, up, b_up, w_down, b_down, thr,
-                                                 _abs_max(w_up), _abs_max(b_up), keep_stats,
+    # The kernel reads max|W_up|, max|b_up| and W_down's finiteness itself, per call (the
+    # overflow rule: non-finite weights make eager put NaN where a sparse kernel skips work).
+    y, counts, abs_sum, _dense = mod.ffn_forward(x2, w_gate, b_gate, up, b_up, w_down, b_down,
+                                                 max_density(m), keep_stats,
                                                  block_tokens(k, k_out, x.element_size()))
     if keep_stats:
         stats.record(layer, counts, abs_sum, counts.new_zeros(()), n)
