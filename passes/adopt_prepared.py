@@ -2,7 +2,8 @@
 
 Runs first, so ``fuse_ffn`` keeps their layer names unique and ``scale_l1`` can tell them from
 the FFNs it scales: a prepared op carries its own options (L1 scale, tile sizes, stats flag),
-fixed by ``prepare`` for the whole model. Nodes are marked ``meta["twell_prepared"]``.
+fixed by ``prepare`` for the whole model. Nodes are marked ``meta["twell_prepared"]``, and
+each gets a fresh ``instance`` number: a new compile starts from fresh runtime state.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 from torch import fx
 
 from twell_compile.config import TwellConfig
-from twell_compile.ops import arg_index
+from twell_compile.ops import arg_index, next_instance
 from twell_compile.passes.fuse_ffn import graph_modules, report_of
 from twell_compile.passes.match_ffn import example
 from twell_compile.report import RewriteEntry
@@ -27,11 +28,18 @@ def _size(node: object, dim: int) -> int:
 def adopt_prepared(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
     report = report_of(gm)
     for sub_name, sub in graph_modules(gm):
+        changed = False
         for node in sub.graph.nodes:
             op = node.target
             if node.op != "call_function" or op not in (torch.ops.twell.ffn.default, torch.ops.twell.ffn_train.default):
                 continue
             node.meta[PREPARED] = True
+            changed = True
+            pos = arg_index(op, "instance")
+            if len(node.args) > pos:
+                node.args = node.args[:pos] + (next_instance(),) + node.args[pos + 1:]
+            else:
+                node.kwargs = {**node.kwargs, "instance": next_instance()}
             x = node.args[0]
             xe = example(x)
             tokens = "[" + ", ".join(str(d) for d in xe.shape[:-1]) + "]" if xe is not None else "?"
@@ -40,4 +48,6 @@ def adopt_prepared(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
                 str(op.name()), tokens, _size(node.args[arg_index(op, "w_gate")], 1),
                 _size(node.args[arg_index(op, "w_gate")], 0), _size(node.args[arg_index(op, "w_down")], 0),
                 str(xe.dtype).replace("torch.", "") if xe is not None else "?", sub_name, via="prepare"))
+        if changed:
+            sub.recompile()
     return gm

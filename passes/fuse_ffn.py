@@ -2,7 +2,10 @@
 
 The op is ``twell::ffn`` where the block's output needs no gradient (grad mode off at trace
 time or nothing requiring grad), else ``twell::ffn_train``, whose backward is ours. Inputs
-are cast to the dtype the projections produced, so autocast regions keep their numerics.
+are cast to the dtype the projections produced, so autocast regions keep their numerics;
+outside autocast a projection whose operands differ in dtype is left to Inductor, which
+raises as eager's F.linear does. Each op gets an ``instance`` number of its own (its runtime
+state, e.g. the CUDA policy's measurements, is not shared with other compiles).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from torch import fx
 
 from twell_compile import dispatch
 from twell_compile.config import TwellConfig
+from twell_compile.ops import next_instance
 from twell_compile.passes.match_ffn import Match, Projection, Rejection, example, find_ffns
 from twell_compile.report import RejectionEntry, Report, RewriteEntry
 
@@ -72,12 +76,12 @@ def _rewrite(graph: fx.Graph, m: Match, config: TwellConfig, layer: str) -> tupl
             op = torch.ops.twell.ffn_train.default
             # l1_scale (0.0 here) is filled in by the scale_l1 pass once all FFNs are known.
             call = graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, config.ell_width,
-                                            config.backup_rows, 0.0, layer, config.stats))
+                                            config.backup_rows, 0.0, layer, config.stats, next_instance()))
             y = graph.call_function(operator.getitem, (call, 0))
         else:
             op = torch.ops.twell.ffn.default
             y = graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, config.tile_n, config.slots,
-                                         layer, config.stats))
+                                         layer, config.stats, next_instance()))
         if example(m.x).dim() != example(m.down.x).dim():
             y = graph.call_method("reshape", (y, -1, out.shape[-1]))
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
@@ -104,6 +108,59 @@ def _remap(m: Match, replaced: dict[fx.Node, fx.Node]) -> None:
             p.bias = replaced.get(p.bias, p.bias)
 
 
+_ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
+_EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
+Scope = tuple[tuple[str, bool], ...]     # autocast regions in force: (device type, enabled), innermost last
+
+
+def autocast_scopes(gm: fx.GraphModule) -> dict[fx.Node, Scope]:
+    """The autocast regions Dynamo recorded (``_enter_autocast`` / ``_exit_autocast`` nodes)
+    around each node of the graph and its subgraphs; a subgraph starts from where its parent
+    refers to it. Outside every region, the state the compile ran under holds."""
+    out: dict[fx.Node, Scope] = {}
+    starts: dict[str, Scope] = {}
+    for name, sub in graph_modules(gm):
+        scope = starts.get(name, ())
+        stack: list[Scope] = []
+        for node in sub.graph.nodes:
+            if node.op == "call_function" and node.target is _ENTER_AUTOCAST:
+                args = list(node.args) + [None] * 3
+                dev = args[0] if args[0] is not None else node.kwargs.get("device_type")
+                on = args[2] if len(node.args) > 2 else node.kwargs.get("enabled", True)
+                stack.append(scope)
+                scope = scope + ((str(dev), bool(on)),)
+            elif node.op == "call_function" and node.target is _EXIT_AUTOCAST and stack:
+                scope = stack.pop()
+            out[node] = scope
+            if node.op == "get_attr":
+                starts.setdefault(f"{name}.{node.target}" if name else str(node.target), scope)
+    return out
+
+
+def autocast_on(scope: Scope, device_type: str) -> bool:
+    for dev, on in reversed(scope):
+        if dev == device_type:
+            return on
+    return torch.is_autocast_enabled(device_type)
+
+
+def mixed_dtypes(m: Match, scopes: dict[fx.Node, Scope]) -> Optional[str]:
+    """Why eager would refuse the block: a projection whose input, weight and bias differ in
+    dtype outside autocast (F.linear raises; Dynamo's fake tensors do not); else None."""
+    for what, p in (("gate", m.gate), ("up", m.up), ("down", m.down)):
+        if p is None:
+            continue
+        vals = {name: example(node) for name, node in (("input", p.x), ("weight", p.weight), ("bias", p.bias))}
+        dtypes = {name: v.dtype for name, v in vals.items() if v is not None}
+        if len(set(dtypes.values())) < 2 or vals["input"] is None:
+            continue
+        if not autocast_on(scopes.get(p.out, ()), vals["input"].device.type):
+            desc = ", ".join(f"{name} {str(dt).replace('torch.', '')}" for name, dt in dtypes.items())
+            return (f"its {what} projection mixes dtypes ({desc}) outside autocast, which F.linear "
+                    "refuses: left to Inductor, which raises as eager does")
+    return None
+
+
 def _unique(name: str, used: set[str]) -> str:
     base = name or "ffn"
     out, i = base, 1
@@ -126,6 +183,7 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
     """Replace every ReLU FFN with a twell op; record rewrites and rejections."""
     report = report_of(gm)
     used = {r.layer for r in report.rewrites}
+    scopes = autocast_scopes(gm)
     for sub_name, sub in graph_modules(gm):
         changed = False
         replaced: dict[fx.Node, fx.Node] = {}   # down projection -> the op output replacing it
@@ -136,6 +194,10 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
                 _remap(found, replaced)
             if isinstance(found, Rejection):
                 report.add_rejection(RejectionEntry(found.layer, found.reason, sub_name))
+                continue
+            why = mixed_dtypes(found, scopes)
+            if why is not None:
+                report.add_rejection(RejectionEntry(found.layer, why, sub_name))
                 continue
             out = example(found.down.out)
             if not config.enabled:

@@ -26,6 +26,8 @@ def test_int_accepted_for_float():
 @pytest.mark.parametrize("options, err, match", [
     ({"twell.l2": 1.0}, ValueError, "unknown twell option 'twell.l2'"),
     ({"twell.l1": -1.0}, ValueError, "twell.l1"),
+    ({"twell.l1": float("nan")}, ValueError, "twell.l1 must be a finite number"),
+    ({"twell.l1": float("inf")}, ValueError, "twell.l1 must be a finite number"),
     ({"twell.l1": "big"}, TypeError, "twell.l1"),
     ({"twell.tile_n": 0}, ValueError, "twell.tile_n"),
     ({"twell.tile_n": 8, "twell.slots": 9}, ValueError, "twell.slots"),
@@ -49,3 +51,16 @@ def test_cache_tag_changes_with_every_option():
     base = TwellConfig().cache_tag()
     assert TwellConfig(l1=1e-5).cache_tag() != base
     assert TwellConfig(ell_width=7).cache_tag() != base
+
+
+def test_non_finite_l1_is_refused_by_compile_and_prepare():
+    """A NaN or Inf L1 coefficient would make every gradient NaN: refused up front."""
+    import torch
+
+    import twell_compile
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    with pytest.raises(ValueError, match="twell.l1"):
+        twell_compile.prepare(net, options={"twell.l1": float("nan")})
+    with pytest.raises(Exception, match="twell.l1 must be a finite number"):
+        torch.compile(net, backend="twell", options={"twell.l1": float("inf")})(torch.randn(2, 8))

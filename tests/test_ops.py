@@ -160,3 +160,46 @@ def test_inference_op_refuses_inputs_that_need_grad(which, name):
         y = OPS.ffn(*args, 4, 2, "t", False)
     assert not y.requires_grad
     torch.testing.assert_close(y, ffn_dense(*[a.detach() if a is not None else None for a in args]))
+
+
+@pytest.mark.parametrize("lead", [(0,), (3, 0)])
+@pytest.mark.parametrize("gated", [True, False])
+def test_training_with_no_rows_matches_eager(lead, gated):
+    """x [0, K] or [B, 0, K]: an empty y, and as eager's autograd an empty dx and zero weight
+    and bias gradients (the backup of 2 rows is all padding: nothing to index)."""
+    ref = make(1, 8, 12, 7, gated=gated, grad=True)
+    ref[0] = torch.randn(*lead, 8, requires_grad=True)
+    mine = [t.detach().clone().requires_grad_() if t is not None else None for t in ref]
+    want = ffn_dense(*ref)
+    y = OPS.ffn_train(*mine, 4, 2, 0.5, "t", True)[0]
+    assert y.shape == want.shape == (*lead, 7)
+    dy = torch.randn(*lead, 7)
+    want.backward(dy)
+    y.backward(dy)
+    for a, b in zip(ref, mine):
+        if a is not None:
+            assert b.grad.shape == a.grad.shape and torch.equal(b.grad, a.grad)
+    with torch.no_grad():
+        assert OPS.ffn(*mine, 4, 2, "t", True).shape == (*lead, 7)
+
+
+@pytest.mark.parametrize("l1", [float("nan"), float("inf"), -1.0])
+def test_training_op_refuses_a_non_finite_or_negative_l1_scale(l1):
+    args = make(5, 8, 12, 7, grad=True)
+    with pytest.raises(ValueError, match="l1_scale"):
+        OPS.ffn_train(*args, 4, 2, l1, "t", False)
+
+
+def test_instance_argument_defaults_to_zero_and_reaches_dispatch(monkeypatch):
+    """The op's last argument names its instance (per-op runtime state); direct calls give 0."""
+    from twell_compile import dispatch
+
+    seen = []
+    real = dispatch.ffn_infer
+    monkeypatch.setattr(dispatch, "ffn_infer", lambda *a: seen.append(a[-1]) or real(*a))
+    args = make(5, 8, 12, 7)
+    OPS.ffn(*args, 4, 2, "t", False)
+    OPS.ffn(*args, 4, 2, "t", False, 9)
+    assert seen == [0, 9]
+    assert OPS.ffn.default._schema.arguments[-1].name == "instance"
+    assert OPS.ffn_train.default._schema.arguments[-1].name == "instance"

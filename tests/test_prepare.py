@@ -195,6 +195,48 @@ def test_autocast_matches_unprepared():
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_mixed_dtypes_outside_autocast_raise_as_unprepared():
+    """A bf16 input into fp32 weights: F.linear raises outside autocast, so does the prepared
+    module (eager and compiled), naming the layer; under autocast it runs as eager does."""
+    net, ref = _pair(Gated)
+    twell_compile.prepare(net)
+    x = torch.randn(3, 16).bfloat16()
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="same dtype"):
+            ref.blocks[0](x)
+        with pytest.raises(RuntimeError, match="blocks.0: input is torch.bfloat16"):
+            net.blocks[0](x)
+        with pytest.raises(RuntimeError, match="dtype"):
+            torch.compile(net.blocks[0], backend="twell")(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, want = net.blocks[0](x), ref.blocks[0](x)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_each_prepared_ffn_and_each_compile_has_its_own_instance():
+    """Runtime state (the CUDA policy's measurements) is per op instance: two prepared models
+    with the same layer names do not share it, nor does a new compile of the same one."""
+    from rewrite_harness import PassBackend
+
+    from twell_compile.ops import arg_index
+
+    nets = [_pair(Gated, Gated)[0] for _ in range(2)]
+    for net in nets:
+        twell_compile.prepare(net)
+    eager = [spec_of(b).instance for net in nets for b in net.blocks]
+    assert len(set(eager)) == 4 and 0 not in eager
+    op = torch.ops.twell.ffn.default
+    compiled = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        backend = PassBackend()
+        with torch.no_grad():
+            torch.compile(nets[0], backend=backend)(torch.randn(2, 16))
+        compiled += [n.args[arg_index(op, "instance")] for n in backend.nodes()
+                     if n.op == "call_function" and n.target is op]
+    assert len(compiled) == 4 and len(set(compiled + eager)) == 8, (compiled, eager)
+
+
 def test_bad_arguments_name_the_argument():
     with pytest.raises(TypeError, match="model"):
         twell_compile.prepare(lambda x: x)

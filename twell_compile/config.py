@@ -8,6 +8,7 @@ start with ``twell.`` are ours; every other key is handed to Inductor untouched.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -75,8 +76,8 @@ class TwellConfig:
                 continue
             if not isinstance(value, want) or (want is not bool and isinstance(value, bool)):
                 raise TypeError(f"twell option {PREFIX}{f.name} must be {want.__name__}, got {value!r}")
-        if self.l1 < 0:
-            raise ValueError(f"twell option {PREFIX}l1 must be >= 0, got {self.l1}")
+        if not math.isfinite(self.l1) or self.l1 < 0:
+            raise ValueError(f"twell option {PREFIX}l1 must be a finite number >= 0, got {self.l1}")
         if self.l1_layers < 0:
             raise ValueError(f"twell option {PREFIX}l1_layers must be >= 0, got {self.l1_layers}")
         if self.tile_n < 1 or self.tile_n > 32768:

@@ -15,7 +15,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from twell_compile.kernels import torch_impl
+from twell_compile.kernels import cuda_policy, torch_impl
 
 
 def _sym_lt(m: torch.SymInt, limit: int) -> Optional[bool]:
@@ -181,10 +181,15 @@ def static_dense_train_reason(device: torch.device, dtype: torch.dtype, m: Optio
 
 def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
-              tile_n: int, slots: int, layer: str, keep_stats: bool) -> Tensor:
+              tile_n: int, slots: int, layer: str, keep_stats: bool, instance: int = 0) -> Tensor:
+    """``instance``: the op instance (ops.next_instance); the CUDA policy's state is its own."""
     cuda = _cuda_infer(x)
     if cuda is not None:
-        return cuda.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, tile_n, slots, layer, keep_stats)
+        prev = cuda_policy.enter(instance)
+        try:
+            return cuda.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, tile_n, slots, layer, keep_stats)
+        finally:
+            cuda_policy.enter(prev)
     cpu = _cpu_infer(x, w_gate, w_down)
     if cpu is not None:
         return cpu.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats)
@@ -207,10 +212,30 @@ def _cuda_train(x: Tensor, w_gate: Tensor, w_down: Tensor):
 
 def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                       b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
-                      ell_width: int, backup_rows: int, layer: str, keep_stats: bool) -> tuple[Tensor, ...]:
-    impl = _cuda_train(x, w_gate, w_down) or torch_impl
-    return impl.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
-                                  ell_width, backup_rows, layer, keep_stats)
+                      ell_width: int, backup_rows: int, layer: str, keep_stats: bool,
+                      instance: int = 0) -> tuple[Tensor, ...]:
+    cuda = _cuda_train(x, w_gate, w_down)
+    if cuda is None:
+        return torch_impl.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
+                                            ell_width, backup_rows, layer, keep_stats)
+    prev = cuda_policy.enter(instance)          # as in ffn_infer
+    try:
+        return cuda.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
+                                      ell_width, backup_rows, layer, keep_stats)
+    finally:
+        cuda_policy.enter(prev)
+
+
+def reset() -> None:
+    """Forget the runtime state of every op instance (the CUDA policy's measurements and the
+    training path's last-path record); ``torch._dynamo.reset()`` calls this through the
+    backend."""
+    import sys
+
+    cuda_policy.reset()
+    train = sys.modules.get("twell_compile.kernels.cuda_train")
+    if train is not None:
+        train.last_sparse.clear()
 
 
 def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, *args, **kwargs):

@@ -5,6 +5,11 @@
                           the hybrid format (the only activations saved for backward)
     twell::ffn_train_bwd  its backward: gradients of x, weights and biases, L1 term folded in
 
+``instance`` (last argument, default 0) names the op instance whose runtime state (the CUDA
+path's density measurements) a call reads and writes: the passes and ``prepare`` give each op
+they insert a number unique in the process (``next_instance``); 0, for direct calls, shares
+the state by layer name.
+
 ``w_up=None`` selects the non-gated FFN down(relu(gate(x))). Weights use nn.Linear's layout:
 w_gate, w_up [N, K]; w_down [K_out, N]. Biases are optional. Every tensor must share x's dtype
 and device. Kernels live in ``kernels/`` and are chosen by ``dispatch``; this module only
@@ -13,6 +18,7 @@ registers. Importing it initialises no device and builds nothing.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Optional, Sequence
 
@@ -63,6 +69,14 @@ def _check(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[T
             raise ValueError(f"{name} must be [{size}], got {tuple(b.shape)}")
 
 
+_instances = itertools.count(1)
+
+
+def next_instance() -> int:
+    """A fresh op instance number (ops' ``instance`` argument), unique in this process."""
+    return next(_instances)
+
+
 def _check_positive(**knobs: int) -> None:
     for name, value in knobs.items():
         if value < 1:
@@ -77,13 +91,13 @@ def _check_positive(**knobs: int) -> None:
 # need a gradient is refused up front (the backend rewrites to ffn_train when one is needed).
 _lib = torch.library.Library("twell", "FRAGMENT")
 _lib.define("ffn(Tensor x, Tensor w_gate, Tensor? b_gate, Tensor? w_up, Tensor? b_up, Tensor w_down, "
-            "Tensor? b_down, int tile_n, int slots, str layer, bool stats) -> Tensor",
+            "Tensor? b_down, int tile_n, int slots, str layer, bool stats, int instance=0) -> Tensor",
             tags=(torch.Tag.pt2_compliant_tag,))
 
 
 def _ffn(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
          b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
-         tile_n: int, slots: int, layer: str, stats: bool) -> Tensor:
+         tile_n: int, slots: int, layer: str, stats: bool, instance: int = 0) -> Tensor:
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
     _check_positive(tile_n=tile_n, slots=slots)
     if torch.is_grad_enabled():
@@ -93,7 +107,7 @@ def _ffn(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Ten
                 raise ValueError(f"{name} requires grad, and twell::ffn is inference only: call it "
                                  f"under torch.no_grad() / torch.inference_mode(), or use "
                                  f"twell::ffn_train, whose backward is ours")
-    return dispatch.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, tile_n, slots, layer, stats)
+    return dispatch.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, tile_n, slots, layer, stats, instance)
 
 
 _lib.impl("ffn", _ffn, "CompositeExplicitAutograd")
@@ -101,7 +115,7 @@ _lib.impl("ffn", torch.library.fallthrough_kernel, "Autograd")
 
 
 @torch.library.register_fake("twell::ffn", lib=_lib)
-def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, tile_n, slots, layer, stats):
+def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, tile_n, slots, layer, stats, instance=0):
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
     return x.new_empty((*x.shape[:-1], w_down.shape[0]))
 
@@ -110,13 +124,15 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, tile_n, slots, layer, stats
 @torch.library.custom_op("twell::ffn_train", mutates_args=(), tags=_TRAIN_TAGS)
 def ffn_train(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
-              ell_width: int, backup_rows: int, l1_scale: float, layer: str, stats: bool
-              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+              ell_width: int, backup_rows: int, l1_scale: float, layer: str, stats: bool,
+              instance: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u); see formats.Hybrid."""
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
     _check_positive(ell_width=ell_width, backup_rows=backup_rows)
+    if not math.isfinite(l1_scale) or l1_scale < 0:
+        raise ValueError(f"l1_scale must be a finite number >= 0, got {l1_scale}")
     return dispatch.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
-                                      ell_width, backup_rows, layer, stats)
+                                      ell_width, backup_rows, layer, stats, instance)
 
 
 def _backup_rows(capacity):
@@ -139,7 +155,7 @@ def _backup_rows(capacity):
 
 
 @ffn_train.register_fake
-def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, ell_width, backup_rows, l1_scale, layer, stats):
+def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, ell_width, backup_rows, l1_scale, layer, stats, instance=0):
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
     m = math.prod(x.shape[:-1])
     n = w_gate.shape[0]
@@ -189,7 +205,7 @@ def arg_index(op: torch._ops.OpOverload, name: str) -> int:
 
 
 def _train_setup_context(ctx, inputs: Sequence, output: Sequence) -> None:
-    x, w_gate, b_gate, w_up, b_up, w_down, b_down, _w, _b, l1_scale, _layer, _stats = inputs
+    x, w_gate, b_gate, w_up, b_up, w_down, b_down, _w, _b, l1_scale = inputs[:10]
     ctx.save_for_backward(x, w_gate, b_gate, w_up, b_up, w_down, *output[1:])
     # The saved state is not differentiable, and eager autograd would still hand the backward
     # zero-filled grads for its float outputs ([M, N] each on the dense path: +368 MB at
@@ -208,7 +224,7 @@ def _train_backward(ctx, dy: Optional[Tensor], *_unused: Optional[Tensor]):
     grads = list(torch.ops.twell.ffn_train_bwd(dy, x, w_gate, b_gate, w_up, b_up, w_down, *saved, ctx.l1_scale))
     present = [True, True, b_gate is not None, w_up is not None, b_up is not None, True, ctx.has_b_down]
     out = [g if keep and need else None for g, keep, need in zip(grads, present, ctx.needs_input_grad)]
-    return (*out, None, None, None, None, None)
+    return (*out, None, None, None, None, None, None)      # ell_width .. instance
 
 
 ffn_train.register_autograd(_train_backward, setup_context=_train_setup_context)

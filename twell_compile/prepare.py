@@ -61,6 +61,7 @@ class FFNSpec:
     l1_scale: float
     stats: bool
     skip_dense: bool
+    instance: int = 0                     # the op instance (ops.next_instance): its runtime state
 
 
 # ------------------------------------------------------------------------------ tracing
@@ -227,13 +228,19 @@ def run_ffn(module: nn.Module, spec: FFNSpec, x: Tensor) -> Tensor:
         raise ValueError(f"{spec.layer or 'FFN'}: its weights are sharded DTensors when it runs; shard "
                          "the FFN module or its transformer block with fully_shard, not each Linear")
     dev = x.device.type
-    # As F.linear does: inside autocast every projection runs in the autocast dtype.
-    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    # As F.linear does: inside autocast every projection runs in the autocast dtype; outside
+    # it, operands of different dtypes are refused.
+    autocast = torch.is_autocast_enabled(dev)
+    if not autocast and wg.dtype != x.dtype:
+        raise RuntimeError(f"{spec.layer or 'FFN'}: input is {x.dtype} but the weights are {wg.dtype}, "
+                           "which F.linear refuses outside autocast: cast the input or the module to one "
+                           "dtype, or run under torch.autocast")
+    dtype = torch.get_autocast_dtype(dev) if autocast else x.dtype
     x, wg, bg, wu, bu, wd, bd = (t.to(dtype) if t is not None and t.dtype != dtype else t
                                  for t in (x, wg, bg, wu, bu, wd, bd))
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return torch.ops.twell.ffn_train.default(x, wg, bg, wu, bu, wd, bd, spec.ell_width, spec.backup_rows,
-                                                 spec.l1_scale, spec.layer, spec.stats)[0]
+                                                 spec.l1_scale, spec.layer, spec.stats, spec.instance)[0]
     if spec.skip_dense and dispatch.static_dense_reason(x.device, dtype, None, wg.shape[1], wg.shape[0],
                                                         wd.shape[0]) is not None:
         # Our op would run dense here (e.g. fp32 on CUDA): the plain formula, which the backend
@@ -242,7 +249,8 @@ def run_ffn(module: nn.Module, spec: FFNSpec, x: Tensor) -> Tensor:
         if wu is not None:
             h = h * F.linear(x, wu, bu)
         return F.linear(h, wd, bd)
-    return torch.ops.twell.ffn.default(x, wg, bg, wu, bu, wd, bd, spec.tile_n, spec.slots, spec.layer, spec.stats)
+    return torch.ops.twell.ffn.default(x, wg, bg, wu, bu, wd, bd, spec.tile_n, spec.slots, spec.layer, spec.stats,
+                                       spec.instance)
 
 
 def _is_dtensor(t: Tensor) -> bool:
@@ -286,6 +294,8 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Re
     if isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__.startswith("FSDP"):
         raise ValueError(f"model is already wrapped ({type(model).__name__}): call prepare on the plain "
                          "model, then wrap it with DDP or fully_shard")
+    from twell_compile.ops import next_instance
+
     config, rest = TwellConfig.from_options(options)
     if rest:
         raise ValueError(f"options: prepare takes only twell.* keys, got {sorted(map(str, rest))}")
@@ -314,7 +324,7 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Re
         return report
     scale = config.l1 / (config.l1_layers or len(found))
     for module, spec in reversed(found):
-        spec = dataclasses.replace(spec, l1_scale=float(scale))
+        spec = dataclasses.replace(spec, l1_scale=float(scale), instance=next_instance())
         setattr(module, _SPEC, spec)
         module.__class__ = _prepared_class(type(module))
         wg = _get(module, spec.gate.weight)

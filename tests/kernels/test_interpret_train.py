@@ -102,11 +102,11 @@ SCRIPT = textwrap.dedent("""
 
     def backward(sparse, st):
         if sparse == "densify":
-            out = ct.backward_densify(dy, *args[:6], *st, l1s / (m * n))
+            out = ct.backward_densify(dy, *args[:6], *st, l1s / max(m * n, 1))
         elif sparse:
-            out = ct.backward_sparse(dy, *args[:6], *st, l1s / (m * n))
+            out = ct.backward_sparse(dy, *args[:6], *st, l1s / max(m * n, 1))
         else:
-            out = ct.backward_dense(dy, *args[:6], st[5], st[6] if gated else None, l1s / (m * n))
+            out = ct.backward_dense(dy, *args[:6], st[5], st[6] if gated else None, l1s / max(m * n, 1))
         dx, dwg, dbg, dwu, dbu, dwd = out
         return [dx, dwg, dbg, dwu, dbu, dwd, dy.sum(0) if bias else None]
 
@@ -146,6 +146,7 @@ CASES = [
     (5, 24, 50, 24, True, True, 8, 2, False, True, 1.0),      # everything fires, L1
     (6, 40, 70, 40, True, True, 4, 3, True, False, 0.05),     # NaN/Inf in x, NaN in dy
     (6, 40, 70, 40, False, False, 4, 1000, True, False, 0.05),  # the same, non-gated, no backup room
+    (0, 40, 70, 24, True, True, 8, 2, False, True, 0.1),      # no rows: empty y and dx, zero weight grads
     (40, 24, 24, 16, True, True, 16, 2, False, True, 0.3),   # ~12 entries per neuron: many wgrad steps
 ]
 

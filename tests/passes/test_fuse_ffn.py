@@ -251,6 +251,103 @@ def test_autocast_region_keeps_its_numerics() -> None:
     check_close("output", got, want, ref)
 
 
+class Mixed(nn.Module):
+    """A fp32 FFN, optionally under autocast inside forward (around activation checkpointing,
+    and with an autocast-disabled region inside)."""
+
+    def __init__(self, where: str = ""):
+        super().__init__()
+        self.mlp, self.where = GatedMLP(), where
+
+    def forward(self, x):
+        if self.where == "checkpoint":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return checkpoint(self.mlp, x, use_reentrant=False)
+        if self.where == "disabled":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                with torch.autocast("cpu", enabled=False):
+                    return self.mlp(x)
+        return self.mlp(x)
+
+
+@pytest.mark.parametrize("where", ["", "disabled"])
+@pytest.mark.parametrize("change", ["x", "down"])
+def test_mixed_dtypes_outside_autocast_raise_as_eager(where: str, change: str) -> None:
+    """bf16 x into fp32 weights (or one bf16 weight) outside autocast: F.linear raises, and so
+    does the compiled model (the FFN is left to Inductor, with the reason in the report),
+    instead of casting to make it pass."""
+    torch.manual_seed(0)
+    model = Mixed(where)
+    x = torch.randn(3, 16)
+    if change == "x":
+        x = x.bfloat16()
+    else:
+        model.mlp.down_proj.bfloat16()
+    backend = PassBackend()
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="same dtype"):
+            model(x)
+        with pytest.raises(RuntimeError, match="same dtype"):
+            torch.compile(model, backend=backend)(x)
+        report = backend.report
+        assert not report.rewrites and "mixes dtypes" in report.rejections[0].reason, str(report)
+        assert "outside autocast" in report.rejections[0].reason
+        torch._dynamo.reset()
+        with pytest.raises(RuntimeError, match="same dtype"):
+            torch.compile(model, backend="twell")(x)
+
+
+@pytest.mark.parametrize("where", ["outside", "checkpoint"])
+def test_mixed_dtypes_under_autocast_are_rewritten(where: str) -> None:
+    """Under autocast eager casts fp32 weights and a bf16 x to bf16, and so does the rewrite:
+    autocast entered around the compiled call, or inside forward around checkpointing (the
+    checkpointed subgraph inherits its caller's region)."""
+    torch.manual_seed(0)
+    model = Mixed("checkpoint" if where == "checkpoint" else "")
+    x = torch.randn(3, 16).bfloat16().requires_grad_()
+    backend = PassBackend()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=where == "outside"):
+        got = torch.compile(model, backend=backend)(x)
+        want = model(x)
+    assert backend.twell_ops() == ["twell::ffn_train"] and not backend.report.rejections
+    ref = GatedMLP().double()
+    ref.load_state_dict(model.mlp.state_dict())
+    check_close("output", got, want, ref(x.double()))
+
+
+def test_each_op_gets_an_instance_of_its_own() -> None:
+    """Every op the pass inserts carries an instance number unique in the process (its runtime
+    state's key): two FFNs of one graph, and a recompile of the same model, never share one."""
+    from twell_compile.ops import arg_index
+
+    model = nn.Sequential(GatedMLP(), GatedMLP())
+    x = torch.randn(5, 16)
+    seen = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        backend = PassBackend()
+        with torch.no_grad():
+            torch.compile(model, backend=backend)(x)
+        op = torch.ops.twell.ffn.default
+        seen += [n.args[arg_index(op, "instance")] for n in backend.nodes()
+                 if n.op == "call_function" and n.target is op]
+    assert len(seen) == 4 and len(set(seen)) == 4 and all(i > 0 for i in seen), seen
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_no_tokens_compile_and_match_eager(grad: bool) -> None:
+    """x [B, 0, K] through the real backend: an empty y, and as eager zero weight gradients."""
+    model = GatedMLP()
+    x = torch.randn(2, 0, 16, requires_grad=grad)
+    with torch.set_grad_enabled(grad):
+        y = torch.compile(model, backend="twell")(x)
+    assert y.shape == (2, 0, 16)
+    if grad:
+        y.sum().backward()
+        assert x.grad.shape == x.shape
+        assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+
+
 def test_two_ffns_feeding_each_other_rewrite_both() -> None:
     """The second FFN reads the first's output directly (no residual in between)."""
     torch.manual_seed(0)

@@ -66,6 +66,12 @@ Three rules, in this order:
 
 Under CUDA-graph capture nothing is polled or copied: the graph records the path chosen by
 the calls before capture (torch.compile's reduce-overhead mode runs warm-up calls first).
+
+State is per op instance: the passes give every op they insert an ``instance`` number unique
+in the process (ops.next_instance), and dispatch runs each call inside its op's scope
+(``enter``), so a key (layer name, shapes) names a layer within one compiled op only: a
+second model with the same layer names starts unmeasured. Direct calls of the op share
+instance 0. ``reset`` (also run by ``torch._dynamo.reset()``) forgets everything.
 """
 
 from __future__ import annotations
@@ -270,14 +276,29 @@ class _Layer:
 
 
 _lock = threading.Lock()
-_layers: dict[tuple, _Layer] = {}
+_layers: dict[tuple, _Layer] = {}      # by (op instance, key)
+_scope = threading.local()
+
+
+def enter(instance: int) -> int:
+    """Make ``instance`` the op instance whose state the calls below read and write (dispatch
+    does, around each op call); returns the previous one, to restore."""
+    prev = getattr(_scope, "instance", 0)
+    _scope.instance = instance
+    return prev
+
+
+def instance() -> int:
+    """The op instance of the call in progress (0 outside one, or for direct calls)."""
+    return getattr(_scope, "instance", 0)
 
 
 def _state(key: tuple) -> _Layer:
-    st = _layers.get(key)
+    full = (getattr(_scope, "instance", 0), key)
+    st = _layers.get(full)
     if st is None:
         with _lock:
-            st = _layers.setdefault(key, _Layer())
+            st = _layers.setdefault(full, _Layer())
     return st
 
 
@@ -348,5 +369,6 @@ def density(key: tuple) -> Optional[float]:
 
 
 def reset() -> None:
+    """Forget every layer's measurements, of every op instance."""
     with _lock:
         _layers.clear()

@@ -328,8 +328,11 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
     # written into the outputs that wgrad_kernel then completes in place
     valid = (bidx >= 0).unsqueeze(1)
     rows = bidx.clamp(min=0)
-    xb = torch.where(valid, x2[rows], torch.zeros((), dtype=dt, device=dev))
-    dyb = torch.where(valid, dy2[rows], torch.zeros((), dtype=dt, device=dev))
+    if m:
+        xb = torch.where(valid, x2[rows], torch.zeros((), dtype=dt, device=dev))
+        dyb = torch.where(valid, dy2[rows], torch.zeros((), dtype=dt, device=dev))
+    else:                                   # no rows (the op's M = 0 runs dense): all padding
+        xb, dyb = x2.new_zeros((cap, k)), dy2.new_zeros((cap, k_out))
     dwg = sg.t().mm(xb)
     dwu = su.t().mm(xb) if gated else None
     dwdt = sh.t().mm(dyb)

@@ -53,17 +53,21 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
     y = F.linear(h, w_down, b_down)
     width = min(ell_width, n)
     hyb = pack_hybrid(hg, width, backup_capacity(m, backup_rows))
+    # with no rows (M = 0) the backup is all padding (-1), and row 0 does not exist to index
+    filled = hyb.backup_rows >= 0
+    rows = hyb.backup_rows.clamp(min=0) if m else None
     if hu is None:
         ell_u, backup_u = hg.new_empty(m, 0), hg.new_empty(hyb.backup.shape[0], 0)
     else:
         live = torch.arange(width, device=x.device) < hyb.counts.unsqueeze(-1)
         ell_u = torch.where(live, hu.gather(1, hyb.cols.long()), torch.zeros((), dtype=hu.dtype, device=hu.device))
-        valid = (hyb.backup_rows >= 0).unsqueeze(-1)
-        backup_u = torch.where(valid, hu[hyb.backup_rows.clamp(min=0)], torch.zeros((), dtype=hu.dtype, device=hu.device))
+        backup_u = (torch.where(filled.unsqueeze(-1), hu[rows], torch.zeros((), dtype=hu.dtype, device=hu.device))
+                    if m else hu.new_zeros(hyb.backup.shape))
     if keep_stats:
         busy = hyb.counts > width
         stored = busy.new_zeros(busy.shape)
-        stored[hyb.backup_rows.clamp(min=0)] = hyb.backup_rows >= 0
+        if m:
+            stored[rows] = filled
         stats.record(layer, hyb.counts, h.abs().float().sum(), (busy & ~stored).sum(), n)
     out = (y.reshape(*x.shape[:-1], w_down.shape[0]), hyb.counts, hyb.cols, hyb.values, ell_u,
            hyb.backup_rows, hyb.backup, backup_u)
