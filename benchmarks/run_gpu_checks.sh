@@ -7,6 +7,9 @@
 OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# the device's own torch/triton stay; the package goes in editable (twell_compile.passes is
+# mapped from passes/ by the install)
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/setup.log" 2>&1 || { tail -n 20 "$OUT/setup.log"; exit 1; }
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" > "$OUT/tests.log" 2>&1
 timeout ${T_TESTS:-240} python3 -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/kernels/test_decode.py \
     ${TESTS:-tests} >> "$OUT/tests.log" 2>&1

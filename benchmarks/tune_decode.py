@@ -46,9 +46,20 @@ BUCKETS = {16: [1, 4, 16], 32: [32], 64: [64]}
 
 
 def _lstsq(rows: list[list[float]], ts: list[float]) -> list[float]:
+    """Least squares with every coefficient >= 0 (a cost has no negative part): terms whose
+    coefficient comes out negative are dropped (0) and the rest refitted."""
     a = torch.tensor(rows, dtype=torch.float64)
     b = torch.tensor(ts, dtype=torch.float64)
-    return [float(v) for v in torch.linalg.lstsq(a, b.unsqueeze(1)).solution.squeeze(1)]
+    keep = list(range(a.shape[1]))
+    while True:
+        sol = torch.linalg.lstsq(a[:, keep], b.unsqueeze(1)).solution.squeeze(1)
+        neg = [j for j, v in zip(keep, sol.tolist()) if v < 0]
+        if not neg or len(keep) == 1:
+            out = [0.0] * a.shape[1]
+            for j, v in zip(keep, sol.tolist()):
+                out[j] = max(v, 0.0)
+            return out
+        keep.remove(min(neg, key=lambda j: sol[keep.index(j)].item()))
 
 
 # Each form is fitted by least relative error (the rule compares forms by ratio): an absolute
@@ -68,21 +79,27 @@ def fit_policy(points: list[dict], near: float = 1.6) -> dict[str, float]:
     its constants."""
     dense = _lstsq([[1.0, 2e-6 * p["N"] * 3 * p["K"]] for p in points], [p["dense_us"] for p in points])
     out = {"DENSE_FIXED_US": round(dense[0], 2), "DENSE_GBPS": round(1e3 / dense[1], 0)}
-    feats: dict[str, tuple[list, list]] = {f: ([], []) for f in cuda_decode.FORMS}
-    for p in points:
-        for form, us in p["forms"].items():
-            if us > near * p["dense_us"]:
-                continue
-            feats[form][0].append(cuda_policy.decode_terms(p["density"], p["union"] / p["N"], p["M"], p["K"], p["N"],
-                                                           p.get("K_out", p["K"]))[form])
-            feats[form][1].append(us)
     names = cuda_policy.DECODE_CONSTANTS
+    feats: dict[str, tuple[list, list]] = {}
+    for form in cuda_decode.FORMS:
+        for limit in (near, float("inf")):   # a form never near dense (list: its deterministic
+            a, t = [], []                     # use) is fitted on all its points
+            for p in points:
+                us = p["forms"].get(form)
+                if us is None or us > limit * p["dense_us"]:
+                    continue
+                a.append(cuda_policy.decode_terms(p["density"], p["union"] / p["N"], p["M"], p["K"], p["N"],
+                                                  p.get("K_out", p["K"]))[form])
+                t.append(us)
+            if len(a) > len(names[form]):
+                break
+        feats[form] = (a, t)
     for form, (a, t) in feats.items():
         if len(a) <= len(names[form]):
             continue
         sol = _lstsq([[v / ti for v in row] for row, ti in zip(a, t)], [1.0] * len(t))   # relative error
         for i, (name, v) in enumerate(zip(names[form], sol)):
-            out[name] = round(1e3 / v, 0) if i == 1 else round(v, 2 if i == 0 else 4)
+            out[name] = (round(1e3 / v, 0) if v > 0 else float("inf")) if i == 1 else round(v, 2 if i == 0 else 4)
     if len(out) == 2:
         raise SystemExit(f"too few decode points within {near}x of dense: nothing to fit")
     return out

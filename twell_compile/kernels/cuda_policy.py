@@ -105,30 +105,36 @@ MAX_WIDTH = 8192
 # Decode rule (rule 3), H200 bf16, decode kernels v5 (rows, tiles: one launch), the list form
 # and the pairs form (two launches each), launched with PDL (cuda_decode.pdl_ok; without it
 # each form's fixed part is ~1.2 us more), statistics added into counters, the rows form's
-# GEMV gate at M=1 (session 13) and the pairs form's own config up to 16 rows (session 14):
-# fitted by benchmarks/tune_decode.py --fit-from results/h200/ffn_decode.json (session 14's
-# 56-point grid, results/h200/session14/run14/, run with the fit of run 8's grid; each form
-# forced at each point; points within 1.6x of dense, least relative error). Dense:
-# 16.12 us + bytes / 3774 GB/s.
-# K=2048, N=5632, d=0.005: M=1 rows 12.6 us (2.70x), M=16 pairs 18.5 us vs dense 34.4 (1.86x).
-# MARGIN 0.9: on the grid no pick below 0.99x of dense (test_decode.py).
+# GEMV gate at M=1 and the pairs form's own config up to 16 rows. W_down^T rows are read
+# through W_down's transposed view (strided: no copy to go stale), a 32 B sector per element,
+# hence every form's STRIDED term. Fitted by benchmarks/tune_decode.py --fit-from on the
+# 56-point grid with each form forced (bench_ffn.py --decode, H200, 2026-11-25; points within
+# 1.6x of dense, least relative error, coefficients >= 0; list, never near dense, on all its
+# points). Dense: 16.39 us + bytes / 3824 GB/s. K=2048, N=5632, d=0.005 (results/h200/
+# ffn_decode.json, 2026-11-25): M=1 rows 14.9 us (2.28x of dense; 12.6 us with the stale-prone
+# copy), M=16 pairs 28.2 us vs dense 34.3 (1.22x). MARGIN 0.9: on the grid no pick below
+# 0.97x of dense (tests/kernels/test_decode.py).
 DECODE_MAX_M = 64
-DEC_ROWS_FIXED_US = 6.88
-DEC_ROWS_GATE_GBPS = 2961.0
-DEC_ROWS_STEP_US = 2.6256
-DEC_TILES_FIXED_US = 11.72
-DEC_TILES_GATE_GBPS = 1974.0
-DEC_TILES_ADD_US = 1.6256
-DEC_TILES_ENTRY_US = 0.0006
-DEC_LIST_FIXED_US = 14.81
-DEC_LIST_GATE_GBPS = 3245.0
-DEC_LIST_PAIR_US = 3.109
-DEC_LIST_ENTRY_US = 0.0625
-DEC_PAIRS_FIXED_US = 5.92
-DEC_PAIRS_GATE_GBPS = 2589.0
-DEC_PAIRS_TRIP_US = 5.7516
-DENSE_FIXED_US = 16.12
-DENSE_GBPS = 3774.0
+DEC_ROWS_FIXED_US = 5.18
+DEC_ROWS_GATE_GBPS = 2250.0
+DEC_ROWS_STEP_US = 4.3006
+DEC_TILES_FIXED_US = 18.67
+DEC_TILES_GATE_GBPS = 1397.0
+DEC_TILES_ADD_US = 1.3393
+DEC_TILES_ENTRY_US = 0.0018
+DEC_LIST_FIXED_US = 32.28
+DEC_LIST_GATE_GBPS = 1557.0
+DEC_LIST_PAIR_US = 8.0497
+DEC_LIST_ENTRY_US = 0.1928
+DEC_PAIRS_FIXED_US = 2.87
+DEC_PAIRS_GATE_GBPS = 1469.0
+DEC_PAIRS_TRIP_US = 0.0
+DEC_ROWS_STRIDED_US = 0.2712
+DEC_TILES_STRIDED_US = 0.0001
+DEC_LIST_STRIDED_US = 1.1302
+DEC_PAIRS_STRIDED_US = 0.2885
+DENSE_FIXED_US = 16.39
+DENSE_GBPS = 3824.0
 DEC_MARGIN = 0.9
 DETERMINISTIC_FORMS = ("list",)   # the decode forms that sum without atomics
 MAX_N = 65536          # the per-row lists pack the column in 16 bits
@@ -161,11 +167,15 @@ def tiles_active(u: float, n: int, bn: int) -> float:
 
 # Each decode form's constants, in the order of its terms in decode_terms (the second is a
 # rate: the term is bytes(W_g) in MB, its coefficient 1e3 / GB/s); tune_decode.py fits them.
+# The last term of every form: W_down^T rows read through W_down's transposed view, one 32 B
+# sector per element (no copy is kept: a copy went stale), in MB per call.
 DECODE_CONSTANTS = {
-    "tiles": ("DEC_TILES_FIXED_US", "DEC_TILES_GATE_GBPS", "DEC_TILES_ADD_US", "DEC_TILES_ENTRY_US"),
-    "list": ("DEC_LIST_FIXED_US", "DEC_LIST_GATE_GBPS", "DEC_LIST_PAIR_US", "DEC_LIST_ENTRY_US"),
-    "pairs": ("DEC_PAIRS_FIXED_US", "DEC_PAIRS_GATE_GBPS", "DEC_PAIRS_TRIP_US"),
-    "rows": ("DEC_ROWS_FIXED_US", "DEC_ROWS_GATE_GBPS", "DEC_ROWS_STEP_US"),
+    "tiles": ("DEC_TILES_FIXED_US", "DEC_TILES_GATE_GBPS", "DEC_TILES_ADD_US", "DEC_TILES_ENTRY_US",
+              "DEC_TILES_STRIDED_US"),
+    "list": ("DEC_LIST_FIXED_US", "DEC_LIST_GATE_GBPS", "DEC_LIST_PAIR_US", "DEC_LIST_ENTRY_US",
+             "DEC_LIST_STRIDED_US"),
+    "pairs": ("DEC_PAIRS_FIXED_US", "DEC_PAIRS_GATE_GBPS", "DEC_PAIRS_TRIP_US", "DEC_PAIRS_STRIDED_US"),
+    "rows": ("DEC_ROWS_FIXED_US", "DEC_ROWS_GATE_GBPS", "DEC_ROWS_STEP_US", "DEC_ROWS_STRIDED_US"),
 }
 
 
@@ -183,6 +193,7 @@ def decode_terms(density: float, u: Optional[float], m: int, k: int, n: int, k_o
     if u is None:
         u = union_fraction(d, rows)
     gate_mb = 2e-6 * n * k * blocks
+    strided_mb = 32e-6 * u * n * blocks * k_out       # a sector per W_down element of the union
     out = {
         "tiles": [1.0, gate_mb, rows * blocks * tiles_active(u, n, c.bn) * k_out / 1e6,
                   u * n * blocks * (k + k_out) / 4096],
@@ -192,6 +203,8 @@ def decode_terms(density: float, u: Optional[float], m: int, k: int, n: int, k_o
     }
     if m <= c.vec_m:
         out["rows"] = [1.0, gate_mb, u * cuda_decode.rows_bn(m, c) * (k + cuda_decode.m_pad_rows(m) * k_out) / 4096]
+    for terms in out.values():
+        terms.append(strided_mb)
     return out
 
 
