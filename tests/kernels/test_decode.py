@@ -262,7 +262,9 @@ def test_shipped_decode_rule_reproduces_the_committed_h200_grid():
         if wins:
             assert r["form_ms"][form] <= 1.15 * min(r["form_ms"].values()), (r, form)
         picked += wins
-    assert picked >= 20 and near <= 2 and tied <= 2
+    # 15 of 56 points decode on the 2026-11-25 grid (W_down^T read strided; 20+ with the old
+    # stale-prone copy): a drop below 12 means the rule lost wins
+    assert picked >= 12 and near <= 2 and tied <= 2
 
 
 def test_decode_form_rule():
