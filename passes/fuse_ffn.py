@@ -19,7 +19,7 @@ from torch import fx
 from twell_compile import dispatch
 from twell_compile.config import TwellConfig
 from twell_compile.ops import next_instance
-from twell_compile.passes.match_ffn import Match, Projection, Rejection, example, find_ffns
+from twell_compile.passes.match_ffn import Match, Projection, Rejection, example, find_ffns, transform_reason
 from twell_compile.report import RejectionEntry, Report, RewriteEntry
 
 import twell_compile.ops  # noqa: F401  (registers torch.ops.twell)
@@ -44,18 +44,33 @@ def _cast(graph: fx.Graph, node: Optional[fx.Node], dtype: torch.dtype) -> Optio
     return graph.call_method("to", (node, dtype))
 
 
+def _bias(graph: fx.Graph, p: Projection, dtype: torch.dtype) -> Optional[fx.Node]:
+    """p's bias cast to ``dtype`` as one value per output feature of the whole projection: a
+    broadcast bias ([1], 0-d, [1, N]; legal for F.linear and addmm) is reshaped and expanded to
+    [N] (contiguous: the kernels take a plain vector). Autograd sums its gradient back."""
+    b = _cast(graph, p.bias, dtype)
+    if b is None:
+        return None
+    be, width = example(p.bias), p.width
+    if be.dim() != 1:
+        b = graph.call_method("reshape", (b, -1))
+    if str(be.numel()) != str(width):
+        b = graph.call_method("contiguous", (graph.call_method("expand", (b, width)),))
+    return b
+
+
 def _weight(graph: fx.Graph, p: Projection, dtype: torch.dtype) -> tuple[fx.Node, Optional[fx.Node]]:
-    """p's weight as an [N, K] view and its bias, both cast to ``dtype``."""
+    """p's weight as an [N, K] view and its bias as [N], both cast to ``dtype``."""
     w = p.weight
     if p.transposed:
         w = graph.call_function(torch.t, (w,))
-    b = p.bias
+    b = _bias(graph, p, dtype)
     if p.rows is not None:
         rows = slice(*p.rows)
         w = graph.call_function(operator.getitem, (w, rows))
         if b is not None:
             b = graph.call_function(operator.getitem, (b, rows))
-    return _cast(graph, w, dtype), _cast(graph, b, dtype)
+    return _cast(graph, w, dtype), b
 
 
 def _tokens(shape: Any) -> str:
@@ -184,10 +199,13 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
     report = report_of(gm)
     used = {r.layer for r in report.rewrites}
     scopes = autocast_scopes(gm)
+    # Subgraphs (higher-order ops) of a graph running a torch.func transform, or taking
+    # forward-mode dual inputs, are left alone as a whole (match_ffn.transform_reason).
+    outer = transform_reason(gm.graph)
     for sub_name, sub in graph_modules(gm):
         changed = False
         replaced: dict[fx.Node, fx.Node] = {}   # down projection -> the op output replacing it
-        for found in find_ffns(sub.graph):
+        for found in find_ffns(sub.graph, outer if sub is not gm else None):
             if isinstance(found, Match):
                 # One FFN may feed the next directly (x = previous down projection): that node
                 # is gone once the previous FFN is rewritten.

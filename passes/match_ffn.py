@@ -6,11 +6,17 @@ plus bias add), the gate and up may come from one fused projection split by ``ch
 ``split`` or slicing, and identity-like nodes (eval-mode dropout, ``contiguous``, same-dtype
 casts, reshapes that keep the last dimension) may sit in between.
 
-FFN-shaped blocks that are *not* rewritten come back as rejections with a plain reason.
+Biases may be [N] or broadcast as one value per feature ([1], 0-d, [1, N]; the rewrite
+expands them). FFN-shaped blocks that are *not* rewritten come back as rejections with a plain
+reason, among them blocks with an in-place write between their first read and the down
+projection into anything that may share storage with the input, a weight or a bias (alias
+analysis over the graph: only writes into fresh tensors pass), and blocks inside a torch.func
+transform or forward-mode AD (``transform_regions``, ``dual_inputs``).
 """
 
 from __future__ import annotations
 
+import inspect
 import operator
 import re
 from dataclasses import dataclass, field
@@ -82,21 +88,149 @@ def is_relu(node: fx.Node) -> bool:
 
 
 _INPLACE_FNS = {torch.relu_, F.relu_, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                operator.setitem}
+                operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                operator.ilshift, operator.irshift, operator.imatmul, operator.setitem}
 _NOT_INPLACE_METHODS = {"requires_grad_", "__setitem__"}
+_INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                    "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+                    "__imatmul__"}
 
 
 def mutates_first_arg(node: fx.Node) -> bool:
     """Whether ``node`` writes into its first argument (``relu_``, ``inplace=True``, ``x *= y``)."""
     if node.op == "call_method":
         name = str(node.target)
-        return (name.endswith("_") and not name.endswith("__") and name not in _NOT_INPLACE_METHODS) or name == "__setitem__"
+        return (name.endswith("_") and not name.endswith("__") and name not in _NOT_INPLACE_METHODS) or name in _INPLACE_DUNDERS
     if node.op == "call_function":
         if node.target in _INPLACE_FNS:
             return True
-        return node.kwargs.get("inplace") is True or (
-            node.target in (F.relu, F.dropout, F.threshold) and len(node.args) > 1 and node.args[-1] is True)
+        name = getattr(node.target, "__name__", "")
+        if isinstance(name, str) and name.endswith("_") and not name.endswith("__") and name not in _NOT_INPLACE_METHODS:
+            return True      # torch.relu_, torch.nn.init.normal_, torch.Tensor.add_ called as a function
+        return node.kwargs.get("inplace") is True or _inplace_positional(node)
     return False
+
+
+_INPLACE_POSITION: dict[Any, Optional[int]] = {}
+
+
+def _inplace_index(fn: Any) -> Optional[int]:
+    """Position of a Python function's ``inplace`` parameter (F.relu: 1, F.dropout: 3), else None."""
+    try:
+        if fn in _INPLACE_POSITION:
+            return _INPLACE_POSITION[fn]
+    except TypeError:            # unhashable target
+        return None
+    try:
+        params = list(inspect.signature(fn).parameters)
+        index = params.index("inplace") if "inplace" in params else None
+    except (TypeError, ValueError):   # builtins without a signature
+        index = None
+    _INPLACE_POSITION[fn] = index
+    return index
+
+
+def _inplace_positional(node: fx.Node) -> bool:
+    """``F.relu(x, True)``, ``F.dropout(x, 0.1, False, True)``: an ``inplace`` flag given by position."""
+    i = _inplace_index(node.target)
+    return i is not None and len(node.args) > i and node.args[i] is True
+
+
+def _flat_nodes(value: Any) -> list[fx.Node]:
+    """The graph nodes in an argument (nested lists, tuples and dicts included)."""
+    out: list[fx.Node] = []
+    fx.node.map_arg(value, out.append)
+    return out
+
+
+def written(node: fx.Node) -> list[fx.Node]:
+    """The graph values ``node`` writes into: in-place methods and functions (their first
+    argument), ``inplace=True``, ``out=``, ``setitem``, ``copy_``, ATen overloads whose schema
+    marks an argument written. Empty for a node that mutates nothing."""
+    if node.op not in ("call_function", "call_method"):
+        return []
+    out: list[fx.Node] = []
+    if "out" in node.kwargs:
+        out += _flat_nodes(node.kwargs["out"])
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is None and isinstance(target, torch._ops.OpOverloadPacket):
+        schemas = [getattr(target, o)._schema for o in target.overloads()]
+    else:
+        schemas = [schema] if schema is not None else []
+    for sch in schemas:
+        for i, a in enumerate(sch.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+                out += _flat_nodes(v)
+    if isinstance(target, torch._ops.HigherOrderOperator) and "mutation" in str(getattr(target, "__name__", target)):
+        out += _flat_nodes((node.args, node.kwargs))
+    if mutates_first_arg(node) and node.args:
+        out += _flat_nodes(node.args[0])
+    return list(dict.fromkeys(out))
+
+
+# Calls whose result is a new tensor, never a view of (or the same tensor as) an argument.
+_FRESH_FNS = {
+    torch._C._nn.linear, F.linear, operator.matmul, torch.matmul, torch.mm, torch.bmm, torch.addmm,
+    torch.baddbmm, torch.einsum, torch.clone, torch.cat, torch.concat, torch.stack, torch.where,
+    torch.zeros, torch.ones, torch.empty, torch.full, torch.rand, torch.randn, torch.randint, torch.arange,
+    torch.tensor, torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
+    torch.randn_like, torch.relu, F.relu, F.silu, F.gelu, F.softmax, F.layer_norm, F.rms_norm, torch.tanh,
+    torch.sigmoid, F.sigmoid, F.tanh, torch.exp, torch.sqrt, torch.rsqrt, torch.square, torch.abs, torch.erf,
+    torch.neg, torch.pow, torch.maximum, torch.minimum, torch.clamp, torch.sum, torch.mean,
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
+    torch.add, torch.sub, torch.mul, torch.div,
+}
+_FRESH_METHODS = {
+    "clone", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "matmul", "mm", "__matmul__",
+    "mul", "add", "sub", "div", "neg", "pow", "relu", "sigmoid", "tanh", "exp", "sqrt", "rsqrt", "square",
+    "abs", "clamp", "softmax", "sum", "mean", "__mul__", "__add__", "__sub__", "__truediv__", "__rmul__",
+    "__radd__", "__rsub__", "__rtruediv__", "__neg__", "__pow__",
+}
+
+
+_RESTORAGE = {"set_", "_set_data", "swap_tensors"}    # calls that make a tensor share another's storage
+
+
+def _fresh(node: fx.Node) -> bool:
+    """Whether ``node``'s value is a newly allocated tensor (no alias of anything before it)."""
+    if node.op == "call_function":
+        known = node.target in _FRESH_FNS
+    elif node.op == "call_method":
+        known = node.target in _FRESH_METHODS
+    else:
+        return False
+    if not known or written(node) or node.kwargs.get("inplace") is True:
+        return False
+    # ``t.set_(x)`` later makes even a fresh tensor share x's storage.
+    return not any(str(getattr(u.target, "__name__", u.target)) in _RESTORAGE for u in node.users)
+
+
+def alias_roots(node: Any, limit: int = 200) -> tuple[set[fx.Node], bool]:
+    """What ``node``'s value may share storage with: (fresh tensors made in the graph, whether
+    anything else: a graph input, a get_attr, a module's state, more than ``limit`` steps).
+    Follows every argument of every call not known to allocate (views, ``.data``, in-place
+    ops returning their input, unknown calls)."""
+    roots: set[fx.Node] = set()
+    seen: set[fx.Node] = set()
+    external = False
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if len(seen) > limit:
+            return roots, True
+        if _fresh(n):
+            roots.add(n)
+            continue
+        inputs = _flat_nodes((n.args, n.kwargs))
+        if n.op not in ("call_function", "call_method") or not inputs:
+            external = True      # placeholder, get_attr, call_module, or a call that reads no tensor
+        todo += inputs
+    return roots, external
 
 
 def activation_name(node: fx.Node) -> Optional[str]:
@@ -165,6 +299,19 @@ class Projection:
     transposed: bool
     nodes: list[fx.Node]            # graph nodes making up this projection (besides x, W, b)
     rows: Optional[tuple[int, int]] = None
+    whole: Optional[fx.Node] = None  # with ``rows``: the node holding the whole fused projection
+
+    @property
+    def width(self) -> Any:
+        """Output features of the whole projection (all rows of the [N, K] weight)."""
+        w = example(self.weight)
+        return w.shape[1] if self.transposed else w.shape[0]
+
+
+def per_feature(b: torch.Tensor, width: Any) -> bool:
+    """Whether a bias broadcasts as one value per output feature: [width], [1], 0-d, or those
+    with leading 1s ([1, width])."""
+    return b.dim() == 0 or (all(str(d) == "1" for d in b.shape[:-1]) and str(b.shape[-1]) in ("1", str(width)))
 
 
 def _transpose_source(w: Any) -> Optional[fx.Node]:
@@ -185,7 +332,8 @@ def _transpose_source(w: Any) -> Optional[fx.Node]:
 
 
 def _bias_add(node: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
-    """If ``node``'s only user adds a 1-D bias to it: (add node, bias node)."""
+    """If ``node``'s only user adds a per-feature bias to it ([N], or one value broadcast:
+    [1], 0-d) without broadcasting it to a larger shape: (add node, bias node)."""
     if len(node.users) != 1:
         return None
     add = next(iter(node.users))
@@ -193,8 +341,10 @@ def _bias_add(node: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
         return None
     a, b = add.args
     other = b if a is node else a
-    t, out = example(other), example(node)
-    if t is None or out is None or t.dim() != 1 or str(t.shape[0]) != str(out.shape[-1]):
+    t, out, total = example(other), example(node), example(add)
+    if t is None or out is None or total is None or out.dim() < 1 or not per_feature(t, out.shape[-1]):
+        return None
+    if _shape_key(total) != _shape_key(out):
         return None
     return add, other
 
@@ -232,8 +382,7 @@ def as_projection(node: Any) -> Optional[Projection]:
         b, x, w = node.args[:3]
         if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
             return None
-        bt = example(b)
-        if bt is None or bt.dim() != 1 or example(w) is None or example(w).dim() != 2:
+        if example(b) is None or example(w) is None or example(w).dim() != 2:
             return None
         src = _transpose_source(w)
         if src is not None and example(src) is not None and len(w.users) == 1:
@@ -310,7 +459,7 @@ def resolve_projection(node: Any) -> Optional[Projection]:
     p = as_projection(inner)
     if p is None:
         return None
-    p.out = node
+    p.whole, p.out = p.out, node
     p.nodes = p.nodes + _chain(base, inner) + _split_nodes(node)
     p.rows = (start, stop)
     return p
@@ -452,6 +601,47 @@ def _transformed(down_node: fx.Node, h: fx.Node, reject: Any) -> Optional[_Rejec
     return None
 
 
+def _mutation_inside(down_node: fx.Node, internal: list[fx.Node],
+                     projections: list[Optional[Projection]]) -> Optional[str]:
+    """Why the block must not be rewritten because of an in-place write between its first
+    read and its down projection, or None."""
+    nodes = list(down_node.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    first = min(order[n] for n in internal)
+    read_roots: set[fx.Node] = set()
+    for i, p in enumerate(projections):
+        if p is not None:       # the down projection's input is the block's own value
+            for v in ((p.x,) if i < len(projections) - 1 else ()) + (p.weight, p.bias):
+                read_roots |= alias_roots(v)[0]
+    for n in nodes[first:order[down_node]]:
+        for target in written(n):
+            roots, external = alias_roots(target)
+            # Unrelated only when it can share storage with nothing but fresh tensors the block
+            # does not read (an in-place op on one of the block's own intermediate values): a
+            # fresh allocation never aliases a graph input or a parameter.
+            if not external and not (roots & read_roots):
+                continue
+            return (f"a tensor that may alias the FFN input or a weight/bias is modified in place "
+                    f"({_describe(n)} on {target.name}) inside the block")
+    return None
+
+
+def _bias_problem(p: Optional[Projection], what: str) -> Optional[str]:
+    """Why a projection's bias cannot become the op's [N] bias (expanded from [1] or 0-d), or None."""
+    if p is None or p.bias is None:
+        return None
+    b, w = example(p.bias), example(p.weight)
+    if b is None or w is None:
+        return f"the {what} bias has no recorded shape"
+    if not per_feature(b, p.width):
+        return (f"the {what} bias has shape {list(b.shape)}, not one value per output feature "
+                f"([{p.width}], [1] or 0-d)")
+    value, xe = example(p.whole or p.out), example(p.x)
+    if value is None or xe is None or _shape_key(value) != (*_shape_key(xe)[:-1], str(p.width)):
+        return f"the {what} bias of shape {list(b.shape)} broadcasts the projection to another shape"
+    return None
+
+
 def match_at(down_node: fx.Node) -> Optional[Match | Rejection]:
     """Try to read ``down_node`` as the down projection of a ReLU FFN."""
     down = as_projection(down_node)
@@ -553,18 +743,19 @@ def match_at(down_node: fx.Node) -> Optional[Match | Rejection]:
     leak = _has_outside_users(internal, down_node)
     if leak is not None:
         return Rejection(down_node, f"intermediate {leak.name} has other users", name)
-    # The rewrite computes the whole block at the down projection: the input must not be
-    # written in place between the first projection and the down projection.
-    order = {n: i for i, n in enumerate(down_node.graph.nodes)}
-    first = min(order[n] for n in internal)
-    for src in dict.fromkeys(p.x for p in (gate, up) if p is not None):
-        for n in (src, skip(src)):
-            if not isinstance(n, fx.Node):
-                continue
-            for user in n.users:
-                if (user not in internal and mutates_first_arg(user) and user.args and user.args[0] is n
-                        and first < order[user] < order[down_node]):
-                    return Rejection(down_node, f"the FFN input is modified in place ({_describe(user)}) inside the block", name)
+    # The rewrite reads the input and every weight and bias once, at the down projection; eager
+    # reads each where its projection runs. Any write between the block's first read and the
+    # down projection into a tensor that may share storage with what the block reads (x, a
+    # view or slice of it, a weight or its .data, a bias) would be seen by one and not the
+    # other: leave such blocks alone. Only writes into tensors provably allocated apart from
+    # those inputs (fresh results, e.g. the gate's own output under an in-place ReLU) pass.
+    why = _mutation_inside(down_node, internal, [gate, up, down])
+    if why is not None:
+        return Rejection(down_node, why, name)
+    for p, what in ((gate, "gate"), (up, "up"), (down, "down")):
+        why = _bias_problem(p, what)
+        if why is not None:
+            return Rejection(down_node, why, name)
     # Dtypes, devices, shapes.
     outs = [example(p.out) for p in (gate, up, down) if p is not None]
     xe = example(gate.x)
@@ -597,10 +788,101 @@ def _fused_encoder_layer(node: fx.Node) -> Optional[_Rejection]:
                             "nothing to rewrite", _layer_name([node]))
 
 
-def find_ffns(graph: fx.Graph) -> list[Match | Rejection]:
-    """Every match or rejection in a graph (not its subgraphs), in graph order."""
+# ------------------------------------------------------------------------------ torch.func transforms
+# Dynamo inlines torch.func transforms (and forward_ad.dual_level) into the graph as calls that
+# enter and leave a transform level. Inside one, the recorded values are functorch wrappers
+# (BatchedTensor, GradTrackingTensor) whose requires_grad says nothing about the gradient the
+# transform takes, and the twell ops have no batching rule, no forward-mode derivative, and an
+# autograd formula (register_autograd) that torch.func cannot run: such FFNs stay with Inductor.
+_NO_FORWARD_AD = "the twell ops have no forward-mode derivative"
+_TRANSFORM_ENTER = {
+    "_vmap_increment_nesting": "inside torch.func.vmap: the twell ops have no batching rule, and the traced "
+                               "values do not show whether a gradient is needed",
+    "_grad_increment_nesting": "inside torch.func.grad/vjp/jacrev: twell's autograd formula does not run "
+                               "under torch.func transforms",
+    "_jvp_increment_nesting": f"inside torch.func.jvp/jacfwd (forward-mode AD): {_NO_FORWARD_AD}",
+    "_enter_dual_level": f"inside torch.autograd.forward_ad.dual_level (forward-mode AD): {_NO_FORWARD_AD}",
+    "_func_increment_nesting": "inside torch.func.functionalize: left to Inductor",
+}
+_TRANSFORM_EXIT = {"_vmap_decrement_nesting", "_grad_decrement_nesting", "_jvp_decrement_nesting",
+                   "_exit_dual_level", "_func_decrement_nesting"}
+_WRAPPED = "its values are torch.func-wrapped tensors (a torch.func transform is active)"
+_DUAL_INPUT = f"an input is a forward-mode dual tensor (torch.autograd.forward_ad): {_NO_FORWARD_AD}"
+
+
+def _call_name(node: fx.Node) -> str:
+    return str(getattr(node.target, "__name__", "")) if node.op == "call_function" else ""
+
+
+def transform_regions(graph: fx.Graph) -> dict[fx.Node, str]:
+    """The nodes inside a torch.func transform or dual level, each with the innermost one's
+    reason for leaving FFNs there to Inductor. A graph that leaves a level it never entered
+    counts as inside from its start."""
+    regions: dict[fx.Node, str] = {}
+    stack: list[str] = []
+    before: list[fx.Node] = []
+    for node in graph.nodes:
+        name = _call_name(node)
+        if name in _TRANSFORM_ENTER:
+            jvp = _TRANSFORM_ENTER["_jvp_increment_nesting"]
+            # torch.func.jvp enters a dual level of its own: name the transform, not the level
+            stack.append(jvp if name == "_enter_dual_level" and stack and stack[-1] == jvp
+                         else _TRANSFORM_ENTER[name])
+        elif name in _TRANSFORM_EXIT:
+            if stack:
+                stack.pop()
+            else:
+                for n in before:
+                    regions.setdefault(n, "inside a torch.func transform entered before this graph")
+        if stack:
+            regions[node] = stack[-1]
+        before.append(node)
+    return regions
+
+
+def _wrapped(node: Any) -> bool:
+    ev = example(node)
+    return ev is not None and torch._C._functorch.is_functorch_wrapped_tensor(ev)
+
+
+def dual_inputs(graph: fx.Graph) -> Optional[str]:
+    """The reason when a graph input is a forward-mode dual tensor (compiled and called inside
+    ``forward_ad.dual_level`` with ``make_dual`` inputs; Dynamo guards on the dual level)."""
+    import torch.autograd.forward_ad as fwAD
+
+    if fwAD._current_level < 0:
+        return None
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            continue
+        arg = node.meta.get("grapharg")
+        try:
+            real = getattr(arg, "example", None)
+        except Exception:     # a freed weak reference
+            real = None
+        if isinstance(real, torch.Tensor) and not isinstance(real, torch._subclasses.FakeTensor):
+            if fwAD.unpack_dual(real).tangent is not None:
+                return _DUAL_INPUT
+    return None
+
+
+def transform_reason(graph: fx.Graph) -> Optional[str]:
+    """Why no FFN anywhere in a graph's subgraphs may be rewritten: the graph runs a torch.func
+    transform or dual level somewhere, or takes dual inputs. Subgraphs (higher-order ops) are
+    judged by the graph holding them, conservatively as a whole."""
+    regions = transform_regions(graph)
+    if regions:
+        return next(iter(regions.values()))
+    return dual_inputs(graph)
+
+
+def find_ffns(graph: fx.Graph, outer: Optional[str] = None) -> list[Match | Rejection]:
+    """Every match or rejection in a graph (not its subgraphs), in graph order. ``outer``: a
+    reason that holds for the whole graph (a subgraph inside a torch.func transform)."""
     found: list[Match | Rejection] = []
     claimed: set[fx.Node] = set()
+    regions = transform_regions(graph)
+    whole = outer or dual_inputs(graph)
     for node in graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
@@ -611,5 +893,8 @@ def find_ffns(graph: fx.Graph) -> list[Match | Rejection]:
             if claimed & set(result.internal):
                 continue
             claimed |= set(result.internal)
+            why = whole or regions.get(node) or (_WRAPPED if _wrapped(node) or _wrapped(result.x) else None)
+            if why is not None:
+                result = _Rejection(node, why, result.layer)
         found.append(result)
     return found

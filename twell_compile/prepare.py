@@ -210,6 +210,9 @@ def _weights(module: nn.Module, p: ProjSpec) -> tuple[Tensor, Optional[Tensor]]:
     b = _get(module, p.bias) if p.bias is not None else None
     if p.transposed:
         w = w.t()
+    if b is not None and tuple(b.shape) != (w.shape[0],):
+        # a broadcast bias ([1]; legal for F.linear): one value per feature, as the op takes it
+        b = b.reshape(-1).expand(w.shape[0]).contiguous()
     if p.rows is not None:
         w = w[p.rows[0]:p.rows[1]]
         b = b[p.rows[0]:p.rows[1]] if b is not None else None
@@ -261,13 +264,57 @@ def _is_dtensor(t: Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
+def _dual(t: Optional[Tensor]) -> bool:
+    import torch.autograd.forward_ad as fwAD
+
+    return t is not None and fwAD.unpack_dual(t).tangent is not None
+
+
+def transform_active(module: nn.Module, spec: FFNSpec, x: Tensor) -> Optional[str]:
+    """Why the twell ops cannot run this call, or None: a torch.func transform (vmap, grad,
+    jvp, ...) is active, whose wrapped tensors the ops' autograd formula and kernels do not
+    support, or forward-mode AD has a dual tensor among the FFN's inputs (the ops have no
+    forward-mode derivative)."""
+    import torch.autograd.forward_ad as fwAD
+
+    # (Dynamo folds the depth to a constant; peek_interpreter_stack() would read as not None)
+    if torch._C._functorch.get_dynamic_layer_stack_depth() > 0:
+        return "a torch.func transform is active"
+    if fwAD._current_level >= 0:
+        params = [t for p in (spec.gate, spec.up, spec.down) if p is not None
+                  for t in (_get(module, p.weight), _get(module, p.bias) if p.bias else None)]
+        if any(_dual(t) for t in [x, *params]):
+            return "forward-mode AD (a dual tensor among its inputs)"
+    return None
+
+
+_FELL_BACK: set[str] = set()       # reasons already logged
+
+
 def _prepared_forward(self: nn.Module, x: Tensor) -> Tensor:
-    return run_ffn(self, getattr(self, _SPEC), x)
+    spec = getattr(self, _SPEC)
+    why = transform_active(self, spec, x)
+    if why is None:
+        return run_ffn(self, spec, x)
+    # Under a transform the module's own forward runs, as if never prepared (exact).
+    if not torch.compiler.is_compiling():
+        interpreter = torch._C._functorch.peek_interpreter_stack()
+        if interpreter is not None:
+            why = f"torch.func transform ({interpreter.key().name.lower()}) active"
+        if why not in _FELL_BACK:
+            _FELL_BACK.add(why)
+            log.warning("twell prepare: %s: prepared FFNs run their original forward (plain PyTorch) "
+                        "meanwhile; the twell ops support neither torch.func transforms nor forward-mode AD", why)
+    return _ORIGINALS[type(self)].forward(self, x)
+
+
+_ORIGINALS: dict[type, type] = {}        # prepared subclass -> original class
 
 
 def _prepared_class(cls: type) -> type:
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"Twell{cls.__name__}", (cls,), {"forward": _prepared_forward, "__module__": __name__})
+        _ORIGINALS[_CLASSES[cls]] = cls
     return _CLASSES[cls]
 
 

@@ -362,3 +362,82 @@ def test_two_ffns_feeding_each_other_rewrite_both() -> None:
     params = list(model.parameters())
     for a, b in zip(_grads(got, [x] + params, dy), _grads(want, [x] + params, dy)):
         check_close("grad", a, b)
+
+
+# ------------------------------------------------------------------------------ broadcast biases
+class BroadcastBias(nn.Module):
+    """A gated FFN (or one with a fused gate+up) whose biases broadcast as F.linear and addmm
+    allow: ``shape`` with "W" standing for the projection's width ([1], 0-d, [1, W], [W])."""
+
+    def __init__(self, kind: str, shape: tuple, fused: bool = False, k: int = 8, n: int = 12):
+        super().__init__()
+        self.kind, self.fused = kind, fused
+        size = lambda w: tuple(w if d == "W" else d for d in shape)  # noqa: E731
+        self.w_gate = nn.Parameter(torch.randn(2 * n if fused else n, k) / k ** 0.5)
+        self.w_down = nn.Parameter(torch.randn(k, n) / n ** 0.5)
+        self.b_gate = nn.Parameter(torch.randn(size(2 * n if fused else n)))
+        if not fused:
+            self.w_up = nn.Parameter(torch.randn(n, k) / k ** 0.5)
+            self.b_up = nn.Parameter(torch.randn(size(n)))
+        self.b_down = nn.Parameter(torch.randn(size(k)))
+
+    def proj(self, x, w, b):
+        if self.kind == "F.linear":
+            return F.linear(x, w, b)
+        if self.kind == "addmm":
+            return torch.addmm(b, x.reshape(-1, x.shape[-1]), w.t()).view(*x.shape[:-1], w.shape[0])
+        return x @ w.t() + b                       # matmul + bias add
+
+    def forward(self, x):
+        if self.fused:
+            g, u = self.proj(x, self.w_gate, self.b_gate).chunk(2, dim=-1)
+        else:
+            g, u = self.proj(x, self.w_gate, self.b_gate), self.proj(x, self.w_up, self.b_up)
+        return self.proj(F.relu(g) * u, self.w_down, self.b_down)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["infer", "train"])
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+@pytest.mark.parametrize("shape", [(1,), (), (1, "W"), (1, 1)], ids=str)
+@pytest.mark.parametrize("kind", ["F.linear", "addmm", "matmul+add"])
+def test_broadcast_biases_are_expanded(kind: str, shape: tuple, fused: bool, grad: bool) -> None:
+    """Biases of shape [1], 0-d or [1, N] (legal for F.linear and addmm; were matched, then
+    refused at compile time): the rewrite expands them to [N]; in training their gradients
+    (summed over the broadcast) equal eager's."""
+    torch.manual_seed(0)
+    model = BroadcastBias(kind, shape, fused)
+    x = torch.randn(2, 3, 8)
+    xs = [x.clone().requires_grad_(grad) for _ in range(2)]
+    backend = PassBackend()
+    with torch.set_grad_enabled(grad):
+        got = torch.compile(model, backend=backend)(xs[0])
+        want = model(xs[1])
+    assert backend.twell_ops() == ["twell::ffn_train" if grad else "twell::ffn"], str(backend.report)
+    assert not backend.leftovers(), backend.leftovers()
+    expands = [n for n in backend.nodes() if n.op == "call_method" and n.target == "expand"]
+    assert len(expands) == (0 if shape == (1, "W") else 3)     # one per projection (gate, up, down)
+    check_close("output", got, want)
+    if grad:
+        dy = torch.randn_like(want)
+        params = list(model.parameters())
+        for name, a, b in zip(["x"] + [n for n, _ in model.named_parameters()],
+                              _grads(got, [xs[0]] + params, dy), _grads(want, [xs[1]] + params, dy), strict=True):
+            assert a.shape == b.shape, name
+            check_close(f"grad {name}", a, b)
+
+
+def test_broadcast_bias_through_inductor(monkeypatch) -> None:
+    spy = CompileFxSpy(monkeypatch)
+    torch.manual_seed(0)
+    model = BroadcastBias("F.linear", (1,))
+    xs = [torch.randn(4, 8).requires_grad_() for _ in range(2)]
+    xs[1].data.copy_(xs[0].data)
+    got = torch.compile(model, backend="twell")(xs[0])
+    want = model(xs[1])
+    ops, replaced = spy.node_kinds()
+    assert ops == ["twell::ffn_train"] and not replaced
+    check_close("output", got, want)
+    dy = torch.randn_like(want)
+    params = list(model.parameters())
+    for a, b in zip(_grads(got, [xs[0]] + params, dy), _grads(want, [xs[1]] + params, dy), strict=True):
+        check_close("grad", a, b)

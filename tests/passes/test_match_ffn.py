@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import twell_compile
-from twell_compile.passes.match_ffn import Match, Rejection, find_ffns, module_path, skip
+from twell_compile.passes.match_ffn import Match, Rejection, find_ffns, module_path, skip, transform_regions
 
 from ffn_zoo import Spec, build, eager_allows, specs
 from graph_capture import dynamo_graph, param_name
-from rewrite_harness import PassBackend
+from rewrite_harness import PassBackend, check_close
 
 
 def _names(spec: Spec) -> tuple[str, str | None, str]:
@@ -98,6 +98,11 @@ def _gelu_new(x):
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
+def _assign_row(t):
+    t[0] = 1.0      # setitem
+    return t
+
+
 NEAR_MISSES = {
     # name: (body, expected rejection reason or None when not FFN-shaped)
     "silu_gate": (lambda s, x, x2: s.down(F.silu(s.gate(x)) * s.up(x)), "gate activation is SiLU"),
@@ -139,6 +144,28 @@ NEAR_MISSES = {
         "in-place ReLU"),
     "input_written_between": (lambda s, x, x2: (lambda g: (x.mul_(2), s.down(F.relu(g) * s.up(x)))[1])(s.gate(x)),
                               "modified in place"),
+    # In-place writes between the projections into anything that may share storage with the
+    # input: eager's gate and up read different values, the one op would read one.
+    "input_slice_written": (lambda s, x, x2: (lambda g: (x[..., :2].mul_(2), s.down(F.relu(g) * s.up(x)))[1])(s.gate(x)),
+                            "modified in place"),
+    "input_view_written": (lambda s, x, x2: (lambda g: (x.view(-1).add_(1), s.down(F.relu(g) * s.up(x)))[1])(s.gate(x)),
+                           "modified in place"),
+    "input_transposed_row_zeroed": (
+        lambda s, x, x2: (lambda g: (x.transpose(0, 1)[0].zero_(), s.down(F.relu(g) * s.up(x)))[1])(s.gate(x)),
+        "modified in place"),
+    "input_row_assigned": (lambda s, x, x2: (lambda g: (_assign_row(x), s.down(F.relu(g) * s.up(x)))[1])(s.gate(x)),
+                           "modified in place"),
+    "input_written_by_out": (lambda s, x, x2: (lambda g: (torch.add(x2, 1, out=x), s.down(F.relu(g) * s.up(x)))[1])(s.gate(x)),
+                             "modified in place"),
+    "input_copied_into": (lambda s, x, x2: (lambda g: (x.copy_(x2), s.down(F.relu(g) * s.up(x)))[1])(s.gate(x)),
+                          "modified in place"),
+    "input_written_after_up": (lambda s, x, x2: (lambda u: (x.mul_(2), s.down(F.relu(s.gate(x)) * u))[1])(s.up(x)),
+                               "modified in place"),
+    "computed_input_written": (
+        lambda s, x, x2: (lambda h: (lambda g: (h.add_(1), s.down(F.relu(g) * s.up(h)))[1])(s.gate(h)))(x * 2),
+        "modified in place"),
+    "bias_per_token": (lambda s, x, x2: s.down(F.relu(F.linear(x, s.gate.weight, s.gate.bias.expand(3, N))) * s.up(x)),
+                       "not one value per output feature"),
     # Not FFN-shaped: nothing to rewrite and nothing to report.
     "relu_after_last_linear": (lambda s, x, x2: F.relu(s.gate(x)), None),
     "relu_before_first_linear": (lambda s, x, x2: s.gate(F.relu(x)), None),
@@ -293,3 +320,153 @@ def test_transformer_encoder_layer(grad: bool) -> None:
 ])
 def test_module_path_drops_any_source_prefix(source: str, path: str) -> None:
     assert module_path(source) == path
+
+
+# ------------------------------------------------------------------------------ in-place writes
+WEIGHT_WRITES = {
+    # name: a body writing a parameter the block reads, after its first projection
+    "gate_weight_data": lambda s, x, x2: (lambda g: (s.gate.weight.data.mul_(2), s.down(F.relu(g) * s.up(x)))[1])(s.gate(x)),
+    "gate_bias_data": lambda s, x, x2: (lambda g: (s.gate.bias.data.zero_(), s.down(F.relu(g) * s.up(x)))[1])(s.gate(x)),
+    "up_weight_data_slice": lambda s, x, x2: (lambda u: (s.up.weight.data[:2].add_(1), s.down(F.relu(s.gate(x)) * u))[1])(s.up(x)),
+    "down_weight_transposed_view": lambda s, x, x2: (lambda g: (s.down.weight.data.t()[0].fill_(0.5),
+                                                                 s.down(F.relu(g) * s.up(x)))[1])(s.gate(x)),
+}
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("name", list(WEIGHT_WRITES))
+def test_weight_written_inside_block_is_not_rewritten(name: str, grad: bool) -> None:
+    """A weight or bias written (through .data, a slice or a transposed view) between the
+    projections: rejected with the reason; compiled equals eager, each from fresh weights."""
+    def fresh() -> Block:
+        torch.manual_seed(0)
+        return Block(WEIGHT_WRITES[name]).eval()
+
+    x, x2 = torch.randn(2, 3, K), torch.randn(2, 3, K)
+    with torch.set_grad_enabled(grad):
+        report = twell_compile.explain(fresh(), x, x2)
+        backend = PassBackend()
+        got = torch.compile(fresh(), backend=backend)(x, x2)
+        want = fresh()(x, x2)
+    assert not report.rewrites and len(report.rejections) == 1, str(report)
+    assert "modified in place" in report.rejections[0].reason, str(report)
+    assert not backend.twell_ops() and torch.equal(got, want)
+
+
+FRESH_WRITES = {
+    # in-place writes that cannot touch what the block reads: the block is still rewritten
+    "new_tensor": lambda s, x, x2: (lambda g: (lambda t: (s.down(F.relu(g) * s.up(x)), t))(torch.zeros(3).add_(1)))(s.gate(x)),
+    "computed_from_input": lambda s, x, x2: (lambda g: (lambda t: (s.down(F.relu(g) * s.up(x)), t))((x + 1).mul_(2)))(s.gate(x)),
+    "inplace_relu_on_gate": lambda s, x, x2: s.down(F.relu(s.gate(x), inplace=True) * s.up(x)),
+}
+
+
+@pytest.mark.parametrize("name", list(FRESH_WRITES))
+def test_writes_to_fresh_tensors_keep_the_rewrite(name: str) -> None:
+    torch.manual_seed(0)
+    model = Block(FRESH_WRITES[name]).eval()
+    x, x2 = torch.randn(2, 3, K), torch.randn(2, 3, K)
+    with torch.no_grad():
+        gm = dynamo_graph(model, x, x2)
+        found = find_ffns(gm.graph)
+        backend = PassBackend()
+        got = torch.compile(model, backend=backend)(x, x2)
+        want = model(x, x2)
+    assert len(found) == 1 and isinstance(found[0], Match), found
+    assert backend.twell_ops() == ["twell::ffn"] and not backend.leftovers()
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------ torch.func transforms
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(K, N), nn.Linear(K, N), nn.Linear(N, K)
+
+    def forward(self, x):
+        return self.down(F.relu(self.gate(x)) * self.up(x))
+
+
+def _dual_inside(mlp, t):
+    import torch.autograd.forward_ad as fwAD
+
+    def f(x):
+        with fwAD.dual_level():
+            out = fwAD.unpack_dual(mlp(fwAD.make_dual(x, t)))
+            return out.primal, out.tangent
+    return f
+
+
+TRANSFORMS = {
+    # name: (function of (mlp, tangent) to compile, input shape, expected reason)
+    "vmap": (lambda mlp, t: torch.func.vmap(mlp), (4, 3, K), "torch.func.vmap"),
+    "grad": (lambda mlp, t: torch.func.grad(lambda x: mlp(x).sum()), (3, K), "torch.func.grad"),
+    "jacrev": (lambda mlp, t: torch.func.jacrev(mlp), (2, K), "torch.func.grad"),
+    "jvp": (lambda mlp, t: lambda x: torch.func.jvp(mlp, (x,), (t,)), (2, K), "torch.func.jvp"),
+    "dual_level": (_dual_inside, (2, K), "forward_ad.dual_level"),
+}
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_ffn_inside_a_functorch_transform_is_left_to_inductor(name: str, grad: bool) -> None:
+    """Inside a torch.func transform the traced values are functorch wrappers (vmap's hide
+    requires_grad, so the inference op was chosen and the weights got no gradient): such
+    FFNs are rejected with the transform named; results and gradients equal eager's."""
+    make, shape, reason = TRANSFORMS[name]
+    torch.manual_seed(0)
+    mlp = MLP()
+    t = torch.randn(shape)
+    x = torch.randn(shape)
+    fn = make(mlp, t)
+    with torch.set_grad_enabled(grad):
+        gm = dynamo_graph(fn, x)
+        report = twell_compile.explain(fn, x)
+    found = find_ffns(gm.graph)
+    assert len(found) == 1 and isinstance(found[0], Rejection) and reason in found[0].reason, found
+    assert not report.rewrites and len(report.rejections) == 1 and reason in report.rejections[0].reason, str(report)
+
+    backend = PassBackend()
+    xs = [x.clone().requires_grad_(grad) for _ in range(2)]
+    with torch.set_grad_enabled(grad):
+        torch._dynamo.reset()
+        got = torch.compile(fn, backend=backend)(xs[0])
+        want = fn(xs[1])
+    assert not backend.twell_ops()
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    for a, b in zip(got, want, strict=True):
+        check_close("output", a, b)
+    if grad and want[0].requires_grad:
+        dy = torch.randn_like(want[0])
+        params = list(mlp.parameters())
+        g_got = torch.autograd.grad(got[0], [xs[0]] + params, dy, allow_unused=True)
+        g_want = torch.autograd.grad(want[0], [xs[1]] + params, dy, allow_unused=True)
+        for pname, a, b in zip(["x"] + [n for n, _ in mlp.named_parameters()], g_got, g_want, strict=True):
+            assert (a is None) == (b is None), pname
+            if b is not None:
+                check_close(f"grad {pname}", a, b)
+
+
+def test_ffn_outside_the_transform_region_is_rewritten() -> None:
+    """Only the nodes between a transform's enter and exit are inside it: an FFN before a vmap
+    in the same graph is rewritten, the one inside is not."""
+    torch.manual_seed(0)
+    first, second = MLP(), MLP()
+
+    def fn(x):
+        return torch.func.vmap(second)(first(x))
+
+    x = torch.randn(4, 3, K)
+    with torch.no_grad():
+        gm = dynamo_graph(fn, x)
+        regions = transform_regions(gm.graph)
+        found = find_ffns(gm.graph)
+        backend = PassBackend()
+        got = torch.compile(fn, backend=backend)(x)
+        want = fn(x)
+    assert [type(f).__name__ for f in found] == ["Match", "_Rejection"], found
+    assert found[0].down.out not in regions and "vmap" in regions[found[1].down]
+    assert backend.twell_ops() == ["twell::ffn"]
+    check_close("output", got, want)
