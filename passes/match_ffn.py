@@ -332,8 +332,8 @@ def _transpose_source(w: Any) -> Optional[fx.Node]:
 
 
 def _bias_add(node: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
-    """If ``node``'s only user adds a per-feature bias to it ([N], or one value broadcast:
-    [1], 0-d) without broadcasting it to a larger shape: (add node, bias node)."""
+    """If ``node``'s only user adds a per-feature bias of its own dtype to it ([N], or one value
+    broadcast: [1], 0-d) without broadcasting it to a larger shape: (add node, bias node)."""
     if len(node.users) != 1:
         return None
     add = next(iter(node.users))
@@ -343,6 +343,10 @@ def _bias_add(node: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
     other = b if a is node else a
     t, out, total = example(other), example(node), example(add)
     if t is None or out is None or total is None or out.dim() < 1 or not per_feature(t, out.shape[-1]):
+        return None
+    if t.dtype != out.dtype:
+        # add promotes by its own rules (a 0-d fp32 keeps bf16, an fp32 [N] makes fp32, autocast
+        # aside): the add stays after the projection, exactly as eager runs it
         return None
     if _shape_key(total) != _shape_key(out):
         return None

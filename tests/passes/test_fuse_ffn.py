@@ -441,3 +441,32 @@ def test_broadcast_bias_through_inductor(monkeypatch) -> None:
     params = list(model.parameters())
     for a, b in zip(_grads(got, [xs[0]] + params, dy), _grads(want, [xs[1]] + params, dy), strict=True):
         check_close("grad", a, b)
+
+
+class _AddAfterDown(nn.Module):
+    """The block's output plus a tensor of another dtype (a residual's fp32 mean): the add is
+    not the down projection's bias, and add's promotion keeps x's dtype for a 0-d fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(16, 40, bias=False), nn.Linear(16, 40, bias=False), nn.Linear(40, 16, bias=False)
+
+    def forward(self, x, z):
+        return self.down(F.relu(self.gate(x)) * self.up(x)) + z.mean()
+
+
+@pytest.mark.parametrize("zshape", [(3,), (16,)], ids=["0-d", "per-feature"])
+def test_add_of_another_dtype_after_down_is_not_its_bias(zshape):
+    torch.manual_seed(0)
+    model = _AddAfterDown().to(torch.bfloat16)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    z = torch.randn(zshape) if zshape == (3,) else torch.randn(16)
+    if zshape == (16,):
+        model.forward = lambda x, z, m=model: m.down(F.relu(m.gate(x)) * m.up(x)) + z
+    with torch.no_grad():
+        report = twell_compile.explain(model, x, z)
+        assert [r.op for r in report.rewrites] == ["twell::ffn"], str(report)
+        got = torch.compile(model, backend=PassBackend())(x, z)
+        want = model(x, z)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
