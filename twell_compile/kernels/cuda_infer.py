@@ -275,8 +275,11 @@ def dense_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
 
 def _graph_dense(x2: Tensor, k: int, n: int, k_out: int, gated: bool) -> bool:
     """Whether this dense call replays its own graph: decode sizes where eager's calls are
-    host-bound (cuda_policy.dense_host_bound), graphs usable."""
+    host-bound (cuda_policy.dense_host_bound), graphs usable. Not under
+    torch.use_deterministic_algorithms: cuBLAS may pick another kernel inside a capture than
+    eagerly (the first calls run eagerly), and the bits would change between calls."""
     return (x2.shape[0] <= cuda_policy.DECODE_MAX_M and decode_graphs.usable(x2)
+            and not torch.are_deterministic_algorithms_enabled()
             and cuda_policy.dense_host_bound(k, n, k_out, gated, x2.element_size()))
 
 
