@@ -108,33 +108,33 @@ MAX_WIDTH = 8192
 # GEMV gate at M=1 and the pairs form's own config up to 16 rows. W_down^T rows are read
 # through W_down's transposed view (strided: no copy to go stale), a 32 B sector per element,
 # hence every form's STRIDED term. Fitted by benchmarks/tune_decode.py --fit-from on the
-# 56-point grid with each form forced (bench_ffn.py --decode, H200, 2026-11-25; points within
+# committed 56-point grid, each form forced (results/h200/ffn_decode.json, 2026-11-25; within
 # 1.6x of dense, least relative error, coefficients >= 0; list, never near dense, on all its
-# points). Dense: 16.39 us + bytes / 3824 GB/s. K=2048, N=5632, d=0.005 (results/h200/
+# points). Dense: 16.27 us + bytes / 3807 GB/s. K=2048, N=5632, d=0.005 (results/h200/
 # ffn_decode.json, 2026-11-25): M=1 rows 14.9 us (2.28x of dense; 12.6 us with the stale-prone
 # copy), M=16 pairs 28.2 us vs dense 34.3 (1.22x). MARGIN 0.9: on the grid no pick below
 # 0.97x of dense (tests/kernels/test_decode.py).
 DECODE_MAX_M = 64
-DEC_ROWS_FIXED_US = 5.18
-DEC_ROWS_GATE_GBPS = 2250.0
-DEC_ROWS_STEP_US = 4.3006
-DEC_TILES_FIXED_US = 18.67
-DEC_TILES_GATE_GBPS = 1397.0
-DEC_TILES_ADD_US = 1.3393
-DEC_TILES_ENTRY_US = 0.0018
-DEC_LIST_FIXED_US = 32.28
-DEC_LIST_GATE_GBPS = 1557.0
-DEC_LIST_PAIR_US = 8.0497
-DEC_LIST_ENTRY_US = 0.1928
-DEC_PAIRS_FIXED_US = 2.87
-DEC_PAIRS_GATE_GBPS = 1469.0
+DEC_ROWS_FIXED_US = 5.11
+DEC_ROWS_GATE_GBPS = 2243.0
+DEC_ROWS_STEP_US = 4.2777
+DEC_TILES_FIXED_US = 18.47
+DEC_TILES_GATE_GBPS = 1395.0
+DEC_TILES_ADD_US = 1.4772
+DEC_TILES_ENTRY_US = 0.0017
+DEC_LIST_FIXED_US = 33.27
+DEC_LIST_GATE_GBPS = 1585.0
+DEC_LIST_PAIR_US = 8.1891
+DEC_LIST_ENTRY_US = 0.1743
+DEC_PAIRS_FIXED_US = 2.84
+DEC_PAIRS_GATE_GBPS = 1467.0
 DEC_PAIRS_TRIP_US = 0.0
-DEC_ROWS_STRIDED_US = 0.2712
+DEC_ROWS_STRIDED_US = 0.2687
 DEC_TILES_STRIDED_US = 0.0001
-DEC_LIST_STRIDED_US = 1.1302
-DEC_PAIRS_STRIDED_US = 0.2885
-DENSE_FIXED_US = 16.39
-DENSE_GBPS = 3824.0
+DEC_LIST_STRIDED_US = 1.1288
+DEC_PAIRS_STRIDED_US = 0.2871
+DENSE_FIXED_US = 16.27
+DENSE_GBPS = 3807.0
 DEC_MARGIN = 0.9
 DETERMINISTIC_FORMS = ("list",)   # the decode forms that sum without atomics
 MAX_N = 65536          # the per-row lists pack the column in 16 bits
