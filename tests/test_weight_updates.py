@@ -225,3 +225,61 @@ def test_cuda_sparse_path_sees_every_weight_update(mutate):
 def test_cuda_training_sees_every_weight_update(mutate):
     model, x = _cuda_case(8192)
     _check_training(model, torch.compile(model, backend="twell", options={"twell.l1": 1e-3}), x, mutate)
+
+
+# ---------------------------------------------------------------------------- fuzz (CPU)
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=12, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(range(len(MUTATIONS))), st.booleans()), min_size=1, max_size=4),
+       seed=st.integers(0, 2**16))
+def test_fuzz_mutation_sequences_against_eager(steps, seed):
+    """Random sequences of weight updates (every path above, optimizers included) with
+    inference calls or training steps between them: each compiled result matches eager."""
+    torch._dynamo.reset()
+    model = _model(64, 256, "cpu", torch.float32, seed=seed)
+    compiled = torch.compile(model, backend="twell")
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(seed))
+    for which, train in steps:
+        MUTATIONS[which](model)
+        if train:
+            model.zero_grad(set_to_none=True)
+            got = compiled(x)
+            got.square().mean().backward()
+            g_got = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            want = model(x)
+            want.square().mean().backward()
+            for a, b in zip(g_got, [p.grad for p in model.parameters()]):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        else:
+            with torch.no_grad():
+                got, want = compiled(x), model(x)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_parametrized_weights_are_exact_and_keep_no_state_per_call():
+    """weight_norm recomputes the weight every call (a fresh tensor each time): results follow
+    the parametrization's parameters, and nothing is kept per call (no cache to grow)."""
+    import gc
+
+    from torch.nn.utils.parametrizations import weight_norm
+
+    model = _model(64, 256, "cpu", torch.float32)
+    weight_norm(model.down)
+    weight_norm(model.up)
+    compiled = torch.compile(model, backend="twell")
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        assert [r.op for r in twell_compile.explain(model, x).rewrites] == ["twell::ffn"]
+        for _ in range(3):
+            compiled(x)
+        gc.collect()
+        before = sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+        for i in range(30):
+            model.down.parametrizations.weight.original0.data.mul_(1.01)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+        gc.collect()
+        after = sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    assert after - before < 10, (before, after)
