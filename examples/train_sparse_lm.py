@@ -18,6 +18,7 @@ eval | dead | final | bench; docs/training.md explains every field), ``ckpt/step
 (model.safetensors, optim.safetensors, state.json; ``--resume auto`` continues from the latest)
 and, with matplotlib installed, PNG plots of this run. The tokenizer and the tokenised corpus
 are cached in ``--cache-dir`` (default: ``cache/`` next to --out) and shared between runs.
+The last lines printed name every output written and the plot command.
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                 steps=1500, lr=2e-3, warmup=100, l1=10.0, eval_every=250, eval_batches=16, log_every=25,
                 ckpt_every=500, dead_probe_every=50, dead_check_every=250, device="cuda"),
 }
+
+
+# First-step (compile) times measured per preset, shown before the first step: cpu-tiny 15-34 s
+# on the 2-core development machine (docs/cpu_tiny_run), gpu 15-25 s on the H200 (docs/gpu_run_h200).
+COMPILE_S = {"cpu-tiny": 35, "gpu": 25}
 
 
 # ----------------------------------------------------------------------------- corpus
@@ -405,6 +411,13 @@ def train(args) -> dict[str, Any]:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
+    ckpt = resolve_resume(args.resume, out)
+    done_before = json.loads((ckpt / "state.json").read_text())["step"] if ckpt is not None else 0
+    if done_before >= args.steps:
+        # Nothing left to train: no new records, no second final pass (its val_loss would be None).
+        return dict(out=str(out), steps=args.steps, last_step=done_before, complete=True,
+                    outputs=outputs_of(out, ckpt, args))
+
     data = load_data(args)
     vocab = data["tokenizer"].get_vocab_size()
     model = build_model(args, vocab).to(args.device)
@@ -413,7 +426,6 @@ def train(args) -> dict[str, Any]:
     n_embed = model.model.embed_tokens.weight.numel()
 
     start, fired = 0, None
-    ckpt = resolve_resume(args.resume, out)
     if ckpt is not None:
         state, extra = load_checkpoint(ckpt, model, optimizer)
         start = state["step"]
@@ -435,9 +447,12 @@ def train(args) -> dict[str, Any]:
     tokens_per_step = args.batch * args.seq
     loss_acc = torch.zeros((), device=args.device)
     n_acc, t_last, compile_s = 0, time.perf_counter(), None
-    last_eval = None
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="sparse" if args.l1 else "dense",
-               disable=args.no_progress, dynamic_ncols=True)
+    last_eval, last_ckpt = None, ckpt
+    bar = None  # made after the first step, so that its rate and ETA are of compiled steps
+
+    def make_bar(done: int):
+        return tqdm(initial=done, total=args.steps, desc="sparse" if args.l1 else "dense",
+                    disable=args.no_progress, dynamic_ncols=True)
 
     def dead_check(step: int) -> None:
         nonlocal fired
@@ -462,7 +477,9 @@ def train(args) -> dict[str, Any]:
         fired = None
 
     step, time_up = start, False
-    for step in bar:
+    if start < args.steps and args.backend != "eager":
+        print(f"compiling (first step; ~{COMPILE_S[args.preset]} s)...", file=sys.stderr, flush=True)
+    for step in range(start, args.steps):
         lr = lr_at(step, args)
         for gi in optimizer.param_groups:
             gi["lr"] = lr
@@ -483,6 +500,9 @@ def train(args) -> dict[str, Any]:
             compile_s = time.perf_counter() - t_last
             metrics.log("compile", step=done, compile_s=compile_s)
             t_last, loss_acc, n_acc = time.perf_counter(), torch.zeros_like(loss_acc), 0
+            bar = make_bar(done)
+        else:
+            bar.update(1)
 
         if args.dead_probe_every and done % args.dead_probe_every == 0:
             # Eager probe on a fresh batch of training text; activity accumulates on the device.
@@ -521,7 +541,7 @@ def train(args) -> dict[str, Any]:
         if (args.ckpt_every and done % args.ckpt_every == 0) or done == args.steps:
             t0 = time.perf_counter()
             extra = {f"fired:{k}": v.to(torch.uint8) for k, v in (fired or {}).items()}
-            save_checkpoint(out, done, model, optimizer, extra, dict(args=cfg_rec), args.keep_ckpts)
+            last_ckpt = save_checkpoint(out, done, model, optimizer, extra, dict(args=cfg_rec), args.keep_ckpts)
             t_last += time.perf_counter() - t0
         if args.stop_after and done - start >= args.stop_after:
             break
@@ -530,10 +550,11 @@ def train(args) -> dict[str, Any]:
             last_eval = evaluate(model, vals, args)
             metrics.log("eval", step=done, val_loss=last_eval, val_tokens=len(vals) * args.batch * args.seq)
             extra = {f"fired:{k}": v.to(torch.uint8) for k, v in (fired or {}).items()}
-            save_checkpoint(out, done, model, optimizer, extra, dict(args=cfg_rec), args.keep_ckpts)
+            last_ckpt = save_checkpoint(out, done, model, optimizer, extra, dict(args=cfg_rec), args.keep_ckpts)
             metrics.log("time_limit", step=done, time_limit_min=args.time_limit_min)
             break
-    bar.close()
+    if bar is not None:
+        bar.close()
 
     summary: dict[str, Any] = dict(out=str(out), steps=args.steps, last_step=step + 1 if args.steps > start else start)
     finished = summary["last_step"] >= args.steps or time_up
@@ -568,17 +589,62 @@ def train(args) -> dict[str, Any]:
             metrics.log("bench", step=summary["last_step"], **bench)
             summary["bench"] = bench
     metrics.close()
+    plots, no_plots = [], "--no-plots" if args.no_plots else "the run is not finished"
     if not args.no_plots and finished:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("matplotlib not installed (pip install -e '.[examples]'): no plots", file=sys.stderr)
+            no_plots = "matplotlib not installed: pip install -e '.[examples]'"
+            print(f"no plots: {no_plots}", file=sys.stderr)
         else:
             sys.path.insert(0, str(Path(__file__).resolve().parent))
             import plot_training
 
-            plot_training.make_plots(out, Path(args.dense_run) if args.dense_run else None, out / "plots")
+            plots = plot_training.make_plots(out, Path(args.dense_run) if args.dense_run else None, out / "plots")
+    summary["outputs"] = outputs_of(out, last_ckpt, args, plots, no_plots,
+                                    profile=args.profile_out if finished and args.profile_out else "")
     return summary
+
+
+def outputs_of(out: Path, ckpt: Optional[Path], args, plots: Optional[list[Path]] = None,
+               no_plots: str = "none made", profile: Optional[str] = None) -> dict[str, Any]:
+    """What a run wrote, by kind, for the closing lines. plots=None / profile=None: those an
+    earlier run left (out/plots/*.png, --profile-out if it exists)."""
+    if plots is None:
+        plots = sorted((out / "plots").glob("*.png"))
+    if profile is None:
+        profile = args.profile_out if args.profile_out and Path(args.profile_out).exists() else ""
+    script = Path(__file__).resolve().with_name("plot_training.py")
+    try:
+        script = script.relative_to(Path.cwd())
+    except ValueError:
+        pass
+    return dict(checkpoint=str(ckpt) if ckpt else None, metrics=str(out / "metrics.jsonl"),
+                plots=[str(p) for p in plots], no_plots=no_plots, profile=profile or None,
+                plot_command=f"python {script} {out}" + (f" {args.dense_run}" if args.dense_run else "")
+                + f" --out {out / 'plots'}")
+
+
+def closing_lines(s: dict[str, Any], args) -> list[str]:
+    """What main prints at the end: the result, where every output went, how to plot again."""
+    if s.get("complete"):
+        lines = [f"run complete: {s['out']} is at step {s['last_step']} of --steps {s['steps']}, nothing to "
+                 f"resume (a new run needs another --out, or no --resume)"]
+    elif "val_loss" in s:
+        lines = [f"final: val loss {s['val_loss']:.4f}, mean non-zeros per token {s['mean_nnz_per_token']:.1f} of "
+                 f"{args.ffn} ({100 * s['mean_density']:.2f}%), dead {100 * s['dead_frac_final_probe']:.1f}%, "
+                 f"{s['wall_s']:.0f} s"]
+    else:
+        lines = [f"stopped at step {s['last_step']} of {s['steps']}: continue with --resume auto"]
+    o = s["outputs"]
+    plots = o["plots"]
+    lines += [f"  checkpoint  {o['checkpoint'] or 'none yet (one is written every --ckpt-every steps)'}",
+              f"  metrics     {o['metrics']}",
+              "  plots       " + (f"{Path(plots[0]).parent}/ ({', '.join(Path(p).name for p in plots)})" if plots
+                                  else f"none ({o['no_plots']})"),
+              f"  profile     {o['profile'] or 'none (--profile-out FILE writes it)'}",
+              f"  make plots: {o['plot_command']}"]
+    return lines
 
 
 @torch.no_grad()
@@ -664,10 +730,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     s = train(args)
-    if "val_loss" in s:
-        print(f"final: val loss {s['val_loss']:.4f}, mean non-zeros per token {s['mean_nnz_per_token']:.1f} of "
-              f"{args.ffn} ({100 * s['mean_density']:.2f}%), dead {100 * s['dead_frac_final_probe']:.1f}%, "
-              f"{s['wall_s']:.0f} s -> {s['out']}")
+    print("\n".join(closing_lines(s, args)))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ import torch.nn.functional as F
 
 import twell_compile
 
+# These FFNs are tiny: force the rewrite whatever a device's skip_dense rule would leave to Inductor.
+REWRITE = {"twell.skip_dense": False}
+
 
 class Block(nn.Module):
     def __init__(self):
@@ -26,13 +29,85 @@ def test_export_rewrites_and_matches_eager():
     torch.manual_seed(0)
     m = Block().eval()
     x = torch.randn(3, 5, 16)
-    ep, report = twell_compile.export(m, (x,))
+    ep, report = twell_compile.export(m, (x,), options=REWRITE)
     assert len(report.rewrites) == 2 and {r.gated for r in report.rewrites} == {True, False}
     targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.twell.ffn.default) == 2
     assert torch.ops.aten.relu.default not in targets
     with torch.no_grad():
         torch.testing.assert_close(ep.module()(x), m(x), atol=1e-5, rtol=1e-5)
+
+
+def test_static_export_reports_the_program_sizes():
+    # Dynamo used to trace symbolically: the report read [s0, s1] for a program fixed at [3, 5].
+    ep, report = twell_compile.export(Block().eval(), (torch.randn(3, 5, 16),), options=REWRITE)
+    assert [r.tokens_shape for r in report.rewrites] == ["[3, 5]", "[3, 5]"]
+    assert not ep.range_constraints  # no symbolic size left in the program
+    assert "[3, 5]" in str(report)
+
+
+def test_program_runs_with_grad_enabled_and_leaves_the_model_alone():
+    torch.manual_seed(2)
+    m = Block().eval()
+    x = torch.randn(4, 16)
+    ep, _ = twell_compile.export(m, (x,), options=REWRITE)
+    prog = ep.module()
+    assert torch.is_grad_enabled()
+    torch.testing.assert_close(prog(x), m(x), atol=1e-5, rtol=1e-5)  # no no_grad needed
+    assert not any(p.requires_grad for p in prog.parameters())
+    assert all(p.requires_grad for p in m.parameters())  # the model still trains
+    # The program shares the model's storage: an in-place update is seen by the next call.
+    with torch.no_grad():
+        m.fc1.weight.mul_(2)
+    torch.testing.assert_close(prog(x), m(x), atol=1e-5, rtol=1e-5)
+    # An input that requires grad cannot get one through the inference op: the error names the fix.
+    with pytest.raises(ValueError, match="no_grad"):
+        prog(x.clone().requires_grad_())
+
+
+def test_dynamic_batch_exports_one_program_for_every_batch():
+    torch.manual_seed(3)
+    m = Block().eval()
+    ep, report = twell_compile.export(m, (torch.randn(3, 5, 16),), dynamic_batch=True, options=REWRITE)
+    assert [r.tokens_shape for r in report.rewrites] == ["[batch, 5]", "[batch, 5]"]
+    assert len(ep.range_constraints) == 1
+    for b in (1, 2, 7):
+        x = torch.randn(b, 5, 16)
+        torch.testing.assert_close(ep.module()(x), m(x), atol=1e-5, rtol=1e-5)
+    with pytest.raises(Exception):   # the sequence length stayed static
+        ep.module()(torch.randn(2, 6, 16))
+    with pytest.raises(ValueError, match="batch of at least 2"):
+        twell_compile.export(m, (torch.randn(1, 5, 16),), dynamic_batch=True)
+    with pytest.raises(ValueError, match="either dynamic_shapes or dynamic_batch"):
+        twell_compile.export(m, (torch.randn(3, 5, 16),), dynamic_batch=True, dynamic_shapes={"x": {0: 3}})
+
+
+def test_dynamic_shapes_pass_through_and_name_the_report_sizes():
+    torch.manual_seed(4)
+    m = Block().eval()
+    b, s = torch.export.Dim("b"), torch.export.Dim("seq")
+    ep, report = twell_compile.export(m, (torch.randn(3, 5, 16),), dynamic_shapes={"x": {0: b, 1: s}},
+                                       options=REWRITE)
+    assert [r.tokens_shape for r in report.rewrites] == ["[b, seq]", "[b, seq]"]
+    x = torch.randn(2, 9, 16)
+    torch.testing.assert_close(ep.module()(x), m(x), atol=1e-5, rtol=1e-5)
+
+
+def test_hf_model_with_cache_gets_the_use_cache_fix():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, hidden_act="relu",
+                                   max_position_embeddings=64)
+    torch.manual_seed(5)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    assert model.config.use_cache
+    ids = torch.randint(1, 128, (2, 7))
+    with pytest.raises(ValueError, match=r"DynamicCache.*use_cache': False"):
+        twell_compile.export(model, (ids,))
+    ep, report = twell_compile.export(model, (ids,), {"use_cache": False}, options=REWRITE)
+    assert [r.tokens_shape for r in report.rewrites] == ["[2, 7]", "[2, 7]"]
+    torch.testing.assert_close(ep.module()(ids, use_cache=False).logits, model(ids, use_cache=False).logits,
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_export_argument_errors():
@@ -50,7 +125,7 @@ def test_aoti_package_runs_in_fresh_process(tmp_path):
     torch.manual_seed(1)
     m = Block().eval()
     x = torch.randn(4, 16)
-    ep, _ = twell_compile.export(m, (x,))
+    ep, _ = twell_compile.export(m, (x,), options=REWRITE)
     pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "ffn.pt2"))
     torch.save({"x": x, "y": m(x).detach()}, tmp_path / "io.pt")
     run = ("import torch{imp}\n"

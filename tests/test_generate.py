@@ -51,3 +51,47 @@ def test_generate_matches_eager_without_per_token_recompiles(device):
         out = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
     assert torch.equal(out, ref)
     assert counters["stats"]["unique_graphs"] == graphs, "a longer generation compiled new graphs"
+
+
+def test_module_compile_in_place_accelerates_generate():
+    """The README's way: ``model.compile(backend="twell")`` compiles the module's own call, which
+    generate() goes through, so prefill and every decode step run the twell op."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_llama()
+    ids = torch.randint(1, 128, (2, 7))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    counters.clear()
+    twell_compile.reset_stats()
+    model.compile(backend="twell", options={"twell.skip_dense": False})
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs >= 2  # prefill and decode
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, ref)
+    assert counters["stats"]["unique_graphs"] == graphs, "a longer generation compiled new graphs"
+    # The op's statistics are of its latest call: a decode step of 2 sequences x 1 token.
+    stats = twell_compile.layer_stats()
+    assert sorted(stats) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert all(s.tokens == 2 for s in stats.values())
+    assert isinstance(model, transformers.LlamaForCausalLM)  # in place: same object, same state_dict keys
+
+
+def test_generate_of_torch_compile_result_runs_eager():
+    """The pitfall the README warns about: torch.compile(model) returns a wrapper whose attribute
+    access goes to the original module, so its .generate() calls the uncompiled forward. Nothing
+    of twell runs on that path (the backend is not even called), so it cannot warn; if a torch
+    or transformers release changes this, this test fails and the README paragraph is stale."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_llama()
+    ids = torch.randint(1, 128, (2, 7))
+    counters.clear()
+    twell_compile.reset_stats()
+    compiled = torch.compile(model, backend="twell", options={"twell.skip_dense": False})
+    with torch.no_grad():
+        compiled.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    assert counters["stats"]["unique_graphs"] == 0 and not twell_compile.layer_stats()

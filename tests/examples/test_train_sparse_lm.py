@@ -121,3 +121,54 @@ def test_dead_neuron_reinit_changes_exactly_the_dead_rows(tmp_path, cache):
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.all(opt.state[p][k][rows] == 0)
             assert torch.equal(opt.state[p][k][~rows], moments[n][k][~rows])
+
+
+def test_progress_bar_starts_after_the_compile_and_the_run_ends_with_its_outputs(tmp_path, cache, capsys, monkeypatch):
+    import tqdm.auto
+
+    out, profile = tmp_path / "run", tmp_path / "nnz.json"
+    made = []
+
+    class Bar(tqdm.auto.tqdm):
+        def __init__(self, *a, **kw):
+            # The bar's timer starts here: the compile step must be done and logged already.
+            made.append((kw.get("initial"), (out / "metrics.jsonl").read_text()))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    T.main(["--out", str(out), "--cache-dir", cache, *TINY, "--steps", "3", "--l1", "1",
+            "--profile-out", str(profile)])
+    assert len(made) == 1 and made[0][0] == 1 and '"kind": "compile"' in made[0][1]
+    captured = capsys.readouterr()
+    assert "compiling (first step; ~35 s)..." in captured.err
+    lines = captured.out.strip().splitlines()
+    assert lines[0].startswith("final: val loss")
+    assert lines[1].split() == ["checkpoint", str(out / "ckpt" / "step_0000003")]
+    assert lines[2].split() == ["metrics", str(out / "metrics.jsonl")]
+    assert lines[3].startswith("  plots       none (--no-plots)")
+    assert lines[4].split() == ["profile", str(profile)] and profile.exists()
+    cmd = lines[5].split("make plots: ")[1].split()
+    assert cmd[0] == "python" and cmd[1].endswith("plot_training.py") and cmd[2:] == [str(out), "--out", str(out / "plots")]
+
+
+def test_resume_auto_on_a_finished_run_says_it_is_complete(tmp_path, cache, capsys):
+    out = tmp_path / "run"
+    argv = ["--out", str(out), "--cache-dir", cache, *TINY, "--steps", "3", "--backend", "eager", "--l1", "0"]
+    T.main(argv)
+    log = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    T.main(argv + ["--resume", "auto"])  # crashed formatting val_loss None
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == f"run complete: {out} is at step 3 of --steps 3, nothing to resume " \
+                       "(a new run needs another --out, or no --resume)"
+    assert lines[1].split() == ["checkpoint", str(out / "ckpt" / "step_0000003")]
+    assert (out / "metrics.jsonl").read_text() == log  # nothing appended
+
+
+def test_stopped_run_says_how_to_continue(tmp_path, cache, capsys):
+    out = tmp_path / "run"
+    T.main(["--out", str(out), "--cache-dir", cache, *TINY, "--steps", "6", "--ckpt-every", "2", "--backend",
+            "eager", "--l1", "0", "--stop-after", "3"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "stopped at step 3 of 6: continue with --resume auto"
+    assert lines[1].split() == ["checkpoint", str(out / "ckpt" / "step_0000002")]
