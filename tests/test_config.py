@@ -64,3 +64,53 @@ def test_non_finite_l1_is_refused_by_compile_and_prepare():
         twell_compile.prepare(net, options={"twell.l1": float("nan")})
     with pytest.raises(Exception, match="twell.l1 must be a finite number"):
         torch.compile(net, backend="twell", options={"twell.l1": float("inf")})(torch.randn(2, 8))
+
+
+@pytest.mark.parametrize("key, suggestion", [("twell.l2", "twell.l1"), ("twell.l1_layer", "twell.l1_layers"),
+                                             ("twell.tilen", "twell.tile_n"), ("twell.Slots", "twell.slots")])
+def test_unknown_twell_option_suggests_the_closest(key, suggestion):
+    with pytest.raises(ValueError, match=rf"unknown twell option '{key}' \(did you mean '{suggestion}'\?\)"):
+        TwellConfig.from_options({key: 1})
+
+
+@pytest.mark.parametrize("key, suggestion", [("l1", "twell.l1"), ("twel.l1", "twell.l1"),
+                                             ("max_autotun", "max_autotune")])
+def test_check_options_validates_every_key_up_front(key, suggestion):
+    import twell_compile
+
+    with pytest.raises(ValueError, match=rf"unknown option '{key}'.*\(did you mean '{suggestion}'\?\)"):
+        twell_compile.check_options({key: True})
+
+
+def test_check_options_returns_the_config_and_checks_the_mode():
+    import twell_compile
+
+    assert "check_options" in twell_compile.__all__
+    c = twell_compile.check_options({"twell.l1": 3.0, "epilogue_fusion": False})
+    assert isinstance(c, TwellConfig) and c.l1 == 3.0
+    with pytest.raises(ValueError, match="unknown torch.compile mode 'max-autotun'"):
+        twell_compile.check_options({"twell.mode": "max-autotun"})
+    with pytest.raises(TypeError, match="twell.stats must be bool"):
+        twell_compile.check_options({"twell.stats": 1})
+
+
+@pytest.mark.parametrize("options", [{"twell.l11": 1.0}, {"l1": 1.0}])
+def test_backend_raises_the_check_options_message_at_compile_time(options):
+    import torch
+
+    import twell_compile
+
+    with pytest.raises(ValueError) as up_front:
+        twell_compile.check_options(options)
+    assert "did you mean 'twell.l1'?" in str(up_front.value)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    with pytest.raises(Exception) as at_compile:
+        torch.compile(net, backend="twell", options=options)(torch.randn(2, 8))
+    assert str(up_front.value) in str(at_compile.value)
+
+
+def test_l1_help_states_the_papers_setting_and_the_recipes_value():
+    doc = " ".join(TwellConfig.__doc__.split())
+    assert "recommends" not in doc
+    assert "2e-5 is the paper's value for 10-40B tokens of pretraining at 0.5-2B parameters" in doc
+    assert "recipe uses 3.0" in doc and 'docs/training.md "Choosing L1"' in doc and "kills neurons" in doc

@@ -252,6 +252,13 @@ def test_bad_arguments_name_the_argument():
         twell_compile.unprepare("model")
 
 
+@pytest.mark.parametrize("options, suggestion", [({"l1": 1.0}, "twell.l1"), ({"twell.l1_layer": 2}, "twell.l1_layers"),
+                                                 ({"twel.tile_n": 64}, "twell.tile_n")])
+def test_misspelled_options_suggest_the_twell_key(options, suggestion):
+    with pytest.raises(ValueError, match=rf"did you mean '{suggestion}'\?"):
+        twell_compile.prepare(Gated(), options=options)
+
+
 def test_hf_llama_family_prepared_end_to_end():
     pytest.importorskip("transformers")
     from hf_tiny import FAMILIES, VOCAB, build, main_output

@@ -6,6 +6,7 @@ Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import operator
@@ -16,7 +17,7 @@ import torch
 from torch import fx
 
 from twell_compile import __version__
-from twell_compile.config import TwellConfig
+from twell_compile.config import PREFIX, TwellConfig, did_you_mean
 
 
 def with_cudagraphs(config: TwellConfig, patches: dict[str, Any]) -> TwellConfig:
@@ -42,9 +43,13 @@ def inductor_patches(mode: Optional[str], options: dict[str, Any]) -> dict[str, 
             raise ValueError(f"unknown torch.compile mode {mode!r}: {e}") from None
     known = inductor_config.get_config_copy()
     for key, value in options.items():
-        name = key.replace("-", "_")
+        name = str(key).replace("-", "_")
         if name not in known:
-            raise ValueError(f"unknown option {key!r}: neither a twell.* option nor an Inductor config key")
+            ours = [PREFIX + f.name for f in dataclasses.fields(TwellConfig)]
+            # A bare twell name ("l1") is ours; else the closest of ours and Inductor's keys.
+            hint = (did_you_mean(PREFIX + name, ours) if PREFIX + name in ours
+                    else did_you_mean(name, ours + list(known)))
+            raise ValueError(f"unknown option {key!r}: neither a twell.* option nor an Inductor config key{hint}")
         patches[name] = value
     return patches
 

@@ -2,15 +2,18 @@
 
 Users pass options through ``torch.compile(..., options={"twell.l1": 2e-5, ...})``. Keys that
 start with ``twell.`` are ours; every other key is handed to Inductor untouched. An unknown
-``twell.*`` key, or a value of the wrong type or range, raises ``ValueError`` naming it.
+``twell.*`` key raises ``ValueError`` naming it with the closest known key ("did you mean"), a
+value of the wrong type or range ``TypeError``/``ValueError`` naming the option.
+``check_options`` runs the backend's whole validation (ours and Inductor's keys) up front.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 PREFIX = "twell."
 
@@ -24,7 +27,10 @@ class TwellConfig:
     rewrite_training [True]: emit the training op (our own backward) where a gradient is needed.
     l1 [0.0]: coefficient of the paper's activation penalty, added to the gradient inside our
         backward as if the loss had ``l1 * mean(|h|)`` over tokens, hidden units and the FFN
-        layers of the compiled graph (the paper recommends 2e-5). No change to the user's loss.
+        layers of the compiled graph. No change to the user's loss. 2e-5 is the paper's value
+        for 10-40B tokens of pretraining at 0.5-2B parameters; short runs and small models need
+        far more (the recipe uses 3.0 for 300 steps at N=384: docs/training.md "Choosing L1"),
+        and too much kills neurons (35% of hidden units dead at 3.0 there).
     l1_layers [0]: number of FFN layers the mean runs over; 0 counts the FFNs rewritten in
         the graph (give the model's layer count when graph breaks split it into several graphs).
     tile_n [128]: TwELL column-tile width (the gate GEMM's output tile width on the GPU).
@@ -105,9 +111,8 @@ class TwellConfig:
             if isinstance(key, str) and key.startswith(PREFIX):
                 name = key[len(PREFIX):]
                 if name not in known:
-                    raise ValueError(
-                        f"unknown twell option {key!r}; known: {', '.join(PREFIX + k for k in sorted(known))}"
-                    )
+                    raise ValueError(f"unknown twell option {key!r}{did_you_mean(key, (PREFIX + k for k in known))}; "
+                                     f"known: {', '.join(PREFIX + k for k in sorted(known))}")
                 ours[name] = value
             else:
                 rest[key] = value
@@ -119,3 +124,29 @@ class TwellConfig:
     def cache_tag(self) -> str:
         """A string that changes whenever an option that shapes the compiled code changes."""
         return ",".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+
+
+def did_you_mean(key: str, candidates: Iterable[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the candidate closest to ``key`` (difflib ratio >= 0.6,
+    case-insensitive), else ``""``. The one spelling-hint rule of every option check."""
+    by_lower = {c.lower(): c for c in candidates}
+    close = difflib.get_close_matches(str(key).lower(), list(by_lower), n=1)
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
+
+
+def check_options(options: Mapping[str, Any] | None) -> TwellConfig:
+    """Validate torch.compile options for ``backend="twell"`` now, not at the first call.
+
+    Runs exactly the backend's checks: ``twell.*`` keys and values (``TwellConfig.from_options``)
+    and every other key against Inductor's config, ``twell.mode`` against torch.compile's modes
+    (``backend.inductor_patches``). An unknown key raises ``ValueError`` with the closest known
+    key ("did you mean 'twell.l1'?"); a bad value ``TypeError``/``ValueError`` naming the option.
+    Returns the ``TwellConfig`` the backend will use (``cudagraphs`` not yet resolved from the
+    mode). At compile time the backend raises the same message inside Dynamo's
+    ``BackendCompilerFailed``.
+    """
+    from twell_compile.backend import inductor_patches  # backend imports this module
+
+    config, rest = TwellConfig.from_options(options)
+    inductor_patches(config.mode or None, rest)
+    return config

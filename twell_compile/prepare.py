@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from twell_compile.config import TwellConfig
+from twell_compile.config import PREFIX, TwellConfig, did_you_mean
 from twell_compile.report import RejectionEntry, Report, RewriteEntry
 
 log = logging.getLogger("twell_compile")
@@ -333,8 +333,16 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Re
     ``twell.l1`` here, not to torch.compile: under DDP a rank's graph is split and cannot count
     the model's FFNs; ``twell.l1_layers`` overrides the count of prepared FFNs). A module is
     prepared only if its whole forward is exactly one ReLU FFN (see the module docstring).
-    Returns a ``Report``: ``.rewrites`` are the prepared FFNs, ``.rejections`` FFN-like modules
-    left as they are, with the reason. Preparing twice leaves prepared modules as they are.
+    Preparing twice leaves prepared modules as they are; ``unprepare`` undoes it.
+
+    Returns a ``Report`` with ``by_prepare=True`` (``print`` shows a table; fields in
+    ``Report``'s docstring): ``.rewrites`` has one ``RewriteEntry`` per module prepared by this
+    call, with ``layer`` its path in ``model`` ("ffn" when the model itself is one), ``gated``,
+    ``k``/``n``/``k_out`` its input features, hidden units and output features (elements),
+    ``dtype`` its weights' dtype, ``op="prepared"`` (``twell::ffn`` or ``twell::ffn_train`` is
+    picked at each call by grad mode), ``tokens_shape="any"`` and ``via="prepare"``;
+    ``.rejections`` lists FFN-like modules (two or three weight matrices) left as they are,
+    with the reason. ``graphs`` is 0 and ``mode`` "" (nothing is traced by Dynamo).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -345,7 +353,10 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Re
 
     config, rest = TwellConfig.from_options(options)
     if rest:
-        raise ValueError(f"options: prepare takes only twell.* keys, got {sorted(map(str, rest))}")
+        key = sorted(map(str, rest))[0]
+        ours = [PREFIX + f.name for f in dataclasses.fields(TwellConfig)]
+        raise ValueError(f"options: prepare takes only twell.* keys, got {sorted(map(str, rest))}"
+                         f"{did_you_mean(PREFIX + key if PREFIX + key in ours else key, ours)}")
     report = Report(by_prepare=True)
     found: list[tuple[nn.Module, FFNSpec]] = []
     taken: list[str] = []                  # prepared module paths: their ancestors are not candidates
@@ -385,7 +396,11 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Re
 
 
 def unprepare(model: nn.Module) -> int:
-    """Restore the original forward of every prepared module of ``model``; returns how many."""
+    """Restore the original class (and forward) of every prepared module of ``model``, in place.
+
+    Returns the number of modules restored (0 if none was prepared). Parameters, buffers and
+    state_dict are untouched: prepare never copies weights.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     count = 0

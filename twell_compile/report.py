@@ -11,32 +11,85 @@ log = logging.getLogger("twell_compile")
 
 @dataclass(frozen=True)
 class RewriteEntry:
-    layer: str          # module path of the FFN, e.g. "model.layers.0.mlp"
+    """One FFN replaced by a twell op (a row of ``Report.rewrites``).
+
+    layer: module path of the FFN relative to the model given to explain/prepare/torch.compile,
+        e.g. "model.layers.0.mlp" (the same name ``layer_stats()`` uses).
+    gated: True for ``down(relu(gate(x)) * up(x))``, False for ``down(relu(up(x)))``.
+    op: "twell::ffn" (inference: no gradient needed), "twell::ffn_train" (training, with the
+        twell backward), or "prepared" (``prepare``: the op is chosen per call by grad mode).
+    tokens_shape: x's shape without the feature dim, e.g. "[2, 5]" (tokens = the product);
+        symbolic sizes show as s0, s1, ... (``export``: the Dim's name); "any" for prepared FFNs.
+    k: input features of the FFN (the model width), elements.
+    n: hidden units (the FFN width: ReLU outputs per token), elements.
+    k_out: output features, elements (usually = k).
+    dtype: the FFN's compute dtype ("float32", "bfloat16", ...).
+    graph: which graph held it: "" (or explain's compile index "0", "1", ...) for a top-level
+        graph, else the subgraph's attribute name after the index ("0:subgraph_0").
+    via: "graph" (found in a Dynamo graph by the backend) or "prepare" (made one op by
+        ``twell_compile.prepare``).
+    """
+
+    layer: str
     gated: bool
-    op: str             # "twell::ffn" (inference) or "twell::ffn_train"
-    tokens_shape: str   # x's shape without the feature dim, symbolic sizes as s0, s1, ...
+    op: str
+    tokens_shape: str
     k: int
     n: int
     k_out: int
     dtype: str
-    graph: str          # which (sub)graph: "" for the top level, else its attribute name
-    via: str = "graph"  # "graph": found by the backend; "prepare": made one op by twell_compile.prepare
+    graph: str
+    via: str = "graph"
 
 
 @dataclass(frozen=True)
 class RejectionEntry:
+    """An FFN-like block left to Inductor (or, from ``prepare``, left as it is).
+
+    layer: module path, as in ``RewriteEntry.layer``.
+    reason: why, in words (e.g. "activation is SiLU, not ReLU").
+    graph: as in ``RewriteEntry.graph``.
+    """
+
     layer: str
     reason: str
     graph: str
 
 
+_MODE_LINES = {
+    "training": "mode: training (grad mode on: FFNs whose weights or input require grad get twell::ffn_train; "
+                "call explain under torch.no_grad() to see the inference op twell::ffn)",
+    "inference": "mode: inference (called under torch.no_grad() or torch.inference_mode(): FFNs get twell::ffn; "
+                 "call with grad enabled and parameters with requires_grad=True to see the training op "
+                 "twell::ffn_train)",
+}
+
+
 @dataclass
 class Report:
+    """What the twell rewrite did; ``print(report)`` shows it as a table.
+
+    rewrites: the FFNs replaced by a twell op, one ``RewriteEntry`` each, in graph order.
+    rejections: FFN-like blocks left to Inductor (``prepare``: left as they are), one
+        ``RejectionEntry`` each, with the reason.
+    graphs: number of graphs Dynamo handed the backend during ``explain`` (1 for a model
+        captured whole; each graph break or DDP bucket split adds one); 0 from ``prepare`` and
+        ``export``.
+    rank: ``torch.distributed`` rank of the process that made the report, None when not
+        distributed.
+    by_prepare: True when made by ``prepare`` (rejections are modules left as they are).
+    mode: the mode ``explain`` assumed from the grad mode of its call: "training" (grad
+        enabled: FFNs needing a gradient get ``twell::ffn_train``) or "inference"
+        (``torch.no_grad()``/``torch.inference_mode()``: ``twell::ffn``); "" from ``prepare``
+        and ``export``. Printed with how to get the other one.
+    """
+
     rewrites: list[RewriteEntry] = field(default_factory=list)
     rejections: list[RejectionEntry] = field(default_factory=list)
-    graphs: int = 0                 # graphs compiled (explain counts them; DDP splits one into several)
-    rank: Optional[int] = None      # torch.distributed rank of the process that made the report
-    by_prepare: bool = False        # made by twell_compile.prepare: rejections are modules left as they are
+    graphs: int = 0
+    rank: Optional[int] = None
+    by_prepare: bool = False
+    mode: str = ""
 
     def extend(self, other: "Report") -> None:
         self.rewrites.extend(other.rewrites)
@@ -61,6 +114,8 @@ class Report:
         else:
             lines = [f"twell: {len(self.rewrites)} FFN(s) rewritten" + (f" ({prepared} prepared)" if prepared else "")
                      + f", {len(self.rejections)} left to Inductor{where}"]
+        if self.mode:
+            lines.append(_MODE_LINES[self.mode])
         many = len({r.graph for r in self.rewrites} | {r.graph for r in self.rejections}) > 1
         if self.rewrites:
             rows = [("layer", "kind", "op", "tokens", "K", "N", "K_out", "dtype") + (("graph",) if many else ())]

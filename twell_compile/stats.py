@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from twell_compile.report import _table
+
 # On the device: [sum of non-zeros over tokens, max non-zeros of one token, sum of |h|,
 # overflows]. Tokens and hidden width are shapes, known on the host at every call.
 _FIELDS = 4
@@ -24,7 +26,21 @@ _tokens: dict[str, int] = {}
 
 @dataclass(frozen=True)
 class LayerStats:
-    """Statistics of one FFN layer from its most recent call."""
+    """Statistics of one rewritten FFN layer from its most recent call.
+
+    layer: module path, the name ``explain`` reports (e.g. "model.layers.0.mlp").
+    tokens: rows of x in that call (the product of all dims but the last), count.
+    hidden: N, the FFN's hidden units (ReLU outputs per token), count.
+    mean_nnz: non-zero ReLU outputs (active hidden units) per token, averaged over the call's
+        tokens; count in [0, hidden].
+    max_nnz: the largest number of non-zeros of one token in that call, count.
+    l1: mean |h| over tokens and hidden units, in the units of the hidden activation h (the
+        per-layer mean that ``twell.l1`` multiplies; the coefficient is not applied).
+    overflows: rows or tiles that took the exact slower path in that call, count (training:
+        rows beyond the ELL part and the dense backup, recomputed in the backward; CUDA
+        inference: tokens over the compact width); 0 on paths without one.
+    density (property): mean_nnz / hidden, a fraction in [0, 1].
+    """
 
     layer: str
     tokens: int
@@ -37,6 +53,20 @@ class LayerStats:
     @property
     def density(self) -> float:
         return self.mean_nnz / self.hidden if self.hidden else 0.0
+
+
+class StatsTable(dict):
+    """``layer_stats()``'s result: a plain ``dict`` {layer: LayerStats} that prints as a table."""
+
+    def __str__(self) -> str:
+        if not self:
+            return "twell layer_stats: no rewritten FFN has run yet (stats are kept per layer from its latest call)"
+        rows = [("layer", "tokens", "hidden", "mean nnz", "density", "max nnz", "mean |h|", "overflows")]
+        rows += [(name, str(s.tokens), str(s.hidden), f"{s.mean_nnz:.1f}", f"{100 * s.density:.2f}%",
+                  str(s.max_nnz), f"{s.l1:.4g}", str(s.overflows)) for name, s in self.items()]
+        return "\n".join([f"twell layer_stats: {len(self)} layer(s), each from its latest call"] + _table(rows))
+
+    __repr__ = __str__
 
 
 def record(layer: str, counts: Tensor, abs_sum: Tensor, overflows: Tensor, hidden: int) -> None:
@@ -81,9 +111,12 @@ def reserve(layer: str, device: torch.device) -> Tensor:
     return buf
 
 
-def layer_stats() -> dict[str, LayerStats]:
-    """Latest statistics per layer name (as reported by ``explain``). Syncs with the device."""
-    out: dict[str, LayerStats] = {}
+def layer_stats() -> StatsTable:
+    """Latest statistics per layer: ``{layer name: LayerStats}`` (fields and units in
+    ``LayerStats``), a dict that prints as a table. Layer names are those ``explain`` reports;
+    a layer's entry is from its most recent call (forward of a training step included). Syncs
+    with the device once (the only host sync of the statistics)."""
+    out = StatsTable()
     for (layer, _device), buf in sorted(_buffers.items(), key=lambda kv: kv[0][0]):
         if layer not in _hidden:  # reserved, never called yet
             continue
@@ -100,6 +133,29 @@ def layer_stats() -> dict[str, LayerStats]:
             overflows=int(ovf),
         )
     return out
+
+
+def snapshot() -> tuple[dict, dict[str, int], dict[str, int]]:
+    """Copies of every buffer and shape fact, for ``restore`` (explain: a failed call leaves the
+    statistics as they were)."""
+    with _lock:
+        return {k: b.clone() for k, b in _buffers.items()}, dict(_hidden), dict(_tokens)
+
+
+def restore(saved: tuple[dict, dict[str, int], dict[str, int]]) -> None:
+    """Undo every record since ``snapshot``: buffers made since are dropped, older ones are
+    written back in place (compiled graphs keep pointing at the same buffer)."""
+    buffers, hidden, tokens = saved
+    with _lock:
+        for key in [k for k in _buffers if k not in buffers]:
+            del _buffers[key]
+        for key, old in buffers.items():
+            if key in _buffers:
+                _buffers[key].copy_(old)
+        _hidden.clear()
+        _hidden.update(hidden)
+        _tokens.clear()
+        _tokens.update(tokens)
 
 
 def reset_stats() -> None:

@@ -1,0 +1,53 @@
+"""Per-layer statistics: what layer_stats returns and prints, snapshot and restore."""
+
+import dataclasses
+
+import torch
+
+import twell_compile
+from twell_compile import stats
+
+
+def _record(layer, counts, abs_sum, overflows=0, hidden=40):
+    stats.record(layer, torch.tensor(counts), torch.tensor(float(abs_sum)), torch.tensor(overflows), hidden)
+
+
+def test_layer_stats_is_a_dict_that_prints_as_a_table():
+    twell_compile.reset_stats()
+    assert str(twell_compile.layer_stats()).startswith("twell layer_stats: no rewritten FFN has run yet")
+    _record("model.layers.1.mlp", [2, 4], 12.0, overflows=1)
+    _record("model.layers.0.mlp", [1, 3, 5], 6.0)
+    got = twell_compile.layer_stats()
+    assert isinstance(got, dict) and list(got) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    s = got["model.layers.0.mlp"]
+    assert (s.tokens, s.hidden, s.mean_nnz, s.max_nnz, s.overflows) == (3, 40, 3.0, 5, 0)
+    assert s.l1 == 6.0 / (3 * 40) and s.density == 3.0 / 40
+    lines = str(got).splitlines()
+    assert lines[0] == "twell layer_stats: 2 layer(s), each from its latest call"
+    assert lines[1].split() == ["layer", "tokens", "hidden", "mean", "nnz", "density", "max", "nnz", "mean", "|h|",
+                                "overflows"]
+    assert lines[3].split() == ["model.layers.0.mlp", "3", "40", "3.0", "7.50%", "5", "0.05", "0"]
+    assert lines[4].split() == ["model.layers.1.mlp", "2", "40", "3.0", "7.50%", "4", "0.15", "1"]
+    assert repr(got) == str(got)
+    assert dict(got) == {k: got[k] for k in got}   # plain dict behaviour kept
+
+
+def test_layer_stats_fields_are_documented_with_units():
+    doc = stats.LayerStats.__doc__
+    for f in dataclasses.fields(stats.LayerStats):
+        assert f"\n    {f.name}: " in doc, f.name
+    assert "density (property)" in doc and "count" in doc and "units of the hidden activation" in doc
+    assert "LayerStats" in twell_compile.layer_stats.__doc__ and "table" in twell_compile.layer_stats.__doc__
+
+
+def test_restore_undoes_every_record_since_snapshot():
+    twell_compile.reset_stats()
+    _record("a", [1, 2], 3.0)
+    buffer = stats._buffers[("a", torch.device("cpu"))]
+    saved = stats.snapshot()
+    before = dict(twell_compile.layer_stats())
+    _record("a", [7, 7, 7], 9.0, hidden=50)
+    _record("b", [1], 1.0)
+    stats.restore(saved)
+    assert dict(twell_compile.layer_stats()) == before
+    assert stats._buffers[("a", torch.device("cpu"))] is buffer   # compiled graphs keep their buffer
