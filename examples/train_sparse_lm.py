@@ -392,8 +392,12 @@ def compile_model(model, args):
         if args.l1:
             raise SystemExit("--l1 needs --backend twell (the penalty lives in twell's backward)")
         return torch.compile(model, backend="inductor")
+    # skip_dense=False: the recipe records every layer's sparsity, the dense baseline's too, so
+    # every FFN runs our op (without a penalty the speed rules would leave CPU training FFNs,
+    # and CUDA ones under 8192 tokens, to Inductor, which keeps no statistics)
     return torch.compile(model, backend="twell",
-                         options={"twell.l1": float(args.l1), "twell.l1_layers": args.layers})
+                         options={"twell.l1": float(args.l1), "twell.l1_layers": args.layers,
+                                  "twell.skip_dense": False})
 
 
 def train(args) -> dict[str, Any]:
