@@ -5,7 +5,7 @@
     python3 benchmarks/bench_ffn.py --decode --M 64 128 256 512 2048 8192 --density 0.005 \\
         --shapes 2048x5632 --out /tmp/crossover.json               # where each path wins
 
-Per (shape, density) LAYERS weight sets are drawn (benchmarks/synthetic.py, bf16), enough that
+Per (shape, density) LAYERS weight sets are drawn (twell_compile/testing.py, bf16), enough that
 one pass reads > ROTATE_MB of weights (several times the 50-60 MB L2): each timed CUDA graph
 runs the FFN once per set, like consecutive layers of a model, and times are per layer
 (replay median / LAYERS, triton.testing.do_bench). W_down^T copies are made up front, as the
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synthetic import make_ffn  # noqa: E402
+from twell_compile.testing import make_ffn  # noqa: E402
 from timing import gpu_name, median_ms, rel  # noqa: E402
 
 import twell_compile.ops  # noqa: E402,F401  (registers torch.ops.twell)

@@ -5,7 +5,7 @@
     python3 benchmarks/bench_dynamic.py --quick         # CPU smoke test, tiny shapes (both modes)
 
 One gated ReLU FFN module (nn.Linear, bf16, no biases; weights and inputs from
-benchmarks/synthetic.py, d=0.005) compiled once per backend with ``dynamic=True``, then run at
+twell_compile/testing.py, d=0.005) compiled once per backend with ``dynamic=True``, then run at
 each M in the order given: a training step (y = ffn(x); torch.autograd.grad of x and the three
 weights) or, with --inference, a forward under no_grad. This is what a model sees when its
 batch changes: the twell backend answers its token-count rules under guards
@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synthetic import make_ffn  # noqa: E402
+from twell_compile.testing import make_ffn  # noqa: E402
 from timing import gpu_name, rel  # noqa: E402
 
 

@@ -8,7 +8,7 @@
     python3 benchmarks/bench_ffn.py --decode --M 64 128 256 512 2048 8192 --density 0.005 \
         --shapes 2048x5632 --out /tmp/crossover.json    # where dense starts to win
 
-Inputs: benchmarks/synthetic.py (anchors.md's generator), bf16, under no_grad. Times are
+Inputs: twell_compile/testing.py (anchors.md's generator), bf16, under no_grad. Times are
 medians of triton.testing.do_bench (CUDA events) taken in interleaved rounds (timing.py:
 every variant once per round, --rounds rounds, the median round). twell_ms is the product: a
 gated FFN module (3 nn.Linear) holding the point's weights, compiled with backend="twell"
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synthetic import load_profile, make_ffn, make_ffn_profile  # noqa: E402
+from twell_compile.testing import load_profile, make_ffn, make_ffn_profile  # noqa: E402
 from bench_dynamic import FFN, OpCalls  # noqa: E402
 from timing import gpu_name, interleaved_ms, median_ms, rel  # noqa: E402
 

@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.nn.functional as F
 
-from benchmarks.synthetic import make_ffn  # the anchors.md generator, shared with the GPU bench
+from twell_compile.testing import make_ffn  # the anchors.md generator, shared with the GPU bench
 import twell_compile.ops  # noqa: F401  (registers torch.ops.twell)
 from twell_compile.kernels import cpu_ffn
 from twell_compile.reference import ffn_dense

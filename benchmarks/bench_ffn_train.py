@@ -4,7 +4,7 @@
     python3 benchmarks/bench_ffn_train.py --M 16384 --density 0.005 --tail 0
     python3 benchmarks/bench_ffn_train.py --quick          # CPU smoke test, tiny shapes
 
-Inputs: benchmarks/synthetic.py (anchors.md's generator), bf16, gated, no biases; dy random.
+Inputs: twell_compile/testing.py (anchors.md's generator), bf16, gated, no biases; dy random.
 One step = y = FFN(x) and torch.autograd.grad(y, (x, W_g, W_u, W_d), dy). Times are medians of
 triton.testing.do_bench (CUDA events). twell_ms is the op as the backend calls it (policy
 included, after warm-up calls that let the layer's density land); sparse_ms and densepath_ms
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synthetic import make_ffn  # noqa: E402
+from twell_compile.testing import make_ffn  # noqa: E402
 from timing import gpu_name, median_ms, rel  # noqa: E402
 
 import twell_compile.ops  # noqa: E402,F401  (registers torch.ops.twell)

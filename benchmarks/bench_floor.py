@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synthetic import make_ffn  # noqa: E402
+from twell_compile.testing import make_ffn  # noqa: E402
 from timing import gpu_name, interleaved_ms, median_ms  # noqa: E402
 
 from twell_compile.reference import ffn_dense  # noqa: E402

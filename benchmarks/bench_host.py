@@ -9,7 +9,7 @@ runs). ``op`` replays its own CUDA graph per shape (kernels/decode_graphs.py) wh
 path runs; ``op_nograph`` is the op with that off (kernels/launch.py's cached launches), and
 ``op_standard`` also with Triton's standard launches (TWELL_TRITON_LAUNCH=standard); both
 switched around the timing loop, not per call. Inputs:
-benchmarks/synthetic.py, bf16, density 0.005. Writes benchmarks/results/<gpu>/host_overhead.json
+twell_compile/testing.py, bf16, density 0.005. Writes benchmarks/results/<gpu>/host_overhead.json
 (or --out).
 
     python3 benchmarks/bench_host.py [--M 1 16 64 1024] [--shapes 2048x5632] [--calls 300] [--rounds 5]
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synthetic import make_ffn  # noqa: E402
+from twell_compile.testing import make_ffn  # noqa: E402
 from timing import gpu_name  # noqa: E402
 
 import twell_compile.ops  # noqa: E402,F401

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synthetic import make_ffn  # noqa: E402
+from twell_compile.testing import make_ffn  # noqa: E402
 
 import twell_compile.ops  # noqa: E402,F401
 

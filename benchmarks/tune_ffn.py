@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synthetic import make_ffn  # noqa: E402
+from twell_compile.testing import make_ffn  # noqa: E402
 from timing import median_ms, rel  # noqa: E402
 
 from twell_compile.kernels import cuda_infer  # noqa: E402

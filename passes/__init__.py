@@ -2,7 +2,9 @@
 
 Every pass is a ``(graph_module, config) -> graph_module`` function that cleans up after itself
 (dead nodes removed, graph linted, code recompiled). ``PASSES`` is the one ordered list the
-backend applies; each pass records what it did in ``report_of(gm)``.
+backend applies; each pass records what it did in ``report_of(gm)``. Shared graph helpers live
+in ``pass_utils``. The passes import only the ops (and their compile-time plan), the config,
+the formats and the report: never the runtime or the kernels.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from torch import fx
 
 from twell_compile.config import TwellConfig
 from twell_compile.passes.adopt_prepared import adopt_prepared
-from twell_compile.passes.fuse_ffn import fuse_ffn, report_of
+from twell_compile.passes.fuse_ffn import fuse_ffn
+from twell_compile.passes.pass_utils import graph_modules, report_of
 from twell_compile.passes.report_cuts import report_cuts
 from twell_compile.passes.scale_l1 import scale_l1
 
@@ -28,4 +31,5 @@ def run_passes(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
     return gm
 
 
-__all__ = ["PASSES", "run_passes", "report_of", "adopt_prepared", "fuse_ffn", "report_cuts", "scale_l1"]
+__all__ = ["PASSES", "run_passes", "report_of", "graph_modules", "adopt_prepared", "fuse_ffn", "report_cuts",
+           "scale_l1"]

@@ -13,8 +13,7 @@ from torch import fx
 
 from twell_compile.config import TwellConfig
 from twell_compile.ops import arg_index, next_instance
-from twell_compile.passes.fuse_ffn import graph_modules, report_of
-from twell_compile.passes.match_ffn import example
+from twell_compile.passes.pass_utils import example, graph_modules, report_of, tokens_str
 from twell_compile.report import RewriteEntry
 
 PREPARED = "twell_prepared"
@@ -42,7 +41,7 @@ def adopt_prepared(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
                 node.kwargs = {**node.kwargs, "instance": next_instance()}
             x = node.args[0]
             xe = example(x)
-            tokens = "[" + ", ".join(str(d) for d in xe.shape[:-1]) + "]" if xe is not None else "?"
+            tokens = tokens_str(xe.shape) if xe is not None else "?"
             report.add_rewrite(RewriteEntry(
                 str(node.args[arg_index(op, "layer")]), node.args[arg_index(op, "w_up")] is not None,
                 str(op.name()), tokens, _size(node.args[arg_index(op, "w_gate")], 1),

@@ -5,7 +5,9 @@ time or nothing requiring grad), else ``twell::ffn_train``, whose backward is ou
 are cast to the dtype the projections produced, so autocast regions keep their numerics;
 outside autocast a projection whose operands differ in dtype is left to Inductor, which
 raises as eager's F.linear does. Each op gets an ``instance`` number of its own (its runtime
-state, e.g. the CUDA policy's measurements, is not shared with other compiles).
+state, e.g. the density measurements, is not shared with other compiles). Where the plan's
+compile-time twin (``ops.static_reason``) says the op would surely run slower than Inductor's
+code, the FFN is left to Inductor with that reason (``twell.skip_dense``).
 """
 
 from __future__ import annotations
@@ -16,23 +18,11 @@ from typing import Any, Optional, Union
 import torch
 from torch import fx
 
-from twell_compile import dispatch
 from twell_compile.config import TwellConfig
-from twell_compile.ops import next_instance
-from twell_compile.passes.match_ffn import Match, Projection, Rejection, example, find_ffns, transform_reason
-from twell_compile.report import RejectionEntry, Report, RewriteEntry
-
-import twell_compile.ops  # noqa: F401  (registers torch.ops.twell)
-
-
-def report_of(gm: fx.GraphModule) -> Report:
-    """The report the passes write into, kept on the root graph module."""
-    return gm.meta.setdefault("twell_report", Report())
-
-
-def graph_modules(gm: fx.GraphModule) -> list[tuple[str, fx.GraphModule]]:
-    """The graph and every subgraph (higher-order ops such as activation checkpointing)."""
-    return [(name, m) for name, m in gm.named_modules() if isinstance(m, fx.GraphModule)]
+from twell_compile.ops import next_instance, static_reason
+from twell_compile.passes.match_ffn import Match, Projection, Rejection, find_ffns, transform_reason
+from twell_compile.passes.pass_utils import example, graph_modules, report_of, tokens_str
+from twell_compile.report import RejectionEntry, RewriteEntry
 
 
 def _cast(graph: fx.Graph, node: Optional[fx.Node], dtype: torch.dtype) -> Optional[fx.Node]:
@@ -73,10 +63,6 @@ def _weight(graph: fx.Graph, p: Projection, dtype: torch.dtype) -> tuple[fx.Node
     return _cast(graph, w, dtype), b
 
 
-def _tokens(shape: Any) -> str:
-    return "[" + ", ".join(str(d) for d in shape[:-1]) + "]"
-
-
 def _rewrite(graph: fx.Graph, m: Match, config: TwellConfig, layer: str) -> tuple[str, fx.Node]:
     down_node = m.down.out
     out = example(down_node)
@@ -90,13 +76,13 @@ def _rewrite(graph: fx.Graph, m: Match, config: TwellConfig, layer: str) -> tupl
         if training:
             op = torch.ops.twell.ffn_train.default
             # l1_scale (0.0 here) is filled in by the scale_l1 pass once all FFNs are known.
-            call = graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, config.ell_width,
-                                            config.backup_rows, 0.0, layer, config.stats, next_instance()))
+            call = graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, config.ell_width, config.backup_rows,
+                                            0.0, layer, config.stats, next_instance(), config.kernel))
             y = graph.call_function(operator.getitem, (call, 0))
         else:
             op = torch.ops.twell.ffn.default
-            y = graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, config.tile_n, config.slots,
-                                         layer, config.stats, next_instance()))
+            y = graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, layer, config.stats, next_instance(),
+                                         config.kernel))
         if example(m.x).dim() != example(m.down.x).dim():
             y = graph.call_method("reshape", (y, -1, out.shape[-1]))
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
@@ -229,11 +215,11 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
                 continue
             xe = example(found.x)
             n = found.gate.rows[1] - found.gate.rows[0] if found.gate.rows else int(example(found.down.x).shape[-1])
-            if config.skip_dense and (not out.requires_grad or not config.l1):
-                # a dynamic count (SymInt) may be answered under a guard (dispatch)
-                facts = (out.device, out.dtype, _tokens_count(xe.shape), int(xe.shape[-1]), n, int(out.shape[-1]))
-                why = (dispatch.static_dense_train_reason(*facts) if out.requires_grad else
-                       dispatch.static_dense_reason(*facts, cudagraphs=config.cudagraphs != "off"))
+            if config.skip_dense:
+                # a dynamic count (SymInt) may be answered under a guard (runtime/select.py)
+                why = static_reason(out.device, out.dtype, _tokens_count(xe.shape), int(xe.shape[-1]), n,
+                                    int(out.shape[-1]), gated=found.gated, training=out.requires_grad,
+                                    l1=config.l1, cudagraphs=config.cudagraphs != "off", kernel=config.kernel)
                 if why is not None:
                     report.add_rejection(RejectionEntry(found.layer, f"{why}; Inductor's dense FFN is faster "
                                                         "(twell.skip_dense=False rewrites it anyway)", sub_name))
@@ -243,7 +229,7 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
             op_name, y = _rewrite(sub.graph, found, config, layer)
             replaced[down_node] = y
             changed = True
-            report.add_rewrite(RewriteEntry(layer, found.gated, op_name, _tokens(xe.shape), int(xe.shape[-1]),
+            report.add_rewrite(RewriteEntry(layer, found.gated, op_name, tokens_str(xe.shape), int(xe.shape[-1]),
                                             n, int(out.shape[-1]), str(out.dtype).replace("torch.", ""), sub_name))
         if changed:
             sub.graph.lint()

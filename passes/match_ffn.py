@@ -26,65 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-# ------------------------------------------------------------------------------ node kinds
-_LINEAR_FNS = {torch._C._nn.linear, F.linear}
-_MATMUL_FNS = {operator.matmul, torch.matmul, torch.mm}
-_MATMUL_METHODS = {"matmul", "mm", "__matmul__"}
-_ADD_FNS = {operator.add, torch.add, operator.iadd}
-_ADD_METHODS = {"add", "add_", "__add__"}
-_MUL_FNS = {operator.mul, torch.mul, operator.imul}
-_MUL_METHODS = {"mul", "mul_", "__mul__"}
-_RELU_FNS = {torch.relu, torch.relu_, F.relu, F.relu_, torch.nn.functional.relu}
-_RELU_METHODS = {"relu", "relu_"}
-_DROPOUT_FNS = {F.dropout, torch.dropout, torch.nn.functional.dropout}
-_VIEW_METHODS = {"view", "reshape", "flatten", "unflatten", "contiguous"}
-_VIEW_FNS = {torch.reshape, torch.flatten, torch.unflatten}
-_CAST_METHODS = {"to", "type", "float", "half", "bfloat16", "double", "type_as"}
-_CHUNK_FNS = {torch.chunk, torch.split, torch.tensor_split}
-
-# Known activations, named in rejections (function objects and method names).
-_ACTIVATIONS: dict[Any, str] = {
-    F.silu: "SiLU", torch.nn.functional.silu: "SiLU", F.gelu: "GELU", torch.tanh: "tanh",
-    torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid", F.tanh: "tanh", F.relu6: "ReLU6",
-    F.leaky_relu: "LeakyReLU", F.elu: "ELU", F.selu: "SELU", F.celu: "CELU", F.mish: "Mish",
-    F.softplus: "Softplus", F.hardswish: "Hardswish", F.hardtanh: "Hardtanh",
-    F.hardsigmoid: "Hardsigmoid", torch.clamp: "clamp", torch.clamp_min: "clamp_min",
-    torch.square: "square", torch.pow: "pow", F.glu: "GLU", torch.exp: "exp", torch.abs: "abs",
-    F.threshold: "threshold", F.prelu: "PReLU", F.rrelu: "RReLU", torch.erf: "erf",
-}
-_ACTIVATION_METHODS = {"sigmoid": "sigmoid", "tanh": "tanh", "clamp": "clamp", "clamp_min": "clamp_min",
-                       "pow": "pow", "square": "square", "abs": "abs", "exp": "exp"}
-
-
-def _is_fn(node: fx.Node, fns: set) -> bool:
-    return node.op == "call_function" and node.target in fns
-
-
-def _is_method(node: fx.Node, names: set) -> bool:
-    return node.op == "call_method" and node.target in names
-
-
-def _arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(name, default)
-
-
-def example(node: Any) -> Optional[torch.Tensor]:
-    """The fake tensor Dynamo recorded for a node, if it is a tensor."""
-    if not isinstance(node, fx.Node):
-        return None
-    ev = node.meta.get("example_value", node.meta.get("val"))
-    return ev if isinstance(ev, torch.Tensor) else None
-
-
-def _shape_key(t: torch.Tensor) -> tuple[str, ...]:
-    # Compare symbolic sizes by their expression, without adding guards.
-    return tuple(str(d) for d in t.shape)
-
+from twell_compile.passes.pass_utils import (ACTIVATION_METHODS, ACTIVATIONS, ADD_FNS, ADD_METHODS, CHUNK_FNS,
+                                             DROPOUT_FNS, LINEAR_FNS, MATMUL_FNS, MATMUL_METHODS, MUL_FNS,
+                                             MUL_METHODS, RELU_FNS, RELU_METHODS, arg, chain, example, is_fn,
+                                             is_method, shape_key, skip)
 
 def is_relu(node: fx.Node) -> bool:
-    return _is_fn(node, _RELU_FNS) or _is_method(node, _RELU_METHODS)
+    return is_fn(node, RELU_FNS) or is_method(node, RELU_METHODS)
 
 
 _INPLACE_FNS = {torch.relu_, F.relu_, operator.iadd, operator.isub, operator.imul, operator.itruediv,
@@ -236,50 +184,15 @@ def alias_roots(node: Any, limit: int = 200) -> tuple[set[fx.Node], bool]:
 def activation_name(node: fx.Node) -> Optional[str]:
     """Name of a known non-ReLU activation, else None."""
     if node.op == "call_function":
-        name = _ACTIVATIONS.get(node.target)
+        name = ACTIVATIONS.get(node.target)
         if name is None and node.target in (torch.nn.functional.gelu,):
             name = "GELU"
         return name
     if node.op == "call_method":
-        return _ACTIVATION_METHODS.get(node.target)
+        return ACTIVATION_METHODS.get(node.target)
     if node.op == "call_module":
         return str(node.target)
     return None
-
-
-def _is_transparent(node: fx.Node) -> bool:
-    """Identity-like on values: eval dropout, contiguous, same-dtype casts, last-dim-keeping views."""
-    if node.op not in ("call_function", "call_method") or not node.args or not isinstance(node.args[0], fx.Node):
-        return False
-    src, out = example(node.args[0]), example(node)
-    if src is None or out is None:
-        return False
-    if _is_fn(node, _DROPOUT_FNS):
-        p = _arg(node, 1, "p", 0.5)
-        training = _arg(node, 2, "training" if node.target is not torch.dropout else "train", True)
-        return training is False or p == 0
-    if _is_method(node, _CAST_METHODS):
-        return out.dtype == src.dtype and out.device == src.device
-    if _is_method(node, _VIEW_METHODS) or _is_fn(node, _VIEW_FNS):
-        return out.dim() >= 1 and src.dim() >= 1 and str(out.shape[-1]) == str(src.shape[-1])
-    return False
-
-
-def skip(node: Any) -> Any:
-    """Follow identity-like nodes up to the node that produced the value."""
-    while isinstance(node, fx.Node) and _is_transparent(node):
-        node = node.args[0]
-    return node
-
-
-def _chain(start: fx.Node, end: Any) -> list[fx.Node]:
-    """The transparent nodes from ``start`` (inclusive) up to, excluding, ``end``."""
-    out = []
-    node = start
-    while node is not end:
-        out.append(node)
-        node = node.args[0]
-    return out
 
 
 # ------------------------------------------------------------------------------ projections
@@ -320,12 +233,12 @@ def _transpose_source(w: Any) -> Optional[fx.Node]:
         return None
     if w.op == "call_function" and w.target is getattr and w.args[1] in ("T", "mT"):
         return w.args[0]
-    if _is_method(w, {"t"}) or _is_fn(w, {torch.t}):
+    if is_method(w, {"t"}) or is_fn(w, {torch.t}):
         return w.args[0]
-    if _is_method(w, {"transpose"}) or _is_fn(w, {torch.transpose}):
+    if is_method(w, {"transpose"}) or is_fn(w, {torch.transpose}):
         dims = {d % 2 for d in w.args[1:3] if isinstance(d, int)}
         return w.args[0] if dims == {0, 1} else None
-    if _is_method(w, {"permute"}) or _is_fn(w, {torch.permute}):
+    if is_method(w, {"permute"}) or is_fn(w, {torch.permute}):
         dims = w.args[1:] if not isinstance(w.args[1], (tuple, list)) else w.args[1]
         return w.args[0] if tuple(dims) in ((1, 0), (-1, -2)) else None
     return None
@@ -337,7 +250,7 @@ def _bias_add(node: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
     if len(node.users) != 1:
         return None
     add = next(iter(node.users))
-    if not (_is_fn(add, _ADD_FNS) or _is_method(add, _ADD_METHODS)) or len(add.args) != 2 or add.kwargs:
+    if not (is_fn(add, ADD_FNS) or is_method(add, ADD_METHODS)) or len(add.args) != 2 or add.kwargs:
         return None
     a, b = add.args
     other = b if a is node else a
@@ -348,7 +261,7 @@ def _bias_add(node: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
         # add promotes by its own rules (a 0-d fp32 keeps bf16, an fp32 [N] makes fp32, autocast
         # aside): the add stays after the projection, exactly as eager runs it
         return None
-    if _shape_key(total) != _shape_key(out):
+    if shape_key(total) != shape_key(out):
         return None
     return add, other
 
@@ -358,7 +271,7 @@ def as_projection(node: Any) -> Optional[Projection]:
     if not isinstance(node, fx.Node):
         return None
     # A bias add on top of a matmul: look through it.
-    if (_is_fn(node, _ADD_FNS) or _is_method(node, _ADD_METHODS)) and len(node.args) == 2:
+    if (is_fn(node, ADD_FNS) or is_method(node, ADD_METHODS)) and len(node.args) == 2:
         for inner in node.args:
             if isinstance(inner, fx.Node):
                 p = as_projection(inner)
@@ -369,12 +282,12 @@ def as_projection(node: Any) -> Optional[Projection]:
                         p.nodes.append(node)
                         return p
         return None
-    if _is_fn(node, _LINEAR_FNS):
-        x, w, b = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
+    if is_fn(node, LINEAR_FNS):
+        x, w, b = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
         if example(w) is None or example(w).dim() != 2:
             return None
         return Projection(node, x, w, b, False, [node])
-    if _is_fn(node, _MATMUL_FNS) or _is_method(node, _MATMUL_METHODS):
+    if is_fn(node, MATMUL_FNS) or is_method(node, MATMUL_METHODS):
         x, w = node.args[0], node.args[1]
         if example(w) is None or example(w).dim() != 2 or example(x) is None or example(x).dim() < 1:
             return None
@@ -382,7 +295,7 @@ def as_projection(node: Any) -> Optional[Projection]:
         if src is not None and example(src) is not None and example(src).dim() == 2 and len(w.users) == 1:
             return Projection(node, x, src, None, False, [node, w])
         return Projection(node, x, w, None, True, [node])
-    if _is_fn(node, {torch.addmm}):
+    if is_fn(node, {torch.addmm}):
         b, x, w = node.args[:3]
         if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
             return None
@@ -405,12 +318,12 @@ def _split_part(node: fx.Node) -> Optional[tuple[fx.Node, int, int]]:
         return None
     # chunk / split / tensor_split along the last dim, then getitem(i)
     if isinstance(idx, int) and isinstance(src, fx.Node) and (
-            _is_fn(src, _CHUNK_FNS) or _is_method(src, {"chunk", "split", "tensor_split"})):
+            is_fn(src, CHUNK_FNS) or is_method(src, {"chunk", "split", "tensor_split"})):
         base = src.args[0]
         bt = example(base)
         if bt is None:
             return None
-        dim = _arg(src, 2, "dim", 0)
+        dim = arg(src, 2, "dim", 0)
         if not isinstance(dim, int) or dim % bt.dim() != bt.dim() - 1:
             return None
         parts = src.meta.get("example_value")
@@ -442,7 +355,7 @@ def _split_part(node: fx.Node) -> Optional[tuple[fx.Node, int, int]]:
 def _split_nodes(node: fx.Node) -> list[fx.Node]:
     nodes = [node]
     src = node.args[0]
-    if _is_fn(src, _CHUNK_FNS) or _is_method(src, {"chunk", "split", "tensor_split"}):
+    if is_fn(src, CHUNK_FNS) or is_method(src, {"chunk", "split", "tensor_split"}):
         nodes.append(src)
     return nodes
 
@@ -464,14 +377,15 @@ def resolve_projection(node: Any) -> Optional[Projection]:
     if p is None:
         return None
     p.whole, p.out = p.out, node
-    p.nodes = p.nodes + _chain(base, inner) + _split_nodes(node)
+    p.nodes = p.nodes + chain(base, inner) + _split_nodes(node)
     p.rows = (start, stop)
     return p
 
 
 # ------------------------------------------------------------------------------ matches
 @dataclass
-class _Rejection:
+class Rejection:
+    """An FFN-shaped block left to Inductor, with the reason."""
     down: fx.Node
     reason: str
     layer: str = ""
@@ -518,7 +432,7 @@ def module_path(source: str) -> str:
     return rest.lstrip(".")
 
 
-def _layer_name(nodes: list[fx.Node]) -> str:
+def layer_name(nodes: list[fx.Node]) -> str:
     """The innermost module path shared by the projections (e.g. 'model.layers.0.mlp')."""
     stacks = [list((n.meta.get("nn_module_stack") or {}).values()) for n in nodes]
     common: list = []
@@ -542,8 +456,6 @@ def _has_outside_users(internal: list[fx.Node], end: fx.Node) -> Optional[fx.Nod
                 return n
     return None
 
-
-Rejection = _Rejection
 
 
 _ELEMENTWISE_FNS = {operator.mul, operator.add, operator.sub, operator.truediv, operator.neg, operator.pow,
@@ -571,7 +483,7 @@ def composite_activation(node: Any, depth: int = 10) -> Optional[str]:
         if resolve_projection(n) is not None:
             sources.add(n)
             return True
-        if d == 0 or not (_is_fn(n, _ELEMENTWISE_FNS) or _is_method(n, _ELEMENTWISE_METHODS)) or is_relu(n):
+        if d == 0 or not (is_fn(n, _ELEMENTWISE_FNS) or is_method(n, _ELEMENTWISE_METHODS)) or is_relu(n):
             return False
         name = _describe(n)
         if name not in names:
@@ -590,12 +502,12 @@ def _relu_block(node: Any) -> bool:
         return False
     if is_relu(node):
         return bool(node.args) and resolve_projection(node.args[0]) is not None
-    if (_is_fn(node, _MUL_FNS) or _is_method(node, _MUL_METHODS)) and len(node.args) == 2:
+    if (is_fn(node, MUL_FNS) or is_method(node, MUL_METHODS)) and len(node.args) == 2:
         return any(isinstance(a, fx.Node) and is_relu(skip(a)) and _relu_block(a) for a in node.args)
     return False
 
 
-def _transformed(down_node: fx.Node, h: fx.Node, reject: Any) -> Optional[_Rejection]:
+def _transformed(down_node: fx.Node, h: fx.Node, reject: Any) -> Optional[Rejection]:
     """A rejection when a ReLU block reaches the down projection through another op (e.g. ReLU²)."""
     if as_projection(h) is not None:
         return None   # linear(relu(...)) feeding this one: a different FFN, or none
@@ -641,155 +553,177 @@ def _bias_problem(p: Optional[Projection], what: str) -> Optional[str]:
         return (f"the {what} bias has shape {list(b.shape)}, not one value per output feature "
                 f"([{p.width}], [1] or 0-d)")
     value, xe = example(p.whole or p.out), example(p.x)
-    if value is None or xe is None or _shape_key(value) != (*_shape_key(xe)[:-1], str(p.width)):
+    if value is None or xe is None or shape_key(value) != (*shape_key(xe)[:-1], str(p.width)):
         return f"the {what} bias of shape {list(b.shape)} broadcasts the projection to another shape"
     return None
 
 
-def match_at(down_node: fx.Node) -> Optional[Match | Rejection]:
-    """Try to read ``down_node`` as the down projection of a ReLU FFN."""
-    down = as_projection(down_node)
-    if down is None or down.out is not down_node:
-        return None
-    if down.rows is not None:
-        return None
-    if down.bias is None and _bias_add(down_node) is not None:
-        return None   # matmul followed by its bias add: the add is the down projection
-    h_in = down.x
-    h = skip(h_in)
-    if not isinstance(h, fx.Node):
-        return None
-    internal = list(down.nodes) + _chain(h_in, h)
-    gate = up = None
-    relu_node: Optional[fx.Node] = None
-    where = _layer_name([down_node, h])
+@dataclass
+class _Block:
+    """What a matcher found around the down projection, before the block checks."""
+    gate: Projection
+    up: Optional[Projection]
+    relu: fx.Node
+    internal: list[fx.Node]
 
-    def Rejection(node: fx.Node, reason: str, layer: str = "") -> _Rejection:  # noqa: N802
-        return _Rejection(node, reason, layer or where)
 
-    if _is_fn(h, _MUL_FNS) or _is_method(h, _MUL_METHODS):
-        if len(h.args) != 2 or not all(isinstance(a, fx.Node) for a in h.args):
-            return _transformed(down_node, h, Rejection)
-        a, b = h.args
-        for g_side, u_side in ((a, b), (b, a)):
-            g = skip(g_side)
-            if isinstance(g, fx.Node) and is_relu(g):
-                gp = resolve_projection(g.args[0])
-                up_ = resolve_projection(u_side)
-                if gp is None and up_ is None:
-                    continue
-                if gp is None:
-                    return Rejection(down_node, f"the ReLU's input is {_describe(skip(g.args[0]))}, not a linear projection")
-                if up_ is None:
-                    return Rejection(down_node, f"the up branch is {_describe(skip(u_side))}, not a linear projection")
-                gate, up, relu_node = gp, up_, g
-                internal += [h] + _chain(g_side, g) + [g] + _chain(g.args[0], skip(g.args[0])) + gp.nodes
-                internal += _chain(u_side, skip(u_side)) + up_.nodes
-                break
-        if gate is None:
-            for side in (a, b):
-                s = skip(side)
-                act = activation_name(s) if isinstance(s, fx.Node) else None
-                if act and s.args and resolve_projection(s.args[0]) is not None:
-                    return Rejection(down_node, f"gate activation is {act}, not ReLU")
-            if resolve_projection(a) is not None and resolve_projection(b) is not None:
-                return Rejection(down_node, "gated product has no activation (bilinear), not ReLU")
-            for g_side, u_side in ((a, b), (b, a)):
-                ops = composite_activation(g_side)
-                if ops and resolve_projection(u_side) is not None:
-                    return Rejection(down_node, f"gate activation is an elementwise expression ({ops}), not ReLU")
-            ops = composite_activation(h)
-            if ops:
-                return Rejection(down_node, f"activation is an elementwise expression ({ops}), not ReLU")
-            return _transformed(down_node, h, Rejection)
-    elif is_relu(h):
+def match_gated(down_node: fx.Node, h: fx.Node, reject: Any) -> Optional[_Block | Rejection]:
+    """``relu(gate(x)) * up(x)`` at the down projection's input ``h`` (a product), either order."""
+    if len(h.args) != 2 or not all(isinstance(a, fx.Node) for a in h.args):
+        return _transformed(down_node, h, reject)
+    a, b = h.args
+    for g_side, u_side in ((a, b), (b, a)):
+        g = skip(g_side)
+        if isinstance(g, fx.Node) and is_relu(g):
+            gp = resolve_projection(g.args[0])
+            up = resolve_projection(u_side)
+            if gp is None and up is None:
+                continue
+            if gp is None:
+                return reject(down_node, f"the ReLU's input is {_describe(skip(g.args[0]))}, not a linear projection")
+            if up is None:
+                return reject(down_node, f"the up branch is {_describe(skip(u_side))}, not a linear projection")
+            internal = ([h] + chain(g_side, g) + [g] + chain(g.args[0], skip(g.args[0])) + gp.nodes
+                        + chain(u_side, skip(u_side)) + up.nodes)
+            return _Block(gp, up, g, internal)
+    for side in (a, b):
+        s = skip(side)
+        act = activation_name(s) if isinstance(s, fx.Node) else None
+        if act and s.args and resolve_projection(s.args[0]) is not None:
+            return reject(down_node, f"gate activation is {act}, not ReLU")
+    if resolve_projection(a) is not None and resolve_projection(b) is not None:
+        return reject(down_node, "gated product has no activation (bilinear), not ReLU")
+    for g_side, u_side in ((a, b), (b, a)):
+        ops = composite_activation(g_side)
+        if ops and resolve_projection(u_side) is not None:
+            return reject(down_node, f"gate activation is an elementwise expression ({ops}), not ReLU")
+    ops = composite_activation(h)
+    if ops:
+        return reject(down_node, f"activation is an elementwise expression ({ops}), not ReLU")
+    return _transformed(down_node, h, reject)
+
+
+def match_plain(down_node: fx.Node, h: fx.Node, reject: Any) -> Optional[_Block | Rejection]:
+    """``relu(up(x))`` at the down projection's input ``h``; other activations are rejected
+    with their name."""
+    if is_relu(h):
         gate = resolve_projection(h.args[0])
         if gate is None:
             return None
-        relu_node = h
-        internal += [h] + _chain(h.args[0], skip(h.args[0])) + gate.nodes
-    else:
-        act = activation_name(h)
-        if act and h.args and isinstance(h.args[0], fx.Node) and resolve_projection(h.args[0]) is not None:
-            return Rejection(down_node, f"activation is {act}, not ReLU")
-        if _is_fn(h, _DROPOUT_FNS) or _is_method(h, {"dropout"}):
-            if h.args and _relu_block(h.args[0]):
-                return Rejection(down_node, "dropout in training mode between the projections")
-            return None
-        ops = composite_activation(h)
-        if ops:
-            return Rejection(down_node, f"activation is an elementwise expression ({ops}), not ReLU")
-        return _transformed(down_node, h, Rejection)
+        return _Block(gate, None, h, [h] + chain(h.args[0], skip(h.args[0])) + gate.nodes)
+    act = activation_name(h)
+    if act and h.args and isinstance(h.args[0], fx.Node) and resolve_projection(h.args[0]) is not None:
+        return reject(down_node, f"activation is {act}, not ReLU")
+    if is_fn(h, DROPOUT_FNS) or is_method(h, {"dropout"}):
+        if h.args and _relu_block(h.args[0]):
+            return reject(down_node, "dropout in training mode between the projections")
+        return None
+    ops = composite_activation(h)
+    if ops:
+        return reject(down_node, f"activation is an elementwise expression ({ops}), not ReLU")
+    return _transformed(down_node, h, reject)
 
-    name = _layer_name([n.out for n in (gate, up, down) if n is not None])
+
+def check_block(down_node: fx.Node, down: Projection, blk: _Block) -> Optional[str]:
+    """Why a matched block must not be rewritten, or None. ``blk.internal`` is completed (the
+    nodes the rewrite removes, deduplicated) as a side effect."""
+    gate, up, relu_node = blk.gate, blk.up, blk.relu
     # Same input for gate and up.
     if up is not None:
         gx, ux = gate.x, up.x
         if gx is not ux:
             ge, ue = example(gx), example(ux)
-            if skip(gx) is not skip(ux) or ge is None or ue is None or _shape_key(ge) != _shape_key(ue):
-                return Rejection(down_node, "gate and up projections read different inputs", name)
+            if skip(gx) is not skip(ux) or ge is None or ue is None or shape_key(ge) != shape_key(ue):
+                return "gate and up projections read different inputs"
         if (gate.rows is None) != (up.rows is None):
-            return Rejection(down_node, "one of gate/up is a slice of a fused projection and the other is not", name)
+            return "one of gate/up is a slice of a fused projection and the other is not"
         if gate.rows is not None and gate.weight is not up.weight:
-            return Rejection(down_node, "gate and up are slices of different projections", name)
+            return "gate and up are slices of different projections"
     # An in-place ReLU writes into the gate's output; if the up branch reads that storage too
     # (the same projection, or overlapping slices of one fused projection), eager multiplies
     # by the clamped values. Leave such blocks alone.
-    if up is not None and relu_node is not None and mutates_first_arg(relu_node):
+    if up is not None and mutates_first_arg(relu_node):
         same = skip(gate.out) is skip(up.out) or (gate.rows is None and up.rows is None and gate.out is up.out)
         overlap = (gate.rows is not None and up.rows is not None and gate.weight is up.weight
                    and gate.rows[0] < up.rows[1] and up.rows[0] < gate.rows[1])
         if same or overlap:
-            return Rejection(down_node, "in-place ReLU on the gate also changes what the up branch reads", name)
+            return "in-place ReLU on the gate also changes what the up branch reads"
     # Each intermediate value must be used only inside the block.
-    internal = list(dict.fromkeys(internal))
-    leak = _has_outside_users(internal, down_node)
+    blk.internal = list(dict.fromkeys(blk.internal))
+    leak = _has_outside_users(blk.internal, down_node)
     if leak is not None:
-        return Rejection(down_node, f"intermediate {leak.name} has other users", name)
+        return f"intermediate {leak.name} has other users"
     # The rewrite reads the input and every weight and bias once, at the down projection; eager
     # reads each where its projection runs. Any write between the block's first read and the
     # down projection into a tensor that may share storage with what the block reads (x, a
     # view or slice of it, a weight or its .data, a bias) would be seen by one and not the
     # other: leave such blocks alone. Only writes into tensors provably allocated apart from
     # those inputs (fresh results, e.g. the gate's own output under an in-place ReLU) pass.
-    why = _mutation_inside(down_node, internal, [gate, up, down])
+    why = _mutation_inside(down_node, blk.internal, [gate, up, down])
     if why is not None:
-        return Rejection(down_node, why, name)
+        return why
     for p, what in ((gate, "gate"), (up, "up"), (down, "down")):
         why = _bias_problem(p, what)
         if why is not None:
-            return Rejection(down_node, why, name)
+            return why
     # Dtypes, devices, shapes.
     outs = [example(p.out) for p in (gate, up, down) if p is not None]
     xe = example(gate.x)
     if any(o is None for o in outs) or xe is None:
-        return Rejection(down_node, "missing shape information", name)
+        return "missing shape information"
     if not all(o.is_floating_point() for o in outs):
-        return Rejection(down_node, f"dtype {outs[0].dtype} is not floating point", name)
+        return f"dtype {outs[0].dtype} is not floating point"
     if len({o.dtype for o in outs}) != 1:
-        return Rejection(down_node, "projections produce different dtypes", name)
+        return "projections produce different dtypes"
     if len({o.device for o in outs} | {xe.device}) != 1:
-        return Rejection(down_node, "tensors on different devices", name)
+        return "tensors on different devices"
     if xe.dim() < 1 or (gate.rows is not None and up is not None and
                         (gate.rows[1] - gate.rows[0]) != (up.rows[1] - up.rows[0])):
-        return Rejection(down_node, "gate and up widths differ", name)
+        return "gate and up widths differ"
     he = example(down.x)
-    if he is None or (_shape_key(he)[:-1] != _shape_key(xe)[:-1] and he.dim() != 2):
-        return Rejection(down_node, "a reshape between the projections changes the token layout", name)
-    return Match(down, gate, up, gate.x, internal, name)
+    if he is None or (shape_key(he)[:-1] != shape_key(xe)[:-1] and he.dim() != 2):
+        return "a reshape between the projections changes the token layout"
+    return None
 
 
-def _fused_encoder_layer(node: fx.Node) -> Optional[_Rejection]:
+def match_at(down_node: fx.Node) -> Optional[Match | Rejection]:
+    """Try to read ``down_node`` as the down projection of a ReLU FFN: the gated or the plain
+    matcher on its input, then the block checks."""
+    down = as_projection(down_node)
+    if down is None or down.out is not down_node or down.rows is not None:
+        return None
+    if down.bias is None and _bias_add(down_node) is not None:
+        return None   # matmul followed by its bias add: the add is the down projection
+    h = skip(down.x)
+    if not isinstance(h, fx.Node):
+        return None
+    where = layer_name([down_node, h])
+
+    def reject(node: fx.Node, reason: str) -> Rejection:
+        return Rejection(node, reason, where)
+
+    matcher = match_gated if is_fn(h, MUL_FNS) or is_method(h, MUL_METHODS) else match_plain
+    found = matcher(down_node, h, reject)
+    if not isinstance(found, _Block):
+        return found
+    found.internal = list(down.nodes) + chain(down.x, h) + found.internal
+    name = layer_name([n.out for n in (found.gate, found.up, down) if n is not None])
+    why = check_block(down_node, down, found)
+    if why is not None:
+        return Rejection(down_node, why, name)
+    return Match(down, found.gate, found.up, found.gate.x, found.internal, name)
+
+
+def _fused_encoder_layer(node: fx.Node) -> Optional[Rejection]:
     """nn.TransformerEncoderLayer's inference fast path: the whole layer, FFN included, is one
     ATen op (taken under no_grad in eval mode); nothing in it can be replaced."""
     if not (node.op == "call_function" and node.target is getattr(torch, "_transformer_encoder_layer_fwd", None)):
         return None
-    use_gelu = _arg(node, 7, "use_gelu", False)
+    use_gelu = arg(node, 7, "use_gelu", False)
     act = "GELU" if use_gelu else "ReLU"
-    return _Rejection(node, f"nn.TransformerEncoderLayer fast path: the {act} FFN is fused into "
+    return Rejection(node, f"nn.TransformerEncoderLayer fast path: the {act} FFN is fused into "
                             "torch._transformer_encoder_layer_fwd (runs when no gradient is needed); "
-                            "nothing to rewrite", _layer_name([node]))
+                            "nothing to rewrite", layer_name([node]))
 
 
 # ------------------------------------------------------------------------------ torch.func transforms
@@ -899,6 +833,6 @@ def find_ffns(graph: fx.Graph, outer: Optional[str] = None) -> list[Match | Reje
             claimed |= set(result.internal)
             why = whole or regions.get(node) or (_WRAPPED if _wrapped(node) or _wrapped(result.x) else None)
             if why is not None:
-                result = _Rejection(node, why, result.layer)
+                result = Rejection(node, why, result.layer)
         found.append(result)
     return found

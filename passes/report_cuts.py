@@ -15,9 +15,8 @@ import torch
 from torch import fx
 
 from twell_compile.config import TwellConfig
-from twell_compile.passes.fuse_ffn import graph_modules, report_of
-from twell_compile.passes.match_ffn import (_MUL_FNS, _MUL_METHODS, _is_fn, _is_method, _is_transparent,
-                                            _layer_name, as_projection, is_relu, resolve_projection)
+from twell_compile.passes.match_ffn import as_projection, is_relu, layer_name, resolve_projection
+from twell_compile.passes.pass_utils import MUL_FNS, MUL_METHODS, graph_modules, is_fn, is_method, is_transparent, report_of
 from twell_compile.report import RejectionEntry
 
 
@@ -50,9 +49,9 @@ def _reaches_output(relu: fx.Node) -> Optional[list[fx.Node]]:
                 out = True
             elif as_projection(u) is not None:
                 return None
-            elif _is_transparent(u) and u.args[0] is n:
+            elif is_transparent(u) and u.args[0] is n:
                 todo.append(u)
-            elif (_is_fn(u, _MUL_FNS) or _is_method(u, _MUL_METHODS)) and len(u.args) == 2:
+            elif (is_fn(u, MUL_FNS) or is_method(u, MUL_METHODS)) and len(u.args) == 2:
                 other = u.args[1] if u.args[0] is n else u.args[0]
                 p = resolve_projection(other) if isinstance(other, fx.Node) else None
                 if p is not None:
@@ -75,5 +74,5 @@ def report_cuts(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
                 continue
             outs = _reaches_output(node)
             if outs is not None:
-                report.add_rejection(RejectionEntry(_layer_name(outs + [node]), why, sub_name))
+                report.add_rejection(RejectionEntry(layer_name(outs + [node]), why, sub_name))
     return gm

@@ -14,7 +14,7 @@ from torch import fx
 from twell_compile.config import TwellConfig
 from twell_compile.ops import arg_index
 from twell_compile.passes.adopt_prepared import PREPARED
-from twell_compile.passes.fuse_ffn import graph_modules
+from twell_compile.passes.pass_utils import graph_modules
 
 
 def scale_l1(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:

@@ -30,8 +30,7 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import twell_compile
 
-sys.path.insert(0, str(Path(__file__).parent / "passes"))
-from rewrite_harness import check_close  # noqa: E402
+from tests.passes.rewrite_harness import check_close  # noqa: E402
 
 FUZZ = settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
 LINEARS = ("F.linear", "addmm", "matmul+add")

@@ -13,8 +13,6 @@ import torch.nn.functional as F
 import twell_compile
 from twell_compile.prepare import spec_of
 
-sys.path.insert(0, str(Path(__file__).parent / "models"))
-sys.path.insert(0, str(Path(__file__).parent / "passes"))
 
 
 class Gated(nn.Module):
@@ -216,7 +214,7 @@ def test_mixed_dtypes_outside_autocast_raise_as_unprepared():
 def test_each_prepared_ffn_and_each_compile_has_its_own_instance():
     """Runtime state (the CUDA policy's measurements) is per op instance: two prepared models
     with the same layer names do not share it, nor does a new compile of the same one."""
-    from rewrite_harness import PassBackend
+    from tests.passes.rewrite_harness import PassBackend
 
     from twell_compile.ops import arg_index
 
@@ -261,7 +259,7 @@ def test_misspelled_options_suggest_the_twell_key(options, suggestion):
 
 def test_hf_llama_family_prepared_end_to_end():
     pytest.importorskip("transformers")
-    from hf_tiny import FAMILIES, VOCAB, build, main_output
+    from tests.models.hf_tiny import FAMILIES, VOCAB, build, main_output
 
     ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
     for name in ("llama", "phi3", "gpt2"):
@@ -313,7 +311,7 @@ def test_prepared_modules_under_torch_func_run_their_original_forward(name, monk
     support functorch), jvp gave wrong tangents: under any torch.func transform or with a dual
     input a prepared module runs its original forward, says so once in the log, and takes
     its op again afterwards."""
-    from rewrite_harness import check_close
+    from tests.passes.rewrite_harness import check_close
     prepare_mod = sys.modules["twell_compile.prepare"]     # (the package's ``prepare`` is the function)
     monkeypatch.setattr(prepare_mod, "_FELL_BACK", set())
     calls = []
@@ -338,7 +336,7 @@ def test_prepared_modules_under_torch_func_run_their_original_forward(name, monk
 
 
 def test_prepared_vmap_in_grad_mode_trains_the_weights():
-    from rewrite_harness import check_close
+    from tests.passes.rewrite_harness import check_close
 
     net, ref = _pair(Gated, Fused)
     twell_compile.prepare(net)
@@ -361,7 +359,7 @@ class OneBias(Gated):
 
 
 def test_broadcast_bias_is_prepared_and_trains():
-    from rewrite_harness import check_close
+    from tests.passes.rewrite_harness import check_close
 
     net, ref = _pair(OneBias)
     report = twell_compile.prepare(net)

@@ -1,7 +1,10 @@
 """twell-compile: ``torch.compile(model, backend="twell")`` runs sparse ReLU FFNs fast.
 
-Importing this package initialises no device and builds nothing; the ``twell`` torch.library
-ops are registered on first use of the backend (or ``import twell_compile.ops``).
+Importing this package registers the ``twell`` torch.library ops (``twell_compile.ops``) and
+initialises no device and builds nothing: CUDA, Triton, Inductor and the C++ CPU kernel are
+touched on first use. The data path: FX graph -> match (passes/match_ffn.py) -> fuse
+(passes/fuse_ffn.py) -> op (ops.py) -> select (runtime/select.py) -> kernel (runtime/ launchers,
+kernels/ device code); docs/architecture.md follows it file by file.
 """
 
 from __future__ import annotations

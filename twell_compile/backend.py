@@ -6,7 +6,6 @@ Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), s
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import operator
@@ -16,8 +15,11 @@ from typing import Any, Optional
 import torch
 from torch import fx
 
-from twell_compile import __version__
-from twell_compile.config import PREFIX, TwellConfig, did_you_mean
+from twell_compile import __version__, stats
+from twell_compile.config import TwellConfig, inductor_patches
+from twell_compile.ops import arg_index
+from twell_compile.passes import graph_modules, run_passes
+from twell_compile.runtime import decode_state, execute, select
 
 
 def with_cudagraphs(config: TwellConfig, patches: dict[str, Any]) -> TwellConfig:
@@ -29,29 +31,6 @@ def with_cudagraphs(config: TwellConfig, patches: dict[str, Any]) -> TwellConfig
 
     on = patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs)
     return config.replace(cudagraphs="on" if on else "off")
-
-
-def inductor_patches(mode: Optional[str], options: dict[str, Any]) -> dict[str, Any]:
-    """Inductor config patches for torch.compile's ``mode`` plus the user's non-twell options."""
-    from torch._inductor import config as inductor_config, list_mode_options
-
-    patches: dict[str, Any] = {}
-    if mode and mode != "default":
-        try:
-            patches.update(list_mode_options(mode))
-        except (KeyError, RuntimeError) as e:  # torch versions differ in which they raise
-            raise ValueError(f"unknown torch.compile mode {mode!r}: {e}") from None
-    known = inductor_config.get_config_copy()
-    for key, value in options.items():
-        name = str(key).replace("-", "_")
-        if name not in known:
-            ours = [PREFIX + f.name for f in dataclasses.fields(TwellConfig)]
-            # A bare twell name ("l1") is ours; else the closest of ours and Inductor's keys.
-            hint = (did_you_mean(PREFIX + name, ours) if PREFIX + name in ours
-                    else did_you_mean(name, ours + list(known)))
-            raise ValueError(f"unknown option {key!r}: neither a twell.* option nor an Inductor config key{hint}")
-        patches[name] = value
-    return patches
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,10 +61,6 @@ def _example_device(node: Any) -> Optional[torch.device]:
 
 def reserve_stats(gm: fx.GraphModule) -> None:
     """Allocate every rewritten layer's statistics buffer now, outside any CUDA-graph pool."""
-    from twell_compile import stats
-    from twell_compile.ops import arg_index
-    from twell_compile.passes.fuse_ffn import graph_modules
-
     ops = (torch.ops.twell.ffn.default, torch.ops.twell.ffn_train.default)
     for _, sub in graph_modules(gm):
         for node in sub.graph.nodes:
@@ -126,14 +101,11 @@ def _real_tensor(node: Any, gm: fx.GraphModule, inputs: dict[fx.Node, Any]) -> O
 
 
 def reserve_decode_state(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
-    """Make the decode state (kernels/weight_cache.py: a persistent fp32 accumulator, 0.5 MB at
+    """Make the decode state (runtime/decode_state.py: a persistent fp32 accumulator, 0.5 MB at
     K_out=2048; no weight values) of every rewritten CUDA bf16/fp16 inference FFN whose decode
-    path can win (the decode rule at M=1, density 0: its best case) now, outside any CUDA-graph
-    pool. Weights inside subgraphs or computed in the graph are not found here; their decode
-    calls zero-fill a state per call."""
-    from twell_compile.kernels import cuda_policy, weight_cache
-    from twell_compile.ops import arg_index
-
+    path can win (select.decode_state_wanted) now, outside any CUDA-graph pool. Weights inside
+    subgraphs or computed in the graph are not found here; their decode calls zero-fill a state
+    per call."""
     op = torch.ops.twell.ffn.default
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = dict(zip(placeholders, example_inputs))
@@ -141,7 +113,7 @@ def reserve_decode_state(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
         if node.op != "call_function" or node.target is not op:
             continue
         wd = _real_tensor(node.args[arg_index(op, "w_down")], gm, inputs)
-        if wd is None or not weight_cache.wanted(wd):
+        if wd is None or wd.dim() != 2:
             continue
         gate = node.args[arg_index(op, "w_gate")]
         wg = _real_tensor(gate, gm, inputs)
@@ -151,17 +123,15 @@ def reserve_decode_state(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
             continue
         (n, k), k_out = wg.shape, wd.shape[0]
         gated = node.args[arg_index(op, "w_up")] is not None
-        if not cuda_policy.decode_wins(0.0, 1, int(k), int(n), int(k_out), gated):
+        if not select.decode_state_wanted(wd.device, wd.dtype, int(k), int(n), int(k_out), gated):
             continue
         base = wd if wd._base is None else wd._base
-        weight_cache.register(wd.detach(), base=base)
+        decode_state.register(wd.detach(), base=base)
 
 
 def twell_backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: Optional[str] = None,
                   options: Optional[dict[str, Any]] = None):
-    from torch._inductor.compile_fx import compile_fx
-
-    from twell_compile.passes import run_passes
+    from torch._inductor.compile_fx import compile_fx      # Inductor loads on first compile
 
     config, rest = TwellConfig.from_options(options)
     if mode and config.mode and mode != config.mode:
@@ -179,9 +149,7 @@ def twell_backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: Option
 
 
 def _reset() -> None:
-    from twell_compile import dispatch
-
-    dispatch.reset()
+    execute.reset()
 
 
 # torch._dynamo.reset() calls reset() on each backend it has compiled with: the ops' runtime

@@ -13,9 +13,15 @@ import dataclasses
 import difflib
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional
 
 PREFIX = "twell."
+# The paths ``twell.kernel`` (and the ops' ``kernel`` argument) can force; runtime/select.py
+# says what each runs.
+INFER_KERNELS = ("auto", "dense", "twell", "decode", "decode-rows", "decode-tiles", "decode-list",
+                 "decode-pairs", "cpu", "torch")
+TRAIN_KERNELS = ("auto", "dense", "compact", "twell")
+KERNELS = tuple(dict.fromkeys(INFER_KERNELS + TRAIN_KERNELS))
 
 
 @dataclass(frozen=True)
@@ -33,9 +39,6 @@ class TwellConfig:
         and too much kills neurons (35% of hidden units dead at 3.0 there).
     l1_layers [0]: number of FFN layers the mean runs over; 0 counts the FFNs rewritten in
         the graph (give the model's layer count when graph breaks split it into several graphs).
-    tile_n [128]: TwELL column-tile width (the gate GEMM's output tile width on the GPU).
-    slots [16]: TwELL slots per (row, tile): tile_n / slots is the paper's compression factor
-        (the paper uses 256 / 32 = 8). Tiles holding more non-zeros take an exact slower path.
     ell_width [256]: hybrid format (training): non-zeros per row kept in the compact ELL part
         (256: 1.8% of rows over it at density 0.005 with the long tail 0.2 of anchors.md, all
         within the backup; 64 left 27% over it and most of them to the slow recompute).
@@ -50,13 +53,18 @@ class TwellConfig:
         count under the sparse kernels' threshold, too wide); ``explain`` gives the reason.
         Training FFNs are always rewritten when ``l1`` is set (the penalty lives in our
         backward).
+    kernel ["auto"]: force one path for every rewritten FFN instead of the measured rules
+        (runtime/select.py): "dense", "twell", "decode", "decode-rows", "decode-tiles",
+        "decode-list", "decode-pairs", "cpu", "torch" for inference; "dense", "compact",
+        "twell" for training. For tests and benchmarks: FFNs are then always rewritten, and a
+        call the forced path cannot run (e.g. "decode" at 1000 tokens) raises ``ValueError``.
     cudagraphs [""]: whether the compiled graph is replayed in CUDA graphs: "" reads it from
         the compile mode and Inductor's ``triton.cudagraphs`` (reduce-overhead: on); "on" when
         you capture CUDA graphs around the compiled model yourself; "off". Without CUDA graphs a
         static decode-sized CUDA FFN (<= 64 tokens) is left to Inductor under ``skip_dense``:
         rewritten, generate() in the default mode ran 0.63x of Inductor's tokens/s at batch 1
-        (H200, ``bench_e2e.py --generate --compile-mode default --twell-opt
-        twell.cudagraphs=on``, results/h200/session11/run9/).
+        (H200, 2026-11-23, ``bench_e2e.py --generate --compile-mode default --twell-opt
+        twell.cudagraphs=on``).
     """
 
     enabled: bool = True
@@ -64,14 +72,13 @@ class TwellConfig:
     rewrite_training: bool = True
     l1: float = 0.0
     l1_layers: int = 0
-    tile_n: int = 128
-    slots: int = 16
     ell_width: int = 256
     backup_rows: int = 16
     stats: bool = True
     skip_dense: bool = True
     mode: str = ""
     cudagraphs: str = ""
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -86,16 +93,14 @@ class TwellConfig:
             raise ValueError(f"twell option {PREFIX}l1 must be a finite number >= 0, got {self.l1}")
         if self.l1_layers < 0:
             raise ValueError(f"twell option {PREFIX}l1_layers must be >= 0, got {self.l1_layers}")
-        if self.tile_n < 1 or self.tile_n > 32768:
-            raise ValueError(f"twell option {PREFIX}tile_n must be in [1, 32768], got {self.tile_n}")
-        if not 1 <= self.slots <= self.tile_n:
-            raise ValueError(f"twell option {PREFIX}slots must be in [1, tile_n={self.tile_n}], got {self.slots}")
         if self.ell_width < 1:
             raise ValueError(f"twell option {PREFIX}ell_width must be >= 1, got {self.ell_width}")
         if self.backup_rows < 1:
             raise ValueError(f"twell option {PREFIX}backup_rows must be >= 1, got {self.backup_rows}")
         if self.cudagraphs not in ("", "on", "off"):
             raise ValueError(f"twell option {PREFIX}cudagraphs must be '', 'on' or 'off', got {self.cudagraphs!r}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"twell option {PREFIX}kernel must be one of {KERNELS}, got {self.kernel!r}")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> tuple["TwellConfig", dict[str, Any]]:
@@ -139,14 +144,36 @@ def check_options(options: Mapping[str, Any] | None) -> TwellConfig:
 
     Runs exactly the backend's checks: ``twell.*`` keys and values (``TwellConfig.from_options``)
     and every other key against Inductor's config, ``twell.mode`` against torch.compile's modes
-    (``backend.inductor_patches``). An unknown key raises ``ValueError`` with the closest known
+    (``inductor_patches``). An unknown key raises ``ValueError`` with the closest known
     key ("did you mean 'twell.l1'?"); a bad value ``TypeError``/``ValueError`` naming the option.
     Returns the ``TwellConfig`` the backend will use (``cudagraphs`` not yet resolved from the
     mode). At compile time the backend raises the same message inside Dynamo's
     ``BackendCompilerFailed``.
     """
-    from twell_compile.backend import inductor_patches  # backend imports this module
-
     config, rest = TwellConfig.from_options(options)
     inductor_patches(config.mode or None, rest)
     return config
+
+
+def inductor_patches(mode: Optional[str], options: Mapping[str, Any]) -> dict[str, Any]:
+    """Inductor config patches for torch.compile's ``mode`` plus the user's non-twell options
+    (an unknown key raises ``ValueError`` with the closest of ours and Inductor's)."""
+    from torch._inductor import config as inductor_config, list_mode_options
+
+    patches: dict[str, Any] = {}
+    if mode and mode != "default":
+        try:
+            patches.update(list_mode_options(mode))
+        except (KeyError, RuntimeError) as e:  # torch versions differ in which they raise
+            raise ValueError(f"unknown torch.compile mode {mode!r}: {e}") from None
+    known = inductor_config.get_config_copy()
+    for key, value in options.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            ours = [PREFIX + f.name for f in dataclasses.fields(TwellConfig)]
+            # A bare twell name ("l1") is ours; else the closest of ours and Inductor's keys.
+            hint = (did_you_mean(PREFIX + name, ours) if PREFIX + name in ours
+                    else did_you_mean(name, ours + list(known)))
+            raise ValueError(f"unknown option {key!r}: neither a twell.* option nor an Inductor config key{hint}")
+        patches[name] = value
+    return patches

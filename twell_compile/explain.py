@@ -11,7 +11,9 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from twell_compile import stats
-from twell_compile.config import PREFIX, TwellConfig, did_you_mean
+from twell_compile.backend import with_cudagraphs
+from twell_compile.config import PREFIX, TwellConfig, did_you_mean, inductor_patches
+from twell_compile.passes import report_of, run_passes
 from twell_compile.report import Report
 
 _OWN = "options"   # explain's only keyword of its own; every other keyword goes to the model
@@ -59,15 +61,11 @@ def explain(model: Callable[..., Any], *args: Any, options: Optional[Mapping[str
     if not callable(model):
         raise TypeError(f"model must be callable (an nn.Module or function), got {type(model).__name__}")
     _check_keywords(model, kwargs)
-    from twell_compile.backend import inductor_patches, with_cudagraphs
-
     config, rest = TwellConfig.from_options(options)
     config = with_cudagraphs(config, inductor_patches(config.mode or None, rest))
     report = Report(mode="training" if torch.is_grad_enabled() else "inference")
 
     def capture(gm: torch.fx.GraphModule, example_inputs: list[Any], **_: Any):
-        from twell_compile.passes import report_of, run_passes
-
         gm = run_passes(gm, config)
         index = report.graphs
         report.graphs += 1

@@ -21,6 +21,8 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from twell_compile.config import TwellConfig
+from twell_compile.ops import arg_index
+from twell_compile.passes import report_of, run_passes
 from twell_compile.report import Report
 
 # What Dynamo says when a model returns a Hugging Face cache object (transformers 5.x:
@@ -45,8 +47,6 @@ def export(model: torch.nn.Module, args: tuple, kwargs: Optional[Mapping[str, An
     takes the ``twell.*`` keys of torch.compile. A Hugging Face model must be exported with
     ``kwargs={"use_cache": False}`` (torch.export cannot output its cache object).
     """
-    from twell_compile.passes import report_of, run_passes
-
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(args, tuple):
@@ -120,8 +120,6 @@ def _detach_parameters(gm: fx.GraphModule) -> None:
 def _program_report(report: Report, ep: torch.export.ExportedProgram, specs: dict[str, Any]) -> Report:
     """The report with each rewrite's token shape read from the exported program: concrete
     sizes where static, the Dim's name (else torch's symbol, s0...) where dynamic."""
-    from twell_compile.ops import arg_index
-
     dim_names: dict[str, str] = {}
     for node in ep.graph.nodes:   # user inputs are named after model.forward's parameters
         spec, val = specs.get(node.name), node.meta.get("val")

@@ -163,6 +163,15 @@ class Hybrid:
         return (busy & ~stored).nonzero().reshape(-1)
 
 
+def backup_capacity(m: int, backup_rows: int) -> int:
+    """Dense backup rows for M tokens: ceil(M / backup_rows), at least 2. Works on SymInts too.
+
+    The floor of 2 keeps the size away from 1: with a symbolic M, a capacity that can be 1
+    makes AOTAutograd/Inductor guard on ``capacity == 1`` and recompile when the batch grows.
+    """
+    return torch.sym_max((m + backup_rows - 1) // backup_rows, 2)
+
+
 def pack_hybrid(h: Tensor, width: int = 64, capacity: Optional[int] = None) -> Hybrid:
     """Pack h [M, N]; ``capacity`` bounds the dense backup (None: every busy row fits)."""
     _check_2d(h)

@@ -5,15 +5,20 @@
                           the hybrid format (the only activations saved for backward)
     twell::ffn_train_bwd  its backward: gradients of x, weights and biases, L1 term folded in
 
-``instance`` (last argument, default 0) names the op instance whose runtime state (the CUDA
-path's density measurements) a call reads and writes: the passes and ``prepare`` give each op
-they insert a number unique in the process (``next_instance``); 0, for direct calls, shares
-the state by layer name.
+``instance`` (default 0) names the op instance whose runtime state (the CUDA path's density
+measurements) a call reads and writes: the passes and ``prepare`` give each op they insert a
+number unique in the process (``next_instance``); 0, for direct calls, shares the state by
+layer name. ``kernel`` (last, default "auto") forces a path (runtime/select.py: "dense",
+"twell", "decode", "decode-<form>", "cpu", "torch" for inference; "dense", "compact", "twell"
+for training); a forced path that cannot run the call raises ``ValueError``.
 
 ``w_up=None`` selects the non-gated FFN down(relu(gate(x))). Weights use nn.Linear's layout:
 w_gate, w_up [N, K]; w_down [K_out, N]. Biases are optional. Every tensor must share x's dtype
-and device. Kernels live in ``kernels/`` and are chosen by ``dispatch``; this module only
-registers. Importing it initialises no device and builds nothing.
+and device. ``runtime/select.py`` chooses the kernel, ``runtime/execute.py`` runs it; this
+module only registers. Importing it initialises no device and builds nothing.
+
+``static_reason`` is the plan's compile-time twin (runtime/select.py), re-exported here for the
+graph passes: why a rewritten FFN would surely run slower than Inductor's code, or None.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from twell_compile import dispatch
-from twell_compile.kernels.torch_impl import backup_capacity
+from twell_compile.config import KERNELS
+from twell_compile.formats import backup_capacity
+from twell_compile.runtime import execute, select
+from twell_compile.runtime.select import static_reason
 
 # The CUDA bf16/fp16 training path (kernels/cuda_train.py) is sync-free and captures in a CUDA
 # graph (tests/kernels/test_cuda_train.py), but tags are per op, not per device or dtype: CUDA
@@ -86,20 +93,20 @@ def _check_positive(**knobs: int) -> None:
 # ---------------------------------------------------------------------------- inference
 # Defined through torch.library.Library, not custom_op: custom_op's Python autograd and
 # aliasing layers cost 43 us of host time per eager call on the H200 host (op 173 us vs its
-# dispatch 130, results/h200/session10/run1/probe_host_before2.json), more than the decode kernels' GPU time
+# dispatch 130, bench_host.py, 2026-11-23), more than the decode kernels' GPU time
 # (17-21 us). The op is inference only: its Autograd key falls through, and a call that would
 # need a gradient is refused up front (the backend rewrites to ffn_train when one is needed).
 _lib = torch.library.Library("twell", "FRAGMENT")
 _lib.define("ffn(Tensor x, Tensor w_gate, Tensor? b_gate, Tensor? w_up, Tensor? b_up, Tensor w_down, "
-            "Tensor? b_down, int tile_n, int slots, str layer, bool stats, int instance=0) -> Tensor",
+            "Tensor? b_down, str layer, bool stats, int instance=0, str kernel='auto') -> Tensor",
             tags=(torch.Tag.pt2_compliant_tag,))
 
 
 def _ffn(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
          b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
-         tile_n: int, slots: int, layer: str, stats: bool, instance: int = 0) -> Tensor:
+         layer: str, stats: bool, instance: int = 0, kernel: str = "auto") -> Tensor:
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
-    _check_positive(tile_n=tile_n, slots=slots)
+    select.check_kernel(kernel, select.INFER_KERNELS, "inference")
     if torch.is_grad_enabled():
         for name, t in (("x", x), ("w_gate", w_gate), ("b_gate", b_gate), ("w_up", w_up),
                         ("b_up", b_up), ("w_down", w_down), ("b_down", b_down)):
@@ -107,7 +114,7 @@ def _ffn(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Ten
                 raise ValueError(f"{name} requires grad, and twell::ffn is inference only: call it "
                                  f"under torch.no_grad() / torch.inference_mode(), or use "
                                  f"twell::ffn_train, whose backward is ours")
-    return dispatch.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, tile_n, slots, layer, stats, instance)
+    return execute.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, stats, instance, kernel)
 
 
 _lib.impl("ffn", _ffn, "CompositeExplicitAutograd")
@@ -115,8 +122,9 @@ _lib.impl("ffn", torch.library.fallthrough_kernel, "Autograd")
 
 
 @torch.library.register_fake("twell::ffn", lib=_lib)
-def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, tile_n, slots, layer, stats, instance=0):
+def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, stats, instance=0, kernel="auto"):
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
+    select.check_kernel(kernel, select.INFER_KERNELS, "inference")
     return x.new_empty((*x.shape[:-1], w_down.shape[0]))
 
 
@@ -125,14 +133,16 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, tile_n, slots, layer, stats
 def ffn_train(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
               ell_width: int, backup_rows: int, l1_scale: float, layer: str, stats: bool,
-              instance: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+              instance: int = 0, kernel: str = "auto"
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u); see formats.Hybrid."""
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
     _check_positive(ell_width=ell_width, backup_rows=backup_rows)
+    select.check_kernel(kernel, select.TRAIN_KERNELS, "training")
     if not math.isfinite(l1_scale) or l1_scale < 0:
         raise ValueError(f"l1_scale must be a finite number >= 0, got {l1_scale}")
-    return dispatch.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
-                                      ell_width, backup_rows, layer, stats, instance)
+    return execute.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
+                                     ell_width, backup_rows, layer, stats, instance, kernel)
 
 
 def _backup_rows(capacity):
@@ -155,8 +165,10 @@ def _backup_rows(capacity):
 
 
 @ffn_train.register_fake
-def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, ell_width, backup_rows, l1_scale, layer, stats, instance=0):
+def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, ell_width, backup_rows, l1_scale, layer, stats, instance=0,
+      kernel="auto"):
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
+    select.check_kernel(kernel, select.TRAIN_KERNELS, "training")
     m = math.prod(x.shape[:-1])
     n = w_gate.shape[0]
     width = min(ell_width, n)
@@ -181,8 +193,8 @@ def ffn_train_bwd(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor
                   backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, l1_scale: float
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down); absent ones are empty tensors."""
-    grads = dispatch.ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, counts, cols,
-                                        ell_g, ell_u, backup_idx, backup_g, backup_u, l1_scale)
+    grads = execute.ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, counts, cols,
+                                       ell_g, ell_u, backup_idx, backup_g, backup_u, l1_scale=l1_scale)
     return tuple(g if g is not None else x.new_empty(0) for g in grads)
 
 
@@ -209,7 +221,7 @@ def _train_setup_context(ctx, inputs: Sequence, output: Sequence) -> None:
     ctx.save_for_backward(x, w_gate, b_gate, w_up, b_up, w_down, *output[1:])
     # The saved state is not differentiable, and eager autograd would still hand the backward
     # zero-filled grads for its float outputs ([M, N] each on the dense path: +368 MB at
-    # M=16384, run 12-13): no materialised grads (AOTAutograd turns them off by itself).
+    # M=16384, H200, 2026-11-22): no materialised grads (AOTAutograd turns them off by itself).
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
     ctx.y_shape = output[0].shape
@@ -224,7 +236,10 @@ def _train_backward(ctx, dy: Optional[Tensor], *_unused: Optional[Tensor]):
     grads = list(torch.ops.twell.ffn_train_bwd(dy, x, w_gate, b_gate, w_up, b_up, w_down, *saved, ctx.l1_scale))
     present = [True, True, b_gate is not None, w_up is not None, b_up is not None, True, ctx.has_b_down]
     out = [g if keep and need else None for g, keep, need in zip(grads, present, ctx.needs_input_grad)]
-    return (*out, None, None, None, None, None, None)      # ell_width .. instance
+    return (*out, None, None, None, None, None, None, None)      # ell_width .. kernel
 
 
 ffn_train.register_autograd(_train_backward, setup_context=_train_setup_context)
+
+
+__all__ = ["KERNELS", "arg_index", "ffn_train", "ffn_train_bwd", "next_instance", "static_reason"]

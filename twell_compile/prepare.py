@@ -29,6 +29,9 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from twell_compile.config import PREFIX, TwellConfig, did_you_mean
+from twell_compile.ops import next_instance, static_reason
+from twell_compile.passes.match_ffn import Match, find_ffns
+from twell_compile.passes.pass_utils import CAST_METHODS, DROPOUT_FNS, arg, chain, example, skip
 from twell_compile.report import RejectionEntry, Report, RewriteEntry
 
 log = logging.getLogger("twell_compile")
@@ -54,13 +57,12 @@ class FFNSpec:
     gate: ProjSpec
     up: Optional[ProjSpec]
     down: ProjSpec
-    tile_n: int
-    slots: int
     ell_width: int
     backup_rows: int
     l1_scale: float
     stats: bool
     skip_dense: bool
+    kernel: str = "auto"                  # twell.kernel
     instance: int = 0                     # the op instance (ops.next_instance): its runtime state
 
 
@@ -138,9 +140,6 @@ def _param_path(module: nn.Module, node: Any, what: str) -> tuple[Optional[str],
 
 def _spec_of(module: nn.Module, gm: fx.GraphModule, layer: str, config: TwellConfig
              ) -> tuple[Optional[FFNSpec], str]:
-    from twell_compile.passes.match_ffn import (Match, _CAST_METHODS, _DROPOUT_FNS, _arg, _chain,
-                                                example, find_ffns, skip)
-
     found = find_ffns(gm.graph)
     if not found:
         return None, ""
@@ -155,18 +154,18 @@ def _spec_of(module: nn.Module, gm: fx.GraphModule, layer: str, config: TwellCon
     result = out_node.args[0]
     if not isinstance(result, fx.Node) or skip(result) is not m.down.out:
         return None, "forward returns something other than the FFN's output"
-    allowed = set(m.internal) | set(_chain(result, m.down.out))
+    allowed = set(m.internal) | set(chain(result, m.down.out))
     for p in (m.gate, m.up):
         if p is not None and skip(p.x) is x_in:
-            allowed |= set(_chain(p.x, x_in))
+            allowed |= set(chain(p.x, x_in))
     for n in graph.nodes:
         if n.op in ("placeholder", "output", "get_attr"):
             continue
         if n not in allowed:
             return None, f"forward does more than the FFN ({n.op} {getattr(n.target, '__name__', n.target)})"
-        if n.op == "call_method" and n.target in _CAST_METHODS:
+        if n.op == "call_method" and n.target in CAST_METHODS:
             return None, "forward casts dtypes inside the block (left to the backend, which sees real dtypes)"
-        if n.op == "call_function" and n.target in _DROPOUT_FNS and _arg(n, 1, "p", 0.5) != 0:
+        if n.op == "call_function" and n.target in DROPOUT_FNS and arg(n, 1, "p", 0.5) != 0:
             return None, "dropout inside the block (its training flag would be frozen)"
     if skip(m.x) is not x_in:
         return None, "the FFN input is not the forward's input"
@@ -187,8 +186,8 @@ def _spec_of(module: nn.Module, gm: fx.GraphModule, layer: str, config: TwellCon
         return None, "the output's leading shape differs from the input's"
     if len({p.dtype for p in module.parameters()}) != 1:
         return None, "parameters of different dtypes"
-    spec = FFNSpec(layer, projs[0], projs[1], projs[2], config.tile_n, config.slots, config.ell_width,
-                   config.backup_rows, 0.0, config.stats, config.skip_dense)
+    spec = FFNSpec(layer, projs[0], projs[1], projs[2], config.ell_width, config.backup_rows, 0.0,
+                   config.stats, config.skip_dense, config.kernel)
     return spec, ""
 
 
@@ -221,8 +220,6 @@ def _weights(module: nn.Module, p: ProjSpec) -> tuple[Tensor, Optional[Tensor]]:
 
 def run_ffn(module: nn.Module, spec: FFNSpec, x: Tensor) -> Tensor:
     """The prepared forward: one twell op with the module's current parameters."""
-    from twell_compile import dispatch, ops  # noqa: F401  (registers torch.ops.twell)
-
     wg, bg = _weights(module, spec.gate)
     wu, bu = _weights(module, spec.up) if spec.up is not None else (None, None)
     wd, bd = _weights(module, spec.down)
@@ -243,17 +240,19 @@ def run_ffn(module: nn.Module, spec: FFNSpec, x: Tensor) -> Tensor:
                                  for t in (x, wg, bg, wu, bu, wd, bd))
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return torch.ops.twell.ffn_train.default(x, wg, bg, wu, bu, wd, bd, spec.ell_width, spec.backup_rows,
-                                                 spec.l1_scale, spec.layer, spec.stats, spec.instance)[0]
-    if spec.skip_dense and dispatch.static_dense_reason(x.device, dtype, None, wg.shape[1], wg.shape[0],
-                                                        wd.shape[0]) is not None:
-        # Our op would run dense here (e.g. fp32 on CUDA): the plain formula, which the backend
-        # then leaves to Inductor as it does for unprepared FFNs (twell.skip_dense).
+                                                 spec.l1_scale, spec.layer, spec.stats, spec.instance,
+                                                 spec.kernel)[0]
+    if spec.skip_dense and static_reason(x.device, dtype, None, wg.shape[1], wg.shape[0], wd.shape[0],
+                                         gated=wu is not None, kernel=spec.kernel) is not None:
+        # Our op would run slower than dense here (e.g. fp32 on CUDA): the plain formula, which
+        # the backend then leaves to Inductor as it does for unprepared FFNs (twell.skip_dense).
+        # (The token count is not asked: it would put a guard on every prepared FFN's input.)
         h = F.relu(F.linear(x, wg, bg))
         if wu is not None:
             h = h * F.linear(x, wu, bu)
         return F.linear(h, wd, bd)
-    return torch.ops.twell.ffn.default(x, wg, bg, wu, bu, wd, bd, spec.tile_n, spec.slots, spec.layer, spec.stats,
-                                       spec.instance)
+    return torch.ops.twell.ffn.default(x, wg, bg, wu, bu, wd, bd, spec.layer, spec.stats, spec.instance,
+                                       spec.kernel)
 
 
 def _is_dtensor(t: Tensor) -> bool:
@@ -349,8 +348,6 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Re
     if isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__.startswith("FSDP"):
         raise ValueError(f"model is already wrapped ({type(model).__name__}): call prepare on the plain "
                          "model, then wrap it with DDP or fully_shard")
-    from twell_compile.ops import next_instance
-
     config, rest = TwellConfig.from_options(options)
     if rest:
         key = sorted(map(str, rest))[0]

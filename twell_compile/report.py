@@ -122,17 +122,17 @@ class Report:
             rows += [(r.layer or "-", ("gated" if r.gated else "non-gated") + (", prepared" if r.via == "prepare" else ""),
                       r.op, r.tokens_shape, str(r.k), str(r.n), str(r.k_out), r.dtype) + ((r.graph,) if many else ())
                      for r in self.rewrites]
-            lines += _table(rows)
+            lines += table(rows)
         if self.rejections:
             lines.append("")
-            lines += _table([("not prepared" if self.by_prepare else "left to Inductor", "reason") + (("graph",) if many else ())]
+            lines += table([("not prepared" if self.by_prepare else "left to Inductor", "reason") + (("graph",) if many else ())]
                             + [(r.layer or "-", r.reason) + ((r.graph,) if many else ()) for r in self.rejections])
         return "\n".join(lines)
 
     __repr__ = __str__
 
 
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
+def table(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
     return [fmt(rows[0]), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows[1:]]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from twell_compile.report import _table
+from twell_compile.report import table
 
 # On the device: [sum of non-zeros over tokens, max non-zeros of one token, sum of |h|,
 # overflows]. Tokens and hidden width are shapes, known on the host at every call.
@@ -64,7 +64,7 @@ class StatsTable(dict):
         rows = [("layer", "tokens", "hidden", "mean nnz", "density", "max nnz", "mean |h|", "overflows")]
         rows += [(name, str(s.tokens), str(s.hidden), f"{s.mean_nnz:.1f}", f"{100 * s.density:.2f}%",
                   str(s.max_nnz), f"{s.l1:.4g}", str(s.overflows)) for name, s in self.items()]
-        return "\n".join([f"twell layer_stats: {len(self)} layer(s), each from its latest call"] + _table(rows))
+        return "\n".join([f"twell layer_stats: {len(self)} layer(s), each from its latest call"] + table(rows))
 
     __repr__ = __str__
 

@@ -5,9 +5,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import bench_decode  # noqa: E402
-import bench_ffn  # noqa: E402
+from benchmarks import bench_decode  # noqa: E402
+from benchmarks import bench_ffn  # noqa: E402
 
 
 @pytest.mark.parametrize("argv,match", [

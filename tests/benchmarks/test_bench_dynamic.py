@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import bench_dynamic  # noqa: E402
+from benchmarks import bench_dynamic  # noqa: E402
 
 
 def _stand_ins():

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import bench_floor  # noqa: E402
+from benchmarks import bench_floor  # noqa: E402
 
 
 @pytest.mark.parametrize("shuffle", [False, True])

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import timing  # noqa: E402
+from benchmarks import timing  # noqa: E402
 
 
 def test_interleaved_rounds_rotate_and_take_the_median(monkeypatch):

@@ -14,9 +14,9 @@ pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent("""
     import torch
-    from twell_compile.kernels import cuda_infer
-    cuda_infer.DENSE_BLOCK = 64          # several column steps on small rows
-    cuda_infer.DENSE_PROGRAMS = {programs}  # 1: one span per row; 64: rows split into spans
+    from twell_compile.runtime import arch, cuda_infer
+    # several column steps on small rows; 1 program: one span per row, 64: rows split into spans
+    arch.patched(dense_block=64, dense_programs={programs}).__enter__()
     torch.manual_seed({seed})
     m, n, gated, strided, bad = {case}
     dt = torch.float16

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_tiny import LAYERS, VOCAB, build
-from rewrite_harness import PassBackend, check_close
+from tests.models.hf_tiny import LAYERS, VOCAB, build
+from tests.passes.rewrite_harness import PassBackend, check_close
 
 pytest.importorskip("transformers")
 

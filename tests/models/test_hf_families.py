@@ -14,8 +14,8 @@ import torch
 
 import twell_compile
 
-from hf_tiny import FAMILIES, LAYERS, VOCAB, build, main_output
-from rewrite_harness import PassBackend, check_close
+from tests.models.hf_tiny import FAMILIES, LAYERS, VOCAB, build, main_output
+from tests.passes.rewrite_harness import PassBackend, check_close
 
 pytest.importorskip("transformers")
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from twell_compile.backend import twell_backend
 
-from hf_tiny import VOCAB, build, main_output
-from rewrite_harness import TWELL_OPS, check_close
+from tests.models.hf_tiny import VOCAB, build, main_output
+from tests.passes.rewrite_harness import TWELL_OPS, check_close
 
 
 class CountingTwell:

@@ -20,8 +20,8 @@ from torch.utils.checkpoint import checkpoint
 import twell_compile
 from twell_compile.config import TwellConfig
 
-from ffn_zoo import Spec, build, eager_allows, specs
-from rewrite_harness import REPLACED_FNS, REPLACED_METHODS, TWELL_OPS, PassBackend, check_close
+from tests.passes.ffn_zoo import Spec, build, eager_allows, specs
+from tests.passes.rewrite_harness import REPLACED_FNS, REPLACED_METHODS, TWELL_OPS, PassBackend, check_close
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 

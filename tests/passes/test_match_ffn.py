@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 import twell_compile
 from twell_compile.passes.match_ffn import Match, Rejection, find_ffns, module_path, skip, transform_regions
 
-from ffn_zoo import Spec, build, eager_allows, specs
-from graph_capture import dynamo_graph, param_name
-from rewrite_harness import PassBackend, check_close
+from tests.passes.ffn_zoo import Spec, build, eager_allows, specs
+from tests.passes.graph_capture import dynamo_graph, param_name
+from tests.passes.rewrite_harness import PassBackend, check_close
 
 
 def _names(spec: Spec) -> tuple[str, str | None, str]:

@@ -1,0 +1,58 @@
+"""Helpers shared by the test suite: error measures, the 2x-eager tolerance rule, poisoned
+allocations, and the synthetic inputs' argument order.
+
+Kernel numerics follow one rule: error against a higher-precision reference at most 2x plain
+PyTorch's error in the same dtype (``check_close``). Outputs are checked after ``poison()``
+fills recently freed device memory with NaN, so a kernel that leaves an output unwritten fails.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ARG_NAMES = ("x", "w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down")
+
+
+def ffn_args(p: dict) -> tuple:
+    """The op's seven tensor arguments from ``twell_compile.testing.make_ffn``'s dict."""
+    return tuple(p[name] for name in ARG_NAMES)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor, finite_only: bool = False) -> float:
+    """||a - b|| / ||b|| in fp64 (over b's finite entries with ``finite_only``)."""
+    a, b = a.double(), b.double()
+    if finite_only:
+        fin = torch.isfinite(b)
+        a, b = a[fin], b[fin]
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def poison(mib: int = 256, device: str = "cuda") -> None:
+    """Fill recently freed allocator blocks with NaN so unwritten outputs show."""
+    junk = torch.full((mib << 18,), float("nan"), device=device)
+    del junk
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def check_close(name: str, got: torch.Tensor, eager: torch.Tensor, ref64: torch.Tensor | None = None) -> None:
+    """fp32/fp64: tight against eager. bf16/fp16: error vs fp64 at most 2x eager's own error.
+
+    The low-precision rule allows one extra half-ulp at the output's scale on top: on a handful
+    of elements eager can round to the exact fp64 value by luck (error 0), which no other
+    correct summation order is obliged to repeat.
+    """
+    assert got.shape == eager.shape, f"{name}: shape {tuple(got.shape)} != eager {tuple(eager.shape)}"
+    assert got.dtype == eager.dtype, f"{name}: dtype {got.dtype} != eager {eager.dtype}"
+    if got.dtype in (torch.float32, torch.float64) or ref64 is None:
+        scale = max(eager.double().abs().max().item() if eager.numel() else 0.0, 1.0)
+        tol = (1e-5 if got.dtype == torch.float32 else 1e-12) * scale
+        err = max_err(got, eager)
+        assert err <= tol, f"{name}: max error {err:.3g} vs eager > {tol:.3g}"
+        return
+    err, eager_err = max_err(got, ref64), max_err(eager, ref64)
+    floor = 0.5 * torch.finfo(got.dtype).eps * (ref64.abs().max().item() if ref64.numel() else 0.0)
+    assert err <= 2 * eager_err + floor, (
+        f"{name}: error vs fp64 {err:.3g} > 2 x eager {got.dtype} error {eager_err:.3g}")

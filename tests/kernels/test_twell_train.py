@@ -1,0 +1,165 @@
+"""The CUDA training kernels (kernels/twell_train_*.py, through runtime/cuda_train.py) on the CPU under TRITON_INTERPRET=1, tiny
+odd shapes, one subprocess per case (the interpreter is chosen when kernels are defined).
+
+Each case runs the sparse forward + sparse backward, the dense forward + dense backward, and
+the dense forward's compact state (and the sparse one's) into the densifying backward, against fp64 autograd of the same loss (sum(y * dy) + l1 * mean|h|): every gradient within 2x
+of fp16 eager autograd's error, NaN patterns equal to eager's, the sparse state unpacking bit
+for bit to relu(g), the dense state holding g and u bit for bit. fp16 only (see
+test_twell_rows.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent("""
+    import math, torch, torch.nn.functional as F
+    from twell_compile.runtime import arch, cuda_train as ct
+    from twell_compile.formats import Hybrid, backup_capacity, unpack_hybrid
+    dy_ent, x_ent = {ent}
+    # several K chunks per neuron in the weight-gradient kernel, several steps per neuron
+    arch.patched(wg_bk=32, wg_dy_entries=dy_ent, wg_x_entries=x_ent).__enter__()
+    torch.manual_seed({seed})
+    m, k, n, ko, gated, bias, width, brows, bad, l1, dens = {case}
+    dt = torch.float16
+    x = torch.randn(m, k)
+    x[:, 0] = 1.0
+    x[: m // 3] *= 1.6                                     # busier rows
+    wg = torch.randn(n, k) / (k - 1) ** .5
+    shift = -1e4 if dens == 0 else (8.0 if dens == 1 else
+                                    -float(torch.special.ndtri(torch.tensor(1 - dens, dtype=torch.float64))))
+    wg[:, 0] = shift
+    ws = dict(x=x, w_gate=wg,
+              b_gate=torch.randn(n) * .1 if bias else None,
+              w_up=torch.randn(n, k) / k ** .5 if gated else None,
+              b_up=torch.randn(n) if bias and gated else None,
+              w_down=torch.randn(ko, n) / (n * max(dens, .05)) ** .5,
+              b_down=torch.randn(ko) if bias else None)
+    ws = {{key: None if v is None else v.to(dt) for key, v in ws.items()}}
+    if bad:
+        ws["x"][1, 3] = float("nan"); ws["x"][2, 5] = float("inf")
+    dy = torch.randn(m, ko).to(dt)
+    if bad:
+        dy[3, 1] = float("nan")
+    names = ["x", "w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down"]
+    args = [ws[a] for a in names]
+    l1s = 0.5 if l1 else 0.0
+
+    def autograd(dtype):
+        leaves = [None if a is None else a.to(dtype).requires_grad_() for a in args]
+        xx, wg_, bg_, wu_, bu_, wd_, bd_ = leaves
+        hg = torch.relu(F.linear(xx, wg_, bg_))
+        h = hg * F.linear(xx, wu_, bu_) if gated else hg
+        y = F.linear(h, wd_, bd_)
+        loss = (y * dy.to(dtype)).sum() + l1s * h.abs().mean()
+        loss.backward()
+        return y.detach(), [None if a is None else a.grad for a in leaves]
+
+    yref, gref = autograd(torch.float64)
+    yeag, geag = autograd(dt)
+    cap = int(backup_capacity(m, brows))
+
+    def rel(a, b):
+        fin = torch.isfinite(b)
+        return float((a.double()[fin] - b[fin]).norm() / b[fin].norm().clamp_min(1e-30))
+
+    def check(tag, y, grads):
+        if y is not None:
+            assert torch.equal(torch.isnan(y), torch.isnan(yeag)), (tag, "y nan")
+            e, d = rel(y, yref), rel(yeag, yref)
+            assert e <= 2 * d + 1e-6, (tag, "y", e, d)
+        for name, g, r, ge in zip(names, grads, gref, geag):
+            if r is None:
+                assert g is None, (tag, name)
+                continue
+            assert g.dtype == dt and g.shape == r.shape, (tag, name, g.dtype, g.shape)
+            assert torch.equal(torch.isnan(g), torch.isnan(ge)), (tag, name, "nan pattern",
+                                                                 torch.isnan(g).sum(), torch.isnan(ge).sum())
+            e, d = rel(g, r), rel(ge, r)
+            assert e <= 2 * d + 1e-6, (tag, name, e, d)
+
+    def state_ok(tag, st):
+        cnt, cols, ell_g, ell_u, bidx, bg, bu = st
+        g = F.linear(args[0], args[1], args[2])
+        hg = torch.relu(g)
+        assert torch.equal(cnt, (hg != 0).sum(1).int() if not bad else cnt), tag
+        fin = torch.isfinite(args[0]).all(1)
+        assert torch.equal(cnt[fin], (hg[fin] != 0).sum(1).int()), (tag, "counts")
+        rows = bidx[bidx >= 0]
+        assert len(set(rows.tolist())) == rows.numel(), (tag, "backup rows unique")
+        busy = (cnt > width) | ~fin
+        assert busy[rows].all() and rows.numel() == min(int(busy.sum()), cap), (tag, "backup rows")
+        rec = lambda r: torch.relu(F.linear(args[0][r], args[1], args[2]))
+        dense = unpack_hybrid(Hybrid(ell_g, cols, cnt, bidx, bg), n, rec)
+        same = (dense.view(torch.int16) == hg.view(torch.int16)) | (torch.isnan(dense) & torch.isnan(hg))
+        assert same[fin].all(), (tag, "state != relu(g)")
+
+    def backward(sparse, st):
+        if sparse == "densify":
+            out = ct.backward_densify(dy, *args[:6], *st, l1s / max(m * n, 1))
+        elif sparse:
+            out = ct.backward_sparse(dy, *args[:6], *st, l1s / max(m * n, 1))
+        else:
+            out = ct.backward_dense(dy, *args[:6], st[5], st[6] if gated else None, l1s / max(m * n, 1))
+        dx, dwg, dbg, dwu, dbu, dwd = out
+        return [dx, dwg, dbg, dwu, dbu, dwd, dy.sum(0) if bias else None]
+
+    y, hsum, *st, missing = ct.forward_sparse(*args, width, cap)
+    assert hsum.shape == (m,)
+    state_ok("sparse", st)
+    check("sparse/sparse", y, backward(True, st))
+    yd, hsumd, (*std, missd) = ct.forward_dense(*args, width, cap)
+    cnt_d, _, _, _, bidx_d, g_d, u_d = std
+    g = F.linear(args[0], args[1], args[2])
+    assert torch.equal(bidx_d, torch.arange(m)), "dense state rows"
+    assert int(missd) == int(missing), ("rows past the backup", int(missd), int(missing))
+    assert torch.equal(g_d.view(torch.int16), g.view(torch.int16)), "dense state g"
+    if gated:
+        assert torch.equal(u_d.view(torch.int16), F.linear(args[0], args[3], args[4]).view(torch.int16)), "dense u"
+    fin = torch.isfinite(args[0]).all(1)
+    assert torch.equal(cnt_d[fin], (torch.relu(g[fin]) != 0).sum(1).int()), "dense counts"
+    hd = torch.relu(F.linear(args[0], args[1], args[2]))
+    if args[3] is not None:
+        hd = hd * F.linear(args[0], args[3], args[4])
+    assert torch.allclose(hsumd, hd.float().abs().sum(1), rtol=1e-3, atol=1e-3, equal_nan=True), "dense |h| sums"
+    check("dense/dense", yd, backward(False, std))
+    yc, _, (*stc, missc) = ct.forward_dense(*args, width, cap, compact=True)
+    state_ok("compact", stc)
+    assert int(missc) == int(missing), ("compact lost rows", int(missc), int(missing))
+    check("compact/densify", yc, backward("densify", stc))
+    check("sparse/densify", None, backward("densify", st))
+    print("ok missing", int(missing), "busy", int((st[0] > width).sum()))
+""")
+
+CASES = [
+    # m, k, n, k_out, gated, bias, ell width, backup_rows, nan/inf, l1, density
+    (7, 40, 100, 24, True, True, 8, 2, False, False, 0.05),   # busy rows, all in the backup
+    (9, 33, 70, 40, True, False, 2, 1000, False, True, 0.1),  # backup (2 rows) overflows: recompute
+    (6, 40, 70, 17, False, True, 4, 3, False, True, 0.1),     # non-gated, L1
+    (5, 40, 50, 24, True, True, 8, 2, False, False, 0.0),     # nothing fires
+    (5, 24, 50, 24, True, True, 8, 2, False, True, 1.0),      # everything fires, L1
+    (6, 40, 70, 40, True, True, 4, 3, True, False, 0.05),     # NaN/Inf in x, NaN in dy
+    (6, 40, 70, 40, False, False, 4, 1000, True, False, 0.05),  # the same, non-gated, no backup room
+    (0, 40, 70, 24, True, True, 8, 2, False, True, 0.1),      # no rows: empty y and dx, zero weight grads
+    (40, 24, 24, 16, True, True, 16, 2, False, True, 0.3),   # ~12 entries per neuron: many wgrad steps
+]
+
+
+# wgrad entries per step (DY, X): small ones give several steps per neuron in every case; the
+# last case (~12 entries per neuron) also runs the shipped config (the records' wg_*_entries)
+@pytest.mark.parametrize("case, ent", [(c, (1, 2)) for c in CASES] + [(CASES[-1], (4, 4))])
+def test_train_kernels_under_interpreter(case, ent):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-c", SCRIPT.format(seed=sum(case[:4]), case=case, ent=ent)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    old = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7)
+    if r.returncode != 0 and old and "InterpreterError" in r.stderr:
+        pytest.skip(f"Triton {triton.__version__} interpreter cannot run the kernels: {r.stderr[-200:]}")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert r.stdout.startswith("ok"), r.stdout

@@ -1,0 +1,292 @@
+"""The C++ CPU inference kernel (csrc/cpu_ffn.cpp, runtime/cpu_ffn.py): exactness, NaN/Inf,
+layouts, the plan's choice.
+
+Exactness rule: relative error vs an fp64 reference at most 2x that of plain PyTorch in the same
+dtype. The op is called with ``kernel="cpu"`` (the kernel at any size), and both kernel paths
+(sparse up/down and the in-kernel dense branch) run on every case through the CPU record's
+density thresholds; the real thresholds are tested separately.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import twell_compile.ops  # noqa: F401
+from twell_compile import build, stats
+from twell_compile.reference import ffn_dense
+from twell_compile.runtime import arch, cpu_ffn, select, torch_impl
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    # A build failure must fail these tests (never skip them): the message carries the reason.
+    assert cpu_ffn.active_impl() == "cpu_ffn"
+
+
+@pytest.fixture(params=["sparse", "dense"])
+def path(request):
+    limit = 2.0 if request.param == "sparse" else -1.0
+    with arch.patched(max_density_small=limit, max_density_mid=limit, max_density_large=limit):
+        yield request.param
+
+
+def make(m, k, n, k_out, density, dtype, *, gated=True, bias=False, tail=0.0, seed=0):
+    """Anchors-style inputs: ``density`` of the gates positive on average (0 and 1 exactly)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.exp(tail * torch.randn(m, 1, generator=g))
+    x[:, 0] = 1.0
+    wg = torch.randn(n, k, generator=g) / math.sqrt(k)
+    if density <= 0.0:
+        wg[:, 0] = -1e4
+    elif density >= 1.0:
+        wg[:, 0] = 1e4
+    else:
+        wg[:, 0] = -torch.special.ndtri(torch.tensor(1.0 - density)).item()
+    wu = torch.randn(n, k, generator=g) / math.sqrt(k) if gated else None
+    wd = torch.randn(k_out, n, generator=g) / math.sqrt(n * max(density, 0.01))
+    b = (lambda size: torch.randn(size, generator=g) / 4) if bias else (lambda size: None)
+    ts = dict(x=x, w_gate=wg, b_gate=b(n), w_up=wu, b_up=b(n) if gated else None, w_down=wd, b_down=b(k_out))
+    return {key: None if t is None else t.to(dtype) for key, t in ts.items()}
+
+
+def args(t):
+    return t["x"], t["w_gate"], t["b_gate"], t["w_up"], t["b_up"], t["w_down"], t["b_down"]
+
+
+def twell(t, layer="t", keep_stats=False, kernel="cpu"):
+    """The op on the C++ kernel at any size (small shapes keep these tests fast)."""
+    return torch.ops.twell.ffn(*args(t), layer, keep_stats, 0, kernel)
+
+
+def rel_err(y, ref):
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+def check_exact(t):
+    y = twell(t)
+    dense = ffn_dense(*args(t))
+    ref = ffn_dense(*(None if a is None else a.double() for a in args(t)))
+    assert y.shape == dense.shape and y.dtype == dense.dtype
+    assert torch.isfinite(y).all()
+    if ref.norm() == 0:
+        assert (y == 0).all()
+        return
+    e, e_dense = rel_err(y, ref), rel_err(dense, ref)
+    assert e <= 2 * e_dense, f"twell rel err {e:.3e} > 2 x dense {e_dense:.3e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.1, 0.5, 1.0])
+@pytest.mark.parametrize("m", [1, 37])
+def test_exact_grid(path, dtype, density, m):
+    # Odd K, N, K_out: every SIMD remainder loop runs.
+    check_exact(make(m, 67, 203, 53, density, dtype, bias=True, seed=m))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated,bias", [(True, False), (False, False), (False, True)])
+def test_exact_variants(path, dtype, gated, bias):
+    check_exact(make(29, 130, 300, 130, 0.05, dtype, gated=gated, bias=bias, seed=3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_tail_and_busy_rows(path, dtype):
+    t = make(300, 64, 517, 64, 0.02, dtype, tail=1.0, seed=5)
+    t["x"][7] = t["x"][7].abs() * 4  # with x[:, 0] = 1 still: a row far busier than the rest
+    t["x"][7, 0] = 30.0
+    check_exact(t)
+
+
+def test_three_dim_input_and_large_k(path):
+    t = make(6, 1040, 96, 1040, 0.1, torch.float32, seed=6)
+    t["x"] = t["x"].reshape(2, 3, 1040)
+    check_exact(t)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_contiguous_weights(path, dtype):
+    t = make(21, 72, 150, 40, 0.1, dtype, bias=True, seed=7)
+    ref = ffn_dense(*args(t))
+    fused = torch.cat([torch.randn_like(t["w_up"]), t["w_up"]])      # row slice of a fused weight
+    wide = torch.cat([t["w_down"], torch.randn_like(t["w_down"])], 1)  # strided rows, unit cols
+    variants = [
+        dict(w_gate=t["w_gate"].t().contiguous().t(), w_up=t["w_up"].t().contiguous().t(),
+             w_down=t["w_down"].t().contiguous().t()),  # transposed views (W_down^T free)
+        dict(w_up=fused[150:], w_down=wide[:, :150]),
+    ]
+    for v in variants:
+        y = twell({**t, **v})
+        torch.testing.assert_close(y, ref, **({} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
+        check_exact({**t, **v})
+
+
+@pytest.mark.parametrize("how", ["in_place", "data", "rebind_max"])
+def test_kernel_reads_weights_as_they_are_now(path, how):
+    """No derived copy: updates that bump no version counter (through .data) are seen too,
+    including one that makes W_up's maximum (the overflow rule's bound) non-finite."""
+    t = make(9, 48, 100, 48, 0.2, torch.float32, seed=8)
+    wide = torch.cat([t["w_down"], t["w_down"]], 1)
+    t["w_down"] = wide[:, :100]  # not a transposed view: the kernel packs W_down's columns
+    y0 = twell(t)
+    if how == "in_place":
+        with torch.no_grad():
+            wide.mul_(-3.0)
+        torch.testing.assert_close(twell(t), -3.0 * y0, rtol=1e-5, atol=1e-5)
+    elif how == "data":
+        wide.data.mul_(-3.0)
+        torch.testing.assert_close(twell(t), -3.0 * y0, rtol=1e-5, atol=1e-5)
+    else:
+        t["w_up"].data[5, 7] = float("inf")
+        dense = ffn_dense(*args(t))
+        assert torch.equal(torch.isnan(twell(t)), torch.isnan(dense))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_outputs_fully_written(path, dtype):
+    # Poison the allocator's free lists with NaN blocks of the output's sizes, then run.
+    t = make(37, 67, 203, 53, 0.01, dtype, bias=False, seed=9)
+    for _ in range(3):
+        junk = [torch.full((37, 53), float("nan"), dtype=d) for d in (dtype, torch.float32) for _ in range(4)]
+        del junk
+        y = twell(t)
+        assert torch.isfinite(y).all()
+        check_exact(t)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("poison", ["nan", "inf", "-inf", "huge"])
+@pytest.mark.parametrize("m", [1, 12])
+def test_non_finite_x_propagates_like_dense(path, dtype, gated, poison, m):
+    t = make(m, 40, 90, 40, 0.05, dtype, gated=gated, seed=10 + m)
+    value = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "huge": 1e38}[poison]
+    row = m // 2
+    t["x"][row, 5] = value
+    if poison == "huge" and gated:
+        # Finite x whose up projection overflows only at inactive neurons: dense makes
+        # 0 * inf = NaN there (and NaN in the whole output row); skipping them would not.
+        t["w_gate"][:, 5] = 0.0
+        idle = F.linear(t["x"][row], t["w_gate"], t["b_gate"]) <= 0
+        t["w_up"][:, 5] = 4.0 * idle.to(t["w_up"].dtype)
+    y, dense = twell(t), ffn_dense(*args(t))
+    assert torch.equal(torch.isnan(y), torch.isnan(dense))
+    assert torch.equal(torch.isinf(y), torch.isinf(dense))
+    assert torch.equal(torch.sign(y[torch.isinf(y)]), torch.sign(dense[torch.isinf(dense)]))
+    fin = torch.isfinite(dense)
+    diff = (y[fin].double() - dense[fin].double()).norm() / dense[fin].double().norm().clamp_min(1e-30)
+    assert diff <= (1e-5 if dtype == torch.float32 else 3e-2)
+    others = [r for r in range(m) if r != row]
+    assert torch.isfinite(y[others]).all()
+
+
+@pytest.mark.parametrize("which", ["w_up", "w_down"])
+def test_non_finite_weights_propagate_like_dense(path, which):
+    t = make(8, 32, 64, 32, 0.05, torch.float32, seed=11)
+    t[which][3, 4] = float("inf")
+    y, dense = twell(t), ffn_dense(*args(t))
+    assert torch.equal(torch.isnan(y), torch.isnan(dense))
+    assert torch.equal(torch.isinf(y), torch.isinf(dense))
+
+
+def test_stats_match_plain_pytorch(path):
+    t = make(33, 64, 256, 64, 0.05, torch.float32, seed=12)
+    stats.reset_stats()
+    twell(t, layer="cpu", keep_stats=True)
+    got = stats.layer_stats()["cpu"]
+    stats.reset_stats()
+    torch_impl.ffn_infer(*args(t), "cpu", True)
+    want = stats.layer_stats()["cpu"]
+    stats.reset_stats()
+    assert (got.tokens, got.hidden, got.max_nnz, got.overflows) == (want.tokens, want.hidden, want.max_nnz, 0)
+    assert got.mean_nnz == want.mean_nnz
+    assert got.l1 == pytest.approx(want.l1, rel=1e-5)
+
+
+# ------------------------------------------------------------------------------- the plan
+def test_plan_picks_the_kernel_by_dtype_and_size():
+    def path(m, dtype):
+        return select.plan_infer(torch.empty(m, 64, dtype=dtype), 512, 64, True, "t", False).path
+
+    with arch.patched(min_work=1 << 17):
+        for dtype in DTYPES:  # 4 x 512 x 128 = 2^18 multiply-adds
+            assert path(4, dtype) == "cpu"
+            assert path(1, dtype) == "torch"    # 2^16
+        for dtype in (torch.float16, torch.float64):
+            assert path(4, dtype) == "torch"
+
+
+def test_in_kernel_branch_follows_the_counted_density():
+    t = make(64, 64, 256, 64, 0.1, torch.float32, seed=13)
+    x, wg, bg, wu, bu, wd, bd = args(t)
+    density = (F.linear(x, wg) > 0).float().mean().item()
+    mod = cpu_ffn.extension()
+    ys = {}
+    # W_down in nn.Linear's layout (packed per call) and as a transposed view (read in place).
+    for layout, w in (("rows", wd), ("view", wd.t().contiguous().t())):
+        for thr, want_dense in ((density - 0.01, True), (density + 0.01, False)):
+            y, counts, _, dense = mod.ffn_forward(x, wg, bg, wu, bu, w, bd, thr, False, 16)
+            assert bool(dense) is want_dense
+            assert counts.sum().item() == (F.linear(x, wg) > 0).sum().item()
+            ys[layout, want_dense] = y
+    for key, y in ys.items():
+        torch.testing.assert_close(y, ys["rows", True], rtol=1e-5, atol=1e-5, msg=str(key))
+
+
+def test_threshold_is_measured_shape_rule():
+    ms = [1, 4, 16, 64, 256, 2048, 65536]
+    thr = [arch.CPU.max_density(m) for m in ms]
+    assert all(0.0 < v < 1.0 for v in thr)
+    assert thr == sorted(thr, reverse=True)  # more tokens: dense GEMMs amortise, sparse wins less
+    assert arch.CPU.max_density(2048) < 0.2 < arch.CPU.max_density(1)  # docs/cpu.md measurements
+    assert 16 <= cpu_ffn.block_tokens(2048, 2048, 4) <= 512
+
+
+def test_build_failure_warns_once_and_falls_back(monkeypatch):
+    def broken(name, openmp=False):
+        raise build.BuildError("no compiler (simulated)")
+
+    monkeypatch.setattr(cpu_ffn, "_module", None)
+    monkeypatch.setattr(cpu_ffn, "_failure", None)
+    monkeypatch.setattr(cpu_ffn, "load", broken)
+    t = make(5, 16, 40, 16, 0.1, torch.float32, seed=14)
+    with warnings.catch_warnings(record=True) as caught, arch.patched(min_work=0):
+        warnings.simplefilter("always")
+        y1, y2 = twell(t, kernel="auto"), twell(t, kernel="auto")
+        assert select.plan_infer(t["x"], 40, 16, True, "t", False).path == "torch"
+        with pytest.raises(ValueError, match="must build"):
+            twell(t)
+    assert [str(w.message) for w in caught if "CPU kernel unavailable" in str(w.message)] == [
+        "twell: CPU kernel unavailable, using plain PyTorch: no compiler (simulated)"]
+    assert cpu_ffn.active_impl() == "torch_impl: no compiler (simulated)"
+    assert torch.equal(y1, ffn_dense(*args(t))) and torch.equal(y2, y1)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, k, n):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(k, n), nn.Linear(k, n), nn.Linear(n, k)
+
+    def forward(self, x):
+        return self.down(F.relu(self.gate(x)) * self.up(x))
+
+
+def test_compiled_model_runs_the_cpu_kernel(monkeypatch):
+    torch.manual_seed(15)
+    net = GatedMLP(48, 160)
+    with torch.no_grad():
+        net.gate.bias.fill_(-1.5)  # ~7% of gates open
+    calls = []
+    real = cpu_ffn.ffn_infer
+    monkeypatch.setattr(cpu_ffn, "ffn_infer", lambda *a: calls.append(a[0].shape) or real(*a))
+    x = torch.randn(2, 7, 48)
+    with torch.no_grad():
+        out = torch.compile(net, backend="twell")(x)
+        ref = net(x)
+    assert calls == [torch.Size([2, 7, 48])]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

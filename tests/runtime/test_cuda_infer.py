@@ -1,0 +1,264 @@
+"""GPU tests of the CUDA inference launchers (runtime/cuda_infer.py): exactness of the per-row
+TwELL kernels on every input (rows over the list width, long tail, NaN/Inf, odd shapes, M=1,
+density 0 and 1, poisoned outputs), the 2x-of-eager error rule, the dense/TwELL plan, stats,
+CUDA graphs and torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import twell_compile
+import twell_compile.ops  # noqa: F401
+from tests.helpers import ffn_args as _args, poison as _poison, rel as _rel
+from twell_compile.reference import ffn_dense
+from twell_compile.runtime import arch, cuda_infer, density, select
+from twell_compile.testing import make_ffn
+
+pytestmark = pytest.mark.gpu
+DT = [torch.bfloat16, torch.float16]
+# The plan's mechanism at test sizes: small M allowed, a cost model under which TwELL wins at
+# low density (the measured constants route these shapes dense).
+MECHANISM = dict(min_tokens=1024, min_width=1, gate_units=1.3, pair_units=80.0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_policy():
+    density.reset()
+    with arch.patched(**MECHANISM):
+        yield
+    density.reset()
+
+
+def _ffn(m, k, n, k_out, density, tail, dtype, gated=True, bias=True, seed=None):
+    """Synthetic FFN (anchors.md) plus random biases, K_out may differ from K."""
+    seed = torch.randint(0, 2**31, ()).item() if seed is None else seed
+    p = make_ffn(m, k, n, max(density, 1e-9), tail, gated=gated, dtype=torch.float32, seed=seed)
+    g = torch.Generator("cuda").manual_seed(seed + 1)
+    p["w_down"] = torch.randn(k_out, n, generator=g, device="cuda") / (n * max(density, 1e-3)) ** 0.5
+    if density == 0.0:
+        p["w_gate"][:, 0] = -1e4            # no gate ever fires
+    if bias:
+        p["b_gate"] = torch.randn(n, generator=g, device="cuda") * 0.1
+        p["b_up"] = torch.randn(n, generator=g, device="cuda") if gated else None
+        p["b_down"] = torch.randn(k_out, generator=g, device="cuda")
+    return {key: None if v is None else v.to(dtype) for key, v in p.items()}
+
+
+def _check_exact(p, width=32):
+    """Per-row path with list width ``width``, vs fp32 and eager."""
+    args = _args(p)
+    _poison()
+    y, counts, hsum = cuda_infer.twell_forward(*args, width)
+    ref = ffn_dense(*(None if a is None else a.float() for a in args))
+    eager = ffn_dense(*args)
+    assert torch.isfinite(y).all(), "unwritten or non-finite output"
+    if ref.norm() == 0:
+        assert (y == 0).all()
+        return counts
+    err, derr = _rel(y, ref), _rel(eager, ref)
+    assert err <= 2 * derr + 1e-6, f"rel err {err:.3e} > 2x eager's {derr:.3e}"
+    return counts
+
+
+@pytest.mark.parametrize("dtype", DT)
+@pytest.mark.parametrize("density,tail", [(0.0, 0.0), (0.005, 0.0), (0.005, 0.5), (0.02, 0.2),
+                                          (0.2, 0.0), (0.5, 0.5), (1.0, 0.0)])
+def test_exact_grid(dtype, density, tail):
+    p = _ffn(3000, 256, 1000, 256, density, tail, dtype)
+    counts = _check_exact(p, width=32)
+    if density >= 0.2:
+        assert (counts > 32).any()          # the exact tail over g ran
+
+
+@pytest.mark.parametrize("width", [1, 8, 64, 1024])
+def test_rows_lists_match_relu_g_and_overflow_rows_exact(width):
+    """vals/cols hold the first W non-zeros of relu(g) in column order, cnt all of them, order
+    every row once with those over W first; rows over W (a mix at this density) stay exact."""
+    p = _ffn(1200, 192, 900, 160, 0.05, 0.5, torch.bfloat16)
+    r = cuda_infer.gate_rows(p["x"], p["w_gate"], p["b_gate"], width)
+    hg = torch.relu(F.linear(p["x"], p["w_gate"], p["b_gate"]))
+    assert torch.equal(r.cnt, (hg != 0).sum(1).int())
+    for i in (0, 5, 600, 1199):
+        nz = (hg[i] != 0).nonzero().reshape(-1)[:width]
+        c = min(int(r.cnt[i]), width)
+        assert torch.equal(r.cols[i, :c].long(), nz)
+        assert torch.equal(r.vals[i, :c], hg[i, nz])
+    if width in (8, 64):
+        assert ((r.cnt > width).any() and (r.cnt <= width).any())
+    o = r.order.long()                  # the row kernels' order: a permutation, rows over W first
+    assert torch.equal(o.sort().values, torch.arange(len(o), device=o.device))
+    over = (r.cnt[o] > width).int()
+    assert torch.equal(over, over.sort(descending=True, stable=True).values)
+    _check_exact(p, width=width)
+
+
+@pytest.mark.parametrize("m,k,n,k_out,gated,bias,width", [
+    (1, 2048, 5632, 2048, True, False, 16),
+    (1, 100, 300, 70, False, True, 16),
+    (7, 200, 1000, 136, True, True, 8),
+    (513, 130, 777, 129, False, False, 16),
+    (1025, 96, 2100, 96, True, True, 32),
+    (300, 64, 257, 64, True, True, 32),
+])
+@pytest.mark.parametrize("dtype", DT)
+def test_odd_shapes(m, k, n, k_out, gated, bias, width, dtype):
+    p = _ffn(m, k, n, k_out, 0.05, 0.3, dtype, gated=gated, bias=bias)
+    _check_exact(p, width=width)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_dense_rows_take_the_exact_tail(gated):
+    # density 0.6: nearly every row is far over the list width: the tail over g does most pairs
+    p = _ffn(2048, 128, 1024, 128, 0.6, 0.0, torch.bfloat16, gated=gated)
+    _check_exact(p, width=64)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nan_inf_propagate_like_eager(gated, bad):
+    p = _ffn(1500, 256, 1000, 256, 0.01, 0.0, torch.bfloat16, gated=gated)
+    rows = torch.tensor([0, 17, 1499], device="cuda")
+    p["x"][rows, torch.tensor([5, 0, 255], device="cuda")] = bad
+    args = _args(p)
+    _poison()
+    y, _, _ = cuda_infer.twell_forward(*args, 16)
+    eager = ffn_dense(*args)
+    assert torch.equal(torch.isnan(y), torch.isnan(eager))
+    assert torch.equal(torch.isinf(y), torch.isinf(eager))
+    fin = torch.ones(1500, dtype=torch.bool, device="cuda")
+    fin[rows] = False
+    ref = ffn_dense(*(None if a is None else a[fin].float() if i == 0 else a.float() for i, a in enumerate(args)))
+    assert _rel(y[fin], ref) <= 2 * _rel(eager[fin], ref) + 1e-6
+
+
+def test_fresh_inputs_repeatable():
+    """Same inputs twice give the same bits (no race); fresh inputs each give a right answer."""
+    for _ in range(3):
+        p = _ffn(4096, 512, 1408, 512, 0.01, 0.2, torch.bfloat16)
+        a = cuda_infer.twell_forward(*_args(p), 32)[0]
+        b = cuda_infer.twell_forward(*_args(p), 32)[0]
+        assert torch.equal(a, b)
+        _check_exact(p, width=32)
+
+
+def test_weight_views_and_fused_gate_up():
+    p = _ffn(2048, 256, 704, 256, 0.02, 0.0, torch.bfloat16)
+    gate_up = torch.cat([p["w_gate"], p["w_up"]]).contiguous()
+    wd_t = p["w_down"].t().contiguous().t()            # a transposed view
+    wg_t = p["w_gate"].t().contiguous().t()
+    args = (p["x"], wg_t, p["b_gate"], gate_up[704:], p["b_up"], wd_t, p["b_down"])
+    y = cuda_infer.twell_forward(*args, 16)[0]
+    ref = ffn_dense(*(None if a is None else a.float() for a in args))
+    assert _rel(y, ref) <= 2 * _rel(ffn_dense(*args), ref) + 1e-6
+
+
+def test_op_plan_starts_dense_then_twell_and_stays_dense_when_dense():
+    for d, want in ((0.002, "twell"), (0.3, "dense")):
+        p = _ffn(4096, 256, 1024, 256, d, 0.0, torch.bfloat16)
+        layer = f"policy{d}"
+        assert select.plan_infer(p["x"], 1024, 256, True, layer, True).path == "dense"  # nothing measured
+        y0 = torch.ops.twell.ffn(*_args(p), layer, True)
+        torch.cuda.synchronize()
+        assert select.plan_infer(p["x"], 1024, 256, True, layer, True).path == want
+        y1 = torch.ops.twell.ffn(*_args(p), layer, True)
+        ref = ffn_dense(*(None if a is None else a.float() for a in _args(p)))
+        assert _rel(y1, ref) <= 2 * _rel(y0, ref) + 1e-6
+        st = twell_compile.layer_stats()[layer]
+        hg = torch.relu(F.linear(p["x"], p["w_gate"], p["b_gate"]))
+        assert st.tokens == 4096
+        assert abs(st.mean_nnz - float((hg != 0).sum()) / 4096) <= 0.01 * st.mean_nnz + 0.1
+
+
+def test_dense_paths_bit_identical_to_eager():
+    # M between the decode and per-row paths, fp32 (shape rule), and a dense layer (policy):
+    # eager's numbers, bit for bit
+    for m, dtype in ((200, torch.bfloat16), (1024, torch.float32), (1024, torch.float16)):
+        p = _ffn(m, 128, 512, 128, 0.3 if m == 1024 else 0.005, 0.0, dtype)
+        for _ in range(3):
+            y = torch.ops.twell.ffn(*_args(p), "dense_only", False)
+            torch.cuda.synchronize()
+        assert torch.equal(y, ffn_dense(*_args(p)))
+
+
+@pytest.mark.parametrize("m", [1, 64, 1024, 1025])
+@pytest.mark.parametrize("gated", [True, False])
+def test_dense_forward_without_counts_is_eager(m, gated):
+    """No statistics, no probe: eager's own relu and mul up to eager_elementwise_max_m rows (no
+    counts returned), the fused pass above it; eager's bits either way, NaN included."""
+    p = _ffn(m, 128, 512, 96, 0.05, 0.0, torch.bfloat16, gated=gated)
+    a = _args(p)
+    a[0][0, 3] = float("nan")                   # row 0 all NaN, as eager's
+    y, cnt, _ = cuda_infer.dense_forward(*a, counts=False)
+    ref = ffn_dense(*a)
+    assert y[0].isnan().all()
+    assert torch.equal(torch.nan_to_num(y, nan=7.0), torch.nan_to_num(ref, nan=7.0))
+    assert (cnt is None) == (m <= arch.cuda_default().eager_elementwise_max_m)
+
+
+class _MLP(nn.Module):
+    def __init__(self, k, n):
+        super().__init__()
+        self.gate_proj = nn.Linear(k, n, bias=False)
+        self.up_proj = nn.Linear(k, n, bias=False)
+        self.down_proj = nn.Linear(n, k, bias=False)
+        p = make_ffn(8, k, n, 0.002, 0.0, dtype=torch.float32)
+        with torch.no_grad():
+            self.gate_proj.weight.copy_(p["w_gate"])
+            self.up_proj.weight.copy_(p["w_up"])
+            self.down_proj.weight.copy_(p["w_down"])
+
+    def forward(self, x):
+        return self.down_proj(F.relu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _inputs(m, k):
+    x = torch.randn(m, k, device="cuda")
+    x[:, 0] = 1.0
+    return x.to(torch.bfloat16)
+
+
+def test_compile_end_to_end_uses_twell():
+    model = _MLP(256, 1024).cuda().to(torch.bfloat16)
+    f = torch.compile(model, backend="twell")
+    with torch.no_grad():
+        for _ in range(3):
+            x = _inputs(2048, 256)
+            y = f(x)
+            torch.cuda.synchronize()
+        ref = model.float()(x.float())
+    assert any(path == "twell" for _, _, _, path in density.snapshot())
+    assert _rel(y, ref) < 2e-2
+
+
+def test_reduce_overhead_captures_cuda_graphs_without_skips():
+    from torch._dynamo.utils import counters
+    counters.clear()
+    model = _MLP(256, 1024).cuda().to(torch.bfloat16)
+    f = torch.compile(model, backend="twell", mode="reduce-overhead")
+    x = _inputs(2048, 256)
+    with torch.no_grad():
+        outs = []
+        for _ in range(5):
+            outs.append(f(x).clone())
+            torch.cuda.synchronize()
+        ref = model.float()(x.float())
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert _rel(outs[-1], ref) < 2e-2
+    assert torch.equal(outs[-1], outs[-2])
+
+
+def test_forced_kernels_run_their_path_or_refuse():
+    """kernel= forces a path (the plan's argument): TwELL at any width the kernels take, dense,
+    and a clear error where the path cannot run the call."""
+    p = _ffn(300, 64, 257, 64, 0.05, 0.0, torch.bfloat16)
+    ref = ffn_dense(*(None if a is None else a.float() for a in _args(p)))
+    for kernel in ("twell", "dense", "auto"):
+        y = torch.ops.twell.ffn(*_args(p), f"forced_{kernel}", False, 0, kernel)
+        assert _rel(y, ref) <= 2 * _rel(ffn_dense(*_args(p)), ref) + 1e-6, kernel
+    with pytest.raises(ValueError, match="decode path takes"):
+        torch.ops.twell.ffn(*_args(p), "forced_decode", False, 0, "decode")
+    with pytest.raises(ValueError, match="per-row path takes"):
+        torch.ops.twell.ffn(*(a.float() if a is not None else None for a in _args(p)), "f", False, 0, "twell")

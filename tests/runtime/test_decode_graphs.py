@@ -1,0 +1,202 @@
+"""runtime/decode_graphs.py: eager decode calls of the op replayed from its own CUDA graphs.
+
+GPU tests (marker ``gpu``): fresh inputs every call checked against fp32 with the 2x rule,
+outputs poisoned-free and never aliased across calls, one graph per key, in-place weight
+updates seen by replays, nothing captured while the caller captures, the switch, nothing left
+in Inductor's cudagraph pool by a capture inside a reduce-overhead recompile's warm-up. CPU:
+the module never engages for CPU tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.helpers import ffn_args as _args, poison as _poison, rel as _rel
+from tests.runtime.test_cuda_decode import MECHANISM, _MLP, _ffn, gpu
+from tests.runtime.test_cuda_decode import decode_wins_everywhere  # noqa: F401  (a fixture)
+from twell_compile.runtime import arch, decode_graphs, decode_state as ds, density
+
+
+def test_not_usable_on_cpu():
+    assert not decode_graphs.usable(torch.zeros(2, 3))
+
+
+@pytest.fixture
+def decode_op():
+    """Clean state; the op then runs forced to one decode form per M (``_decode``)."""
+    density.reset()
+    decode_graphs.clear()
+    ds.clear()
+    with arch.patched(**MECHANISM):
+        yield
+    decode_graphs.clear()
+    ds.clear()
+    density.reset()
+
+
+def _decode(args, layer):
+    """The op on the decode path, one form per M (no switch when a density lands)."""
+    m = args[0].shape[0]
+    return torch.ops.twell.ffn(*args, layer, False, 0, "decode-rows" if m <= 4 else "decode-pairs")
+
+
+def _ref(args):
+    from twell_compile.reference import ffn_dense
+    ref = ffn_dense(*(None if a is None else a.float() for a in args))
+    return ref, _rel(ffn_dense(*args), ref)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_eager_calls_replay_one_graph_and_never_alias(decode_op, m):
+    p = _ffn(m, 2048, 5632, 2048, 0.005, torch.bfloat16)
+    assert ds.register(p["w_down"])
+    outs, refs = [], []
+    for i in range(5):
+        p["x"] = torch.randn_like(p["x"]) * (1 + i)
+        p["x"][:, 0] = 1.0
+        args = _args(p)
+        _poison()
+        y = _decode(args, f"graphs{m}")
+        ref, derr = _ref(args)
+        assert torch.isfinite(y).all()
+        assert _rel(y, ref) <= 2 * derr + 1e-6, i
+        outs.append(y)
+        refs.append((ref, derr))
+        # first call eager, second captures, later ones replay the same graph
+        assert decode_graphs.count() == (0 if i == 0 else 1)
+    torch.cuda.synchronize()
+    for y, (ref, derr) in zip(outs, refs):          # earlier outputs untouched by later calls
+        assert _rel(y, ref) <= 2 * derr + 1e-6
+
+
+@gpu
+def test_replays_see_in_place_weight_updates(decode_op):
+    p = _ffn(4, 2048, 5632, 2048, 0.005, torch.bfloat16)
+    assert ds.register(p["w_down"])
+    for _ in range(3):
+        _decode(_args(p), "graphs_upd")
+    assert decode_graphs.count() == 1
+    with torch.no_grad():
+        p["w_up"].mul_(-1.5)
+        p["w_down"].add_(torch.randn_like(p["w_down"]) * 0.05)
+        p["b_down"].add_(1.0)
+    y = _decode(_args(p), "graphs_upd")
+    assert decode_graphs.count() == 1                # same pointers: the same graph replayed
+    ref, derr = _ref(_args(p))
+    assert _rel(y, ref) <= 2 * derr + 1e-6
+
+
+@gpu
+def test_no_graph_of_its_own_while_the_caller_captures(decode_op):
+    p = _ffn(8, 2048, 5632, 2048, 0.005, torch.bfloat16)
+    assert ds.register(p["w_down"])
+    x = p["x"].clone()
+    args = (x,) + _args(p)[1:]
+    _decode(args, "graphs_cap")     # warm-up (compiles)
+    outer = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        outer.capture_begin()
+        out = _decode(args, "graphs_cap")
+        outer.capture_end()
+    torch.cuda.current_stream().wait_stream(s)
+    assert decode_graphs.count() == 0
+    for i in range(3):
+        x.copy_(torch.randn_like(x) * (i + 1))
+        x[:, 0] = 1.0
+        out.fill_(float("nan"))
+        outer.replay()
+        ref, derr = _ref(args)
+        assert _rel(out, ref) <= 2 * derr + 1e-6
+
+
+@gpu
+@pytest.mark.parametrize("case", ["switched_off", "unregistered_weight"])
+def test_no_graph(decode_op, monkeypatch, case):
+    """TWELL_DECODE_GRAPHS off, or a W_down the weight cache does not hold: eager calls."""
+    p = _ffn(2, 2048, 5632, 2048, 0.005, torch.bfloat16)
+    if case == "switched_off":
+        monkeypatch.setattr(decode_graphs, "ENABLED", False)
+        assert ds.register(p["w_down"])
+    for _ in range(3):
+        y = _decode(_args(p), f"graphs_{case}")
+    assert decode_graphs.count() == 0
+    ref, derr = _ref(_args(p))
+    assert _rel(y, ref) <= 2 * derr + 1e-6
+
+
+@gpu
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("kernel", ["auto", "dense"])
+def test_dense_path_at_decode_sizes_is_graphed(gated, kernel):
+    """Where the rule runs dense at M <= decode_max_m (no statistics; here: a decode margin of
+    0, so decode never wins), or dense is forced, eager's GEMMs replay from one graph per key
+    too; results within the 2x rule of fp32 on fresh inputs."""
+    decode_graphs.clear()
+    p = _ffn(64, 2048, 5632, 2048, 0.02, torch.bfloat16, gated=gated)
+    for i in range(4):
+        p["x"] = torch.randn_like(p["x"])
+        _poison()
+        with arch.patched(decode_margin=0.0):
+            y = torch.ops.twell.ffn(*_args(p), "graphs_dense", False, 0, kernel)
+        ref, derr = _ref(_args(p))
+        assert _rel(y, ref) <= 2 * derr + 1e-6, i
+        assert decode_graphs.count() == (0 if i == 0 else 1)
+    decode_graphs.clear()
+
+
+def test_math_mode_is_part_of_the_dense_key():
+    """A graph keeps the cuBLAS settings of its capture: changing TF32 gives another key.
+    The flag is a property of torch's cuBLAS module, set and restored by hand (monkeypatch's
+    undo deletes it on pytest 9.2, which raises AttributeError)."""
+    m = torch.backends.cuda.matmul
+    old = m.allow_tf32
+    before = decode_graphs.math_mode()
+    try:
+        m.allow_tf32 = not old
+        assert decode_graphs.math_mode() != before
+    finally:
+        m.allow_tf32 = old
+    assert decode_graphs.math_mode() == before
+
+
+class _Step(nn.Module):
+    """The FFN next to an input whose length changes: a new length recompiles, and under
+    reduce-overhead the new graph's first run is a warm-up inside the cudagraph tree's pool."""
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x, z):
+        return self.mlp(x) + z.mean()
+
+
+@gpu
+def test_recompile_warmup_leaves_nothing_in_the_cudagraph_pool(decode_wins_everywhere):
+    """The op's own graph is captured at a key's second eager call. When that call is a
+    recompiled graph's warm-up (as a generate() step after a new cache length), the graph's
+    input buffer must not come from Inductor's pool: its check then fails with "Detected 16
+    tensor(s) in the cudagraph pool not tracked as outputs" (H200, 2026-11-23)."""
+    from twell_compile.reference import ffn_dense
+    density.reset()
+    ds.clear()
+    decode_graphs.clear()
+    model = _MLP(512, 1408).cuda().to(torch.bfloat16)
+    f = torch.compile(_Step(model), backend="twell", dynamic=False,
+                      options={"twell.mode": "reduce-overhead", "twell.kernel": "decode-rows"})
+    w = (model.gate_proj.weight, None, model.up_proj.weight, None, model.down_proj.weight, None)
+    with torch.no_grad():
+        for i, zlen in enumerate((3, 3, 3, 5, 5, 5)):
+            x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16) * (1 + i)
+            x[:, 0] = 1.0
+            z = torch.randn(zlen, device="cuda")
+            y = f(x, z).clone()
+            ref = ffn_dense(*(None if t is None else t.float() for t in (x,) + w)) + z.mean()
+            derr = _rel(ffn_dense(x, *w).float() + z.mean(), ref)
+            assert _rel(y, ref) <= 2 * derr + 1e-6, (i, zlen)
+    assert decode_graphs.count() == 1, "the recompile's warm-up did not capture the op's graph"
+    decode_graphs.clear()
+    ds.clear()

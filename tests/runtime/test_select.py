@@ -1,0 +1,216 @@
+"""The kernel choice (runtime/select.py): the compile-time twin (static_reason) and the per-call
+plans on the CPU. The CUDA rules are host arithmetic on the device's record: here they read
+the H200 record (arch.cuda_default without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.source import ConstantSource
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from twell_compile.runtime import arch, select
+
+CUDA = torch.device("cuda")
+CPU = torch.device("cpu")
+P = arch.cuda_default()
+
+
+def reason(device, dtype, m, k=2048, n=5632, k_out=2048, **kw):
+    return select.static_reason(device, dtype, m, k, n, k_out, **kw)
+
+
+def tokens(hint: int, per: int = 1):
+    """A backed SymInt token count (hint x per) on a fresh shape environment."""
+    env = ShapeEnv()
+    s = env.create_symintnode(env.create_symbol(hint, source=ConstantSource("m")), hint=hint)
+    return env, s * per if per != 1 else s
+
+
+def guards(env) -> list[str]:
+    return sorted(str(g.expr) for g in env.guards)
+
+
+# --------------------------------------------------------------------------- CUDA inference
+def test_cuda_fp32_is_dense():
+    why = reason(CUDA, torch.float32, 65536)
+    assert why and "float32" in why
+
+
+def test_cuda_static_tokens_between_the_sparse_paths_are_dense_but_dynamic_tokens_are_not():
+    for few in (P.decode_max_m + 1, P.min_tokens - 1):
+        assert f"{few} tokens" in reason(CUDA, torch.bfloat16, few)
+    for m in (P.min_tokens, None):   # per-row, unknown (decode sizes: runtime/test_cuda_decode.py)
+        assert reason(CUDA, torch.bfloat16, m) is None
+
+
+def test_cuda_width_limits_apply_at_prefill_sizes_only():
+    big = P.min_tokens
+    narrow = reason(CUDA, torch.bfloat16, big, 512, 1408, 512)
+    assert narrow and "K=512" in narrow                    # a K=512 model ran 0.71x on the per-row path
+    assert reason(CUDA, torch.bfloat16, None, 512, 1408, 512) is None
+    assert reason(CUDA, torch.bfloat16, 1, 512, 1408, 512) is None   # decode: 1.5x+
+    assert "wide" in reason(CUDA, torch.float16, big, select.MAX_WIDTH + 1, 64, 64)
+    assert "wide" in reason(CUDA, torch.float16, big, 64, select.MAX_N + 1, 64)
+    # a dynamic M may be decode-sized: the decode path takes any width
+    assert reason(CUDA, torch.float16, None, 64, select.MAX_N + 1, 64) is None
+
+
+def test_cuda_decode_sizes_need_cuda_graphs():
+    """Without CUDA graphs the decode step is host-bound and the rewrite lost end to end (H200,
+    0.63x at batch 1): static decode-sized FFNs then stay with Inductor; unknown M does not."""
+    why = reason(CUDA, torch.bfloat16, 1, cudagraphs=False)
+    assert why and "without CUDA graphs" in why and "twell.cudagraphs" in why
+    assert reason(CUDA, torch.bfloat16, 1, cudagraphs=True) is None
+    assert reason(CUDA, torch.bfloat16, None, cudagraphs=False) is None
+    assert reason(CUDA, torch.bfloat16, P.min_tokens, cudagraphs=False) is None
+
+
+def test_cuda_decode_sizes_where_dense_wins_even_at_density_zero():
+    """A tiny layer: the decode cost model's fixed costs exceed dense's at density 0."""
+    why = reason(CUDA, torch.bfloat16, 1, 64, 128, 64)
+    assert why and "density 0" in why and P.name in why
+
+
+def test_a_forced_kernel_always_rewrites():
+    for kernel in ("dense", "twell", "decode"):
+        assert reason(CUDA, torch.float32, 1000, kernel=kernel) is None
+        assert reason(CPU, torch.float16, 1, 16, 40, 16, kernel=kernel) is None
+
+
+def test_inference_dynamic_token_counts_are_guarded_to_their_range():
+    """A SymInt count is answered as its hint is, and the range the hint is in (decode-sized,
+    the band, per-row sized) joins the shape environment's guards; facts that decide without
+    the count add no guard; unbacked counts keep the rewrite."""
+    lo, hi = P.decode_max_m, P.min_tokens
+    env, m = tokens(1024)
+    why = reason(CUDA, torch.bfloat16, m)
+    assert why and "1024 now" in why and f"guarded to {lo + 1}-{hi - 1} tokens" in why and "decode path" in why
+    assert guards(env) == sorted([f"{m.node.expr} < {hi}", f"{m.node.expr} >= {lo + 1}"])
+    for cudagraphs in (False, True):       # decode-sized: the CUDA-graph rule as for a static count
+        env, m = tokens(2)
+        why = reason(CUDA, torch.bfloat16, m, cudagraphs=cudagraphs)
+        assert (why is None) == cudagraphs and (cudagraphs or f"guarded to <= {lo}" in why)
+        assert guards(env) == [f"{m.node.expr} < {lo + 1}"]
+    env, m = tokens(hi)
+    assert reason(CUDA, torch.bfloat16, m) is None
+    assert guards(env) == sorted([f"{m.node.expr} >= {lo + 1}", f"{m.node.expr} >= {hi}"])
+    env, m = tokens(hi)                    # per-row sized: the width rules apply
+    assert "wide" in reason(CUDA, torch.bfloat16, m, 64, select.MAX_N + 1, 64)
+    env, m = tokens(1024)                  # decided without the count: no guard
+    assert "float32" in reason(CUDA, torch.float32, m)
+    assert "float16" in reason(CPU, torch.float16, m)
+    assert not env.guards
+    env = ShapeEnv()
+    assert reason(CUDA, torch.bfloat16, env.create_unbacked_symint()) is None
+    assert not env.guards
+
+
+def test_a_user_range_spanning_two_ranges_is_never_narrowed():
+    env = ShapeEnv()
+    s = env.create_symbol(100, source=ConstantSource("m"))
+    env.constrain_symbol_range(s, compiler_min=1, compiler_max=20000)
+    m = env.create_symintnode(s, hint=100)
+    assert reason(CUDA, torch.bfloat16, m) is None and not env.guards
+
+
+# --------------------------------------------------------------------------- training
+def test_training_reasons_for_slow_paths():
+    assert "float32" in reason(CUDA, torch.float32, 65536, training=True)
+    few = P.train_min_tokens - 1
+    assert f"{few} tokens" in reason(CUDA, torch.bfloat16, few, training=True)
+    assert "wide" in reason(CUDA, torch.float16, None, select.MAX_WIDTH + 1, 64, 64, training=True)
+    for m in (P.train_min_tokens, None):   # the sparse branch is reachable: keep the rewrite
+        assert reason(CUDA, torch.bfloat16, m, training=True) is None
+
+
+def test_training_on_cpu_is_left_to_inductor_unless_the_penalty_needs_our_backward():
+    why = reason(CPU, torch.float32, 64, 16, 40, 16, training=True)
+    assert why and "plain-PyTorch" in why and "twell.l1" in why
+    assert reason(CPU, torch.float32, 64, 16, 40, 16, training=True, l1=1.0) is None
+    assert reason(CUDA, torch.float32, 64, training=True, l1=1.0) is None
+
+
+def test_training_dynamic_token_counts_are_answered_under_a_guard():
+    """A SymInt token count is answered as its hint would be, and the answer joins the shape
+    environment's guards (m < train_min_tokens or its negation); unbacked counts keep the rewrite."""
+    env, m = tokens(256, per=4)            # [b, 4, K]: 4b tokens
+    why = reason(CUDA, torch.bfloat16, m, training=True)
+    assert why and "1024 now" in why and "recompiles once" in why
+    assert guards(env) == [f"{m.node.expr} < {P.train_min_tokens}"]
+    env, m = tokens(P.train_min_tokens // 4, per=4)
+    assert reason(CUDA, torch.bfloat16, m, training=True) is None
+    assert guards(env) == [f"{m.node.expr} >= {P.train_min_tokens}"]
+    env, m = tokens(256, per=4)            # facts that decide without the count add no guard
+    assert "float32" in reason(CUDA, torch.float32, m, training=True)
+    assert "CPU" in reason(CPU, torch.bfloat16, m, training=True)
+    assert not env.guards
+    env = ShapeEnv()
+    assert reason(CUDA, torch.bfloat16, env.create_unbacked_symint() * 4, training=True) is None
+    assert not env.guards
+
+
+# --------------------------------------------------------------------------- CPU inference
+def test_cpu_inference_under_the_kernels_minimum_work_is_left_to_inductor():
+    p = arch.CPU
+    per_token = 40 * (16 + 16)
+    limit = -(-p.min_work // per_token)
+    why = reason(CPU, torch.float32, limit - 1, 16, 40, 16)
+    assert why and f"{limit - 1} tokens" in why and "Inductor" in why
+    assert reason(CPU, torch.float32, None, 16, 40, 16) is None          # unknown count: the op decides
+    assert "float16" in reason(CPU, torch.float16, 10 ** 6, 16, 40, 16)
+
+
+def test_cpu_inference_dynamic_counts_are_guarded():
+    per_token = 40 * 32
+    limit = -(-arch.CPU.min_work // per_token)
+    env, m = tokens(8)
+    why = reason(CPU, torch.float32, m, 16, 40, 16)
+    assert why and "8 now" in why and f"< {limit}" in why
+    assert guards(env) == [f"{m.node.expr} < {limit}"]
+
+
+@pytest.mark.slow
+def test_cpu_inference_at_the_kernels_sizes_is_rewritten():
+    """Builds the C++ kernel (once per checkout and version)."""
+    assert reason(CPU, torch.float32, 64, 2048, 5632, 2048) is None
+    assert reason(CPU, torch.bfloat16, 1, 2048, 5632, 2048) is None
+
+
+# --------------------------------------------------------------------------- per-call plans
+def test_cpu_plans_by_work_and_forced_kernels():
+    small = torch.randn(2, 16)
+    assert select.plan_infer(small, 40, 16, True, "l", False).path == "torch"
+    assert select.plan_infer(small, 40, 16, True, "l", False, kernel="torch").path == "torch"
+    for kernel in ("dense", "twell", "decode", "decode-rows"):
+        with pytest.raises(ValueError, match="CUDA path"):
+            select.plan_infer(small, 40, 16, True, "l", False, kernel=kernel)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        select.plan_infer(small, 40, 16, True, "l", False, kernel="fast")
+    with pytest.raises(ValueError, match="float16"):
+        select.plan_infer(small.half(), 40, 16, True, "l", False, kernel="cpu")
+
+
+def test_training_plans_on_cpu_run_plain_pytorch_and_refuse_forced_cuda_paths():
+    x = torch.randn(64, 16)
+    assert select.plan_train(x, 40, 16, True, 8, 16, "l").path == "torch"
+    with pytest.raises(ValueError, match="plain PyTorch"):
+        select.plan_train(x, 40, 16, True, 8, 16, "l", kernel="twell")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        select.plan_train(x, 40, 16, True, 8, 16, "l", kernel="decode")
+
+
+# --------------------------------------------------------------------------- cost models
+@pytest.mark.parametrize("k,n,limit", [(2048, 5632, 0.0114), (4096, 11008, 0.0072)])
+def test_break_even_density_follows_the_weights_l2_residency(k, n, limit):
+    """W_u + W_d in L2 (46 MB at K=2048) gather faster per pair than from HBM (180 MB)."""
+    assert select.twell_wins(arch.H200, 0.99 * limit, True, k, n, k, 2)
+    assert not select.twell_wins(arch.H200, 1.01 * limit, True, k, n, k, 2)
+
+
+def test_list_width_grows_with_the_measured_density_within_bounds():
+    p = arch.H200
+    assert select.list_width(p, 5632) == p.list_min
+    assert select.list_width(p, 5632, 28.0) == 256          # pow2(4 x 28 + 32) = 256
+    assert select.list_width(p, 5632, 5000.0) == p.list_max
+    assert select.list_width(p, 16, 28.0) == 16               # never wider than pow2(N)

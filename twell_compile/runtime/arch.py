@@ -1,0 +1,334 @@
+"""Per-GPU tuning as data: one frozen record per architecture, picked by one function.
+
+Every measured constant the kernel choice (``select.py``) and the launchers read lives in a
+``GpuPolicy`` (or ``CpuPolicy``) record here; no other module holds a tuned number. Each
+record names the measurements behind it (results file under ``benchmarks/results/`` and date).
+
+    policy_for(device)   the record for a device: H200, H100, FALLBACK (other CUDA GPUs), CPU
+    launch_policy(device)  the GPU record the launchers read (CUDA's default for CPU tensors
+                         under the Triton interpreter)
+    patched(**changes)   a context in which policy_for returns records with fields replaced
+                         (tests and tuning scripts; thread-local, restored on exit)
+
+H100: every constant below was fitted on the H200 (2026-11-21 to 2026-11-25) and is applied to
+the H100 as is; ``GpuPolicy.measured_on`` says so. The H100 product grid of 2026-11-24
+(benchmarks/results/h100/ffn_inference.json) read the density rule's picks at 0.92-0.97x of
+Inductor at d=0.005 tail 0.2 and d=0.01, M=16384: a refit there is open work.
+FALLBACK (any other CUDA GPU): H200's constants with narrower margins (sparse paths only where
+the model predicts a clear win), never measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Iterator, Mapping, NamedTuple, Union
+
+import torch
+
+
+class DecodeConfig(NamedTuple):
+    """Launch config of the decode kernels (runtime/cuda_decode.py) for one padded-M bucket."""
+    bn: int        # neurons per program
+    bk: int        # K step of the gate loop
+    bku: int       # K step of the up loop (tile form)
+    bko: int       # K_out step of the down loop (tile form)
+    vec_m: int     # M <= vec_m: up/down one active neuron at a time with whole-row loads ("rows")
+    finish_max: int  # finish in the kernel (last program) up to M x K_out elements, else a launch
+    warps: int
+    stages: int
+    pb: int = 4        # list form: active (row, neuron) pairs per gather step of the up projection
+    kc: int = 2048     # list form: K per step of that gather
+    le: int = 64       # list form: list entries per step of the down gather
+    bo: int = 128      # list form: K_out per down-gather program
+    gwarps: int = 4    # list form: warps of the down-gather kernel
+    lbn: int = 32      # list/pairs forms: neurons per program of the gate kernel
+    udot: bool = False  # list form's up projection as tl.dot tiles (slower at K=2048 and 4096)
+    lbk: int = 0       # K step of the list/pairs gate loop (0: bk)
+    lstages: int = 0   # pipeline stages of the list/pairs first kernel (0: stages)
+    koc: int = 2048    # pairs form: K_out per step of its W_d^T row loads and atomics
+    gemv_bn: int = 0   # rows form at M=1: neurons per program of a whole-row GEMV gate (0: tl.dot gate)
+    pbn: int = 0       # pairs form's own neurons per program (0: lbn)
+    ppb: int = 0       # pairs form's pairs per trip (0: pb)
+    pwarps: int = 0    # pairs form's warps (0: warps)
+
+
+MAX_M = 256           # decode kernels: row blocks of <= MAX_MB rows, up to this many rows
+MAX_MB = 32           # rows per program: M-tiles of 64 select Hopper's wgmma, which gave wrong
+                      # results at M_P=64 (Triton 3.6, H200)
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(0, (int(v) - 1).bit_length())
+
+
+def m_pad(m: int) -> int:
+    """The decode config bucket of M rows (a power of two, at least 16)."""
+    return max(16, _pow2(m))
+
+
+def m_pad_rows(m: int) -> int:
+    """Rows of the decode rows form's per-neuron up/down for M rows."""
+    return _pow2(m)
+
+
+def rows_gemv(m: int, c: DecodeConfig) -> bool:
+    """Whether the rows form gates M rows by the whole-row GEMV (M=1 where c.gemv_bn is set)."""
+    return m == 1 and c.gemv_bn > 0
+
+
+def rows_bn(m: int, c: DecodeConfig) -> int:
+    """Neurons per program of the rows form for M rows: c.gemv_bn with the GEMV gate, else c.bn."""
+    return c.gemv_bn if rows_gemv(m, c) else c.bn
+
+
+def pairs_bn(c: DecodeConfig) -> int:
+    """Neurons per program of the pairs form (c.pbn, else the list form's c.lbn)."""
+    return c.pbn or c.lbn
+
+
+def pairs_pb(c: DecodeConfig) -> int:
+    """Active pairs per trip of the pairs form (c.ppb, else the list form's c.pb)."""
+    return c.ppb or c.pb
+
+
+def _frozen(d: Mapping) -> Mapping:
+    return MappingProxyType(dict(d))
+
+
+@dataclass(frozen=True)
+class GpuPolicy:
+    """Measured constants of one GPU architecture. Rules are in select.py; units in each comment."""
+
+    name: str
+    measured_on: str                 # where the constants were measured (results files, dates)
+    # -- inference, per-row TwELL path (select.twell_wins): cost in units of one dense
+    #    M x K x N GEMM: gate_units + pair_units * d * (1 + g) / 2 < margin * (2 + g)
+    gate_units: float
+    pair_units: float                # W_u + W_d^T rows gathered from L2
+    pair_units_hbm: float            # ... when W_u + W_d exceed l2_bytes
+    l2_bytes: float
+    margin: float
+    min_tokens: int                  # the per-row path runs from this many tokens
+    min_width: int                   # ... and K at least this
+    probe_every: int                 # dense layers re-measure their density every this many calls
+    refresh_every: int               # TwELL layers likewise
+    # -- inference, decode path (select.decode_us): per form (fixed us, W_gate GB/s, work-term
+    #    coefficients..., strided-read us per MB), in the order of select.decode_terms
+    decode_max_m: int
+    decode_forms: Mapping[str, tuple]
+    dense_fixed_us: float            # eager's dense FFN at decode sizes: fixed + bytes / rate
+    dense_gbps: float
+    decode_margin: float             # decode runs while its time < decode_margin x dense's
+    op_dense_host_us: float          # host time of the op's dense path per eager call
+    decode_configs: Mapping[int, DecodeConfig]       # by padded M, K < wide_k
+    wide_k: int
+    wide_decode_configs: Mapping[int, DecodeConfig]  # by padded M, K >= wide_k
+    # -- training (select.plan_train)
+    train_min_tokens: int            # the sparse training kernels run from this many tokens
+    sparse_max_density: float        # sparse while the layer's measured density is under this
+    train_probe_every: int
+    lost_row_pairs: int              # a row past the dense backup costs as many listed pairs
+    compact_max_lost: float          # dense layers save the compact state up to this many lost rows
+    # -- launch sizes, per-row inference kernels (runtime/cuda_infer.py)
+    compact_bm: int = 16             # rows per compaction program
+    compact_ch: int = 256            # columns per compaction step
+    compact_warps: int = 4
+    row_pairs: int = 1               # listed pairs per iteration of the fused row kernel
+    row_prefetch: int = 1            # 0 none, 1 next (col, value), 2 next weight rows too
+    row_cols_per_warp: int = 1024    # warps = pow2(max(K, K_out)) / this
+    list_min: int = 32               # per-row list width bounds
+    list_max: int = 1024
+    eager_elementwise_max_m: int = 1024   # dense path without counts: eager's relu/mul up to here
+    dense_block: int = 1024          # columns per step of the relu*mul pass
+    dense_programs: int = 264        # split rows into column spans below this many programs
+    # -- launch sizes, training kernels (runtime/cuda_train.py)
+    train_pairs: int = 4             # busy-row kernel: pairs per step
+    fwd_pairs: int = 1
+    fwd_cols_per_warp: int = 1024
+    state_pairs: int = 4             # the dense path's compact-state writes
+    state_cols_per_warp: int = 512
+    wg_dy_entries: int = 4           # per-neuron weight-gradient passes
+    wg_dy_cols_per_warp: int = 512
+    wg_x_entries: int = 4
+    wg_x_warps: int = 4
+    wg_bk: int = 2048
+    dx_pairs: int = 4
+    rank_bm: int = 8
+    rank_bp: int = 32
+    busy_programs: int = 1024
+
+    def decode_config(self, m: int, k: int) -> DecodeConfig:
+        """The decode launch config for M rows of width K."""
+        return (self.wide_decode_configs if k >= self.wide_k else self.decode_configs)[m_pad(min(m, MAX_M))]
+
+
+@dataclass(frozen=True)
+class CpuPolicy:
+    """Measured constants of the CPU path (runtime/cpu_ffn.py; docs/cpu.md)."""
+
+    name: str
+    measured_on: str
+    min_work: int                    # M N (K + K_out) multiply-adds below which the C++ kernel loses
+    max_density_small: float         # the kernel's dense up/down above this density, M <= 4
+    max_density_mid: float           # ... M <= 64
+    max_density_large: float         # ... M > 64
+
+    def max_density(self, m: int) -> float:
+        return self.max_density_small if m <= 4 else self.max_density_mid if m <= 64 else self.max_density_large
+
+
+# Decode launch configs by padded M, K < 3072, tuned on the H200 (benchmarks/tune_decode.py and
+# bench_ffn.py --decode, K=2048 N=5632 d=0.005, 2026-11-22 to 2026-11-23): the pairs form at
+# 16 neurons per program, 2 pairs per trip and 2 warps up to 16 rows (M=16/8/4/2 18.5/16.7/
+# 15.4/14.5 us against 19.6/18.0/16.2/15.9 at 32 / 4 / 4 warps); list/pairs gate at K step 128,
+# 5 stages; the rows form's GEMV gate at M=1 (12.5 us at 4 neurons per program against 14.9 with
+# the tl.dot gate over 32). Results: benchmarks/results/h200/ffn_decode.json (2026-11-25).
+_DECODE_CONFIGS = {
+    16: DecodeConfig(32, 256, 256, 256, 4, 0, 4, 3, lbk=128, lstages=5, gemv_bn=4, pbn=16, ppb=2, pwarps=2),
+    32: DecodeConfig(64, 128, 256, 256, 0, 0, 4, 3, lbk=128, lstages=5),
+    64: DecodeConfig(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5),
+    128: DecodeConfig(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5),
+    256: DecodeConfig(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5),
+}
+# K >= 3072 (tuned at K=4096, N=11008): 64 neurons per list/pairs program up to 16 rows (M=16
+# 51.9 us against 55.8 at 32, dense 87.0); at 32+ rows 32 neurons and K_out steps of 1024 (68.8
+# against 75.6 us with whole rows). The GEMV gate and the pairs form's own sizes were not
+# measured at this width and stay off.
+_WIDE_DECODE_CONFIGS = {
+    16: _DECODE_CONFIGS[16]._replace(lbn=64, lbk=256, lstages=3, gemv_bn=0, pbn=0, ppb=0, pwarps=0),
+    **{mp: c._replace(lbn=32, lbk=256, lstages=3, koc=1024) for mp, c in _DECODE_CONFIGS.items() if mp > 16},
+}
+
+H200 = GpuPolicy(
+    name="H200",
+    measured_on="NVIDIA H200 (torch 2.11, Triton 3.6), 2026-11-21 to 2026-11-25",
+    # Per-row path, fitted to bench_ffn.py's forced-kernel column at M = 16384 and 65536, tail 0
+    # (2026-11-23): 1.21 + 145 d at K=2048 N=5632 (W_u + W_d 46 MB, in L2), 1.16 + 230 d at
+    # K=4096 N=11008 (180 MB); dense (Inductor) 2.8-3.1 units, so TwELL below d = 0.0114 (K=2048)
+    # and 0.0072 (K=4096), gated. The rule's picks against benchmarks/results/h200/
+    # ffn_inference.json (rows of 2026-11-24): none over 1.03x of Inductor's time, no win of
+    # 1.1x left dense (benchmarks/fit_policy.py --check).
+    gate_units=1.2, pair_units=145.0, pair_units_hbm=230.0, l2_bytes=50e6, margin=0.95,
+    # M=4096 d=0.005: TwELL 0.48 ms vs dense 0.44; K=512 N=1408 at 16384 tokens ran 0.71x of
+    # Inductor (its fixed per-row costs do not shrink with K as the GEMMs do), 2026-11-23
+    min_tokens=8192, min_width=2048,
+    probe_every=64, refresh_every=16,
+    # Decode cost model: least-relative-error fit of each forced form on the 56-point grid of
+    # benchmarks/results/h200/ffn_decode.json (2026-11-25; tune_decode.py --fit-from), within
+    # 1.6x of dense. K=2048 N=5632 d=0.005: M=1 rows 14.9 us (2.28x of dense), M=16 pairs 28.2
+    # us vs dense 34.3 (1.22x); with margin 0.9 no pick on that grid below 0.97x of dense.
+    decode_max_m=64,
+    decode_forms=_frozen({
+        "rows": (5.11, 2243.0, 4.2777, 0.2687),
+        "tiles": (18.47, 1395.0, 1.4772, 0.0017, 0.0001),
+        "list": (33.27, 1585.0, 8.1891, 0.1743, 1.1288),
+        "pairs": (2.84, 1467.0, 0.0, 0.2871),
+    }),
+    dense_fixed_us=16.27, dense_gbps=3807.0, decode_margin=0.9,
+    # the op's dense path issues in 99-154 us per eager call at M=64 (bench_host.py, 2026-11-23)
+    op_dense_host_us=100.0,
+    decode_configs=_frozen(_DECODE_CONFIGS), wide_k=3072, wide_decode_configs=_frozen(_WIDE_DECODE_CONFIGS),
+    # Training, M=16384, K=2048, N=5632 (bench_ffn_train.py, benchmarks/results/h200/
+    # ffn_training.json, 2026-11-22 to 2026-11-23): sparse 3.29 ms at 28 non-zeros/row, 5.34 at 50 (tail 0.2),
+    # 8.83 at 115; dense 4.9-6.4 ms: crossover 58-75 non-zeros per row, 0.011 keeps a margin.
+    # Densities move fast in training (0.006 -> 0.016-0.027 in 20 steps at lr 3e-4): probe
+    # every call. A row past the backup is recomputed at ~55 us against ~3.9 ns per pair.
+    train_min_tokens=8192, sparse_max_density=0.011, train_probe_every=1, lost_row_pairs=14000,
+    compact_max_lost=0,
+    # Launch sizes (bench_ffn.py / bench_ffn_train.py probes, M=16384 K=2048 d=0.005,
+    # 2026-11-23): compaction 16 rows per program 0.074 ms (8: 0.088); fused rows 1 pair / 2
+    # warps 493 us (4 / 4: 531); training forward 1 / 2 531 us (4 / 4: 682); the per-neuron wgrad
+    # passes keep 4 entries / 4 warps (1 / 2 ran the synthetic layer 9% faster but the whole
+    # model's step 214.8 ms against 197.7, bench_e2e.py --train).
+)
+
+H100 = dataclasses.replace(
+    H200, name="H100",
+    measured_on="constants of the H200 (NVIDIA H200, 2026-11-21 to 2026-11-25), not refitted on the H100")
+
+FALLBACK = dataclasses.replace(
+    H200, name="fallback",
+    measured_on="constants of the H200 with narrower margins; never measured on this GPU",
+    margin=0.8, decode_margin=0.75, sparse_max_density=0.008)
+
+# docs/cpu.md, 2-core Xeon (AVX-512), K=2048 N=5632 (benchmarks/results/cpu-intel-xeon-processor/
+# ffn_inference.json, 2026-11-22): the kernel's fixed cost (~15 us) cannot pay off under 1.5e5
+# multiply-adds (36 vs 20 us at 6400, 290 vs 430 us at 1.5e6); sparse up/down wins up to
+# d ~ 0.5 at M=1, 0.12 at M <= 64 (0.94x of Inductor at d=0.2, M=16, 2 threads), 0.1 above.
+CPU = CpuPolicy(name="cpu", measured_on="2-core Intel Xeon (AVX-512), torch 2.13 CPU, 2026-11-22",
+                min_work=1 << 17, max_density_small=0.5, max_density_mid=0.12, max_density_large=0.1)
+
+Policy = Union[GpuPolicy, CpuPolicy]
+_by_index: dict[int, GpuPolicy] = {}
+_patches = threading.local()
+
+
+def gpu_policy_for_name(name: str) -> GpuPolicy:
+    """The record for a CUDA device name (``torch.cuda.get_device_name``)."""
+    upper = name.upper()
+    if "H200" in upper:
+        return H200
+    if "H100" in upper:
+        return H100
+    return FALLBACK
+
+
+def policy_for(device: Union[torch.device, str]) -> Policy:
+    """The record for ``device``: its GPU's (cached per device index; no sync), or the CPU's."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        base: Policy = CPU
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        base = _by_index.get(index)
+        if base is None:
+            base = _by_index.setdefault(index, gpu_policy_for_name(torch.cuda.get_device_name(index)))
+    changes = getattr(_patches, "stack", None)
+    if changes:
+        fields = {f.name for f in dataclasses.fields(base)}
+        merged = {k: v for c in changes for k, v in c.items() if k in fields}
+        if merged:
+            return dataclasses.replace(base, **merged)
+    return base
+
+
+def launch_policy(device: Union[torch.device, str]) -> GpuPolicy:
+    """The GPU record the launchers read for tensors on ``device``: the device's own; for CPU
+    tensors (the Triton kernels under TRITON_INTERPRET=1) the default CUDA record."""
+    device = torch.device(device)
+    return policy_for(device) if device.type == "cuda" else cuda_default()  # type: ignore[return-value]
+
+
+def cuda_default() -> GpuPolicy:
+    """The record compile-time rules use for CUDA when no device can be asked (no GPU here):
+    the current device's where CUDA is available, else H200's (the most measured)."""
+    if torch.cuda.is_available():
+        return policy_for(torch.device("cuda"))          # type: ignore[return-value]
+    changes = getattr(_patches, "stack", None)
+    if changes:
+        merged = {k: v for c in changes for k, v in c.items() if k in {f.name for f in dataclasses.fields(H200)}}
+        return dataclasses.replace(H200, **merged)
+    return H200
+
+
+@contextlib.contextmanager
+def patched(**changes) -> Iterator[None]:
+    """Within the block, ``policy_for`` returns records with these fields replaced (a field a
+    record lacks is ignored for it; an unknown name raises). For tests and tuning scripts: it
+    changes what the rules and launchers read, nothing else."""
+    known = {f.name for f in dataclasses.fields(GpuPolicy)} | {f.name for f in dataclasses.fields(CpuPolicy)}
+    unknown = sorted(set(changes) - known)
+    if unknown:
+        raise ValueError(f"unknown policy fields {unknown}; known: {sorted(known)}")
+    stack = getattr(_patches, "stack", None)
+    if stack is None:
+        stack = _patches.stack = []
+    stack.append(dict(changes))
+    try:
+        yield
+    finally:
+        stack.pop()

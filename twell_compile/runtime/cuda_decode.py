@@ -1,0 +1,254 @@
+"""Host side of the decode path (kernels/twell_decode.py): few tokens, bf16/fp16.
+
+For x [M, K] with M <= MAX_M: ``decode_fused_kernel``, one program per neuron block: gate over
+all of K, relu, the active set, then up/down for the active neurons only (W_up rows contiguous
+in nn.Linear's [N, K] layout, W_down^T rows read through W_down's transposed view, strided,
+never copied), one neuron at a time with whole-row loads ("rows", M <= cfg.vec_m) or as
+tl.dot tiles, added into an fp32 accumulator by atomics; the row block's last program (ticket)
+writes y, the statistics and zeroes the accumulator again. One launch per FFN when the weight
+is registered (its persistent accumulator, ``decode_state.decode_state``) and the finish is
+small (one row block, M x K_out <= cfg.finish_max); otherwise a zero-fill and/or a separate
+finishing launch. No host sync, fixed launch shapes per M: CUDA-graph capturable. Exact at any
+density: a neuron is skipped only where relu(g) is 0 and g finite in every row of its row block.
+
+Measured on the H200 (K=2048, N=5632, M=1, d=0.005, CUDA graphs over 4 layers; dense 34.0 us;
+docs/inference.md "Decode"): the rows form 14.9 us (2.28x of dense), the pairs form at M=16
+28.2 us against dense 34.3 (benchmarks/results/h200/ffn_decode.json, 2026-11-25). An empty
+launch costs 1.4 us in a graph. The list form (twell_decode_list.py) sums without atomics and
+is the one used under torch.use_deterministic_algorithms. Launches use programmatic dependent
+launch on Hopper (``pdl_ok``), and eager calls replay the op's own CUDA graph
+(``execute(graphed=True)``, decode_graphs.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from twell_compile.kernels.twell_decode import decode_finish_kernel, decode_fused_kernel
+from twell_compile.kernels.twell_decode_list import decode_gather_kernel, decode_pairs_kernel
+from twell_compile.runtime import arch, decode_graphs, decode_state
+from twell_compile.runtime.arch import MAX_M, MAX_MB, DecodeConfig, m_pad, m_pad_rows, pairs_bn, pairs_pb, rows_bn, rows_gemv
+from twell_compile.runtime.launch import INTERPRET, launch, pow2
+
+FINISH_BLOCK = 1024   # accumulator elements per step of a finishing program
+STAT_BLOCKS = 256     # neuron blocks per step of the list form's statistics sum
+
+
+def config_for(m: int, k: int, device: torch.device) -> DecodeConfig:
+    """The launch config for M rows of width K on ``device`` (its record's decode tables)."""
+    return arch.launch_policy(device).decode_config(m, k)
+
+
+# Programmatic dependent launch (Hopper+): each decode launch may begin while the previous kernel
+# in the stream finishes (the kernels wait on griddepcontrol before touching memory), hiding
+# launch latency between the two launches of a call and between calls. TWELL_PDL=0 turns it off.
+PDL = os.environ.get("TWELL_PDL", "1") != "0"
+_pdl_devices: dict[int, bool] = {}
+
+
+def pdl_ok(device: torch.device) -> bool:
+    """Whether decode launches on ``device`` use programmatic dependent launch: PDL on, compute
+    capability >= 9.0, Triton with griddepcontrol (triton.language.extra.cuda.gdc_wait), not
+    the interpreter. Cached per device."""
+    if not PDL or INTERPRET:
+        return False
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _pdl_devices.get(i)
+    if ok is None:
+        try:
+            from triton.language.extra.cuda import gdc_wait  # noqa: F401
+            has = True
+        except ImportError:
+            has = False
+        ok = _pdl_devices[i] = has and torch.cuda.get_device_capability(i)[0] >= 9
+    return ok
+
+
+class Decoded(NamedTuple):
+    y: Tensor        # [M, K_out]
+    tok: Tensor      # [M + 1] int32: non-zeros of relu(g) per token, then their total
+    hsum: Tensor     # [1] fp32: sum |h|
+
+
+FORMS = ("rows", "tiles", "list", "pairs")
+
+
+def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+                   b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
+                   cfg: Optional[DecodeConfig] = None, stats_buf: Optional[Tensor] = None,
+                   form: Optional[str] = None, graphed: bool = False) -> Decoded:
+    """The FFN for x2 [M, K], M <= MAX_M. ``stats_buf``: a layer's float64 [4] statistics buffer
+    (stats.py) that the kernels fill in place (sum and max of non-zeros per token, sum |h|, 0).
+    ``form``: how up/down run: "rows" (one active neuron at a time, only for M <= cfg.vec_m),
+    "tiles" (tl.dot tiles, atomics), "list" (per-token lists, a gather launch; no atomics) or
+    "pairs" (per active pair, atomics); None: rows where M <= cfg.vec_m, else tiles (the
+    plan decides by density, select.decode_form). ``cfg``: default config_for(M, K, device).
+    ``graphed``: eager calls replay the op's own CUDA graph (``decode_graphs``; the op passes
+    it); tok and hsum are then the graph's buffers, overwritten by the layer's next call."""
+    m, k = x2.shape
+    if m > MAX_M:
+        raise ValueError(f"decode path takes M <= {MAX_M} rows, got x with {m}")
+    if form not in (None,) + FORMS:
+        raise ValueError(f"form must be one of {FORMS} or None, got {form!r}")
+    if m == 0:
+        dev = x2.device
+        return Decoded(torch.empty((0, w_down.shape[0]), dtype=x2.dtype, device=dev),
+                       torch.zeros(1, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.float32, device=dev))
+    c = cfg or config_for(m, k, x2.device)
+    if form is None:
+        form = "rows" if m <= c.vec_m else "tiles"
+    elif form == "rows" and m > c.vec_m:
+        raise ValueError(f"form='rows' takes M <= cfg.vec_m = {c.vec_m} rows, got {m}")
+    return execute(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, form, stats_buf, c, graphed)
+
+
+class Prepared(NamedTuple):
+    """The host arithmetic of a decode call, fixed by its shapes, form and flags (``prepare``):
+    per-call buffer sizes, and per launch the kernel, grid, static int arguments, constexprs,
+    warps and stages. Holds no tensors, so ``execute`` keeps these in a plain dict."""
+    int_sizes: tuple         # int32 scratch: list neurons, list counts, non-zeros per block row, tok
+    int_total: int
+    float_sizes: tuple       # fp32 scratch: list h, sum |h| per block, total
+    float_total: int
+    launch1: tuple           # (kernel, grid, static ints, constexprs, warps, stages)
+    launch2: Optional[tuple]  # the same for the finishing / gather launch (None: in-kernel finish)
+
+
+def prepare(m: int, k: int, n: int, k_out: int, form: str, c: DecodeConfig, gated: bool, has_bg: bool,
+            has_bu: bool, has_bd: bool, has_stats: bool, clean: bool, pdl: bool = False) -> Prepared:
+    """``clean``: the accumulator is a registered weight's persistent one (zero between calls).
+    ``pdl``: launch with programmatic dependent launch (``pdl_ok``)."""
+    mb = min(m_pad(m), MAX_MB)
+    nrb = -(-m // mb)
+    lists = form in ("list", "pairs")
+    gemv = form == "rows" and rows_gemv(m, c)
+    pairs = form == "pairs"
+    bn = pairs_bn(c) if pairs else c.lbn if lists else rows_bn(m, c) if form == "rows" else c.bn
+    nb = -(-n // bn)
+    nl = m * n if form == "list" else 0
+    # int32: (list form: neuron indices [M, N], counts per (token, block) [M, NB], non-zeros
+    # per (row block, block, row)), tok [M + 1]; fp32: (list form: h [M, N], sum |h| per
+    # block), total. The other forms add their statistics into the state's counters.
+    per_block = form == "list"
+    int_sizes = (nl, m * nb if per_block else 0, nrb * nb * mb if per_block else 0, m + 1)
+    float_sizes = (nl, nrb * nb if per_block else 0, 1)
+    finish = (decode_finish_kernel, (-(-(m * k_out) // FINISH_BLOCK) + 1,), (m, k_out), dict(
+        HAS_BD=has_bd, CLEAN=clean, HAS_ST=has_stats, BLOCK=FINISH_BLOCK, CB=pow2(m), PDL=pdl), 4, None)
+    p2 = lambda v: min(v, max(16, pow2(k)))  # noqa: E731  (a K step: at most K padded)
+    if lists:
+        launch1 = (decode_pairs_kernel, (nb, nrb), (m, k, n, nb, k_out), dict(
+            GATED=gated, HAS_BG=has_bg, HAS_BU=has_bu, MB=mb, BN=bn, BK=p2(c.lbk or c.bk),
+            PB=pairs_pb(c) if pairs else c.pb,
+            KC=p2(c.kc), UDOT=c.udot, BKU=p2(c.bku), ADOWN=form == "pairs",
+            KOC=min(c.koc, max(16, pow2(k_out))), PDL=pdl),
+            (c.pwarps or c.warps) if pairs else c.warps, c.lstages or c.stages)
+        if form == "pairs":
+            launch2 = finish
+        else:
+            bo = min(c.bo, max(16, pow2(k_out)))
+            no = -(-k_out // bo)
+            launch2 = (decode_gather_kernel, (m * no + 1,), (m, n, k_out, nb, no, nrb), dict(
+                HAS_BD=has_bd, HAS_ST=has_stats, MB=mb, BN=c.lbn, NBP=max(16, pow2(nb)), LE=c.le,
+                BO=bo, RB=STAT_BLOCKS, PDL=pdl), c.gwarps, None)
+    else:
+        fin = nrb == 1 and m * k_out <= c.finish_max
+        ms = m_pad_rows(m) if form == "rows" else 0     # rows of the per-neuron up/down path
+        launch1 = (decode_fused_kernel, (nb, nrb), (m, k, n, k_out), dict(
+            GATED=gated, HAS_BG=has_bg, HAS_BU=has_bu, HAS_BD=has_bd, FINISH=fin, CLEAN=clean,
+            HAS_ST=has_stats, MB=mb, BN=bn, BK=p2(c.bk), BKU=p2(c.bku),
+            BKO=min(c.bko, max(16, pow2(k_out))), MS=ms, KP=pow2(k) if ms else 1,
+            KOP=pow2(k_out) if ms else 1, FB=FINISH_BLOCK, CB=pow2(m), GEMV=gemv, PDL=pdl), c.warps, c.stages)
+        launch2 = None if fin else finish
+    return Prepared(int_sizes, sum(int_sizes), float_sizes, sum(float_sizes), launch1, launch2)
+
+
+_prepared: dict[tuple, Prepared] = {}
+MAX_PREPARED = 4096
+
+
+def execute(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+            b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], form: str,
+            stats_buf: Optional[Tensor], c: DecodeConfig, graphed: bool = False) -> Decoded:
+    """One decode call in a given form and config (decode_forward checks them). The shape-fixed
+    arithmetic comes from ``prepare``, cached by shapes, form, flags and config (an eager call
+    at decode sizes is host-bound: docs/inference.md "Host time"). ``graphed``: replay the
+    call from the op's own CUDA graph where ``decode_graphs`` allows (then tok and hsum are
+    the graph's buffers, valid until this layer's next call)."""
+    m, k = x2.shape
+    n, k_out = w_gate.shape[0], w_down.shape[0]
+    dev = x2.device
+    # W_down^T rows read through the transposed view (strided, no copy: a copy went stale on
+    # updates that bump no version counter); the decode sizes gather few rows.
+    wdt = w_down.t()
+    state = decode_state.decode_state(w_down, m)
+    registered = state is not None      # the accumulator persists: graphs may bake it
+    if form == "list":
+        state = None                    # no accumulator: the gather writes y
+    key = (m, k, n, k_out, form, c, w_up is not None, b_gate is not None, b_up is not None,
+           b_down is not None, stats_buf is not None, state is not None, pdl_ok(dev))
+    p = _prepared.get(key)
+    if p is None:
+        if len(_prepared) >= MAX_PREPARED:
+            _prepared.clear()
+        p = _prepared[key] = prepare(m, k, n, k_out, form, c, *key[6:])
+    if graphed and registered and decode_graphs.usable(x2):
+        ptrs = tuple(0 if t is None else t.data_ptr()
+                     for t in (w_gate, b_gate, w_up, b_up, wdt, b_down, stats_buf))
+        gkey = key + (x2.dtype, dev, ptrs, None if state is None else state[0].data_ptr())
+        return Decoded(*decode_graphs.run(gkey, x2, lambda xs: tuple(_launch_all(
+            xs, w_gate, b_gate, w_up, b_up, wdt, state, b_down, form, stats_buf, p))))
+    return _launch_all(x2, w_gate, b_gate, w_up, b_up, wdt, state, b_down, form, stats_buf, p)
+
+
+def _launch_all(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+                b_up: Optional[Tensor], wdt: Tensor, state: Optional[tuple], b_down: Optional[Tensor],
+                form: str, stats_buf: Optional[Tensor], p: Prepared) -> Decoded:
+    """The call's buffers and launches (``execute``; captured whole by ``decode_graphs``)."""
+    m = x2.shape[0]
+    k_out = wdt.shape[1]
+    dev = x2.device
+    y = torch.empty((m, k_out), dtype=x2.dtype, device=dev)
+    # split_with_sizes, not Tensor.split (a Python wrapper around it)
+    ln, lc, rc, tok = torch.empty(p.int_total, dtype=torch.int32, device=dev).split_with_sizes(p.int_sizes)
+    fw = torch.empty(p.float_total, dtype=torch.float32, device=dev)
+    lh, hs, hsum = fw.split_with_sizes(p.float_sizes)
+    st = stats_buf if stats_buf is not None else fw
+    bd = b_down if b_down is not None else y
+    tk = cnt = hsa = None
+    if state is not None:
+        acc, tail = state
+    elif form == "list":
+        acc, tail = fw, None
+    else:                               # unregistered weight: a fresh zeroed accumulator and tail
+        ts = decode_state.tail_size(m)
+        acc, tail = torch.zeros(m * k_out + ts, dtype=torch.float32, device=dev).split_with_sizes([m * k_out, ts])
+        tail = tail.view(torch.int32)
+    if tail is not None:
+        tk, cnt, hsa = decode_state.tail_parts(tail)
+    wu = w_up if w_up is not None else w_gate
+    w = (x2, x2.stride(0), x2.stride(1), w_gate, w_gate.stride(0), w_gate.stride(1),
+         b_gate if b_gate is not None else w_gate, wu, wu.stride(0), wu.stride(1),
+         b_up if b_up is not None else w_gate)
+    wd = (wdt, wdt.stride(0), wdt.stride(1))
+    k1, g1, s1, c1, w1, st1 = p.launch1
+    if form == "list":
+        launch(k1, g1, w + (ln, lh, lc, rc, hs) + wd + (acc,) + s1, c1, num_warps=w1, num_stages=st1,
+               pdl=c1["PDL"])
+    elif form == "pairs":
+        launch(k1, g1, w + (ln, lh, lc, cnt, hsa) + wd + (acc,) + s1, c1, num_warps=w1, num_stages=st1,
+               pdl=c1["PDL"])
+    else:
+        launch(k1, g1, w + wd + (bd, acc, tk, cnt, hsa, y, k_out, 1, tok, hsum, st) + s1, c1,
+               num_warps=w1, num_stages=st1, pdl=c1["PDL"])
+    if p.launch2 is not None:
+        k2, g2, s2, c2, w2, _ = p.launch2
+        if form == "list":
+            a2 = (ln, lh, lc) + wd + (bd, y, k_out, 1, rc, hs, tok, hsum, st) + s2
+        else:
+            a2 = (acc, bd, y, k_out, 1, cnt, hsa, tok, hsum, st) + s2
+        launch(k2, g2, a2, c2, num_warps=w2, pdl=c2["PDL"])
+    return Decoded(y, tok, hsum)

@@ -1,0 +1,379 @@
+"""CUDA training FFN (twell::ffn_train / ffn_train_bwd), bf16/fp16: sparse or dense per call,
+no host sync. The sparse forward saves the compact hybrid state (formats.Hybrid); the dense
+forward saves either the same compact state or g and u whole, as a backup of all M rows
+(backup_idx = 0..M-1; the ELL part unwritten). The backward reads g-and-u from the backup's
+row count (M; a compact state needs cap < M), and densify-or-sparse for a compact state from
+a hint keyed on its backup_idx (both exact on any compact state).
+
+Sparse forward, for x [M, K]:
+  1. cuBLAS gate GEMM g = x W_g^T + b_g, then ``compact_rows_kernel`` (twell_rows.py): the
+     count of relu(g)'s non-zeros per row and its first W as packed (col, value) pairs.
+  2. ``train_fwd_kernel`` (twell_train_fwd.py): per row, u at the listed pairs, y; writes the
+     ELL slots; busy rows take a dense-backup slot from an atomic counter (rows past its
+     capacity are recomputed in the backward, decided on the device).
+Sparse backward: ``rank_kernel`` (twell_train_bwd.py) ranks the quiet rows' ELL slots in
+their columns and lists the busy rows, which ``train_bwd_kernel`` does whole (dense backup,
+or recomputed); a counting sort
+groups the slots by neuron; ``wgrad_kernel`` (twell_train_wgrad.py) runs twice per neuron:
+the DY pass (dh, d_g, d_u at each slot, dW_d^T[n], bias grads; dy rows gathered) and the X
+pass (dW_g[n], dW_u[n]; x rows gathered), on top of the dense-backup rows' cuBLAS products,
+recomputing the few rows past the backup; ``dx_rows_kernel`` gives the quiet rows' dx from
+W_g and W_u rows. No [M, N] buffer anywhere.
+Dense forward: cuBLAS g, u, relu*u (relu_mul.py, which also counts the non-zeros per row), y.
+It saves the compact state (the compaction and ``train_fwd_kernel`` with Y=False over g and
+u) while the layer's last measurement lost no rows past the backup (the "compact" path),
+else g and u. Backward from g and u: dh = dy W_d, one elementwise pass (twell_train_dense.py), five
+more cuBLAS products; from the compact state (``backward_densify``): dh = dy W_d,
+``train_densify_kernel`` (twell_train_densify.py) writing d_g, d_u and h whole, the same five
+products. Eager's nine GEMMs either way (a backward recomputing g and u, eleven GEMMs, ran
+0.69-0.82x of eager; H200, 2026-11-22).
+
+Which path runs is select.plan_train's choice; launch sizes come from the device's record.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from twell_compile import stats
+from twell_compile.kernels.twell_rows import compact_rows_kernel
+from twell_compile.kernels.twell_train_bwd import dx_rows_kernel, rank_kernel, train_bwd_kernel
+from twell_compile.kernels.twell_train_dense import train_dense_bwd_kernel
+from twell_compile.kernels.twell_train_densify import train_densify_kernel
+from twell_compile.kernels.twell_train_fwd import train_fwd_kernel
+from twell_compile.kernels.twell_train_wgrad import scatter_kernel, wgrad_kernel
+from twell_compile.runtime import arch, density
+from twell_compile.runtime.cuda_infer import relu_mul_rows
+from twell_compile.runtime.launch import INTERPRET, pow2, transposed, unit_rows, warps_by_width
+from twell_compile.runtime.select import TrainPlan
+
+CH = 256          # columns per scan step over g / backup rows
+RBK = 64          # K per recompute step in the backward (CH columns x RBK)
+EW_BLOCK = 4096   # elements per program of the dense backward's elementwise pass
+DENSIFY_CH = 2048   # columns per streamed step of train_densify_kernel (16 per thread at 4 warps)
+
+# A compact state's backward: densify (the forward ran dense) or sparse, by the saved
+# backup_idx's address. Only a speed hint: both backward paths are exact for any hybrid state,
+# and a miss (an address reused, a table overflow) takes the sparse one.
+_densify: "OrderedDict[int, bool]" = OrderedDict()
+MAX_HINTS = 4096
+
+
+def _densify_hint(bidx: Tensor, densify: bool) -> None:
+    if bidx.numel():
+        _densify[bidx.data_ptr()] = densify
+        _densify.move_to_end(bidx.data_ptr())
+        while len(_densify) > MAX_HINTS:
+            _densify.popitem(last=False)
+
+
+def clear_hints() -> None:
+    """Forget the densify hints (runtime reset)."""
+    _densify.clear()
+
+
+def _warps(k: int, k_out: int) -> int:
+    return 8 if pow2(max(k, k_out)) > 2048 else 4
+
+
+def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b_up: Optional[Tensor],
+           w_down: Tensor, b_down: Optional[Tensor], width: int, cap: int, compute_y: bool):
+    """Compaction + train_fwd_kernel. Returns (y or None, hsum or None, counts, cols, ell_g,
+    ell_u, backup_idx, backup_g, backup_u, missing rows [0-d])."""
+    p = arch.launch_policy(x2.device)
+    m, k = x2.shape
+    n, k_out = g.shape[1], w_down.shape[0]
+    dev, dt = x2.device, x2.dtype
+    gated = w_up is not None
+    lst = torch.empty((m, width), dtype=torch.int32, device=dev)
+    cnt = torch.empty((m,), dtype=torch.int32, device=dev)
+    cols = torch.zeros((m, width), dtype=torch.int32, device=dev)
+    ell_g = torch.zeros((m, width), dtype=dt, device=dev)
+    ell_u = torch.zeros((m, width if gated else 0), dtype=dt, device=dev)
+    bidx = torch.full((cap,), -1, dtype=torch.int64, device=dev)
+    bg = torch.zeros((cap, n), dtype=dt, device=dev)
+    bu = torch.zeros((cap, n if gated else 0), dtype=dt, device=dev)
+    ctr = torch.zeros((3,), dtype=torch.int32, device=dev)     # backup slots; the order's two
+    order = torch.empty((m,), dtype=torch.int32, device=dev)
+    y = torch.empty((m, k_out), dtype=dt, device=dev) if compute_y else None
+    hsum = torch.empty((m,), dtype=torch.float32, device=dev) if compute_y else None
+    if m:
+        compact_rows_kernel[(-(-m // p.compact_bm),)](
+            g, g.stride(0), lst, cnt, order, ctr[1:], m, n, width,
+            BM=p.compact_bm, CH=min(p.compact_ch, pow2(n)), ASM=not INTERPRET, num_warps=p.compact_warps)
+        wdt = transposed(w_down) if compute_y else g
+        wu = w_up if (compute_y and gated) else g
+        pairs, cpw = (p.fwd_pairs, p.fwd_cols_per_warp) if compute_y else (p.state_pairs, p.state_cols_per_warp)
+        train_fwd_kernel[(m,)](
+            x2, x2.stride(0), g, g.stride(0), lst, cnt, order,
+            u if u is not None else g, u.stride(0) if u is not None else 0,
+            wu, wu.stride(0), b_up if b_up is not None else g,
+            wdt, wdt.stride(0), b_down if b_down is not None else g,
+            y if y is not None else g, y.stride(0) if y is not None else 0,
+            hsum if hsum is not None else cnt,
+            cols, ell_g, ell_u, bidx, bg, bu, ctr,
+            k, n, k_out, width, cap,
+            GATED=gated, HAS_BU=b_up is not None, HAS_BD=b_down is not None, Y=compute_y,
+            K_P=pow2(k), KO_P=pow2(k_out), PAIRS=pairs, CH=min(CH, pow2(n)),
+            num_warps=warps_by_width(max(k, k_out), cpw))
+    missing = (ctr[0] - cap).clamp(min=0)
+    return y, hsum, cnt, cols, ell_g, ell_u, bidx, bg, bu, missing
+
+
+def forward_sparse(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap):
+    w_up = None if w_up is None else unit_rows(w_up)
+    g = F.linear(x2, w_gate, b_gate)
+    return _state(x2, g, None, w_up, b_up, w_down, b_down, width, cap, True)
+
+
+def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap, compact=False,
+                  count_lost=True):
+    """cuBLAS forward, bit-identical to eager: (y, sum |h| per row [M] fp32, state). The state
+    is (counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u, missing [0-d]) with g and u
+    as a backup of all M rows; cols and the ELL values are left unwritten (the dense backward
+    reads g and u only). relu(g)*u is the inference dense path's pass, which also counts
+    non-zeros and sums |h| per row (the probe and the statistics). ``missing`` is the rows the
+    sparse path could not have kept (rows over ``width`` past a backup of ``cap``), so the
+    plan's lost-row penalty sees them from dense calls too: without it a layer flipped back
+    to sparse every other call (H200, 2026-11-22). ``count_lost=False`` (no probe this call):
+    None, and three small launches fewer.
+
+    ``compact``: save the hybrid state instead (the compaction and ``train_fwd_kernel`` with
+    Y=False over g and u): a sparse path's memory at dense speed, its backward
+    ``backward_densify``; taken while the layer's last measurement lost no rows."""
+    m = x2.shape[0]
+    n, dev, dt = w_gate.shape[0], x2.device, x2.dtype
+    g = F.linear(x2, w_gate, b_gate)
+    u = None if w_up is None else F.linear(x2, w_up, b_up)
+    h, cnt, hsum = relu_mul_rows(g, u)
+    y = F.linear(h, w_down, b_down)
+    del h
+    if compact:
+        _, _, *state = _state(x2, g, u, w_up, b_up, w_down, b_down, width, cap, False)
+        return y, hsum, tuple(state)
+    cols = torch.empty((m, width), dtype=torch.int32, device=dev)
+    ell_g = torch.empty((m, width), dtype=dt, device=dev)
+    ell_u = torch.empty((m, width if u is not None else 0), dtype=dt, device=dev)
+    bidx = torch.arange(m, dtype=torch.int64, device=dev)
+    bu = u if u is not None else g.new_empty((m, 0))
+    missing = ((cnt > width).sum(dtype=torch.int32) - cap).clamp(min=0) if count_lost else None
+    return y, hsum, (cnt, cols, ell_g, ell_u, bidx, g, bu, missing)
+
+
+def ffn_train_forward(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
+                      w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
+                      layer: str, keep_stats: bool) -> tuple[Tensor, ...]:
+    """Runs a CUDA training plan (path "twell", "compact" or "dense"; select.plan_train)."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, n, k_out = x2.shape[0], w_gate.shape[0], w_down.shape[0]
+    width, cap = plan.width, plan.cap
+    sparse, compact = plan.path == "twell", plan.path == "compact"
+    if sparse:
+        y, hsum, cnt, *rest = forward_sparse(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap)
+        missing = rest[-1]
+        if keep_stats:
+            stats.record(layer, cnt, hsum.sum(), missing, n)
+    else:
+        y, hsum, (cnt, *rest) = forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down,
+                                              width, cap, compact, count_lost=plan.probe)
+        missing = rest[-1]                 # lost rows (compact) or what sparse would lose
+        if keep_stats:
+            stats.record(layer, cnt, hsum.sum(), missing if compact else cnt.new_zeros(()), n)
+    if plan.probe:
+        density.submit(plan.key, cnt.sum() + missing * plan.policy.lost_row_pairs, m * n)
+        density.submit(plan.lost_key, missing, 1)
+    if sparse or compact:                  # a compact state: tell its backward which way
+        _densify_hint(rest[3], compact)
+    return (y.reshape(*x.shape[:-1], k_out), cnt, *rest[:-1])
+
+
+def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_g, ell_u,
+                    bidx, bg, bu, l1c):
+    """(dx, dW_g, db_g, dW_u, db_u, dW_d): ranks and the busy rows, counting sort, the
+    per-neuron DY pass (dh, d_g, d_u, dW_d, bias grads), the per-neuron X pass (dW_g, dW_u),
+    then dx of the quiet rows. Each gathering pass reads rows of one tensor only (dy; x;
+    W_g and W_u), so its working set is about the L2's size."""
+    p = arch.launch_policy(x2.device)
+    m, k = x2.shape
+    n, k_out = w_gate.shape[0], w_down.shape[0]
+    width = cols.shape[1]
+    dev, dt = x2.device, x2.dtype
+    gated = w_up is not None
+    cap = bidx.shape[0]
+    f32, i32 = torch.float32, torch.int32
+    slot_of = _slot_of(bidx, m)
+    dx = torch.empty((m, k), dtype=dt, device=dev)
+    # quiet rows: ranks in their columns, per-column counts; d_g, d_u per slot (fp32)
+    rk = torch.empty((m, width), dtype=i32, device=dev)
+    q = torch.empty((m,), dtype=i32, device=dev)
+    hist = torch.zeros((n,), dtype=i32, device=dev)
+    eg = torch.empty((m, width), dtype=f32, device=dev)
+    eu = torch.empty((m, width), dtype=f32, device=dev) if gated else eg
+    # backup rows: dense [C, N]; rows past it: listed for the per-neuron recompute
+    sg = torch.zeros((cap, n), dtype=dt, device=dev)
+    su = torch.zeros((cap, n), dtype=dt, device=dev) if gated else sg
+    sh = torch.zeros((cap, n), dtype=dt, device=dev)
+    mlist = torch.empty((max(m, 1),), dtype=i32, device=dev)
+    mctr = torch.zeros((1,), dtype=i32, device=dev)
+    w_gate = unit_rows(w_gate)
+    wu = unit_rows(w_up) if gated else w_gate
+    wdt = transposed(w_down)
+    blist = torch.empty((max(m, 1),), dtype=i32, device=dev)
+    bctr = torch.zeros((1,), dtype=i32, device=dev)
+    if m:
+        rank_kernel[(-(-m // p.rank_bm),)](
+            x2, x2.stride(0), dy2, dy2.stride(0), cnt, cols, width, q, rk, hist, blist, bctr, m, k, k_out,
+            BM=p.rank_bm, BK=min(256, pow2(max(k, k_out))), BP=p.rank_bp, num_warps=4)
+        train_bwd_kernel[(min(m, p.busy_programs),)](
+            dy2, dy2.stride(0), x2, x2.stride(0), blist, bctr,
+            slot_of, bg, bu if gated else bg,
+            w_gate, w_gate.stride(0), b_gate if b_gate is not None else w_gate,
+            wu, wu.stride(0), b_up if b_up is not None else w_gate, wdt, wdt.stride(0),
+            dx, dx.stride(0), sg, su, sh, mlist, mctr,
+            k, n, k_out, float(l1c),
+            GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
+            K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.train_pairs, CH=min(CH, pow2(n)),
+            BK=RBK, num_warps=_warps(k, k_out))
+    off = torch.cumsum(hist, 0, dtype=i32) - hist
+    order = torch.empty((max(m * width, 1),), dtype=i32, device=dev)
+    if m:
+        scatter_kernel[(m,)](cols, rk, q, off, order, width, WP=pow2(width), num_warps=1)
+    # the backup rows' parts: cuBLAS on the gathered x / dy rows (padding slots: zero rows),
+    # written into the outputs that wgrad_kernel then completes in place
+    valid = (bidx >= 0).unsqueeze(1)
+    rows = bidx.clamp(min=0)
+    if m:
+        xb = torch.where(valid, x2[rows], torch.zeros((), dtype=dt, device=dev))
+        dyb = torch.where(valid, dy2[rows], torch.zeros((), dtype=dt, device=dev))
+    else:                                   # no rows (the op's M = 0 runs dense): all padding
+        xb, dyb = x2.new_zeros((cap, k)), dy2.new_zeros((cap, k_out))
+    dwg = sg.t().mm(xb)
+    dwu = su.t().mm(xb) if gated else None
+    dwdt = sh.t().mm(dyb)
+    del xb, dyb
+    db = torch.empty((2, n), dtype=f32, device=dev)
+    common = dict(GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c))
+    args = (order, off, hist, width, ell_g, ell_u if gated else ell_g, eg, eu, x2, x2.stride(0),
+            dy2, dy2.stride(0), mlist, mctr, w_gate, w_gate.stride(0),
+            b_gate if b_gate is not None else w_gate, wu, wu.stride(0),
+            b_up if b_up is not None else w_gate, wdt, wdt.stride(0), float(l1c),
+            dwg, dwu if gated else dwg, dwdt, db[0], db[1], k, k_out)
+    bk_dy = pow2(k_out)                       # the DY pass needs whole dy rows for dh
+    wgrad_kernel[(n, 1)](*args, DY=True, BKW=bk_dy, E=p.wg_dy_entries,
+                         num_warps=warps_by_width(k_out, p.wg_dy_cols_per_warp), **common)
+    bkw = min(p.wg_bk, pow2(k))
+    wgrad_kernel[(n, -(-k // bkw))](*args, DY=False, BKW=bkw, E=p.wg_x_entries, num_warps=p.wg_x_warps, **common)
+    if m:
+        dx_rows_kernel[(m,)](q, cols, eg, eu, width, w_gate, w_gate.stride(0), wu, wu.stride(0),
+                             dx, dx.stride(0), k, GATED=gated, K_P=pow2(k), PAIRS=p.dx_pairs,
+                             num_warps=_warps(k, k))
+    db_gate = (db[0] + sg.float().sum(0)).to(dt) if b_gate is not None else None
+    db_up = (db[1] + su.float().sum(0)).to(dt) if (gated and b_up is not None) else None
+    return dx, dwg, db_gate, dwu, db_up, transposed(dwdt)
+
+
+def backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, g, u, l1c):
+    """Eager's backward from the saved g [M, N] and u (None when non-gated). Three [M, N]
+    buffers (dh, later h; dg; du) beside the saved two; h goes once dW_d has it, before dx and
+    the other weight grads are allocated (1106 MiB extra peak at M=16384 d=0.02 with h kept
+    to the end, eager 966; H200, 2026-11-22)."""
+    gated = w_up is not None
+    h = dy2.mm(w_down)                                  # dh; the kernel leaves h in its place
+    dg = torch.empty_like(g)
+    du = torch.empty_like(u) if gated else None
+    numel = g.numel()
+    if numel:
+        train_dense_bwd_kernel[(-(-numel // EW_BLOCK),)](
+            g, u if gated else g, h, dg, du if gated else dg, numel, float(l1c),
+            GATED=gated, L1=bool(l1c), BLOCK=EW_BLOCK, num_warps=8)
+    dw_down = dy2.t().mm(h)
+    del h
+    return (*_products(x2, w_gate, b_gate, w_up, b_up, dg, du), dw_down)
+
+
+def _products(x2, w_gate, b_gate, w_up, b_up, dg, du):
+    """(dx, dW_g, db_g, dW_u, db_u) from dense d_g, d_u [M, N] (d_u None when non-gated): four
+    cuBLAS products, called once h is freed so dx and the weight grads do not add to its peak."""
+    dx = dg.mm(w_gate)
+    if du is not None:
+        dx.addmm_(du, w_up)
+    dw_gate = dg.t().mm(x2)
+    db_gate = dg.sum(0) if b_gate is not None else None
+    dw_up = du.t().mm(x2) if du is not None else None
+    db_up = du.sum(0) if (du is not None and b_up is not None) else None
+    return dx, dw_gate, db_gate, dw_up, db_up
+
+
+def _slot_of(bidx: Tensor, m: int) -> Tensor:
+    """[M + 1] int32: each row's dense-backup slot, -1 for rows without one (padding slots,
+    backup_idx -1, land on the extra entry M)."""
+    slot_of = torch.full((m + 1,), -1, dtype=torch.int32, device=bidx.device)
+    slot_of.scatter_(0, torch.where(bidx >= 0, bidx, m),
+                     torch.arange(bidx.shape[0], dtype=torch.int32, device=bidx.device))
+    return slot_of
+
+
+def backward_densify(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_g, ell_u,
+                     bidx, bg, bu, l1c):
+    """Eager's GEMMs from the compact state: dh = dy W_d, then ``train_densify_kernel`` writes
+    d_g, d_u and h whole from the ELL slots and backup rows (rows past the backup recomputed),
+    then the five products as ``backward_densify``."""
+
+    m, k = x2.shape
+    n = w_gate.shape[0]
+    gated = w_up is not None
+    width = cols.shape[1]
+    slot_of = _slot_of(bidx, m)
+    h = dy2.mm(w_down)                                  # dh; the kernel leaves h in its place
+    dg = torch.empty_like(h)
+    du = torch.empty_like(h) if gated else None
+    wg = unit_rows(w_gate)
+    wu = unit_rows(w_up) if gated else wg
+    if m and n:
+        train_densify_kernel[(m,)](
+            h, dg, du if gated else dg, cnt, cols, ell_g, ell_u if gated else ell_g, width,
+            slot_of, bg, bu if gated else bg, x2, x2.stride(0), wg, wg.stride(0),
+            b_gate if b_gate is not None else wg, wu, wu.stride(0),
+            b_up if b_up is not None else wg, n, k, float(l1c),
+            GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
+            W_P=pow2(max(width, 1)), K_P=pow2(k), CH=min(CH, pow2(n)), BK=RBK,
+            DCH=min(DENSIFY_CH, pow2(n)), num_warps=4)
+    dw_down = dy2.t().mm(h)
+    del h
+    return (*_products(x2, w_gate, b_gate, w_up, b_up, dg, du), dw_down)
+
+
+def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
+                       w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor,
+                       counts: Tensor, cols: Tensor, ell_g: Tensor, ell_u: Tensor,
+                       backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, l1_scale: float):
+    k, n, k_out = x.shape[-1], w_gate.shape[0], w_down.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    dy2 = dy.reshape(-1, k_out)
+    if dy2.stride(-1) != 1:
+        dy2 = dy2.contiguous()
+    m = x2.shape[0]
+    l1c = l1_scale / max(m * n, 1) if l1_scale else 0.0
+    if backup_idx.shape[0] < m:         # a compact state (it needs capacity < M)
+        densify = backup_idx.numel() and _densify.pop(backup_idx.data_ptr(), False)
+        out = (backward_densify if densify else backward_sparse)(
+            dy2, x2, w_gate, b_gate, w_up, b_up, w_down, counts, cols, ell_g, ell_u,
+            backup_idx, backup_g, backup_u, l1c)
+    else:
+        if backup_idx.shape[0] != m:
+            raise ValueError(f"backup_idx: {backup_idx.shape[0]} rows saved for {m} tokens; the "
+                             "CUDA dense forward saves exactly M, the sparse one fewer")
+        out = backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, backup_g,
+                             backup_u if w_up is not None else None, l1c)
+    dx, dw_gate, db_gate, dw_up, db_up, dw_down = out
+    return dx.reshape(x.shape), dw_gate, db_gate, dw_up, db_up, dw_down, dy2.sum(0)

@@ -1,0 +1,137 @@
+"""Per-layer density measurements, lagged and sync-free, kept per op instance.
+
+A probe call writes the layer's non-zero count of relu(gate(x)) into a device tensor; a
+non-blocking copy to pinned host memory and a CUDA event carry it back, and a later call reads
+it only once ``event.query()`` says it has landed (never waits). Under CUDA-graph capture
+nothing is polled or copied: the graph records the path chosen by the calls before capture.
+
+State is per op instance: the passes and ``prepare`` give every op they insert an ``instance``
+number unique in the process (``ops.next_instance``), and the runtime runs each call inside
+its op's scope (``scope``), so a key (layer name, shapes) names a layer within one compiled op
+only: a second model with the same layer names starts unmeasured. Direct calls of the op share
+instance 0. ``reset`` (also run by ``torch._dynamo.reset()``) forgets everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class _Layer:
+    density: Optional[float] = None        # latest landed measurement
+    calls: int = 0
+    pending: Optional[tuple[torch.cuda.Event, Tensor, int]] = None  # (event, pinned, elements)
+    host: Optional[Tensor] = field(default=None, repr=False)
+    path: str = ""                         # the path of the layer's last call (for reports)
+
+
+_lock = threading.Lock()
+_layers: dict[tuple, _Layer] = {}      # by (op instance, key)
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def scope(instance: int) -> Iterator[None]:
+    """Make ``instance`` the op instance whose state the calls inside read and write."""
+    prev = getattr(_scope, "instance", 0)
+    _scope.instance = instance
+    try:
+        yield
+    finally:
+        _scope.instance = prev
+
+
+def instance() -> int:
+    """The op instance of the call in progress (0 outside one, or for direct calls)."""
+    return getattr(_scope, "instance", 0)
+
+
+def _state(key: tuple) -> _Layer:
+    full = (instance(), key)
+    st = _layers.get(full)
+    if st is None:
+        with _lock:
+            st = _layers.setdefault(full, _Layer())
+    return st
+
+
+def poll(key: tuple) -> Optional[float]:
+    """The layer's latest landed density (None before the first lands), taking a landed
+    measurement first. Never syncs; not under capture."""
+    st = _state(key)
+    if st.pending is not None and not torch.cuda.is_current_stream_capturing():
+        event, pinned, elements = st.pending
+        if event.query():
+            st.density = float(pinned[0]) / max(elements, 1)
+            st.pending = None
+    return st.density
+
+
+def measured(key: tuple) -> Optional[float]:
+    """Latest landed density of a layer, without polling (None before the first lands)."""
+    return _state(key).density
+
+
+def wants_probe(key: tuple, every: int) -> bool:
+    """Whether this call should measure the layer: every ``every`` calls, and the first; one
+    probe in flight at a time; never under capture."""
+    st = _state(key)
+    if torch.cuda.is_current_stream_capturing() or st.pending is not None:
+        return False
+    return st.density is None or st.calls % every == 0
+
+
+def tick(key: tuple, path: str = "") -> None:
+    """Count a call of the layer (the probe interval's clock) and record its path."""
+    st = _state(key)
+    st.calls += 1
+    if path:
+        st.path = path
+
+
+def record_path(key: tuple, path: str) -> None:
+    _state(key).path = path
+
+
+def last_path(key: tuple) -> str:
+    """The path the layer's last call took ("" before any), for benchmarks and tests."""
+    return _state(key).path
+
+
+def submit(key: tuple, nnz: Tensor, elements: int) -> None:
+    """Start the async readback of a 0-d non-zero count covering ``elements`` entries."""
+    st = _state(key)
+    if st.host is None:
+        st.host = torch.empty(1, dtype=torch.float64, pin_memory=True)
+    st.host.copy_(nnz.reshape(1).to(torch.float64), non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    st.pending = (event, st.host, elements)
+
+
+def landed(key: tuple, value: float) -> None:
+    """Store a measurement as if its readback had landed (tools and tests without a GPU)."""
+    _state(key).density = value
+
+
+def snapshot() -> list[tuple[int, tuple, Optional[float], str]]:
+    """(op instance, key, latest density, last path) of every layer with state."""
+    return [(inst, key, st.density, st.path) for (inst, key), st in list(_layers.items())]
+
+
+def layers() -> int:
+    """Layers with state, over every instance."""
+    return len(_layers)
+
+
+def reset() -> None:
+    """Forget every layer's measurements, of every op instance."""
+    with _lock:
+        _layers.clear()

@@ -1,0 +1,94 @@
+"""Runs an op call: asks ``select`` for the plan, then calls the plan's launcher.
+
+    ffn_infer            twell::ffn            plan_infer -> cuda_infer / cuda_decode / cpu_ffn / torch_impl
+    ffn_train_forward    twell::ffn_train      plan_train -> cuda_train / torch_impl
+    ffn_train_backward   twell::ffn_train_bwd  the path the saved state's shapes say
+
+Every call runs inside its op instance's scope (density.scope), so the measurements it reads
+and writes are its own op's. No host sync on any path: decisions use shapes, dtypes, devices
+and lagged device-side counts only. The CUDA launchers import Triton, so they are imported on
+first use (``import twell_compile.ops`` stays light on machines without it).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Optional
+
+from torch import Tensor
+
+from twell_compile.runtime import density, select, torch_impl
+
+
+def _cuda_infer() -> ModuleType:
+    from twell_compile.runtime import cuda_infer
+
+    return cuda_infer
+
+
+def _cuda_train() -> ModuleType:
+    from twell_compile.runtime import cuda_train
+
+    return cuda_train
+
+
+def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+              b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], layer: str,
+              keep_stats: bool, instance: int = 0, kernel: str = "auto") -> Tensor:
+    """The inference FFN y [..., K_out] for x [..., K]; weights in nn.Linear's layout."""
+    n, k_out = w_gate.shape[0], w_down.shape[0]
+    with density.scope(instance):
+        plan = select.plan_infer(x, n, k_out, w_up is not None, layer, keep_stats, kernel)
+        if plan.path == "torch":
+            return torch_impl.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats)
+        if plan.path == "cpu":
+            from twell_compile.runtime import cpu_ffn
+
+            return cpu_ffn.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats,
+                                     plan.policy.max_density(x.numel() // x.shape[-1]))
+        y = _cuda_infer().ffn_infer(plan, x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats)
+        if plan.tick:
+            density.tick(plan.key, plan.path)
+        return y
+
+
+def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+                      b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
+                      ell_width: int, backup_rows: int, layer: str, keep_stats: bool,
+                      instance: int = 0, kernel: str = "auto") -> tuple[Tensor, ...]:
+    """(y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u): formats.Hybrid's state."""
+    n, k_out = w_gate.shape[0], w_down.shape[0]
+    with density.scope(instance):
+        plan = select.plan_train(x, n, k_out, w_up is not None, ell_width, backup_rows, layer, kernel)
+        if plan.path == "torch":
+            return torch_impl.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
+                                                ell_width, backup_rows, layer, keep_stats)
+        out = _cuda_train().ffn_train_forward(plan, x, w_gate, b_gate, w_up, b_up, w_down, b_down,
+                                              layer, keep_stats)
+        if plan.tick:
+            density.tick(plan.key)
+        density.record_path(plan.key, plan.path)
+        return out
+
+
+def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
+                       w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor, *state: Tensor,
+                       l1_scale: float) -> tuple[Optional[Tensor], ...]:
+    """Gradients (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down) from the saved state:
+    the CUDA backward where the CUDA training kernels take the call (its path follows the
+    state's shapes), plain PyTorch otherwise."""
+    if select.cuda_train_supported(x, w_gate.shape[0], w_down.shape[0]):
+        return _cuda_train().ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *state, l1_scale)
+    return torch_impl.ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *state, l1_scale)
+
+
+def reset() -> None:
+    """Forget every op instance's runtime state (density measurements, the training path's
+    hints); ``torch._dynamo.reset()`` calls this through the backend."""
+    import sys
+
+    density.reset()
+    train = sys.modules.get("twell_compile.runtime.cuda_train")
+    if train is not None:
+        train.clear_hints()
+

@@ -1,0 +1,509 @@
+"""Which kernel runs: the one home of every rule. Constants come from ``arch.py``'s records.
+
+Per call, ``plan_infer`` / ``plan_train`` return a plan (path, its sizing, whether to measure
+density); ``static_reason`` is their compile-time twin, used by the graph pass (fuse_ffn),
+``prepare`` and the backend: why a rewritten FFN would surely run a path slower than
+Inductor's, or None. ``kernel=`` forces a path (tests, benchmarks, ``twell.kernel``); a forced
+path that cannot run the call raises ``ValueError``.
+
+Inference, CUDA bf16/fp16 (fp32 runs eager's dense calls: tl.dot would round its operands to
+tf32, about 3e-4 relative error, over twice eager fp32's):
+  1. Shapes. Decode path for 1 <= M <= decode_max_m tokens; per-row TwELL path for
+     M >= min_tokens, min_width <= K, K and K_out <= MAX_WIDTH (the row kernel holds a whole x
+     and y row in registers), N <= MAX_N (16-bit columns in the per-row lists). Dense otherwise.
+  2. Density (per layer, lagged; density.py). With d the measured density and g = 1 for a gated
+     FFN, the layer runs TwELL while, in units of one dense M x K x N GEMM,
+         gate_units + pair_units * d * (1 + g) / 2  <  margin * (2 + g)
+     (cuBLAS gate + compaction + the row kernel vs the dense FFN); pair_units_hbm replaces
+     pair_units when W_u and W_d together exceed l2_bytes. A layer starts dense (a probe call);
+     dense layers re-probe every probe_every calls, TwELL layers every refresh_every. The
+     density also sets the per-row list width (``list_width``).
+  3. Decode (M <= decode_max_m, same key and measurement): one predicted time per up/down
+     form (``decode_us``; u = 1-(1-d)^R the expected fraction of neurons active in some row of
+     an R-row block, B row blocks, BN / LBN neurons per program):
+       tiles:  fixed + B bytes(W_g) / rate + add * R B N_a K_out / 1e6 + entry * u N B (K + K_out) / 4096
+               (N_a = N / BN (1 - (1-u)^BN) blocks with an active neuron)
+       rows:   fixed + bytes(W_g) / rate + step * u BN (K + M_P K_out) / 4096    (M <= vec_m)
+       list:   fixed + B bytes(W_g) / rate + pair * d R LBN K / 4096 + entry * d N K_out / 4096
+       pairs:  fixed + B bytes(W_g) / rate + trip * d R B LBN / PB (K + K_out) / 4096
+     each plus a strided term (W_down^T rows read through W_down's transposed view, a 32 B
+     sector per element of the union). The fastest form runs while its time is under
+     decode_margin x (dense_fixed_us + bytes(W_g + W_u + W_d) / dense_gbps). Under
+     ``torch.use_deterministic_algorithms(True)`` only the list form (no atomics) is considered.
+     Before the first measurement lands the rule is evaluated at density 0, the best case (a
+     CUDA graph recorded on the second call would otherwise keep dense forever).
+  4. A dense call at decode sizes replays the op's own CUDA graph where eager's calls take more
+     host time (op_dense_host_us) than their GPU time (``dense_host_bound``).
+Inference, CPU: the C++ kernel (cpu_ffn.py) for fp32/bf16 from min_work multiply-adds (it picks
+sparse or dense up/down inside, from the non-zeros it counts); plain PyTorch otherwise.
+Training, CUDA bf16/fp16 within the kernels' widths: from train_min_tokens tokens (and a dense
+backup smaller than M) the sparse kernels while the lagged density is under
+sparse_max_density; else eager's GEMMs saving the compact state (while no rows were lost past
+the backup) or g and u. Rows past the backup count lost_row_pairs pairs each in the probe.
+fp32 and the CPU train on plain PyTorch (hybrid format, exact).
+
+Compile time (``static_reason``), leaving an FFN to Inductor: CUDA fp32; static token counts
+in the band between the decode and per-row paths; decode sizes without CUDA graphs (host-bound:
+rewritten, generate() ran 0.63x of Inductor's tokens/s at batch 1, H200, 2026-11-23,
+bench_e2e.py --generate --compile-mode default); decode sizes where even density 0 cannot win;
+layers too wide or too narrow for the per-row kernels; CPU FFNs under min_work or in a dtype
+the C++ kernel lacks; training without an L1 penalty under train_min_tokens, in fp32, or on
+the CPU. A dynamic token count is answered as its current value is, under a guard on its range
+(the graph then serves that range; another range recompiles once); a user's range
+(``mark_dynamic(min=, max=)``) is never narrowed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from twell_compile.config import INFER_KERNELS, TRAIN_KERNELS
+from twell_compile.formats import backup_capacity
+from twell_compile.runtime import arch, decode_graphs, density
+from twell_compile.runtime.arch import CpuPolicy, GpuPolicy
+
+DTYPES = (torch.bfloat16, torch.float16)    # the CUDA sparse kernels' dtypes
+CPU_DTYPES = (torch.float32, torch.bfloat16)  # the C++ CPU kernel's
+MAX_WIDTH = 8192        # K and K_out of the per-row and training kernels (a row in registers)
+MAX_N = 65536           # hidden units: the per-row lists pack the column in 16 bits
+FORMS = ("rows", "tiles", "list", "pairs")
+DETERMINISTIC_FORMS = ("list",)   # the decode forms that sum without atomics
+
+
+# --------------------------------------------------------------------------- cost models
+def twell_wins(p: GpuPolicy, d: float, gated: bool, k: int, n: int, k_out: int, itemsize: int) -> bool:
+    """Rule 2 for a layer with weights W_g, W_u [n, k], W_d [k_out, n] at density d."""
+    g = 1.0 if gated else 0.0
+    gathered = n * (k * g + k_out) * itemsize            # W_u and W_d^T rows, one per pair
+    pair = p.pair_units if gathered <= p.l2_bytes else p.pair_units_hbm
+    return p.gate_units + pair * d * (1 + g) / 2 < p.margin * (2 + g)
+
+
+def list_width(p: GpuPolicy, n: int, nnz_per_row: Optional[float] = None) -> int:
+    """Per-row list width W: a power of two >= 4x the mean non-zeros per row + 32 (tail 0.2,
+    mean 51: W=128 left 10% of rows over it, 1.33 vs ~0.9 ms on H200), within [list_min,
+    list_max] and pow2(N). Rows over W stay exact (the row kernel's tail over g), only slower."""
+    w = p.list_min if nnz_per_row is None else arch._pow2(int(4 * nnz_per_row) + 32)
+    return max(1, min(max(w, p.list_min), p.list_max, arch._pow2(n)))
+
+
+def union_fraction(d: float, m: int) -> float:
+    """Expected fraction of neurons active in at least one of m rows (independent rows)."""
+    d = min(max(float(d), 0.0), 1.0)
+    return 1.0 - (1.0 - d) ** m
+
+
+def tiles_active(u: float, n: int, bn: int) -> float:
+    """Expected neuron blocks of BN with an active neuron when a fraction u of N is active."""
+    return n / bn * (1.0 - (1.0 - u) ** bn)
+
+
+def decode_terms(p: GpuPolicy, d: float, u: Optional[float], m: int, k: int, n: int,
+                 k_out: int) -> dict[str, list[float]]:
+    """Per decode form the terms of its predicted time for M rows (rule 3, each without its
+    constant): 1, bytes(W_g) in MB, the form's work terms, the strided term; "rows" only where
+    M <= vec_m. ``u``: fraction of neurons active in some row of a row block (measured where
+    fitted; None: union_fraction's expectation)."""
+    c = p.decode_config(m, k)
+    mb = min(arch.m_pad(min(m, arch.MAX_M)), arch.MAX_MB)
+    rows, blocks = min(m, mb), -(-m // mb)
+    d = min(max(float(d), 0.0), 1.0)
+    if u is None:
+        u = union_fraction(d, rows)
+    gate_mb = 2e-6 * n * k * blocks
+    strided_mb = 32e-6 * u * n * blocks * k_out       # a sector per W_down element of the union
+    out = {
+        "tiles": [1.0, gate_mb, rows * blocks * tiles_active(u, n, c.bn) * k_out / 1e6,
+                  u * n * blocks * (k + k_out) / 4096],
+        "list": [1.0, gate_mb, d * rows * c.lbn * k / 4096, d * n * k_out / 4096],
+        "pairs": [1.0, gate_mb, d * rows * blocks * arch.pairs_bn(c) / arch.pairs_pb(c) * (k + k_out) / 4096],
+    }
+    if m <= c.vec_m:
+        out["rows"] = [1.0, gate_mb, u * arch.rows_bn(m, c) * (k + arch.m_pad_rows(m) * k_out) / 4096]
+    for terms in out.values():
+        terms.append(strided_mb)
+    return out
+
+
+def decode_us(p: GpuPolicy, d: float, m: int, k: int, n: int, k_out: int) -> dict[str, float]:
+    """Predicted decode time (us) of each form for M rows: decode_terms times the record's
+    per-form constants (the second is a rate: its term is bytes(W_g) in MB, 1e3 / GB/s)."""
+    out = {}
+    for form, t in decode_terms(p, d, None, m, k, n, k_out).items():
+        c = p.decode_forms[form]
+        out[form] = c[0] + 1e3 * t[1] / c[1] + sum(ci * ti for ci, ti in zip(c[2:], t[2:]))
+    return out
+
+
+def dense_us(p: GpuPolicy, k: int, n: int, k_out: int, gated: bool, elem: int = 2) -> float:
+    """Predicted GPU time of eager's dense FFN at decode sizes (weight bytes at dense_gbps)."""
+    return p.dense_fixed_us + 1e-3 * elem * n * (k * (2 if gated else 1) + k_out) / p.dense_gbps
+
+
+def dense_host_bound(p: GpuPolicy, k: int, n: int, k_out: int, gated: bool, elem: int = 2) -> bool:
+    """Whether the op's dense path at decode sizes takes less GPU time than its eager calls take
+    host time: then replaying it from the op's own CUDA graph saves time (K=4096, N=11008,
+    ~88 us predicted: graphed 0.098 ms per call at M=1 against 0.18-0.47 ungraphed, H200)."""
+    return dense_us(p, k, n, k_out, gated, elem) < p.op_dense_host_us
+
+
+def _forms(forms: Optional[tuple[str, ...]], t: dict[str, float]) -> dict[str, float]:
+    return t if forms is None else {f: v for f, v in t.items() if f in forms}
+
+
+def decode_form(p: GpuPolicy, d: float, m: int, k: int, n: int, k_out: int,
+                forms: Optional[tuple[str, ...]] = None) -> str:
+    """The decode form predicted fastest (only ``forms`` if given)."""
+    t = _forms(forms, decode_us(p, d, m, k, n, k_out))
+    return min(t, key=t.get)
+
+
+def decode_pick(p: GpuPolicy, d: float, m: int, k: int, n: int, k_out: int, gated: bool,
+                forms: Optional[tuple[str, ...]] = None) -> Optional[str]:
+    """The fastest form when it beats decode_margin x dense's predicted time, else None."""
+    t = _forms(forms, decode_us(p, d, m, k, n, k_out))
+    form = min(t, key=t.get)
+    return form if t[form] < p.decode_margin * dense_us(p, k, n, k_out, gated) else None
+
+
+def decode_wins(p: GpuPolicy, d: float, m: int, k: int, n: int, k_out: int, gated: bool,
+                forms: Optional[tuple[str, ...]] = None) -> bool:
+    return decode_pick(p, d, m, k, n, k_out, gated, forms) is not None
+
+
+# --------------------------------------------------------------------------- per call
+@dataclass(frozen=True)
+class InferPlan:
+    """How one inference call runs.
+
+    path: "dense" (eager's calls), "decode", "twell" (per-row TwELL), "cpu" (the C++ kernel)
+    or "torch" (plain PyTorch). key: the layer's density-state key ("" paths without state).
+    form: the decode form. width: the per-row list width. probe: measure the layer's density
+    this call. graphed: dense call replayed from the op's own CUDA graph. counts: the dense
+    call also counts non-zeros (statistics, probe). tick: count the call in the layer's state.
+    """
+    path: str
+    policy: Union[GpuPolicy, CpuPolicy, None] = None
+    key: tuple = ()
+    form: str = ""
+    width: int = 0
+    probe: bool = False
+    graphed: bool = False
+    counts: bool = False
+    tick: bool = False
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _cuda_kernels(x: Tensor) -> bool:
+    """CUDA bf16/fp16 with Triton: the sparse kernels can run at all."""
+    return x.is_cuda and x.dtype in DTYPES and triton_available()
+
+
+def _cpu_kernel_ok(x: Tensor) -> bool:
+    from twell_compile.runtime import cpu_ffn       # builds on first use; not at import
+
+    return x.device.type == "cpu" and x.dtype in CPU_DTYPES and cpu_ffn.extension() is not None
+
+
+def _refuse(kernel: str, why: str) -> ValueError:
+    return ValueError(f"kernel={kernel!r} cannot run this call: {why} (kernel='auto' chooses for itself)")
+
+
+def check_kernel(kernel: str, allowed: tuple[str, ...], what: str) -> None:
+    """ValueError unless ``kernel`` names a path of the ``what`` op."""
+    if kernel not in allowed:
+        raise ValueError(f"kernel must be one of {allowed} for the {what} op, got {kernel!r}")
+
+
+def _graph_dense(p: GpuPolicy, x: Tensor, m: int, k: int, n: int, k_out: int, gated: bool) -> bool:
+    """Whether a dense call replays the op's own graph: decode sizes where eager's calls are
+    host-bound, graphs usable. Not under torch.use_deterministic_algorithms: cuBLAS may pick
+    another kernel inside a capture than eagerly, and the bits would change between calls."""
+    return (m <= p.decode_max_m and decode_graphs.usable(x) and not torch.are_deterministic_algorithms_enabled()
+            and dense_host_bound(p, k, n, k_out, gated, x.element_size()))
+
+
+def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stats: bool,
+               kernel: str = "auto") -> InferPlan:
+    """The plan for one ``twell::ffn`` call on x [..., K] with N hidden units and K_out outputs.
+    Reads the layer's lagged density (never syncs)."""
+    check_kernel(kernel, INFER_KERNELS, "inference")
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    if kernel == "torch":
+        return InferPlan("torch")
+    if x.device.type == "cpu":
+        if kernel in ("auto", "cpu"):
+            p = arch.policy_for(x.device)
+            if _cpu_kernel_ok(x) and (kernel == "cpu" or m * n * (k + k_out) >= p.min_work):
+                return InferPlan("cpu", p)
+            if kernel == "cpu":
+                raise _refuse(kernel, f"the C++ CPU kernel takes {', '.join(map(str, CPU_DTYPES))} "
+                                      f"and must build (x is {x.dtype})")
+            return InferPlan("torch")
+        raise _refuse(kernel, f"x is on {x.device}; {kernel!r} is a CUDA path")
+    if not x.is_cuda or not triton_available():
+        if kernel == "auto":
+            return InferPlan("torch")
+        raise _refuse(kernel, f"x is on {x.device}{'' if triton_available() else ' and Triton is not installed'}")
+    p = arch.policy_for(x.device)
+    sparse_ok = x.dtype in DTYPES
+    key = (layer, x.device, x.dtype, k, n, k_out, gated)
+    if kernel == "cpu":
+        raise _refuse(kernel, "x is on CUDA")
+    if kernel == "dense":
+        return InferPlan("dense", p, counts=keep_stats)
+    if kernel.startswith("decode"):
+        if not (sparse_ok and 1 <= m <= arch.MAX_M):
+            raise _refuse(kernel, f"the decode path takes bf16/fp16 and 1-{arch.MAX_M} tokens "
+                                  f"({m} tokens of {x.dtype})")
+        d = density.poll(key) or 0.0
+        form = kernel[len("decode-"):] if kernel != "decode" else decode_form(
+            p, d, m, k, n, k_out, DETERMINISTIC_FORMS if torch.are_deterministic_algorithms_enabled() else None)
+        if form == "rows" and m > p.decode_config(m, k).vec_m:
+            raise _refuse(kernel, f"the rows form takes up to {p.decode_config(m, k).vec_m} tokens, got {m}")
+        return InferPlan("decode", p, key, form=form, probe=density.wants_probe(key, p.refresh_every), tick=True)
+    if kernel == "twell":
+        if not (sparse_ok and k <= MAX_WIDTH and k_out <= MAX_WIDTH and 1 <= n <= MAX_N):
+            raise _refuse(kernel, f"the per-row path takes bf16/fp16, K and K_out <= {MAX_WIDTH}, "
+                                  f"N <= {MAX_N} (got {x.dtype}, K={k}, K_out={k_out}, N={n})")
+        d = density.poll(key)
+        return InferPlan("twell", p, key, width=list_width(p, n, None if d is None else d * n),
+                         probe=density.wants_probe(key, p.refresh_every), tick=True)
+    # auto
+    decode = sparse_ok and 1 <= m <= p.decode_max_m and n >= 1
+    form = None
+    if decode:
+        d = density.poll(key)
+        forms = DETERMINISTIC_FORMS if torch.are_deterministic_algorithms_enabled() else None
+        form = decode_pick(p, 0.0 if d is None else d, m, k, n, k_out, gated, forms)
+        decode = form is not None or decode_wins(p, 0.0, m, k, n, k_out, gated)
+    rows_ok = (sparse_ok and m >= p.min_tokens and p.min_width <= k <= MAX_WIDTH and k_out <= MAX_WIDTH
+               and 1 <= n <= MAX_N)
+    if not decode and not rows_ok:
+        # eager's calls (fp32, M between the sparse paths, unsupported shapes): no bookkeeping
+        return InferPlan("dense", p, graphed=not keep_stats and _graph_dense(p, x, m, k, n, k_out, gated),
+                         counts=keep_stats)
+    if decode:
+        sparse = form is not None
+    else:
+        d = density.poll(key)
+        sparse = d is not None and twell_wins(p, d, gated, k, n, k_out, x.element_size())
+    probe = density.wants_probe(key, p.refresh_every if sparse else p.probe_every)
+    if sparse and decode:
+        return InferPlan("decode", p, key, form=form, probe=probe, tick=True)
+    if sparse:
+        return InferPlan("twell", p, key, width=list_width(p, n, density.measured(key) * n), probe=probe, tick=True)
+    graphed = not keep_stats and not probe and _graph_dense(p, x, m, k, n, k_out, gated)
+    return InferPlan("dense", p, key, probe=probe, graphed=graphed, counts=not graphed, tick=True)
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """How one training forward runs. path: "twell" (sparse kernels), "dense" (eager's GEMMs
+    saving g and u), "compact" (eager's GEMMs saving the compact hybrid state) or "torch"
+    (plain PyTorch). key / lost_key: the layer's density and lost-row state. probe: measure
+    them this call. tick: count the call. width / cap: the ELL width and dense-backup rows."""
+    path: str
+    policy: Optional[GpuPolicy] = None
+    key: tuple = ()
+    lost_key: tuple = ()
+    probe: bool = False
+    tick: bool = False
+    width: int = 0
+    cap: int = 0
+
+
+def cuda_train_supported(x: Tensor, n: int, k_out: int) -> bool:
+    """The CUDA training kernels take this call: bf16/fp16 CUDA with Triton, within widths."""
+    return _cuda_kernels(x) and x.shape[-1] <= MAX_WIDTH and k_out <= MAX_WIDTH and 1 <= n <= MAX_N
+
+
+def plan_train(x: Tensor, n: int, k_out: int, gated: bool, ell_width: int, backup_rows: int,
+               layer: str, kernel: str = "auto") -> TrainPlan:
+    """The plan for one ``twell::ffn_train`` forward. Inside a backward pass (activation
+    checkpointing's recompute) the measurements are not polled, so the recompute takes the path
+    its forward took and saves tensors of the same shapes (non-reentrant checkpointing checks)."""
+    check_kernel(kernel, TRAIN_KERNELS, "training")
+    if not cuda_train_supported(x, n, k_out):
+        if kernel != "auto":
+            raise _refuse(kernel, "the CUDA training kernels take bf16/fp16 CUDA tensors with Triton, "
+                                  f"K and K_out <= {MAX_WIDTH}, N <= {MAX_N}; this call trains on plain PyTorch")
+        return TrainPlan("torch")
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    p = arch.policy_for(x.device)
+    width = min(ell_width, n)
+    cap = int(backup_capacity(m, backup_rows))
+    key = ("train", layer, x.device, x.dtype, k, n, k_out, gated)
+    lkey = ("train-lost",) + key[1:]
+    compact_ok = cap < m                    # a compact state needs a backup smaller than M
+    if kernel != "auto":
+        if kernel in ("twell", "compact") and not compact_ok:
+            raise _refuse(kernel, f"{m} tokens fit the dense backup ({cap} rows, backup_rows={backup_rows}); "
+                                  "the sparse and compact states need more tokens than backup rows")
+        return TrainPlan(kernel, p, key, lkey, probe=density.wants_probe(key, p.train_probe_every),
+                         tick=compact_ok, width=width, cap=cap)
+    if not (m >= p.train_min_tokens and compact_ok) or torch.are_deterministic_algorithms_enabled():
+        # (deterministic mode: eager's path; the sparse and compact states use atomic counters)
+        return TrainPlan("dense", p, key, lkey, width=width, cap=cap)
+    if torch._C._current_graph_task_id() == -1:      # not in a backward
+        density.poll(key)
+        density.poll(lkey)
+    d, lost = density.measured(key), density.measured(lkey)
+    sparse = d is not None and d < p.sparse_max_density
+    compact = not sparse and lost is not None and lost <= p.compact_max_lost
+    return TrainPlan("twell" if sparse else "compact" if compact else "dense", p, key, lkey,
+                     probe=density.wants_probe(key, p.train_probe_every), tick=True, width=width, cap=cap)
+
+
+# --------------------------------------------------------------------------- compile time
+def _sym_lt(m: torch.SymInt, limit: int) -> Optional[bool]:
+    """m < limit for a backed SymInt token count: from its value range where that decides it
+    (no guard); else guarded (the graph then serves that side only) when every symbol in m is
+    unbounded above; else None. A finite bound is a user's range (mark_dynamic(min=, max=)),
+    which a narrowing guard would turn into a ConstraintViolationError."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    from torch.utils._sympy.numbers import int_oo
+
+    if statically_known_true(m < limit):
+        return True
+    if statically_known_true(m >= limit):
+        return False
+    env = m.node.shape_env
+    if any(env.var_to_range.get(s) is None or env.var_to_range[s].upper != int_oo
+           for s in m.node.expr.free_symbols):
+        return None
+    return bool(m < limit)
+
+
+def _guarded(m: torch.SymInt, where: str, why: Optional[str]) -> Optional[str]:
+    """A static count's reason, told for a dynamic count whose graph is guarded to ``where``."""
+    return why and (f"dynamic token count {m}, {int(m.node.hint)} now; this graph is guarded to {where} "
+                    f"tokens (another range recompiles once): {why}")
+
+
+def _cuda_count_reason(p: GpuPolicy, m: int, k: int, n: int, k_out: int, gated: bool,
+                       cudagraphs: bool) -> Optional[str]:
+    """The CUDA inference rules on a static token count (bf16/fp16)."""
+    if p.decode_max_m < m < p.min_tokens:
+        return (f"{m} tokens: above the decode path's {p.decode_max_m} and below the per-row path's "
+                f"{p.min_tokens}, where the CUDA sparse kernels lose to dense")
+    if 1 <= m <= p.decode_max_m and not cudagraphs:
+        return (f"{m} tokens without CUDA graphs: the step is host-bound, and with these FFNs "
+                f"rewritten generate() ran 0.63x of Inductor's speed at batch 1 (H200); compile with "
+                f"mode='reduce-overhead', or set twell.cudagraphs='on' if you capture CUDA graphs yourself")
+    if 1 <= m <= p.decode_max_m and not decode_wins(p, 0.0, m, k, n, k_out, gated):
+        return (f"{m} tokens: the CUDA decode path's cost model ({p.name}) has dense faster for this "
+                f"layer even at density 0")
+    if m >= p.min_tokens and (k > MAX_WIDTH or k_out > MAX_WIDTH or n > MAX_N):
+        return f"layer too wide for the CUDA sparse kernels (K={k}, K_out={k_out}, N={n})"
+    if m >= p.min_tokens and k < p.min_width:
+        return (f"K={k}: below the {p.min_width} where the CUDA per-row kernels beat dense at "
+                f"{m} tokens ({p.name})")
+    return None
+
+
+def _cuda_infer_reason(p: GpuPolicy, dtype: torch.dtype, m, k: int, n: int, k_out: int, gated: bool,
+                       cudagraphs: bool) -> Optional[str]:
+    if dtype not in DTYPES:
+        return f"{str(dtype).replace('torch.', '')} on CUDA runs dense (the sparse kernels take bf16/fp16)"
+    if isinstance(m, torch.SymInt):
+        decode = _sym_lt(m, p.decode_max_m + 1) if m.node.has_hint() else None
+        band = _sym_lt(m, p.min_tokens) if decode is False else False
+        if decode is None or band is None:
+            return None                  # unbacked, or a user's range spans two ranges: the op decides
+        where = (f"<= {p.decode_max_m}" if decode else f"{p.decode_max_m + 1}-{p.min_tokens - 1}" if band
+                 else f">= {p.min_tokens}")
+        return _guarded(m, where, _cuda_count_reason(p, int(m.node.hint), k, n, k_out, gated, cudagraphs))
+    return None if m is None else _cuda_count_reason(p, m, k, n, k_out, gated, cudagraphs)
+
+
+def _cpu_infer_reason(p: CpuPolicy, dtype: torch.dtype, m, k: int, n: int, k_out: int) -> Optional[str]:
+    if dtype not in CPU_DTYPES:
+        return (f"{str(dtype).replace('torch.', '')} on CPU runs plain PyTorch (the C++ kernel takes "
+                f"float32/bfloat16), slower than Inductor's code")
+    per_token = n * (k + k_out)
+    limit = -(-p.min_work // max(per_token, 1))          # tokens from which the kernel can win
+
+    def small(count: int) -> str:
+        return (f"{count} tokens x {per_token} multiply-adds per token: under the CPU kernel's "
+                f"{p.min_work} (its fixed cost does not pay off; plain PyTorch is slower than Inductor)")
+
+    if isinstance(m, torch.SymInt):
+        if m.node.has_hint() and _sym_lt(m, limit):
+            return _guarded(m, f"< {limit}", small(int(m.node.hint)))
+        return None
+    if m is None:
+        return None                      # unknown count (prepare): the op decides per call
+    if m < limit:
+        return small(m)
+    from twell_compile.runtime import cpu_ffn       # builds on first use; not at import
+
+    if cpu_ffn.extension() is None:
+        return f"the C++ CPU kernel is unavailable ({cpu_ffn.active_impl()}); plain PyTorch is slower than Inductor"
+    return None
+
+
+def _train_reason(device: torch.device, dtype: torch.dtype, m, k: int, n: int, k_out: int) -> Optional[str]:
+    if device.type != "cuda":
+        return ("training on CPU runs the plain-PyTorch implementation (exact, slower than Inductor's "
+                "code); set twell.l1 to train with the sparsity penalty, which needs it")
+    p = arch.cuda_default() if not torch.cuda.is_available() else arch.policy_for(device)
+    if dtype not in DTYPES:
+        return (f"{str(dtype).replace('torch.', '')} training on CUDA runs the plain-PyTorch path "
+                f"(the sparse training kernels take bf16/fp16, e.g. under autocast)")
+    if k > MAX_WIDTH or k_out > MAX_WIDTH or n > MAX_N:
+        return f"layer too wide for the CUDA sparse training kernels (K={k}, K_out={k_out}, N={n})"
+
+    def below(count: int) -> str:
+        return (f"{count} tokens: below the {p.train_min_tokens} where the CUDA sparse training kernels "
+                f"can win (no twell.l1 penalty needs our backward)")
+
+    if isinstance(m, torch.SymInt):
+        # guarded either way; None: unbacked, or a user's range spanning train_min_tokens
+        if m.node.has_hint() and _sym_lt(m, p.train_min_tokens):
+            return _guarded(m, f"< {p.train_min_tokens}", below(int(m.node.hint)))
+        return None
+    return below(m) if m is not None and m < p.train_min_tokens else None
+
+
+def static_reason(device: torch.device, dtype: torch.dtype, m: Optional[Union[int, torch.SymInt]], k: int,
+                  n: int, k_out: int, *, gated: bool = True, training: bool = False, l1: float = 0.0,
+                  cudagraphs: bool = True, kernel: str = "auto") -> Optional[str]:
+    """Why a rewritten FFN would surely run a path slower than Inductor's for these compile-time
+    facts (``m``: token count, an int, a SymInt under dynamic shapes, None when unknown), or
+    None: rewrite it. A forced ``kernel`` always rewrites; so does training with an L1 penalty
+    (it lives in our backward)."""
+    if kernel != "auto":
+        return None
+    device = torch.device(device)
+    if training:
+        return None if l1 else _train_reason(device, dtype, m, k, n, k_out)
+    if device.type == "cuda":
+        p = arch.cuda_default() if not torch.cuda.is_available() else arch.policy_for(device)
+        return _cuda_infer_reason(p, dtype, m, k, n, k_out, gated, cudagraphs)
+    if device.type == "cpu":
+        return _cpu_infer_reason(arch.policy_for(device), dtype, m, k, n, k_out)  # type: ignore[arg-type]
+    return None
+
+
+def decode_state_wanted(device: torch.device, dtype: torch.dtype, k: int, n: int, k_out: int,
+                        gated: bool) -> bool:
+    """Whether an inference FFN's decode path can ever win (M=1, density 0: its best case), so
+    the backend should make its persistent decode state at compile time."""
+    device = torch.device(device)
+    if device.type != "cuda" or dtype not in DTYPES:
+        return False
+    p = arch.cuda_default() if not torch.cuda.is_available() else arch.policy_for(device)
+    return decode_wins(p, 0.0, 1, k, n, k_out, gated)

@@ -1,0 +1,110 @@
+"""Exact plain-PyTorch implementations of the twell ops (any device; the CPU path today).
+
+Inference computes densely, in the same calls eager PyTorch makes, so results match eager
+bit for bit. Training saves the hidden activations in the hybrid format (ELL + fixed-capacity
+dense backup) and its backward rebuilds them from that format, recomputing exactly the busy
+rows the backup could not hold, so the format is exercised on every training step.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from twell_compile import stats
+from twell_compile.formats import Hybrid, backup_capacity, nonzero_mask, pack_hybrid, unpack_hybrid
+from twell_compile.reference import ffn_hidden
+
+
+def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+              b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
+              layer: str, keep_stats: bool) -> Tensor:
+    hg, hu = ffn_hidden(x, w_gate, b_gate, w_up, b_up)
+    h = hg if hu is None else hg * hu
+    if keep_stats:
+        flat = h.reshape(-1, h.shape[-1])
+        counts = nonzero_mask(hg.reshape(-1, hg.shape[-1])).sum(-1)
+        stats.record(layer, counts, flat.abs().float().sum(), counts.new_zeros(()), h.shape[-1])
+    return F.linear(h, w_down, b_down)
+
+
+def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+                      b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
+                      ell_width: int, backup_rows: int, layer: str, keep_stats: bool
+                      ) -> tuple[Tensor, ...]:
+    """Returns y and the saved state: counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m, n = x2.shape[0], w_gate.shape[0]
+    hg, hu = ffn_hidden(x2, w_gate, b_gate, w_up, b_up)
+    h = hg if hu is None else hg * hu
+    y = F.linear(h, w_down, b_down)
+    width = min(ell_width, n)
+    hyb = pack_hybrid(hg, width, backup_capacity(m, backup_rows))
+    # with no rows (M = 0) the backup is all padding (-1), and row 0 does not exist to index
+    filled = hyb.backup_rows >= 0
+    rows = hyb.backup_rows.clamp(min=0) if m else None
+    if hu is None:
+        ell_u, backup_u = hg.new_empty(m, 0), hg.new_empty(hyb.backup.shape[0], 0)
+    else:
+        live = torch.arange(width, device=x.device) < hyb.counts.unsqueeze(-1)
+        ell_u = torch.where(live, hu.gather(1, hyb.cols.long()), torch.zeros((), dtype=hu.dtype, device=hu.device))
+        backup_u = (torch.where(filled.unsqueeze(-1), hu[rows], torch.zeros((), dtype=hu.dtype, device=hu.device))
+                    if m else hu.new_zeros(hyb.backup.shape))
+    if keep_stats:
+        busy = hyb.counts > width
+        stored = busy.new_zeros(busy.shape)
+        if m:
+            stored[rows] = filled
+        stats.record(layer, hyb.counts, h.abs().float().sum(), (busy & ~stored).sum(), n)
+    out = (y.reshape(*x.shape[:-1], w_down.shape[0]), hyb.counts, hyb.cols, hyb.values, ell_u,
+           hyb.backup_rows, hyb.backup, backup_u)
+    return tuple(t.contiguous() for t in out)
+
+
+def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
+                       w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor,
+                       counts: Tensor, cols: Tensor, ell_g: Tensor, ell_u: Tensor,
+                       backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, l1_scale: float
+                       ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
+    """Gradients (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down), as dense autograd.
+
+    ``l1_scale`` adds the gradient of ``l1_scale * mean(|h|)`` (mean over this call's tokens and
+    hidden units); the backend passes coef / layers.
+    """
+    k, n = x.shape[-1], w_gate.shape[0]
+    x2 = x.reshape(-1, k)
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    gated = w_up is not None
+
+    def gate_rows(rows: Tensor) -> Tensor:
+        return torch.relu(F.linear(x2[rows], w_gate, b_gate))
+
+    def up_rows(rows: Tensor) -> Tensor:
+        return F.linear(x2[rows], w_up, b_up)
+
+    hg = unpack_hybrid(Hybrid(ell_g, cols, counts, backup_idx, backup_g), n, gate_rows)
+    hu = unpack_hybrid(Hybrid(ell_u, cols, counts, backup_idx, backup_u), n, up_rows) if gated else None
+    h = hg * hu if gated else hg
+    dw_down = dy2.t().mm(h)
+    db_down = dy2.sum(0)
+    dh = dy2.mm(w_down)
+    if l1_scale:
+        dh = dh + torch.sgn(h) * (l1_scale / max(h.numel(), 1))
+    if gated:
+        d_hg, d_up = dh * hu, dh * hg
+    else:
+        d_hg, d_up = dh, None
+    d_gate = torch.ops.aten.threshold_backward(d_hg, hg, 0)
+    dx = d_gate.mm(w_gate)
+    dw_gate = d_gate.t().mm(x2)
+    db_gate = d_gate.sum(0) if b_gate is not None else None
+    dw_up = db_up = None
+    if gated:
+        dx = dx + d_up.mm(w_up)
+        dw_up = d_up.t().mm(x2)
+        db_up = d_up.sum(0) if b_up is not None else None
+    return dx.reshape(x.shape), dw_gate, db_gate, dw_up, db_up, dw_down, db_down
