@@ -9,20 +9,22 @@ twell_compile/testing.py, d=0.005) compiled once per backend with ``dynamic=True
 each M in the order given: a training step (y = ffn(x); torch.autograd.grad of x and the three
 weights) or, with --inference, a forward under no_grad. This is what a model sees when its
 batch changes: the twell backend answers its token-count rules under guards
-(dispatch.static_dense_train_reason: under cuda_train.MIN_TOKENS; dispatch.static_dense_reason:
-the band between the decode path and the per-row path), so counts there run Inductor's FFN and
-a count in another range recompiles once. Per M: wall us per call (back-to-back calls,
-synchronised at the end; best of ``--rounds`` rounds, alternating between the backends: at
-small M the call is host-bound and do_bench's events would hide that), the compiles so far per
-backend, whether twell's call ran our op, and the error (max over the gradients, or the
-output's) against fp32 next to Inductor's. Writes benchmarks/results/<gpu>/dynamic_train.json
-or dynamic_inference.json.
+(select.static_reason: training under the record's train_min_tokens; inference in the band
+between the decode path and the per-row path), so counts there run Inductor's FFN and a count
+in another range recompiles once. Per M: wall us per call (back-to-back calls, synchronised at
+the end; best of ``--rounds`` rounds, alternating between the backends: at small M the call is
+host-bound and do_bench's events would hide that), the compiles so far per backend, whether
+twell's call ran our op, and the error (max over the gradients, or the output's) against fp32
+next to Inductor's. Rows as benchmarks/rows.py stamps them; written to --out (default
+runs/<gpu>/dynamic_train.json or dynamic_inference.json; the canonical files:
+benchmarks/results/README.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -31,9 +33,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __package__ in (None, ""):                  # run as a file: python3 benchmarks/bench_dynamic.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
+from benchmarks.timing import gpu_name, rel  # noqa: E402
 from twell_compile.testing import make_ffn  # noqa: E402
-from timing import gpu_name, rel  # noqa: E402
 
 
 class FFN(nn.Module):
@@ -64,47 +68,47 @@ class Counting:
         return compiled
 
 
+def _fuse_module():
+    """The graph pass's module (``twell_compile.passes.fuse_ffn`` the attribute is the pass)."""
+    return importlib.import_module("twell_compile.passes.fuse_ffn")
+
+
 class OpCalls:
-    """Counts calls of our ops' implementations (dispatch.ffn_train_forward and
-    dispatch.ffn_infer, looked up by the ops at each call), so a step can tell which graph ran:
-    ours or Inductor's FFN. With ``cpu_rule``, the CUDA token-count rules also answer CPU facts,
-    at small thresholds (--quick: decode <= 8, per-row and training >= 32, K >= 16). Everything is put
-    back on exit."""
+    """Counts calls of our ops' implementations (runtime/execute.py's ffn_train_forward and
+    ffn_infer, looked up by the ops at each call), so a step can tell which graph ran: ours or
+    Inductor's FFN. With ``cpu_rule`` (--quick), the graph pass answers CPU facts with the CUDA
+    token-count rules (select.static_reason for a bf16 CUDA FFN) at small thresholds
+    (arch.patched: decode <= 8, per-row and training >= 32, K >= 16). Everything is put back on
+    exit."""
+
+    CPU_RULE = dict(decode_max_m=8, min_tokens=32, train_min_tokens=32, min_width=16)
 
     def __init__(self, cpu_rule: bool):
         self.n, self.cpu_rule = 0, cpu_rule
+        self._patches = contextlib.ExitStack()
 
     def __enter__(self):
-        from twell_compile import dispatch
-        from twell_compile.kernels import cuda_policy, cuda_train
-        self._saved = (dispatch.ffn_train_forward, dispatch.ffn_infer, dispatch.static_dense_train_reason,
-                       dispatch.static_dense_reason, cuda_train.MIN_TOKENS, cuda_policy.DECODE_MAX_M,
-                       cuda_policy.MIN_TOKENS, cuda_policy.MIN_WIDTH)
-        fwd, infer, train_rule, infer_rule = self._saved[:4]
+        from twell_compile.runtime import arch, execute
+        fuse_ffn = _fuse_module()
+        self._saved = (execute.ffn_train_forward, execute.ffn_infer, fuse_ffn.static_reason)
+        fwd, infer, rule = self._saved
 
         def counting(fn):
             def counted(*args, **kwargs):
                 self.n += 1
                 return fn(*args, **kwargs)
             return counted
-        dispatch.ffn_train_forward, dispatch.ffn_infer = counting(fwd), counting(infer)
+        execute.ffn_train_forward, execute.ffn_infer = counting(fwd), counting(infer)
         if self.cpu_rule:
-            cuda = torch.device("cuda")
-            cuda_train.MIN_TOKENS = cuda_policy.MIN_TOKENS = 32
-            cuda_policy.DECODE_MAX_M = 8
-            cuda_policy.MIN_WIDTH = 16
-            dispatch.static_dense_train_reason = (
-                lambda d, t, m, k, n, k_out: train_rule(cuda, torch.bfloat16, m, k, n, k_out))
-            dispatch.static_dense_reason = (
-                lambda d, t, m, k, n, k_out, **kw: infer_rule(cuda, torch.bfloat16, m, k, n, k_out, **kw))
+            self._patches.enter_context(arch.patched(**self.CPU_RULE))
+            fuse_ffn.static_reason = (lambda device, dtype, m, k, n, k_out, **kw:
+                                      rule(torch.device("cuda"), torch.bfloat16, m, k, n, k_out, **kw))
         return self
 
     def __exit__(self, *exc):
-        from twell_compile import dispatch
-        from twell_compile.kernels import cuda_policy, cuda_train
-        (dispatch.ffn_train_forward, dispatch.ffn_infer, dispatch.static_dense_train_reason,
-         dispatch.static_dense_reason, cuda_train.MIN_TOKENS, cuda_policy.DECODE_MAX_M,
-         cuda_policy.MIN_TOKENS, cuda_policy.MIN_WIDTH) = self._saved
+        from twell_compile.runtime import execute
+        execute.ffn_train_forward, execute.ffn_infer, _fuse_module().static_reason = self._saved
+        self._patches.close()
         return False
 
 
@@ -152,10 +156,8 @@ def main(argv=None) -> int:
     with OpCalls(cpu_rule=a.quick) as op_calls:
         rows = run(ms, k, n, a.density, steps, rounds, dev, dt, op_calls, not a.inference)
     name = "dynamic_train.json" if not a.inference else "dynamic_inference.json"
-    out = Path(a.out) if a.out else (Path(__file__).resolve().parent / "results" / gpu_name() / name
-                                     if cuda else Path("/tmp") / name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
+    out = out_path(a.out, gpu_name() if cuda else "cpu", name)
+    write_json(out, rows)
     print(f"wrote {out} ({len(rows)} rows)")
     return 0
 
@@ -198,7 +200,7 @@ def run(ms, k, n, density, steps, rounds, dev, dt, op_calls, train: bool) -> lis
                 step()
             steppers[name] = step
         # rounds alternate between the backends: timed one after the other, identical
-        # Inductor graphs read 0.92-0.94x at 1024-2048 tokens (H200, session16/run2)
+        # Inductor graphs read 0.92-0.94x at 1024-2048 tokens (H200, 2026-11-23)
         us = {name: float("inf") for name in steppers}
         for _ in range(rounds):
             for name, step in steppers.items():
@@ -215,10 +217,10 @@ def run(ms, k, n, density, steps, rounds, dev, dt, op_calls, train: bool) -> lis
         err = max(rel(g, r) for g, r in zip(res["twell"][1], ref))
         ierr = max(rel(g, r) for g, r in zip(res["inductor"][1], ref))
         tw, ind = res["twell"][0], res["inductor"][0]
-        row = dict(M=m, K=k, N=n, density=density, mode="train" if train else "inference", twell_us=tw,
-                   inductor_us=ind, twell_op_ran=ran_op, twell_compiles=backends["twell"].calls,
-                   inductor_compiles=backends["inductor"].calls, rel_err=err, inductor_rel_err=ierr,
-                   gpu=torch.cuda.get_device_name() if cuda else "cpu")
+        row = stamp(dict(
+            M=m, K=k, N=n, density=density, mode="train" if train else "inference", twell_us=tw, inductor_us=ind,
+            twell_op_ran=ran_op, twell_compiles=backends["twell"].calls, inductor_compiles=backends["inductor"].calls,
+            rel_err=err, inductor_rel_err=ierr), dev)
         rows.append(row)
         print(f"{m:>6} {tw:>9.1f} {ind:>9.1f} {ind / tw:>6.2f} {'yes' if ran_op else 'no':>3} "
               f"{row['twell_compiles']:>6} {row['inductor_compiles']:>7} {err:>8.1e} {ierr:>8.1e}"

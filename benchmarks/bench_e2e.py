@@ -1,6 +1,6 @@
 """End to end: a Hugging Face LlamaForCausalLM with sparse ReLU FFNs, Inductor vs twell, one run.
 
-    python3 benchmarks/bench_e2e.py --density 0.005 0.02 --out /tmp/e2e_forward.json   # issue 3 item 7
+    python3 benchmarks/bench_e2e.py --density 0.005 0.02 --out runs/e2e_forward.json   # issue 3 item 7
     python3 benchmarks/bench_e2e.py --generate --seq 128 --new-tokens 128                # issue 7 item 4
     python3 benchmarks/bench_e2e.py --train --layers 4 --batch 2 --seq 1024              # issue 4 item 5
     python3 benchmarks/bench_e2e.py --tiny --train                                       # CPU-sized
@@ -9,7 +9,7 @@ Model: hidden 2048, intermediate 5632, 16 layers, 16 heads, vocab 32000, ``hidde
 ``mlp_bias=True``, random weights (HF init; up/down biases drawn N(0, 0.02)). Each layer's
 ``gate_proj.bias`` is calibrated, layer by layer in order, on a calibration batch distinct from
 the timed one (--calib-batch sequences, 256 by default: tokens of one sequence share context, and
-8 sequences gave 10x the target density on the timed batch at 16 layers, H200 run 1):
+8 sequences gave 10x the target density on the timed batch at 16 layers, H200, 2026-11-22):
 bias[j] = -(the (1-d) quantile of neuron j's pre-activation over the calibration tokens), so
 each neuron fires on about d of the tokens. The achieved density per layer is
 measured on the timed batch (eager, hooks on gate_proj) and printed; twell's own
@@ -32,7 +32,9 @@ measured on the timed batch (eager, hooks on gate_proj) and printed; twell's own
   peak memory and the loss curve.
 
 Backend options: ``--twell-opt twell.stats=false`` (repeatable) goes to
-``torch.compile(..., backend="twell", options={...})``. Results go to --out as JSON.
+``torch.compile(..., backend="twell", options={...})``. Results go to --out as JSON (default
+runs/<gpu>/e2e_<mode>.json; the canonical files: benchmarks/results/README.md): mode, config,
+env and one entry per density in "runs", each stamped as benchmarks/rows.py stamps rows.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+if __package__ in (None, ""):                  # run as a file: python3 benchmarks/bench_e2e.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.rows import out_path, stamp  # noqa: E402
+from benchmarks.timing import gpu_name  # noqa: E402
 
 FULL = dict(layers=16, hidden=2048, ffn=5632, heads=16, kv_heads=16, vocab=32000, batch=8, seq=2048,
             density=[0.005], steps=20, new_tokens=128, warmup=3, reps=10, calib_batch=256)
@@ -95,7 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="--generate: torch.compile mode of the decode step (default: no CUDA graphs, "
                          "each op call issued from the host)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--out", default=None, help="write the results as JSON here (default runs/<gpu>/e2e_<mode>.json)")
     a = ap.parse_args(argv)
     a.mode = a.mode or "forward"
     preset = TINY if a.tiny else FULL
@@ -288,23 +295,24 @@ def twell_stats_density() -> dict[str, float]:
 
 
 def twell_sparse_layers(densities: dict[str, float], hidden: int, ffn: int) -> Optional[int]:
-    """Layers whose measured density the CUDA policy's cost model sends to the TwELL kernels
-    (bf16 weights)."""
+    """Layers whose measured density the GPU record's density rule sends to the TwELL kernels
+    (bf16 weights; select.twell_wins)."""
     if not torch.cuda.is_available():
         return None
-    from twell_compile.kernels import cuda_policy
+    from twell_compile.runtime import arch, select
 
-    return sum(cuda_policy.twell_wins(d, True, hidden, ffn, hidden, 2) for d in densities.values())
+    p = arch.policy_for(torch.device("cuda"))
+    return sum(select.twell_wins(p, d, True, hidden, ffn, hidden, 2) for d in densities.values())
 
 
 def reset_twell_policy() -> None:
-    """Fresh CUDA density policy, as a new process would have: a dense layer re-probes only
-    every 64 calls, so a density change between runs would otherwise be seen late. (Statistics
-    buffers are kept: they are reserved at compile time, outside any CUDA-graph pool.)"""
-    if torch.cuda.is_available():
-        from twell_compile.kernels import cuda_policy
+    """Fresh density measurements (runtime/density.py), as a new process would have: a dense
+    layer re-probes only every probe_every calls (64 on the H200 record), so a density change
+    between runs would otherwise be seen late. (Statistics buffers are kept: they are reserved
+    at compile time, outside any CUDA-graph pool.)"""
+    from twell_compile.runtime import density
 
-        cuda_policy.reset()
+    density.reset()
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -493,8 +501,8 @@ def run_forward(a: argparse.Namespace, result: dict[str, Any]) -> None:
             copy_params(m, model)
         dens = measure_density(model, ids, amp)
         print_density(d, achieved, dens)
-        run = dict(density_target=d, density_calibration=achieved, density_measured=dens,
-                   density_measured_mean=statistics.mean(dens), backends={})
+        run = stamp(dict(density_target=d, density_calibration=achieved, density_measured=dens,
+                         density_measured_mean=statistics.mean(dens), backends={}), dev)
         result["runs"].append(run)
         with torch.no_grad():
             ref = model(input_ids=ids, use_cache=False).logits
@@ -561,7 +569,7 @@ class StepTimer:
 # untimed steps at the start of each round: a new cache (new static addresses) makes the first
 # compiled steps re-record CUDA graphs; the round's time is the steady state after them (H200,
 # batch 1, `--generate --step-loop --batch 1 --seq 128 --new-tokens 128 --density 0.005`:
-# 1.262x with them, results/h200/session12/run3/; 1.12-1.22x without, session11/run3, run5)
+# 1.262x with them, 1.12-1.22x without; 2026-11-23)
 STEP_LOOP_WARM = 3
 
 
@@ -615,8 +623,8 @@ def run_generate(a: argparse.Namespace, result: dict[str, Any]) -> None:
         achieved = calibrate(model, calib, d, amp, max(a.batch, 16))   # 16 sequences per forward
         dens = measure_density(model, prompt, amp)
         print_density(d, achieved, dens)
-        run = dict(density_target=d, density_calibration=achieved, density_measured=dens,
-                   density_measured_mean=statistics.mean(dens), backends={})
+        run = stamp(dict(density_target=d, density_calibration=achieved, density_measured=dens,
+                         density_measured_mean=statistics.mean(dens), backends={}), dev)
         result["runs"].append(run)
         ref_ids = None
         for name in ["eager"] + a.backends:
@@ -683,8 +691,8 @@ def run_generate(a: argparse.Namespace, result: dict[str, Any]) -> None:
             write(a.out, result)
             if m is not model:
                 # the compiled copy and its CUDA-graph pool would otherwise stay resident and
-                # count in the next backend's peak (session 9: twell's 6.2 GB vs Inductor's 3.9
-                # GB at batch 1 held Inductor's 1.9 GB copy)
+                # count in the next backend's peak (H200, 2026-11-22: twell's 6.2 GB vs Inductor's
+                # 3.9 GB at batch 1 held Inductor's 1.9 GB copy)
                 del m, out, timers
                 if name != "eager":
                     torch._dynamo.reset()
@@ -716,8 +724,9 @@ def run_train(a: argparse.Namespace, result: dict[str, Any]) -> None:
         print_density(d, achieved, dens)
         state = {k: v.detach().to("cpu", copy=True) for k, v in master.state_dict().items()}
         del master
-        run = dict(density_target=d, density_calibration=achieved, density_measured=dens,
-                   density_measured_mean=statistics.mean(dens), autocast="bfloat16" if cuda else None, backends={})
+        run = stamp(dict(density_target=d, density_calibration=achieved, density_measured=dens,
+                         density_measured_mean=statistics.mean(dens), autocast="bfloat16" if cuda else None,
+                         backends={}), dev)
         result["runs"].append(run)
         for name in ["eager"] + a.backends:
             model = build_model(a, torch.float32, a.seed + 100)
@@ -789,6 +798,7 @@ def summary(result: dict[str, Any]) -> None:
 
 def main(argv=None) -> dict[str, Any]:
     a = parse_args(argv)
+    a.out = str(out_path(a.out, gpu_name() if a.device.startswith("cuda") else "cpu", f"e2e_{a.mode}.json"))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
     config = {k: v for k, v in vars(a).items() if k not in ("twell_opt",)}
@@ -802,8 +812,7 @@ def main(argv=None) -> dict[str, Any]:
     {"forward": run_forward, "generate": run_generate, "train": run_train}[a.mode](a, result)
     write(a.out, result)
     summary(result)
-    if a.out:
-        print(f"wrote {a.out}")
+    print(f"wrote {a.out}")
     return result
 
 

@@ -14,40 +14,41 @@ every variant once per round, --rounds rounds, the median round). twell_ms is th
 gated FFN module (3 nn.Linear) holding the point's weights, compiled with backend="twell"
 (dynamic=False, --mode), so shapes the backend leaves to Inductor read Inductor's time and
 ``path`` says which ran ("inductor", or the op's path); inductor_ms is the same module compiled
-by Inductor (same mode; session 17 compiled ffn_dense, a function taking the weights as
-arguments, whose host time differs from the module's: at M <= 64 in the default mode both are
-host-bound, 0.06-0.18 ms per call in session 18 run 3); op_ms is the op torch.ops.twell.ffn
-called directly on the product's weights (policy included: it may run dense; W_down^T as the
-backend registered it at compile time), the twell_ms of sessions <= 16; kernel_ms forces the TwELL kernels (per-row path,
-list width from the measured non-zeros as the op picks it; not timed at density >= 0.2 where
-they are hopeless: NaN); tiles_ms (--tiles) the tile path of the first design. rel_err is
-||y - y_fp32|| / ||y_fp32|| against an fp32 reference (TF32 off) on up to 8192 rows;
-dense_rel_err is eager bf16's on the same rows. "% floor" = gate_ms / twell_ms: the dense
-gate GEMM is the floor of any TwELL FFN. Writes benchmarks/results/<gpu>/ffn_inference.json.
+by Inductor, same mode (not ffn_dense compiled as a function taking the weights: its host time
+differs from the module's, and at M <= 64 in the default mode both are host-bound, 0.06-0.18
+ms per call, H200, 2026-11-24); op_ms is the op torch.ops.twell.ffn called directly on the
+product's weights (the rules included: it may run dense); kernel_ms is the op with its per-row
+TwELL path forced (path="twell"; list width from the measured non-zeros, as the rules pick it;
+not timed above --kernel-max-density, where it is hopeless: NaN). rel_err is ||y - y_fp32|| /
+||y_fp32|| against an fp32 reference (TF32 off) on up to 8192 rows; dense_rel_err is eager
+bf16's on the same rows. "% floor" = gate_ms / twell_ms: the dense gate GEMM is the floor of
+any TwELL FFN. Rows as benchmarks/rows.py stamps them, to --out (default
+runs/<gpu>/ffn_inference.json; the canonical files: benchmarks/results/README.md).
 
---decode (benchmarks/bench_decode.py): dense eager vs the op (policy included) vs the forced
-decode kernels, each captured in a CUDA graph over several layers' weights (more bytes than
-the L2 holds, as in a real model); writes benchmarks/results/<gpu>/ffn_decode.json.
+--decode (benchmarks/bench_decode.py): dense eager vs the op (rules included) vs the op with
+each decode form forced, each captured in a CUDA graph over several layers' weights (more
+bytes than the L2 holds, as in a real model); default --out runs/<gpu>/ffn_decode.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from twell_compile.testing import load_profile, make_ffn, make_ffn_profile  # noqa: E402
-from bench_dynamic import FFN, OpCalls  # noqa: E402
-from timing import gpu_name, interleaved_ms, median_ms, rel  # noqa: E402
+if __package__ in (None, ""):                  # run as a file: python3 benchmarks/bench_ffn.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_dynamic import FFN, OpCalls  # noqa: E402
+from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
+from benchmarks.timing import gpu_name, interleaved_ms, rel  # noqa: E402
 
 import twell_compile.ops  # noqa: E402,F401  (registers torch.ops.twell)
-from twell_compile.kernels import cuda_infer, cuda_policy, weight_cache  # noqa: E402
 from twell_compile.reference import ffn_dense  # noqa: E402
+from twell_compile.runtime import arch, decode_state, density, select  # noqa: E402
+from twell_compile.testing import load_profile, make_ffn, make_ffn_profile  # noqa: E402
 
 FULL_M = [1, 64, 1024, 16384, 65536]
 FULL_D = [0.005, 0.01, 0.02, 0.05, 0.2, 1.0]
@@ -56,21 +57,16 @@ FULL_S = ["2048x5632", "4096x11008"]
 ERR_ROWS = 8192
 
 
-def bench(fn, reps: int) -> float:
-    return median_ms(fn, reps)
-
-
 def main(argv=None) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     pre.add_argument("--decode", action="store_true")
     known, rest = pre.parse_known_args(argv)
     if known.decode:   # the decode grid of issue 7 (its own flags, see bench_decode.py)
-        import bench_decode
+        from benchmarks import bench_decode
 
         return bench_decode.main([a for a in (argv if argv is not None else sys.argv[1:]) if a != "--decode"])
     if known.device == "cpu":  # the CPU grid of issue 9 lives in bench_ffn_cpu.py (its own flags)
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         from benchmarks import bench_ffn_cpu
 
         return bench_ffn_cpu.main(rest)
@@ -89,16 +85,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     ap.add_argument("--mode", default="default", choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
                     help="torch.compile mode of the Inductor and twell modules")
-    ap.add_argument("--tile-n", type=int, default=128)
-    ap.add_argument("--slots", type=int, default=16)
-    ap.add_argument("--tiles", action="store_true", help="also time the tile path (twell_forward_tiles)")
     ap.add_argument("--kernel-max-density", type=float, default=0.1,
-                    help="time the forced kernels only up to this density")
+                    help="time the forced per-row path only up to this density")
     ap.add_argument("--nnz-profile", default=None,
                     help="replay a real non-zeros-per-token profile (train_sparse_lm.py --profile-out) "
                          "instead of the density/tail grid")
     ap.add_argument("--profile-layer", default=None, help="layer of the profile (default: the densest)")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>/ffn_inference.json)")
+    ap.add_argument("--out", default=None, help="JSON path (default runs/<gpu>/ffn_inference.json)")
     args = ap.parse_args(argv)
     if args.quick:
         ms, ds, ts, shapes = [16384, 65536], [0.005, 0.02, 0.05, 1.0], [0.0, 0.2], ["2048x5632"]
@@ -115,8 +108,7 @@ def main(argv=None) -> int:
     torch._dynamo.config.cache_size_limit = 64
     dev = torch.device("cuda")
     rows = []
-    out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / gpu_name() / "ffn_inference.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = out_path(args.out, gpu_name(), "ffn_inference.json")
     hdr = (f"{'M':>6} {'K':>5} {'N':>6} {'dens':>6} {'tail':>4} {'nnz/r':>6} {'W':>5} {'ovf%':>5} {'dense':>7} "
            f"{'induct':>7} {'gate':>7} {'twell':>7} {'op':>7} {'kernel':>7} {'x_ind':>6} {'x_op':>6} {'x_krn':>6} {'%floor':>6} "
            f"{'err':>8} {'d_err':>8} path")
@@ -124,12 +116,20 @@ def main(argv=None) -> int:
     torch.set_grad_enabled(False)       # inference: the backend rewrites to the inference op
     with OpCalls(cpu_rule=False) as op_calls:
         _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_calls)
-    out.write_text(json.dumps(rows, indent=1))
+    write_json(out, rows)
     print(f"wrote {out} ({len(rows)} rows)")
     return 0
 
 
+def op_path(x, n: int, k_out: int, layer: str) -> str:
+    """The path the op's next call on x takes for this layer (its rules and lagged density):
+    "decode:<form>", "twell" or "dense"."""
+    plan = select.plan_infer(x, n, k_out, True, layer, False)
+    return f"decode:{plan.form}" if plan.path == "decode" else plan.path
+
+
 def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_calls) -> None:
+    policy = arch.policy_for(dev)
     for shape in shapes:
         k, n = (int(v) for v in shape.split("x"))
         for m in ms:
@@ -154,8 +154,8 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                     wg, wu, wd = tw_mod.gate.weight, tw_mod.up.weight, tw_mod.down.weight
                     args7 = (x, wg, None, wu, None, wd, None)
                     layer = f"bench/{m}/{k}/{n}/{d}/{t}"
-                    op = lambda: torch.ops.twell.ffn(*args7, args.tile_n, args.slots, layer, False)
-                    cuda_policy.reset()          # no density measured on the previous point's weights
+                    op = lambda: torch.ops.twell.ffn(*args7, layer, False)
+                    density.reset()              # no density measured on the previous point's weights
                     before = op_calls.n
                     tw(x)                        # compiles on the first point of this M
                     if rewritten is None:        # later points may replay CUDA graphs: no Python op call
@@ -165,8 +165,12 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                         tw(x)
                     torch.cuda.synchronize()
                     nnz = float((F.linear(x, wg) > 0).sum()) / m
-                    width = cuda_infer.list_width(n, nnz)
-                    kern = lambda: cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width=width)
+                    width = select.list_width(policy, n, nnz)
+                    # the forced per-row path reads its list width from the layer's measurement:
+                    # this point's, landed up front (the op's rules would measure it the same)
+                    klayer = f"{layer}/twell"
+                    density.landed((klayer, x.device, x.dtype, k, n, k, True), nnz / n)
+                    kern = lambda: torch.ops.twell.ffn(*args7, klayer, False, path="twell")
                     fns = dict(dense=lambda: ffn_dense(*args7), gate=lambda: F.linear(x, wg), op=op,
                                twell=lambda: tw(x))
                     if inductor is not None:
@@ -177,48 +181,42 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                     nan = float("nan")
                     dense_ms, gate_ms, op_ms, twell_ms = t_ms["dense"], t_ms["gate"], t_ms["op"], t_ms["twell"]
                     ind_ms, kernel_ms = t_ms.get("inductor", nan), t_ms.get("kernel", nan)
-                    tiles_ms = float("nan")
-                    if args.tiles and d <= args.kernel_max_density:
-                        tiles_ms = bench(lambda: cuda_infer.twell_forward_tiles(
-                            x, wg, None, wu, None, wd, None, args.tile_n, args.slots), args.reps)
                     # accuracy on up to ERR_ROWS rows, fresh outputs
                     r = min(m, ERR_ROWS)
                     y_op = op()[:r]
                     y_tw = tw(x)[:r]
-                    y_k, counts, _ = cuda_infer.twell_forward(x[:r], wg, None, wu, None, wd, None, width=width)
+                    xr = x[:r]
+                    y_k = torch.ops.twell.ffn(xr, *args7[1:], klayer, False, path="twell")
                     ref = ffn_dense(*(a[:r].float() if i == 0 else (None if a is None else a.float())
                                       for i, a in enumerate(args7)))
                     err = rel(y_tw, ref)
                     op_err = rel(y_op, ref)
                     kerr = rel(y_k, ref)
                     derr = rel(ffn_dense(*args7)[:r], ref)
+                    counts = (F.linear(xr, wg) > 0).sum(1)
                     ovf = float((counts > width).float().mean()) * 100     # rows over the list width
-                    key = (layer, x.device, x.dtype, k, n, k, True)
-                    form = cuda_policy.use_decode(key, m, k, n, k, True) if cuda_policy.decode_ok(x, m, n) else None
-                    op_path = (f"decode:{form}" if form else "twell" if cuda_policy.shape_ok(
-                        x, m, k, k, n, args.tile_n, args.slots) and cuda_policy.use_twell(key, True, k, n, k, x.element_size())
-                        else "dense")
-                    path = op_path if ran_op else "inductor"
-                    row = dict(M=m, K=k, N=n, density=d, tail=t, dense_ms=dense_ms, inductor_ms=ind_ms,
-                               gate_ms=gate_ms, twell_ms=twell_ms, rel_err=err, dense_rel_err=derr,
-                               op_ms=op_ms, op_rel_err=op_err, op_path=op_path, mode=args.mode,
-                               kernel_ms=kernel_ms, kernel_rel_err=kerr, nnz_per_row=nnz,
-                               list_width=width, overflow_row_pct=ovf, tiles_ms=tiles_ms, path=path, gpu=torch.cuda.get_device_name(),
-                               profile=f"{args.nnz_profile}:{layer_name}" if profile is not None else None)
+                    op_ran = op_path(x, n, k, layer)
+                    path = op_ran if ran_op else "inductor"
+                    row = stamp(dict(M=m, K=k, N=n, density=d, tail=t, dense_ms=dense_ms, inductor_ms=ind_ms,
+                                     gate_ms=gate_ms, twell_ms=twell_ms, rel_err=err, dense_rel_err=derr,
+                                     op_ms=op_ms, op_rel_err=op_err, op_path=op_ran, mode=args.mode,
+                                     kernel_ms=kernel_ms, kernel_rel_err=kerr, nnz_per_row=nnz,
+                                     list_width=width, overflow_row_pct=ovf, path=path,
+                                     profile=f"{args.nnz_profile}:{layer_name}" if profile is not None else None),
+                                dev)
                     rows.append(row)
-                    out.write_text(json.dumps(rows, indent=1))     # every row: a timeout keeps the done ones
+                    write_json(out, rows)     # every row: a timeout keeps the done ones
                     base = ind_ms if ind_ms == ind_ms else dense_ms
                     print(f"{m:>6} {k:>5} {n:>6} {d:>6} {t:>4} {nnz:>6.1f} {width:>5} {ovf:>5.2f} {dense_ms:>7.3f} "
                           f"{ind_ms:>7.3f} {gate_ms:>7.3f} {twell_ms:>7.3f} {op_ms:>7.3f} {kernel_ms:>7.3f} "
                           f"{base / twell_ms:>6.2f} {base / op_ms:>6.2f} {base / kernel_ms:>6.2f} "
                           f"{100 * gate_ms / twell_ms:>5.0f}% {err:>8.1e} {derr:>8.1e} {path}"
-                          + (f" (op {op_path})" if path != op_path else "")
-                          + ("  ERR>2x" if max(err, op_err) > 2 * derr else "")
-                          + (f" tiles {tiles_ms:.3f}" if args.tiles else ""), flush=True)
+                          + (f" (op {op_ran})" if path != op_ran else "")
+                          + ("  ERR>2x" if max(err, op_err) > 2 * derr else ""), flush=True)
                     del p, x, wg, wu, wd, args7
             del inductor, tw, tw_mod, ind_mod
             torch._dynamo.reset()
-            weight_cache.clear()
+            decode_state.clear()
 
 
 if __name__ == "__main__":

@@ -6,17 +6,17 @@
 Shapes: K = 2048, N = 5632 (the paper's 1.5B FFN), gated, inputs from the anchors generator.
 Each (M, density, threads) point times the four calls interleaved, round after round, and keeps
 medians: on a shared 2-core machine load comes and goes, and interleaving spreads it evenly.
-Writes benchmarks/results/cpu-<model>/ffn_inference.json (keys as the GPU file, plus threads,
-dtype, measured density and the path the kernel took). ``benchmarks/bench_ffn.py --device cpu``
-delegates here through ``main(argv)``.
+Rows as benchmarks/rows.py stamps them (keys as the GPU file, plus threads, dtype, measured
+density and the path the kernel takes inside: "sparse", or "dense" above the CPU record's
+max_density), to --out (default runs/cpu-<model>/ffn_inference.json; the canonical file:
+benchmarks/results/README.md). ``benchmarks/bench_ffn.py --device cpu`` delegates here through
+``main(argv)``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import re
 import statistics
 import sys
@@ -27,26 +27,21 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.nn.functional as F
 
-from twell_compile.testing import make_ffn  # the anchors.md generator, shared with the GPU bench
-import twell_compile.ops  # noqa: F401  (registers torch.ops.twell)
-from twell_compile.kernels import cpu_ffn
-from twell_compile.reference import ffn_dense
+if __package__ in (None, ""):                  # run as a file: python3 benchmarks/bench_ffn_cpu.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.rows import out_path, processor, stamp, write_json  # noqa: E402
+
+import twell_compile.ops  # noqa: E402,F401  (registers torch.ops.twell)
+from twell_compile.reference import ffn_dense  # noqa: E402
+from twell_compile.runtime import arch, cpu_ffn  # noqa: E402
+from twell_compile.testing import make_ffn  # noqa: E402  (the anchors.md generator, as the GPU bench)
 
 K, N = 2048, 5632
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def cpu_model() -> str:
     """A short directory-safe CPU name, e.g. 'intel-xeon-processor'."""
-    name = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1]
-                break
-    except OSError:
-        pass
-    name = re.sub(r"\((r|tm)\)", "", name.lower())
+    name = re.sub(r"\((r|tm)\)", "", processor().lower())
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "unknown"
 
 
@@ -55,7 +50,7 @@ def _dense(x, w_gate, w_up, w_down):
 
 
 def _twell(x, w_gate, w_up, w_down):
-    return torch.ops.twell.ffn(x, w_gate, None, w_up, None, w_down, None, 128, 16, "bench", False)
+    return torch.ops.twell.ffn(x, w_gate, None, w_up, None, w_down, None, "bench", False)
 
 
 def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -110,15 +105,15 @@ def run_grid(ms: Iterable[int] = (1, 16, 256, 2048), densities: Iterable[float] 
                         for fn in fns.values():  # warm-up: compile, build, weight caches
                             fn()
                         ms_ = _time_interleaved(fns, budget_s)
-                    row = {
+                    row = stamp({
                         "M": m, "K": K, "N": N, "density": d, "tail": tail,
                         "dense_ms": round(ms_["dense"], 3), "inductor_ms": round(ms_["inductor"], 3),
                         "gate_ms": round(ms_["gate"], 3), "twell_ms": round(ms_["twell"], 3),
                         "rel_err": err, "dense_rel_err": dense_err, "threads": t,
                         "dtype": str(dtype).replace("torch.", ""), "measured_density": round(measured, 5),
-                        "path": "dense" if measured > cpu_ffn.max_density(m) else "sparse",
+                        "path": "dense" if measured > arch.policy_for("cpu").max_density(m) else "sparse",
                         "speedup_vs_inductor": round(ms_["inductor"] / ms_["twell"], 3),
-                    }
+                    }, "cpu")
                     rows.append(row)
                     if log:
                         log(f"M={m:5d} d={d:<6} T={t} dense {row['dense_ms']:9.3f} inductor {row['inductor_ms']:9.3f} "
@@ -138,7 +133,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--tail", type=float, default=0.0)
     ap.add_argument("--budget", type=float, default=6.0, help="seconds of timing per point (>= 3 rounds)")
-    ap.add_argument("--out", default=None, help="JSON path (default results/cpu-<model>/ffn_inference.json)")
+    ap.add_argument("--out", default=None, help="JSON path (default runs/cpu-<model>/ffn_inference.json)")
     args = ap.parse_args(argv)
     print(f"twell CPU implementation: {cpu_ffn.active_impl()}; cores {os.cpu_count()}; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
@@ -148,9 +143,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         threads=[0 if v == "all" else int(v) for v in args.threads.split(",")],
         dtype=getattr(torch, args.dtype), tail=args.tail, budget_s=args.budget,
         log=lambda s: print(s, flush=True))
-    out = Path(args.out) if args.out else RESULTS / f"cpu-{cpu_model()}" / "ffn_inference.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1) + "\n")
+    out = out_path(args.out, f"cpu-{cpu_model()}", "ffn_inference.json")
+    write_json(out, rows)
     print(f"load average after: {os.getloadavg()[0]:.2f}; wrote {out}")
     return 0
 

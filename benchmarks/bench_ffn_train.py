@@ -6,34 +6,45 @@
 
 Inputs: twell_compile/testing.py (anchors.md's generator), bf16, gated, no biases; dy random.
 One step = y = FFN(x) and torch.autograd.grad(y, (x, W_g, W_u, W_d), dy). Times are medians of
-triton.testing.do_bench (CUDA events). twell_ms is the op as the backend calls it (policy
-included, after warm-up calls that let the layer's density land); sparse_ms and densepath_ms
-force its sparse kernels / its dense recompute path (sparse not timed at density >= 0.05,
-where rows overflow any ELL width: NaN). Peak memory = max_memory_allocated during the step
-minus the allocation before it (inputs and weights excluded, gradients included).
-grad_rel_err = max over the four gradients of ||g - g_fp32|| / ||g_fp32|| against fp32
-autograd (TF32 off); dense_grad_rel_err is eager bf16's. Writes
-benchmarks/results/<gpu>/ffn_training.json.
+triton.testing.do_bench (CUDA events). twell_ms is the op as the backend calls it (the rules
+included, after warm-up calls that let the layer's density land; ``path`` is the path its last
+call took: "twell", "compact" or "dense"); sparse_ms, compact_ms and densepath_ms force its
+paths (the op's path= argument: the sparse kernels; eager's GEMMs saving the compact state;
+eager's GEMMs saving g and u). Sparse is not timed at density >= 0.05, where rows overflow any
+ELL width, nor sparse and compact where the M tokens fit the dense backup (NaN). Peak memory =
+max_memory_allocated during the step minus the allocation before it (inputs and weights
+excluded, gradients included). grad_rel_err = max over the four gradients of ||g - g_fp32|| / ||g_fp32|| against
+fp32 autograd (TF32 off); dense_grad_rel_err is eager bf16's. Rows as benchmarks/rows.py
+stamps them, to --out (default runs/<gpu>/ffn_training.json; the canonical file:
+benchmarks/results/README.md).
+
+--parts times each stage of the sparse path (forced) for a few launch configurations of the
+training kernels (record fields, through arch.patched); --config runs the grid under one
+(``field=value,...``, e.g. ``fwd_pairs=4,fwd_cols_per_warp=512``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from twell_compile.testing import make_ffn  # noqa: E402
-from timing import gpu_name, median_ms, rel  # noqa: E402
+if __package__ in (None, ""):                  # run as a file: python3 benchmarks/bench_ffn_train.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
+from benchmarks.timing import gpu_name, median_ms, rel  # noqa: E402
 
 import twell_compile.ops  # noqa: E402,F401  (registers torch.ops.twell)
 from twell_compile.config import TwellConfig  # noqa: E402
+from twell_compile.formats import backup_capacity  # noqa: E402
 from twell_compile.reference import ffn_dense  # noqa: E402
+from twell_compile.runtime import arch, density  # noqa: E402
+from twell_compile.testing import make_ffn  # noqa: E402
 
 FULL_M = [1024, 16384, 65536]
 FULL_D = [0.005, 0.02, 0.05, 0.2, 1.0]
@@ -65,17 +76,38 @@ def peak_mib(fn, cuda: bool) -> float:
     return peak / 2**20
 
 
-def parts(ms, ds, ts, k, n, cfg, reps) -> int:
-    """Stage times of the sparse path (forced) for a few kernel configurations."""
-    from twell_compile.kernels import cuda_train
-    from twell_compile.kernels.torch_impl import backup_capacity
+# Launch configurations --parts compares (record fields; {} is the record's own): the wgrad
+# passes at their probe optimum (DY 1 entry / 2 warps, X 2 / 2 at K=2048: 9% faster on this
+# layer, 214.8 against 197.7 ms per step on bench_e2e.py --train; H200, 2026-11-23) and the
+# forward row kernel at 4 pairs / 4 warps (682 against 531 us at 1 / 2).
+PART_CONFIGS = ({}, dict(wg_dy_entries=1, wg_dy_cols_per_warp=1024, wg_x_entries=2, wg_x_warps=2),
+                dict(fwd_pairs=4, fwd_cols_per_warp=512))
 
-    # current, then the wgrad passes at session 15's probe optimum (DY 1 entry / 2 warps, X 2 / 2,
-    # faster on this layer, slower on bench_e2e --train) and the forward row kernel at 4 / 4
-    configs = [current_config(cuda_train), (0, 1, 2, 2, 2048, 4, 1, 1024), (0, 4, 4, 4, 2048, 4, 4, 512)]
-    totals = {c: 0.0 for c in configs}
-    print(f"{'M':>6} {'dens':>6} {'tail':>4} {'config':>14} {'gate':>7} {'state':>7} {'fwd':>7} {'bwd':>7} "
-          f"{'total':>7}", flush=True)
+
+def parse_config(text: str) -> dict[str, Any]:
+    """--config "field=value,..." as record fields (ints, else floats)."""
+    out: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--config takes field=value pairs (runtime/arch.py GpuPolicy), got {item!r}")
+        out[name.strip()] = float(value) if "." in value or "e" in value.lower() else int(value)
+    with arch.patched(**out):          # an unknown field raises here, naming the known ones
+        pass
+    return out
+
+
+def config_name(c: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in c.items()) or "record"
+
+
+def parts(ms, ds, ts, k, n, cfg, reps) -> int:
+    """Stage times of the sparse path (forced) for the launch configurations of PART_CONFIGS."""
+    from twell_compile.runtime import cuda_train
+
+    totals = [0.0] * len(PART_CONFIGS)
+    print(f"{'M':>6} {'dens':>6} {'tail':>4} {'gate':>7} {'state':>7} {'fwd':>7} {'bwd':>7} {'total':>7} config",
+          flush=True)
     for m in ms:
         for d in ds:
             for t in ts:
@@ -88,17 +120,16 @@ def parts(ms, ds, ts, k, n, cfg, reps) -> int:
                 _, _, *st, _ = fwd()
                 bwd = lambda: cuda_train.backward_sparse(dy, x, wg, None, wu, None, wd, *st, 0.0)
                 t_gate = bench(lambda: F.linear(x, wg), reps, True)
-                default = current_config(cuda_train)
-                for cfg_ in configs:
-                    set_config(cuda_train, cfg_)
-                    t_state = bench(lambda: cuda_train._state(x, g, None, wu, None, wd, None, w, cap, True), reps, True)
-                    t_fwd = bench(fwd, reps, True)
-                    t_bwd = bench(bwd, reps, True)
-                    totals[cfg_] += t_fwd + t_bwd
-                    print(f"{m:>6} {d:>6} {t:>4} {','.join(map(str, cfg_)):>14} {t_gate:>7.3f} {t_state:>7.3f} "
-                          f"{t_fwd:>7.3f} {t_bwd:>7.3f} {t_fwd + t_bwd:>7.3f}", flush=True)
-                set_config(cuda_train, default)
-                # per-kernel device time of 10 steps, default configuration
+                for i, changes in enumerate(PART_CONFIGS):
+                    with arch.patched(**changes):
+                        t_state = bench(lambda: cuda_train._state(x, g, None, wu, None, wd, None, w, cap, True),
+                                        reps, True)
+                        t_fwd = bench(fwd, reps, True)
+                        t_bwd = bench(bwd, reps, True)
+                    totals[i] += t_fwd + t_bwd
+                    print(f"{m:>6} {d:>6} {t:>4} {t_gate:>7.3f} {t_state:>7.3f} {t_fwd:>7.3f} {t_bwd:>7.3f} "
+                          f"{t_fwd + t_bwd:>7.3f} {config_name(changes)}", flush=True)
+                # per-kernel device time of 10 steps, the record's configuration
                 from torch.profiler import ProfilerActivity, profile
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(10):
@@ -108,27 +139,9 @@ def parts(ms, ds, ts, k, n, cfg, reps) -> int:
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
                 del st2
                 del p, x, wg, wu, wd, g, st
-    best = min(totals, key=totals.get)
-    print("config: forward-row-kernel warps (0: by width), its pairs per step, X-pass warps, X-pass entries "
-          "per step, X-pass K chunk, dx pairs per step, DY-pass entries per step, DY-pass columns per warp")
-    print("best config " + ",".join(map(str, best)), flush=True)
+    best = min(range(len(PART_CONFIGS)), key=totals.__getitem__)
+    print(f"best config (--config): {config_name(PART_CONFIGS[best])}", flush=True)
     return 0
-
-
-def current_config(ct) -> tuple:
-    return (ct.FWD_WARPS, ct.FWD_PAIRS, ct.WG_X_WARPS, ct.WG_X_ENTRIES, ct.WG_BK, ct.DX_PAIRS, ct.WG_DY_ENTRIES,
-            ct.WG_DY_COLS_PER_WARP)
-
-
-def set_config(ct, c) -> None:
-    """c = (forward-row-kernel warps (0: by width), its pairs per step, X-pass warps, X-pass entries,
-    X-pass K chunk[, dx pairs[, DY-pass entries, DY-pass columns per warp]])."""
-    ct.FWD_WARPS = c[0]
-    ct.FWD_PAIRS, ct.WG_X_WARPS, ct.WG_X_ENTRIES, ct.WG_BK = c[1:5]
-    if len(c) > 5:
-        ct.DX_PAIRS = c[5]
-    if len(c) > 6:
-        ct.WG_DY_ENTRIES, ct.WG_DY_COLS_PER_WARP = c[6:8]
 
 
 def main(argv=None) -> int:
@@ -144,9 +157,9 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", action="store_true",
                     help="instead of the grid: time each stage of the sparse path at each (M, density, tail)")
     ap.add_argument("--config", default=None,
-                    help="kernel constants for the grid: warps,pairs,wgrad_warps,wgrad_entries,wgrad_k[,dx_pairs] "
-                         "(as --parts prints them; default: cuda_train's)")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>/ffn_training.json)")
+                    help="launch fields of the GPU record for the grid, field=value,... (as --parts prints "
+                         "them; default: the record's)")
+    ap.add_argument("--out", default=None, help="JSON path (default runs/<gpu>/ffn_training.json)")
     args = ap.parse_args(argv)
     cuda = not args.quick
     if args.quick:
@@ -158,24 +171,23 @@ def main(argv=None) -> int:
     dt = torch.bfloat16
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = TwellConfig()
-    if cuda:
-        from twell_compile.kernels import cuda_train
     if args.parts:
         return parts(ms, ds, ts, k, n, cfg, args.reps)
-    if args.config:
-        from twell_compile.kernels import cuda_train as ct
-        set_config(ct, tuple(int(v) for v in args.config.split(",")))
-        print("kernel config", current_config(ct))
-    if args.out:
-        out = Path(args.out)
-    elif cuda:
-        out = Path(__file__).resolve().parent / "results" / gpu_name() / "ffn_training.json"
-    else:
-        out = Path("/tmp/ffn_training_quick.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    changes = parse_config(args.config) if args.config else {}
+    if changes:
+        print("launch config", config_name(changes))
+    out = out_path(args.out, gpu_name() if cuda else "cpu", "ffn_training.json" if cuda else "ffn_training_quick.json")
+    with arch.patched(**changes):
+        rows = grid(args, ms, ds, ts, k, n, cfg, dev, dt, cuda, out)
+    write_json(out, rows)
+    print(f"wrote {out} ({len(rows)} rows)")
+    return 0
+
+
+def grid(args, ms, ds, ts, k, n, cfg, dev, dt, cuda, out) -> list[dict]:
     rows = []
     hdr = (f"{'M':>6} {'dens':>6} {'tail':>4} {'nnz/r':>6} {'busy%':>5} {'dense':>7} {'induct':>7} {'twell':>7} "
-           f"{'sparse':>7} {'dpath':>7} {'x_dns':>6} {'x_ind':>6} {'d_MiB':>7} {'t_MiB':>7} {'mem%':>5} "
+           f"{'sparse':>7} {'compct':>7} {'dpath':>7} {'x_dns':>6} {'x_ind':>6} {'d_MiB':>7} {'t_MiB':>7} {'mem%':>5} "
            f"{'err':>8} {'d_err':>8} path")
     print(hdr, flush=True)
     for m in ms:
@@ -193,8 +205,9 @@ def main(argv=None) -> int:
                 def step(fn):
                     return lambda: torch.autograd.grad(fn(x, wg, None, wu, None, wd, None), params, dy)
 
-                def op(name):
-                    return lambda *a: torch.ops.twell.ffn_train(*a, cfg.ell_width, cfg.backup_rows, 0.0, name, False)[0]
+                def op(name, path="auto"):
+                    return lambda *a: torch.ops.twell.ffn_train(*a, cfg.ell_width, cfg.backup_rows, 0.0, name, False,
+                                                                path=path)[0]
 
                 dense = step(ffn_dense)
                 twell = step(op(layer))
@@ -205,28 +218,21 @@ def main(argv=None) -> int:
                 dense_ms = bench(dense, args.reps, cuda)
                 ind_ms = bench(step(inductor), args.reps, cuda) if inductor else float("nan")
                 twell_ms = bench(twell, args.reps, cuda)
-                path = "?"
-                sparse_ms = dpath_ms = float("nan")
+                path = "torch"
+                forced_ms = dict(dense=float("nan"), compact=float("nan"), twell=float("nan"))
                 if cuda:
-                    key = ("train", layer, x.device, x.dtype, k, n, k, True)
-                    path = "sparse" if cuda_train.last_sparse.get(key) else "dense"
-                    saved = cuda_train.SPARSE_MAX_DENSITY
-                    try:
-                        for forced, limit in (("dense", -1.0), ("sparse", float("inf"))):
-                            if forced == "sparse" and (d >= 0.05 or m < cuda_train.MIN_TOKENS):
-                                continue
-                            cuda_train.SPARSE_MAX_DENSITY = limit
-                            f = step(op(f"{layer}/{forced}"))
-                            for _ in range(3):
-                                f()
-                                torch.cuda.synchronize()
-                            ms_ = bench(f, args.reps, cuda)
-                            if forced == "dense":
-                                dpath_ms = ms_
-                            else:
-                                sparse_ms = ms_
-                    finally:
-                        cuda_train.SPARSE_MAX_DENSITY = saved
+                    path = density.last_path(("train", layer, x.device, x.dtype, k, n, k, True))
+                    fits_backup = backup_capacity(m, cfg.backup_rows) >= m
+                    for forced in forced_ms:
+                        # the compact and sparse states need more tokens than dense-backup rows
+                        if forced != "dense" and (fits_backup or (forced == "twell" and d >= 0.05)):
+                            continue
+                        f = step(op(f"{layer}/{forced}", forced))
+                        for _ in range(3):
+                            f()
+                            torch.cuda.synchronize()
+                        forced_ms[forced] = bench(f, args.reps, cuda)
+                sparse_ms, compact_ms, dpath_ms = forced_ms["twell"], forced_ms["compact"], forced_ms["dense"]
                 dense_peak = peak_mib(dense, cuda)
                 twell_peak = peak_mib(twell, cuda)
                 ind_peak = peak_mib(step(inductor), cuda) if inductor else float("nan")
@@ -243,25 +249,22 @@ def main(argv=None) -> int:
                     cnt = (F.linear(x, wg) > 0).sum(1)
                 nnz = float(cnt.float().mean())
                 busy = float((cnt > min(cfg.ell_width, n)).float().mean()) * 100
-                row = dict(M=m, K=k, N=n, density=d, tail=t, dense_ms=dense_ms, inductor_ms=ind_ms,
-                           twell_ms=twell_ms, sparse_ms=sparse_ms, densepath_ms=dpath_ms,
-                           dense_peak_mib=dense_peak, twell_peak_mib=twell_peak, inductor_peak_mib=ind_peak,
-                           grad_rel_err=err, dense_grad_rel_err=derr, nnz_per_row=nnz, busy_row_pct=busy,
-                           ell_width=cfg.ell_width, path=path,
-                           gpu=torch.cuda.get_device_name() if cuda else "cpu")
+                row = stamp(dict(M=m, K=k, N=n, density=d, tail=t, dense_ms=dense_ms, inductor_ms=ind_ms,
+                                 twell_ms=twell_ms, sparse_ms=sparse_ms, compact_ms=compact_ms, densepath_ms=dpath_ms,
+                                 dense_peak_mib=dense_peak, twell_peak_mib=twell_peak, inductor_peak_mib=ind_peak,
+                                 grad_rel_err=err, dense_grad_rel_err=derr, nnz_per_row=nnz, busy_row_pct=busy,
+                                 ell_width=cfg.ell_width, path=path), dev)
                 rows.append(row)
-                out.write_text(json.dumps(rows, indent=1))       # after every row: partial runs keep theirs
+                write_json(out, rows)       # after every row: partial runs keep theirs
                 print(f"{m:>6} {d:>6} {t:>4} {nnz:>6.1f} {busy:>5.1f} {dense_ms:>7.3f} {ind_ms:>7.3f} "
-                      f"{twell_ms:>7.3f} {sparse_ms:>7.3f} {dpath_ms:>7.3f} {dense_ms / twell_ms:>6.2f} "
+                      f"{twell_ms:>7.3f} {sparse_ms:>7.3f} {compact_ms:>7.3f} {dpath_ms:>7.3f} {dense_ms / twell_ms:>6.2f} "
                       f"{ind_ms / twell_ms:>6.2f} {dense_peak:>7.0f} {twell_peak:>7.0f} "
                       f"{100 * twell_peak / dense_peak if dense_peak == dense_peak else float('nan'):>5.0f} "
                       f"{err:>8.1e} {derr:>8.1e} {path}" + ("  ERR>2x" if err > 2 * derr else ""), flush=True)
                 del p, x, wg, wu, wd, params, dy, dense, twell
         del inductor
         torch._dynamo.reset()
-    out.write_text(json.dumps(rows, indent=1))
-    print(f"wrote {out} ({len(rows)} rows)")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

@@ -5,12 +5,12 @@ Each case runs ``--calls`` back-to-back calls with no sync inside the loop: ``ho
 time to issue one call, ``wall_us`` the time per call once the GPU has finished (max of host and
 GPU when the queue stays fed). The variants run interleaved for ``--rounds`` rounds and each
 reports its best round (the H200 host's timings of one variant spread by up to 1.5x between
-runs). ``op`` replays its own CUDA graph per shape (kernels/decode_graphs.py) where the decode
-path runs; ``op_nograph`` is the op with that off (kernels/launch.py's cached launches), and
-``op_standard`` also with Triton's standard launches (TWELL_TRITON_LAUNCH=standard); both
-switched around the timing loop, not per call. Inputs:
-twell_compile/testing.py, bf16, density 0.005. Writes benchmarks/results/<gpu>/host_overhead.json
-(or --out).
+runs). ``op`` replays its own CUDA graph per shape (runtime/decode_graphs.py) where the decode
+path runs (and where its dense path is host-bound); ``op_nograph`` is the op with that off
+(runtime/launch.py's cached launches), and ``op_standard`` also with Triton's standard launches
+(TWELL_TRITON_LAUNCH=standard); both switched around the timing loop, not per call. Inputs:
+twell_compile/testing.py, bf16, density 0.005. Rows as benchmarks/rows.py stamps them, to --out
+(default runs/<gpu>/host_overhead.json).
 
     python3 benchmarks/bench_host.py [--M 1 16 64 1024] [--shapes 2048x5632] [--calls 300] [--rounds 5]
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import time
@@ -28,12 +27,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from twell_compile.testing import make_ffn  # noqa: E402
-from timing import gpu_name  # noqa: E402
+if __package__ in (None, ""):                  # run as a file: python3 benchmarks/bench_host.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
+from benchmarks.timing import gpu_name  # noqa: E402
 
 import twell_compile.ops  # noqa: E402,F401
-from twell_compile.kernels import decode_graphs, weight_cache  # noqa: E402
+from twell_compile.runtime import decode_graphs, decode_state  # noqa: E402
+from twell_compile.testing import make_ffn  # noqa: E402
 
 
 def per_call_us(fn, calls: int) -> tuple[float, float]:
@@ -87,13 +88,13 @@ def main(argv=None) -> int:
         for m in a.M:
             p = make_ffn(m, k, n, a.density, 0.0, device="cuda", seed=1)
             x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
-            weight_cache.register(wd)          # as the backend does for a rewritten layer
+            decode_state.register(wd)          # as the backend does for a rewritten layer
             layer = f"bench_host/{shape}/{m}"
 
             def op():
-                return torch.ops.twell.ffn(x, wg, None, wu, None, wd, None, 128, 16, layer, False)
+                return torch.ops.twell.ffn(x, wg, None, wu, None, wd, None, layer, False)
 
-            r = {"M": m, "K": k, "N": n, "density": a.density, "gpu": torch.cuda.get_device_name()}
+            r = stamp({"M": m, "K": k, "N": n, "density": a.density}, "cuda")
             fns = (("op", op), ("op_nograph", op), ("op_standard", op),
                    ("eager", lambda: dense(x, wg, wu, wd)), ("inductor", lambda: inductor(x, wg, wu, wd)))
             best: dict[str, tuple[float, float]] = {}
@@ -109,11 +110,10 @@ def main(argv=None) -> int:
             rows.append(r)
             print(f"{shape:>10} {m:>5} | {'':>14}" + " ".join(f"{r[v + '_host_us']:6.1f}" for v in names)
                   + f" | {'':>14}" + " ".join(f"{r[v + '_wall_us']:6.1f}" for v in names), flush=True)
-            weight_cache.clear()
+            decode_state.clear()
             decode_graphs.clear()
-    out = Path(a.out) if a.out else Path(__file__).resolve().parent / "results" / gpu_name() / "host_overhead.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
+    out = out_path(a.out, gpu_name(), "host_overhead.json")
+    write_json(out, rows)
     print(f"wrote {out}")
     return 0
 

@@ -9,7 +9,8 @@ ranks), FFNs rewritten per rank, and the largest |loss - loss of the 1-GPU run o
 backend| over the steps both ran. Per wrapper: the speed-up twell over Inductor (step time
 ratio), its ratio to the 1-GPU speed-up (issue 8's criterion: >= 0.8), and twell's peak
 memory over Inductor's. A configuration that failed or was cut keeps its row, with the rc and
-``complete: false`` (its numbers are then from the steps it finished, if any).
+``complete: false`` (its numbers are then from the steps it finished, if any). Rows as
+benchmarks/rows.py stamps them (gpu and torch from the run's JSON where it has them).
 """
 
 from __future__ import annotations
@@ -17,8 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any, Optional
+
+if __package__ in (None, ""):                  # run as a file: python3 benchmarks/multi_gpu_summary.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.rows import stamp, write_json  # noqa: E402
 
 WRAPS = ("single", "ddp", "fsdp2")
 BACKENDS = ("inductor", "twell")
@@ -75,13 +81,14 @@ def row_of(name: str, run: Optional[dict[str, Any]], rc: Optional[dict[str, Any]
     row: dict[str, Any] = {"config": name, "wrap": wrap, "backend": backend,
                            "gpus": 1 if wrap == "single" else nproc,
                            "rc": None if rc is None else rc["rc"], "wall_s": None if rc is None else rc["wall_s"]}
+    measured = {"gpu": (run or {}).get("gpu"), "torch": (run or {}).get("torch")}
     if not run or "error" in run or "losses" not in run:
         row.update(complete=False, error=(run or {}).get("error", "no JSON (run did not reach its first step)"))
-        return row
+        return stamp(row, **measured)
     ranks = run.get("ranks") or []
     row.update(
         complete=bool(run.get("complete")), steps_done=len(run["losses"]), world=run.get("world"),
-        accum=run.get("accum"), gpu=run.get("gpu"), median_step_ms=run.get("median_step_ms"),
+        accum=run.get("accum"), median_step_ms=run.get("median_step_ms"),
         tokens_per_s=run.get("tokens_per_s"), first_step_s=run.get("first_step_s"),
         peak_memory_mb=run.get("peak_memory_mb_max", run.get("peak_memory_mb_rank0")),
         peak_memory_mb_per_rank=[r["peak_memory_mb"] for r in ranks] or None,
@@ -91,7 +98,7 @@ def row_of(name: str, run: Optional[dict[str, Any]], rc: Optional[dict[str, Any]
         ddp_graph_pieces_per_rank=[r.get("ddp_graph_pieces") for r in ranks] if wrap == "ddp" and ranks else None,
         setup_s=run.get("setup_s"), calibration_s=run.get("calibration_s"),
         loss_first=run["losses"][0], loss_last=run["losses"][-1])
-    return row
+    return stamp(row, **measured)
 
 
 def _fmt(v: Any, spec: str, unit: str = "") -> str:
@@ -195,7 +202,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     s["report"] = text
     print(text, flush=True)
     if a.out:
-        a.out.write_text(json.dumps(s, indent=1) + "\n")
+        write_json(a.out, s)
         print(f"wrote {a.out}")
     return s
 

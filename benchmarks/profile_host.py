@@ -14,14 +14,11 @@ import io
 import pstats
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from twell_compile.testing import make_ffn  # noqa: E402
-
-import twell_compile.ops  # noqa: E402,F401
+import twell_compile.ops  # noqa: F401
+from twell_compile.testing import make_ffn
 
 
 def main(argv=None) -> int:
@@ -35,7 +32,7 @@ def main(argv=None) -> int:
         p = make_ffn(m, k, n, 0.005, 0.0, device="cuda", seed=1)
         args7 = [p["x"], p["w_gate"], None, p["w_up"], None, p["w_down"], None]
         if kind == "infer":
-            fn = lambda: torch.ops.twell.ffn(*args7, 128, 16, f"prof/{m}", False)
+            fn = lambda: torch.ops.twell.ffn(*args7, f"prof/{m}", False)
         else:
             leaves = [t.requires_grad_() if t is not None else None for t in args7]
             dy = torch.randn(m, k, device="cuda", dtype=p["x"].dtype)

@@ -1,14 +1,15 @@
 #!/bin/bash
 # Issue 7 on the device: decode GPU tests first (a wrong kernel is not worth timing), then the
 # config sweep with its parts breakdown, the --decode grid with the tuned configs, and (unless
-# SKIP_CROSS is set) the M crossover (dense vs decode vs per-row). Outputs under $OUT.
+# SKIP_CROSS is set) the M crossover (dense vs decode vs per-row). Outputs under $OUT; the
+# canonical grid is refreshed only by copying $OUT/ffn_decode.json (benchmarks/results/README.md).
 OUT=${OUT:-/tmp/decode_out}
 mkdir -p "$OUT"
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" > "$OUT/tests.log" 2>&1
-F=tests/kernels/test_cuda_ffn.py
-timeout ${T_TEST:-120} python3 -m pytest -q -x tests/kernels/test_decode.py tests/test_dispatch.py \
+F=tests/runtime/test_cuda_infer.py
+timeout ${T_TEST:-120} python3 -m pytest -q -x tests/runtime/test_cuda_decode.py tests/runtime/test_select.py \
     $F::test_exact_grid $F::test_dense_paths_bit_identical_to_eager \
-    $F::test_op_policy_starts_dense_then_twell_and_stays_dense_when_dense ${EXTRA_TESTS} \
+    $F::test_op_plan_starts_dense_then_twell_and_stays_dense_when_dense ${EXTRA_TESTS} \
     >> "$OUT/tests.log" 2>&1
 echo "pytest rc=$?" >> "$OUT/tests.log"
 tail -n 15 "$OUT/tests.log"

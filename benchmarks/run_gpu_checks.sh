@@ -11,10 +11,10 @@ export PYTHONUNBUFFERED=1
 # mapped from passes/ by the install)
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/setup.log" 2>&1 || { tail -n 20 "$OUT/setup.log"; exit 1; }
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" > "$OUT/tests.log" 2>&1
-timeout ${T_TESTS:-240} python3 -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/kernels/test_decode.py \
+timeout ${T_TESTS:-240} python3 -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/runtime/test_cuda_decode.py \
     ${TESTS:-tests} >> "$OUT/tests.log" 2>&1
 echo "pytest rc=$?" >> "$OUT/tests.log"
-timeout ${T_DECODE_TESTS:-120} python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/kernels/test_decode.py \
+timeout ${T_DECODE_TESTS:-120} python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/runtime/test_cuda_decode.py \
     >> "$OUT/tests.log" 2>&1
 echo "pytest decode rc=$?" >> "$OUT/tests.log"
 grep -E "passed|failed|rc=|Error" "$OUT/tests.log" | tail -n 30

@@ -10,7 +10,7 @@ mkdir -p "$W"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$W/install.log" 2>&1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" > "$W/tests.log" 2>&1
 if [ -z "$SKIP_TESTS" ]; then
-    timeout ${T_TEST:-240} python3 -m pytest -q -x tests/kernels/test_cuda_train.py ${EXTRA_TESTS} >> "$W/tests.log" 2>&1
+    timeout ${T_TEST:-240} python3 -m pytest -q -x tests/runtime/test_cuda_train.py ${EXTRA_TESTS} >> "$W/tests.log" 2>&1
     echo "pytest rc=$?" >> "$W/tests.log"
 fi
 tail -n 5 "$W/tests.log"

@@ -1,5 +1,5 @@
-"""Helpers shared by the GPU benchmarks: the results folder's GPU tag, relative error, and
-do_bench medians (CUDA events)."""
+"""Helpers shared by the GPU benchmarks: the GPU's folder tag, relative error, and do_bench
+medians (CUDA events). The rows they write: benchmarks/rows.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 
 
 def gpu_name() -> str:
-    """Short tag of the current CUDA device for benchmarks/results/<tag>/ ("h200", "h100", ...)."""
+    """Short tag of the current CUDA device ("h200", "h100", ...): the folder under runs/ (and
+    benchmarks/results/) its results go to."""
     name = torch.cuda.get_device_name().lower()
     for tag in ("h200", "h100", "a100", "l40", "l4", "b200"):
         if tag in name:
@@ -32,7 +33,7 @@ def median_ms(fn: Callable[[], object], reps: int, warmup: Optional[int] = None)
 def interleaved_ms(fns: Mapping[str, Callable[[], object]], reps: int, rounds: int = 5) -> dict[str, float]:
     """Median ms per variant over ``rounds`` rounds; each round times every variant once
     (do_bench, rep ``reps // rounds`` ms), starting one variant later each round. Timed one
-    after the other instead, the same dense call read 5-24% apart at K=4096 (session 15 run 13:
+    after the other instead, the same dense call read 5-24% apart at K=4096 (H200, 2026-11-23:
     the op's dense path 6.53 vs eager 6.47 ms interleaved, 0.86-0.95x in the grid's order)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")

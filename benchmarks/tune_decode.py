@@ -1,19 +1,21 @@
-"""Tune the decode path on the device: launch configs per padded M (kernels/cuda_decode.py
-CONFIGS) and the decode rule's cost model (kernels/cuda_policy.py DEC_* / DENSE_* constants).
+"""Tune the decode path on the device: launch configs per padded M (the GPU record's
+decode_configs, runtime/arch.py) and the decode rule's cost model (its decode_forms,
+dense_fixed_us, dense_gbps).
 
-    python3 benchmarks/tune_decode.py --out /tmp/decode_configs.json --policy-out /tmp/decode_policy.json
+    python3 benchmarks/tune_decode.py --out runs/decode_configs.json --policy-out runs/decode_policy.json
 
 1. Configs: every variant in VARIANTS is timed for each padded-M bucket at d = 0.005 (M values
    of the bucket x both shapes; CUDA graph over several layers' weights, as bench_decode.py
-   times them); the best mean time ratio to the current default wins. This tunes the rows and
-   tiles fields (the first 8 of cuda_decode.Config, set in CONFIGS and WIDE_CONFIGS alike); the
-   list/pairs fields per width came from results/h200/session9/sweep_pairs.py.
-2. Cost model: dense (eager's calls) and the decode kernels (best configs) at d in {0.005,
-   0.05, 0.2} x M in {1, 16, 64} x both shapes, fitted by ``fit_policy`` (dense: fixed + bytes /
-   rate; decode: fixed + W_gate bytes / rate + a cost per list entry). The shipped constants
-   come from the 56-point bench grid instead: ``--fit-from results/h200/ffn_decode.json``.
+   times them); the best mean time ratio to the record's config wins. This tunes the rows and
+   tiles fields (the first 8 of arch.DecodeConfig, set in decode_configs and
+   wide_decode_configs alike); the list/pairs fields per width stay the record's (tuned on the
+   H200, 2026-11-22 to 2026-11-23: arch.py).
+2. Cost model: dense (eager's calls) and each decode form forced (the winning configs, in
+   place through arch.patched) at d in {0.005, 0.05, 0.2} x M in {1, 16, 64} x both shapes,
+   fitted by fit_policy.fit_decode. The shipped constants come from the 56-point bench grid
+   instead: ``python3 benchmarks/fit_policy.py --fit-decode benchmarks/results/h200/ffn_decode.json``.
 bench_decode.py --configs / --policy read the two JSON files, so one device run can tune and
-then measure with the tuned values; the shipped constants are copied from them.
+then measure with the tuned values; the record's values are copied from them.
 """
 
 from __future__ import annotations
@@ -27,14 +29,16 @@ import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import graph_ms, layers_for, weight_sets  # noqa: E402
+if __package__ in (None, ""):                  # run as a file: python3 benchmarks/tune_decode.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_decode import graph_ms, layers_for, weight_sets  # noqa: E402
+from benchmarks.fit_policy import fit_decode, policy_json, record_text  # noqa: E402
 
-from twell_compile.kernels import cuda_decode, cuda_policy, weight_cache  # noqa: E402
-from twell_compile.kernels.cuda_decode import Config  # noqa: E402
 from twell_compile.reference import ffn_dense  # noqa: E402
+from twell_compile.runtime import arch, cuda_decode, decode_state, select  # noqa: E402
+from twell_compile.runtime.arch import DecodeConfig  # noqa: E402
 
-# cuda_decode.Config fields: (bn, bk, bku, bko, vec_m, finish_max, warps, stages)
+# arch.DecodeConfig fields: (bn, bk, bku, bko, vec_m, finish_max, warps, stages)
 ROWS = [(32, 128, 256, 256, 4, 0, 4, 3), (32, 128, 256, 256, 4, 8192, 4, 3), (32, 128, 256, 256, 2, 0, 4, 3),
         (32, 128, 256, 256, 1, 0, 4, 3), (32, 128, 256, 256, 4, 0, 8, 3), (16, 128, 256, 256, 4, 0, 4, 3),
         (64, 128, 256, 256, 4, 0, 4, 3), (32, 256, 256, 256, 4, 0, 4, 3), (32, 64, 256, 256, 4, 0, 4, 5),
@@ -45,72 +49,9 @@ VARIANTS = {16: ROWS + TILES, 32: TILES, 64: TILES}
 BUCKETS = {16: [1, 4, 16], 32: [32], 64: [64]}
 
 
-def _lstsq(rows: list[list[float]], ts: list[float]) -> list[float]:
-    """Least squares with every coefficient >= 0 (a cost has no negative part): terms whose
-    coefficient comes out negative are dropped (0) and the rest refitted."""
-    a = torch.tensor(rows, dtype=torch.float64)
-    b = torch.tensor(ts, dtype=torch.float64)
-    keep = list(range(a.shape[1]))
-    while True:
-        sol = torch.linalg.lstsq(a[:, keep], b.unsqueeze(1)).solution.squeeze(1)
-        neg = [j for j, v in zip(keep, sol.tolist()) if v < 0]
-        if not neg or len(keep) == 1:
-            out = [0.0] * a.shape[1]
-            for j, v in zip(keep, sol.tolist()):
-                out[j] = max(v, 0.0)
-            return out
-        keep.remove(min(neg, key=lambda j: sol[keep.index(j)].item()))
-
-
-# Each form is fitted by least relative error (the rule compares forms by ratio): an absolute
-# fit let K=4096's larger times steer the small-M forms (M=2 K=2048 took rows at 1.16x the
-# pairs form's time, session 14 run 5's grid). Tiles' per-row cost is its atomics (R x K_out per
-# active block): a per-row term over K + K_out missed N's share (K=4096 M=16 d=0.02 ran 0.96x of
-# dense, run 6).
-
-
-def fit_policy(points: list[dict], near: float = 1.6) -> dict[str, float]:
-    """The decode rule's constants (kernels/cuda_policy.py) from measured points, each a dict
-    with M, K, N, K_out, union (neurons active in some row), density, dense_us and forms
-    ({form: decode us}, each form forced), each form fitted to its points within ``near`` x of
-    dense (where the rule's decisions are made). Dense: fixed + bytes(3 weights) / rate; each
-    decode form: its terms (cuda_policy.decode_terms, with u = union / N measured) times its
-    constants (cuda_policy.DECODE_CONSTANTS). A form with fewer points than constants + 1 keeps
-    its constants."""
-    dense = _lstsq([[1.0, 2e-6 * p["N"] * 3 * p["K"]] for p in points], [p["dense_us"] for p in points])
-    out = {"DENSE_FIXED_US": round(dense[0], 2), "DENSE_GBPS": round(1e3 / dense[1], 0)}
-    names = cuda_policy.DECODE_CONSTANTS
-    feats: dict[str, tuple[list, list]] = {}
-    for form in cuda_decode.FORMS:
-        for limit in (near, float("inf")):   # a form never near dense (list: its deterministic
-            a, t = [], []                     # use) is fitted on all its points
-            for p in points:
-                us = p["forms"].get(form)
-                if us is None or us > limit * p["dense_us"]:
-                    continue
-                a.append(cuda_policy.decode_terms(p["density"], p["union"] / p["N"], p["M"], p["K"], p["N"],
-                                                  p.get("K_out", p["K"]))[form])
-                t.append(us)
-            if len(a) > len(names[form]):
-                break
-        feats[form] = (a, t)
-    for form, (a, t) in feats.items():
-        if len(a) <= len(names[form]):
-            continue
-        sol = _lstsq([[v / ti for v in row] for row, ti in zip(a, t)], [1.0] * len(t))   # relative error
-        for i, (name, v) in enumerate(zip(names[form], sol)):
-            out[name] = (round(1e3 / v, 0) if v > 0 else float("inf")) if i == 1 else round(v, 2 if i == 0 else 4)
-    if len(out) == 2:
-        raise SystemExit(f"too few decode points within {near}x of dense: nothing to fit")
-    return out
-
-
-def fit_from_bench(path: str) -> dict[str, float]:
-    """fit_policy on a bench_decode.py JSON (its form_ms column: each decode form forced)."""
-    rows = json.loads(Path(path).read_text())
-    return fit_policy([dict(M=r["M"], K=r["K"], N=r["N"], union=r["union"], density=r["nnz_per_row"] / r["N"],
-                            dense_us=r["dense_ms"] * 1e3, forms={f: t * 1e3 for f, t in r["form_ms"].items()})
-                       for r in rows if r.get("kernel") == "decode"])
+def configs_json(configs: dict[int, DecodeConfig], wide: dict[int, DecodeConfig]) -> dict[str, list]:
+    """bench_decode.py --configs's format: {padded M: fields, "wide:<padded M>": fields}."""
+    return {**{str(k): list(v) for k, v in configs.items()}, **{f"wide:{k}": list(v) for k, v in wide.items()}}
 
 
 def parts(sets, shapes, reps) -> None:
@@ -118,9 +59,6 @@ def parts(sets, shapes, reps) -> None:
     cuBLAS gate GEMV alone, the decode path with nothing active (gate + launch + finish: W_gate's
     column 0 pushed to -1e4 on copies of the weights), the decode path, dense; and an empty
     Triton launch (the graph's per-launch cost)."""
-    import triton
-    import triton.language as tl
-
     @triton.jit
     def _empty(p):
         pass
@@ -153,18 +91,18 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--rotate-mb", type=float, default=256)
     ap.add_argument("--buckets", type=int, nargs="+", default=list(BUCKETS), help="padded-M buckets to tune")
-    ap.add_argument("--out", default=None, help="JSON of the best config per padded M")
-    ap.add_argument("--policy-out", default=None, help="JSON of the fitted cost-model constants")
-    ap.add_argument("--fit-from", default=None, metavar="BENCH_JSON",
-                    help="no GPU: fit the cost model to a bench_ffn.py --decode JSON and print it")
+    ap.add_argument("--out", default=None, help="JSON of the best config per padded M (bench_decode.py --configs)")
+    ap.add_argument("--policy-out", default=None,
+                    help="JSON of the fitted cost-model fields (bench_decode.py --policy)")
     args = ap.parse_args(argv)
-    if args.fit_from:
-        pol = fit_from_bench(args.fit_from)
-        print("cost model fit:", pol, flush=True)
-        if args.policy_out:
-            Path(args.policy_out).write_text(json.dumps(pol, indent=1))
-        return 0
+    for mp in args.buckets:
+        if mp not in BUCKETS:
+            raise ValueError(f"--buckets takes {sorted(BUCKETS)}, got {mp}")
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_decode.py needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = False
+    record = arch.policy_for(torch.device("cuda"))
+    configs, wide = dict(record.decode_configs), dict(record.wide_decode_configs)
     shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes]
     sets = {}
     for k, n in shapes:
@@ -199,53 +137,54 @@ def main(argv=None) -> int:
             return None, None
         ts = [t_decode(sets[(k, n, 0.005)], m, cfg) for m in ms for k, n in shapes]
         ratio = 1.0 if base_times is None else sum(t / t0 for t, t0 in zip(ts, base_times)) / len(ts)
-        print(f"M_P={mp} {tuple(cfg)}: {ratio:.3f} of default; us " + " ".join(f"{t * 1e3:.1f}" for t in ts),
+        print(f"M_P={mp} {tuple(cfg)}: {ratio:.3f} of the record's; us " + " ".join(f"{t * 1e3:.1f}" for t in ts),
               flush=True)
         return ratio, ts
 
     for mp in args.buckets:
         ms = BUCKETS[mp]
-        base = cuda_decode.CONFIGS[mp]
+        base = configs[mp]
         _, base_times = evaluate(mp, ms, base, None)
         if base_times is None:
-            raise SystemExit(f"the default decode config for M_P={mp} is not exact")
+            raise SystemExit(f"the record's decode config for M_P={mp} is not exact")
         win, win_ratio = base, 1.0
         for v in VARIANTS[mp]:
-            cfg = Config(*v)
+            cfg = DecodeConfig(*v)
             if cfg == base:
                 continue
             ratio, _ = evaluate(mp, ms, cfg, base_times)
             if ratio is not None and ratio < win_ratio:
                 win, win_ratio = cfg, ratio
-        cuda_decode.CONFIGS[mp] = win
-        # the rows/tiles fields (the first 8) hold for both widths; the list/pairs fields of
-        # WIDE_CONFIGS stay (session 9 sweep: results/h200/session9/sweep_pairs.py)
-        cuda_decode.WIDE_CONFIGS[mp] = cuda_decode.WIDE_CONFIGS[mp]._replace(**dict(zip(Config._fields[:8], win[:8])))
-        print(f"best M_P={mp}: {tuple(win)} ({win_ratio:.3f} of default)", flush=True)
+        configs[mp] = win
+        # the rows/tiles fields (the first 8) hold for both widths; the list/pairs fields of the
+        # wide configs stay the record's
+        wide[mp] = wide[mp]._replace(**dict(zip(DecodeConfig._fields[:8], win[:8])))
+        print(f"best M_P={mp}: {tuple(win)} ({win_ratio:.3f} of the record's)", flush=True)
         if args.out:   # after every bucket: a cut-short run keeps what it found
-            tables = {str(k): list(v) for k, v in cuda_decode.CONFIGS.items()}
-            tables.update({f"wide:{k}": list(v) for k, v in cuda_decode.WIDE_CONFIGS.items()})
-            Path(args.out).write_text(json.dumps(tables, indent=1))
-    parts(sets, shapes, args.reps)
-
-    points = []
-    for (k, n, d), ws in sets.items():
-        for m in (1, 16, 64):
-            a = args_of(ws, m)
-            td = graph_ms(lambda: [ffn_dense(*x) for x in a], args.reps) / len(ws) * 1e3
-            union = sum(float((F.linear(x[0], x[1]) > 0).any(0).sum()) for x in a) / len(a)
-            nnz = sum(float((F.linear(x[0], x[1]) > 0).sum()) for x in a) / len(a) / m
-            forms = {f: graph_ms(lambda: [cuda_decode.decode_forward(*x, form=f) for x in a], args.reps) / len(a) * 1e3
-                     for f in cuda_decode.FORMS if f != "rows" or m <= cuda_decode.config_for(m, k).vec_m}
-            tk = min(forms.values())
-            points.append(dict(M=m, K=k, N=n, union=union, density=nnz / n, dense_us=td, forms=forms))
-            print(f"K={k} N={n} d={d} M={m}: dense {td:.1f} us, decode {tk:.1f} us "
-                  f"(union {100 * union / n:.1f}%): {td / tk:.2f}x", flush=True)
-    pol = fit_policy(points)
-    print("cost model fit:", pol, flush=True)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(configs_json(configs, wide), indent=1) + "\n")
+    with arch.patched(decode_configs=configs, wide_decode_configs=wide):
+        parts(sets, shapes, args.reps)
+        points = []
+        for (k, n, d), ws in sets.items():
+            for m in (1, 16, 64):
+                a = args_of(ws, m)
+                td = graph_ms(lambda: [ffn_dense(*x) for x in a], args.reps) / len(ws) * 1e3
+                union = sum(float((F.linear(x[0], x[1]) > 0).any(0).sum()) for x in a) / len(a)
+                nnz = sum(float((F.linear(x[0], x[1]) > 0).sum()) for x in a) / len(a) / m
+                vec_m = arch.policy_for(torch.device("cuda")).decode_config(m, k).vec_m
+                forms = {f: graph_ms(lambda: [cuda_decode.decode_forward(*x, form=f) for x in a], args.reps)
+                         / len(a) * 1e3 for f in select.FORMS if f != "rows" or m <= vec_m}
+                tk = min(forms.values())
+                points.append(dict(M=m, K=k, N=n, K_out=k, union=union, density=nnz / n, dense_us=td, forms=forms))
+                print(f"K={k} N={n} d={d} M={m}: dense {td:.1f} us, decode {tk:.1f} us "
+                      f"(union {100 * union / n:.1f}%): {td / tk:.2f}x", flush=True)
+    fit = fit_decode(record, points)
+    print("cost model fit:\n" + record_text(fit), flush=True)
     if args.policy_out:
-        Path(args.policy_out).write_text(json.dumps(pol, indent=1))
-    weight_cache.clear()
+        Path(args.policy_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.policy_out).write_text(policy_json(fit))
+    decode_state.clear()
     return 0
 
 

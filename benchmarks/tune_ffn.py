@@ -1,11 +1,17 @@
-"""Time the TwELL kernels apart, over launch variants (the numbers behind cuda_infer's and
-cuda_policy's constants).
+"""Time the per-row TwELL kernels apart, over launch variants: the numbers behind the GPU
+record's compaction and row-kernel launch fields (runtime/arch.py).
 
-    python3 benchmarks/tune_ffn.py --path rows [--M 16384] [--density 0.005 0.02] [--tail 0 0.2]
-    python3 benchmarks/tune_ffn.py --path tiles ...      # the tile path (Triton gate epilogue)
+    python3 benchmarks/tune_ffn.py [--M 16384] [--density 0.005 0.02] [--tail 0 0.2]
+    python3 benchmarks/tune_ffn.py --compact 16,256,4 8,256,4 --fused 1,1,1024 4,1,512
 
-rows: cuBLAS gate, compaction variants (BM,CH,warps), fused variants (PAIRS,PF,columns per warp), the
-whole twell_forward, eager dense, and the kernel's error vs fp32 next to eager bf16's."""
+Per point: cuBLAS's gate GEMM, the compaction pass per variant (compact_bm, compact_ch,
+compact_warps; its time less the gate's), the fused row kernel per variant (row_pairs,
+row_prefetch, row_cols_per_warp) with the weight-row bytes it moves per ms, the whole
+twell_forward and eager's dense FFN at the record's fields, and the kernel's error against
+fp32 next to eager bf16's. Each variant runs under arch.patched: the record's fields replaced
+for that variant only. A variant the device cannot launch (out of shared memory or registers)
+is reported and skipped. Prints only; nothing is written.
+"""
 
 from __future__ import annotations
 
@@ -15,16 +21,32 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __package__ in (None, ""):                  # run as a file: python3 benchmarks/tune_ffn.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.timing import median_ms, rel  # noqa: E402
+
+from twell_compile.reference import ffn_dense  # noqa: E402
+from twell_compile.runtime import arch, cuda_infer, select  # noqa: E402
 from twell_compile.testing import make_ffn  # noqa: E402
-from timing import median_ms, rel  # noqa: E402
 
-from twell_compile.kernels import cuda_infer  # noqa: E402
+LAUNCH_ERRORS = (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError)
 
 
 def bench(fn) -> float:
     return median_ms(fn, 100, warmup=25)
+
+
+def variants(specs: list[str], fields: tuple[str, ...], flag: str) -> list[dict[str, int]]:
+    """Comma-separated integers per variant as record fields (``fields``) for arch.patched."""
+    out = []
+    for spec in specs:
+        values = spec.split(",")
+        if len(values) != len(fields) or not all(v.strip().lstrip("-").isdigit() for v in values):
+            raise ValueError(f"{flag} takes {','.join(fields)} as integers, got {spec!r}")
+        out.append(dict(zip(fields, (int(v) for v in values))))
+    return out
 
 
 def cases(a):
@@ -38,101 +60,64 @@ def cases(a):
                 del p, x, wg, wu, wd  # free this case before the next one is drawn
 
 
-def rows(a) -> None:
-    from twell_compile.reference import ffn_dense
+def rows(a, compact: list[dict[str, int]], fused: list[dict[str, int]]) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
+    record = arch.policy_for(torch.device("cuda"))
     for m, d, t, x, wg, wu, wd, lin in cases(a):
         dense = bench(lambda: ffn_dense(x, wg, None, wu, None, wd, None))
-        g = F.linear(x, wg)
-        nnz = float((g > 0).sum()) / m
-        width = cuda_infer.list_width(a.N, nnz) if a.width == 0 else a.width
+        nnz = float((F.linear(x, wg) > 0).sum()) / m
+        width = select.list_width(record, a.N, nnz) if a.width == 0 else a.width
         line = f"M={m} d={d} t={t} nnz/row {nnz:.1f} W={width}: F.linear {lin:.3f} dense {dense:.3f}"
-        for c in a.compact:
-            bm, ch, w = (int(v) for v in c.split(","))
-            cuda_infer.COMPACT_BM, cuda_infer.COMPACT_CH, cuda_infer.COMPACT_WARPS = bm, ch, w
-            ms = bench(lambda: cuda_infer.gate_rows(x, wg, None, width)) - lin
-            line += f" | compact[{c}] {ms:.3f}"
-        cuda_infer.COMPACT_BM, cuda_infer.COMPACT_CH, cuda_infer.COMPACT_WARPS = 16, 256, 4
+        for c in compact:
+            with arch.patched(**c):
+                try:
+                    ms = bench(lambda: cuda_infer.gate_rows(x, wg, None, width)) - lin
+                except LAUNCH_ERRORS as ex:
+                    print("   ", c, type(ex).__name__, str(ex)[:200])
+                    continue
+            line += f" | compact[{','.join(map(str, c.values()))}] {ms:.3f}"
         r = cuda_infer.gate_rows(x, wg, None, width)
         over = int((r.cnt > width).sum())
         print(line + f" | rows over W {over}", flush=True)
-        shipped = cuda_infer.ROW_PAIRS, cuda_infer.ROW_PF, cuda_infer.ROW_COLS_PER_WARP
-        for f in a.fused:
-            pairs, pf, cpw = (int(v) for v in f.split(","))
-            cuda_infer.ROW_PAIRS, cuda_infer.ROW_PF, cuda_infer.ROW_COLS_PER_WARP = pairs, pf, cpw
-            try:
-                ms = bench(lambda: cuda_infer.fused_rows(x, r, wu, None, wd, None))
-            except Exception as ex:
-                print("   ", f, type(ex).__name__, str(ex)[:200])
-                continue
+        for f in fused:
+            with arch.patched(**f):
+                try:
+                    ms = bench(lambda: cuda_infer.fused_rows(x, r, wu, None, wd, None))
+                except LAUNCH_ERRORS as ex:
+                    print("   ", f, type(ex).__name__, str(ex)[:200])
+                    continue
             gb = nnz * m * 2 * a.K * 2 / 1e9
-            print(f"    fused PAIRS={pairs} PF={pf} cols/warp={cpw}: {ms:.3f} ms "
-                  f"({gb / ms:.1f} TB/s of weight rows)", flush=True)
-        cuda_infer.ROW_PAIRS, cuda_infer.ROW_PF, cuda_infer.ROW_COLS_PER_WARP = shipped
-        tot = bench(lambda: cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width=width))
+            print(f"    fused row_pairs={f['row_pairs']} row_prefetch={f['row_prefetch']} "
+                  f"row_cols_per_warp={f['row_cols_per_warp']}: {ms:.3f} ms ({gb / ms:.1f} TB/s of weight rows)",
+                  flush=True)
+        tot = bench(lambda: cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width))
         rr = min(m, 4096)
-        y = cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width=width)[0][:rr]
+        y = cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width)[0][:rr]
         ref = ffn_dense(x[:rr].float(), wg.float(), None, wu.float(), None, wd.float(), None)
         err, derr = rel(y, ref), rel(ffn_dense(x[:rr], wg, None, wu, None, wd, None), ref)
         print(f"    twell_forward {tot:.3f} ms = {dense / tot:.2f}x eager dense; "
               f"err {err:.2e} eager {derr:.2e}" + ("  ERR>2x" if err > 2 * derr else ""), flush=True)
-        del x, wg, wu, wd, g, r
+        del x, wg, wu, wd, r
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--path", choices=["rows", "tiles"], default="rows")
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--compact", nargs="+", default=["16,256,4", "8,256,4", "4,512,4"],
-                    help="rows: BM,CH,warps of the compaction pass")
-    ap.add_argument("--rows-fused", dest="rfused", nargs="+", default=["1,1,1024", "4,1,512", "2,1,512", "1,1,512"],
-                    help="rows: PAIRS,PF,columns of max(K, K_out) per warp of the fused kernel")
-    ap.add_argument("--width", type=int, default=0, help="rows: list width (0: from the density)")
+                    help="compact_bm,compact_ch,compact_warps of the compaction pass")
+    ap.add_argument("--fused", nargs="+", default=["1,1,1024", "4,1,512", "2,1,512", "1,1,512"],
+                    help="row_pairs,row_prefetch,row_cols_per_warp of the fused row kernel")
+    ap.add_argument("--width", type=int, default=0, help="list width (0: from the density, as the rules pick it)")
     ap.add_argument("--M", type=int, nargs="+", default=[16384])
     ap.add_argument("--K", type=int, default=2048)
     ap.add_argument("--N", type=int, default=5632)
     ap.add_argument("--density", type=float, nargs="+", default=[0.005, 0.02])
     ap.add_argument("--tail", type=float, nargs="+", default=[0.0, 0.2])
-    ap.add_argument("--fused", nargs="+", default=["4,4", "8,4", "8,8", "2,4"], help="PAIRS,warps")
-    ap.add_argument("--gate", nargs="+", default=["128,8,4,2", "128,8,4,1", "128,8,4,0", "128,8,3,2", "256,8,3,2"],
-                    help="BLOCK_M,warps,stages,epilogue (2 full, 1 no overflow part, 0 counts only)")
-    ap.add_argument("--tiles", nargs="+", default=["128,16"], help="tile_n,slots")
-    a = ap.parse_args()
-    if a.path == "rows":
-        a.fused = a.rfused
-        rows(a)
-        return 0
-    for m, d, t, x, wg, wu, wd, lin in cases(a):
-        line = f"M={m} d={d} t={t}: F.linear {lin:.3f}"
-        for tile in a.tiles:
-            tn, sl = (int(v) for v in tile.split(","))
-            for g in a.gate:
-                bm, w, s, e = (int(v) for v in g.split(","))
-                if tn * bm > 128 * 256:
-                    continue
-                cuda_infer.GATE_BLOCK_M, cuda_infer.GATE_WARPS, cuda_infer.GATE_STAGES = bm, w, s
-                cuda_infer.GATE_EPI = e
-                try:
-                    ms = bench(lambda: cuda_infer.gate_pack(x, wg, None, tn, sl))
-                except Exception as ex:  # e.g. out of shared memory
-                    ms = float("nan")
-                    print("   ", tile, g, type(ex).__name__, str(ex)[:200])
-                line += f" | gate[{tile}:{g}] {ms:.3f}"
-        cuda_infer.GATE_BLOCK_M, cuda_infer.GATE_WARPS, cuda_infer.GATE_STAGES = 128, 8, 4
-        cuda_infer.GATE_EPI = 2
-        pk = cuda_infer.gate_pack(x, wg, None, 128, 16)
-        nnz = float(pk.counts.sum()) / m
-        ovf = int(pk.ocount)
-        line += f" | nnz/row {nnz:.1f} ovf tiles {ovf}"
-        print(line, flush=True)
-        for f in a.fused:
-            pairs, warps = (int(v) for v in f.split(","))
-            if True:
-                cuda_infer.PAIRS, cuda_infer.FUSED_WARPS = pairs, warps
-                ms = bench(lambda: cuda_infer.fused(x, pk, wg, None, wu, None, wd, None))
-                gb = nnz * m * 2 * a.K * 2 / 1e9
-                print(f"    fused pairs={pairs} warps={warps}: {ms:.3f} ms "
-                      f"({gb / ms:.1f} TB/s of weight rows)", flush=True)
-        cuda_infer.PAIRS, cuda_infer.FUSED_WARPS = 4, 0
+    a = ap.parse_args(argv)
+    compact = variants(a.compact, ("compact_bm", "compact_ch", "compact_warps"), "--compact")
+    fused = variants(a.fused, ("row_pairs", "row_prefetch", "row_cols_per_warp"), "--fused")
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_ffn.py needs a CUDA device")
+    rows(a, compact, fused)
     return 0
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6 on one GPU: sparse (twell L1) and dense-ReLU runs of the gpu preset, plots, the real
+# The training recipe on one GPU: sparse (twell L1) and dense-ReLU runs of the gpu preset, plots, the real
 # non-zeros-per-token profile, and the inference forward inductor vs twell on the trained model.
 #
 #   bash examples/run_gpu_training.sh OUT_DIR

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 6 check on one GPU: the dense-ReLU baseline and the L1 = 3 sparse run, same code, same
-# settings (those of docs/gpu_run_h200/l1_3: gpu preset, --reinit-dead, seed 0), one after the
-# other; plots; a summary (val loss dense vs sparse, density, dead fraction, forward speed-up).
+# Issue 6 check on one GPU: the dense-ReLU baseline and the L1 = 3 sparse training, same code,
+# same settings (gpu preset, --reinit-dead, seed 0), one after the other; plots; a summary (val
+# loss dense vs sparse, density, dead fraction, forward speed-up). The H200 outputs of
+# 2026-11-22 are in benchmarks/results/h200/recipe/ (docs/training.md, "GPU results").
 #
 #   bash examples/run_l1_check.sh OUT_DIR [--with-inductor-dense]
 #
@@ -10,8 +11,8 @@
 # Environment overrides (for a CPU smoke test): PRESET (gpu), L1 (3), TIME_LIMIT_MIN (2.0: a
 #   guard per run; a run it stops is flagged in the summary), BENCH (1: --bench-forward on the
 #   sparse run), BENCH_BATCH (32 sequences = 16384 tokens, at or over the 8192 where twell keeps
-#   an inference FFN rewritten; at the earlier runs' 8 x 512 = 4096 tokens twell.skip_dense
-#   leaves every FFN to Inductor and both backends time the same code), WORK (scratch for
+#   an inference FFN rewritten; at 8 x 512 = 4096 tokens twell.skip_dense leaves every FFN to
+#   Inductor and both backends time the same code), WORK (scratch for
 #   checkpoints and the token cache, default /tmp/twell_l1_check), EXTRA (more
 #   train_sparse_lm.py flags, given to every run). CPU smoke test (~4-5 minutes on 2 cores):
 #   PRESET=cpu-tiny EXTRA="--steps 40 --eval-every 20 --dead-probe-every 10 --dead-check-every 20 --threads 2" \
@@ -48,9 +49,9 @@ PY
     git log -1 --format='code: %h %s' 2>/dev/null | cut -c1-120 || true
     rm -rf "$WORK/dense" "$WORK/sparse" "$WORK/inductor" "$WORK/plots"
 
-    # Identical flags for every run (the L1 = 3 run of docs/gpu_run_h200/l1_3 had these, with
-    # --time-limit-min 1.5, which it did not reach); only the L1 coefficient (and the backend of
-    # the optional third run) differs.
+    # Identical flags for every run (the first L1 = 3 training on the H200, 2026-11-22, had these
+    # with --time-limit-min 1.5, which it did not reach); only the L1 coefficient (and the
+    # backend of the optional third run) differs.
     common=(--preset "$PRESET" --cache-dir "$WORK/cache" --reinit-dead --time-limit-min "$TIME_LIMIT_MIN"
             --keep-ckpts 1 --no-plots --no-progress)
     # shellcheck disable=SC2206
@@ -121,12 +122,10 @@ if d and s.get("inductor", {}).get("val_loss"):
     summary["val_loss_rel_dense_twell_vs_inductor"] = (d - s["inductor"]["val_loss"]) / s["inductor"]["val_loss"]
 bench = last(runs["sparse"], "bench") if "sparse" in runs else None
 summary["bench_sparse"] = bench
-# The earlier runs this check is about (docs/gpu_run_h200), where the checkout has them.
-refs = {"dense_run1_old_code": "docs/gpu_run_h200/dense_metrics.jsonl",
-        "l1_3_run2": "docs/gpu_run_h200/l1_3/metrics.jsonl"}
-summary["reference"] = {k: {"val_loss": (last(v, "final") or {}).get("val_loss"),
-                            "val_curve": {x["step"]: x["val_loss"] for x in v if x["kind"] == "eval"}}
-                        for k, p in refs.items() if (v := load(p))}
+# No comparison with earlier trainings: the logs of the first dense and L1 = 3 trainings (H200,
+# 2026-11-22, older code) are no longer in the checkout (git history only), so the summary holds
+# this invocation's trainings alone (benchmarks/results/h200/recipe/summary.json, written by an
+# earlier version of this script, still has their final losses under "reference").
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 
 fmt = lambda v, f=".4f": "-" if v is None else format(v, f)
@@ -139,8 +138,6 @@ for r, v in s.items():
           f" train loss {fmt(v['train_loss_last'], '.3f')}, {fmt(v['tokens_per_s_median'], '.0f')} tok/s,"
           f" FFNs on twell op {v['ffns_on_twell_op']}, wall {fmt(v['wall_s'], '.0f')} s")
     print(f"{'':9s} val curve: " + ", ".join(f"{k}: {val:.3f}" for k, val in v["val_curve"].items()))
-for k, v in summary["reference"].items():
-    print(f"reference {k}: val loss {fmt(v['val_loss'])}; curve " + ", ".join(f"{a}: {b:.3f}" for a, b in v["val_curve"].items()))
 if "val_loss_rel_sparse_vs_dense" in summary:
     print(f"sparse vs dense: {100 * summary['val_loss_rel_sparse_vs_dense']:+.2f}% relative "
           f"({'within' if summary['within_3pct'] else 'NOT within'} 3%)")

@@ -56,7 +56,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 # First-step (compile) times measured per preset, shown before the first step: cpu-tiny 15-34 s
-# on the 2-core development machine (docs/cpu_tiny_run), gpu 15-25 s on the H200 (docs/gpu_run_h200).
+# on the 2-core development machine, gpu 15-25 s on the H200 (2026-11-22).
 COMPILE_S = {"cpu-tiny": 35, "gpu": 25}
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import fx
 
@@ -786,8 +787,6 @@ def _wrapped(node: Any) -> bool:
 def dual_inputs(graph: fx.Graph) -> Optional[str]:
     """The reason when a graph input is a forward-mode dual tensor (compiled and called inside
     ``forward_ad.dual_level`` with ``make_dual`` inputs; Dynamo guards on the dual level)."""
-    import torch.autograd.forward_ad as fwAD
-
     if fwAD._current_level < 0:
         return None
     for node in graph.nodes:

@@ -30,7 +30,7 @@ def scale_l1(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
     nodes = [n for n in nodes if not n.meta.get(PREPARED)]
     if not nodes:
         return gm
-    scale = config.l1 / (config.l1_layers or len(nodes))
+    scale = config.l1_scale(len(nodes))
     pos = arg_index(train_op, "l1_scale")
     for node in nodes:
         args = list(node.args)

@@ -14,8 +14,8 @@ def test_defaults_are_documented_and_frozen():
 
 
 def test_from_options_splits_ours_from_inductors():
-    c, rest = TwellConfig.from_options({"twell.l1": 2e-5, "twell.tile_n": 64, "max_autotune": True})
-    assert c.l1 == 2e-5 and c.tile_n == 64
+    c, rest = TwellConfig.from_options({"twell.l1": 2e-5, "twell.ell_width": 64, "max_autotune": True})
+    assert c.l1 == 2e-5 and c.ell_width == 64
     assert rest == {"max_autotune": True}
 
 
@@ -29,8 +29,10 @@ def test_int_accepted_for_float():
     ({"twell.l1": float("nan")}, ValueError, "twell.l1 must be a finite number"),
     ({"twell.l1": float("inf")}, ValueError, "twell.l1 must be a finite number"),
     ({"twell.l1": "big"}, TypeError, "twell.l1"),
-    ({"twell.tile_n": 0}, ValueError, "twell.tile_n"),
-    ({"twell.tile_n": 8, "twell.slots": 9}, ValueError, "twell.slots"),
+    ({"twell.ell_width": 0}, ValueError, "twell.ell_width"),
+    ({"twell.path": "fast"}, ValueError, "twell.path must be one of"),
+    ({"twell.path": 1}, TypeError, "twell.path"),
+    ({"twell.tile_n": 64}, ValueError, "unknown twell option 'twell.tile_n'"),     # the removed tile path's
     ({"twell.stats": 1}, TypeError, "twell.stats"),
     ({"twell.ell_width": True}, TypeError, "twell.ell_width"),
     ({"twell.backup_rows": 0}, ValueError, "twell.backup_rows"),
@@ -51,6 +53,7 @@ def test_cache_tag_changes_with_every_option():
     base = TwellConfig().cache_tag()
     assert TwellConfig(l1=1e-5).cache_tag() != base
     assert TwellConfig(ell_width=7).cache_tag() != base
+    assert TwellConfig(path="dense").cache_tag() != base
 
 
 def test_non_finite_l1_is_refused_by_compile_and_prepare():
@@ -67,7 +70,7 @@ def test_non_finite_l1_is_refused_by_compile_and_prepare():
 
 
 @pytest.mark.parametrize("key, suggestion", [("twell.l2", "twell.l1"), ("twell.l1_layer", "twell.l1_layers"),
-                                             ("twell.tilen", "twell.tile_n"), ("twell.Slots", "twell.slots")])
+                                             ("twell.ell_widht", "twell.ell_width"), ("twell.Path", "twell.path")])
 def test_unknown_twell_option_suggests_the_closest(key, suggestion):
     with pytest.raises(ValueError, match=rf"unknown twell option '{key}' \(did you mean '{suggestion}'\?\)"):
         TwellConfig.from_options({key: 1})

@@ -32,7 +32,7 @@ def make(m, k, n, kout, dtype=torch.float32, gated=True, bias=True, density=0.3,
 @pytest.mark.parametrize("bias", [True, False])
 def test_opcheck_inference(gated, bias):
     args = make(5, 8, 12, 7, gated=gated, bias=bias)
-    torch.library.opcheck(OPS.ffn.default, (*args, 4, 2, "t", True))
+    torch.library.opcheck(OPS.ffn.default, (*args, "t", True))
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -55,7 +55,7 @@ def test_opcheck_backward_op():
 def test_inference_matches_dense_exactly(shape, gated):
     m, k, n, kout = shape
     args = make(m, k, n, kout, gated=gated, seed=m * 31 + n)
-    y = OPS.ffn(*args, 16, 4, "t", False)
+    y = OPS.ffn(*args, "t", False)
     assert torch.equal(y, ffn_dense(*args))
 
 
@@ -102,7 +102,7 @@ def test_nan_in_x_propagates_like_dense():
 def test_stats_recorded_without_reading():
     reset_stats()
     args = make(8, 8, 16, 5, density=0.25)
-    OPS.ffn(*args, 4, 2, "layer.a", True)
+    OPS.ffn(*args, "layer.a", True)
     s = layer_stats()["layer.a"]
     hg = torch.relu(F.linear(args[0], args[1], args[2]))
     nnz = (hg != 0).sum(-1).float()
@@ -137,15 +137,19 @@ def test_bad_arguments_name_the_argument(change, err, match):
     args = make(5, 8, 12, 7)
     change(args)
     with pytest.raises(err, match=match):
-        OPS.ffn(*args, 4, 2, "t", False)
+        OPS.ffn(*args, "t", False)
 
 
 def test_bad_knobs():
     args = make(5, 8, 12, 7)
-    with pytest.raises(ValueError, match="slots"):
-        OPS.ffn(*args, 4, 0, "t", False)
     with pytest.raises(ValueError, match="ell_width"):
         OPS.ffn_train(*args, 0, 2, 0.0, "t", False)
+    with pytest.raises(ValueError, match="path must be one of"):
+        OPS.ffn(*args, "t", False, 0, "fast")
+    with pytest.raises(ValueError, match="path must be one of"):
+        OPS.ffn_train(*args, 4, 2, 0.0, "t", False, 0, "decode")      # an inference-only path
+    with pytest.raises(ValueError, match="CUDA path"):
+        OPS.ffn(*args, "t", False, 0, "twell")                          # CPU tensors
 
 
 @pytest.mark.parametrize("which, name", [(0, "x"), (1, "w_gate"), (4, "b_up"), (6, "b_down")])
@@ -155,9 +159,9 @@ def test_inference_op_refuses_inputs_that_need_grad(which, name):
     args = make(5, 8, 12, 7)
     args[which].requires_grad_()
     with pytest.raises(ValueError, match=f"{name} requires grad"):
-        OPS.ffn(*args, 4, 2, "t", False)
+        OPS.ffn(*args, "t", False)
     with torch.no_grad():
-        y = OPS.ffn(*args, 4, 2, "t", False)
+        y = OPS.ffn(*args, "t", False)
     assert not y.requires_grad
     torch.testing.assert_close(y, ffn_dense(*[a.detach() if a is not None else None for a in args]))
 
@@ -180,7 +184,7 @@ def test_training_with_no_rows_matches_eager(lead, gated):
         if a is not None:
             assert b.grad.shape == a.grad.shape and torch.equal(b.grad, a.grad)
     with torch.no_grad():
-        assert OPS.ffn(*mine, 4, 2, "t", True).shape == (*lead, 7)
+        assert OPS.ffn(*mine, "t", True).shape == (*lead, 7)
 
 
 @pytest.mark.parametrize("l1", [float("nan"), float("inf"), -1.0])
@@ -190,16 +194,17 @@ def test_training_op_refuses_a_non_finite_or_negative_l1_scale(l1):
         OPS.ffn_train(*args, 4, 2, l1, "t", False)
 
 
-def test_instance_argument_defaults_to_zero_and_reaches_dispatch(monkeypatch):
-    """The op's last argument names its instance (per-op runtime state); direct calls give 0."""
-    from twell_compile import dispatch
+def test_instance_and_path_arguments_default_and_reach_the_runtime(monkeypatch):
+    """The op's last two arguments name its instance (per-op runtime state; direct calls: 0)
+    and the path it must take ("auto": the plan's choice)."""
+    from twell_compile.runtime import execute
 
     seen = []
-    real = dispatch.ffn_infer
-    monkeypatch.setattr(dispatch, "ffn_infer", lambda *a: seen.append(a[-1]) or real(*a))
+    real = execute.ffn_infer
+    monkeypatch.setattr(execute, "ffn_infer", lambda *a: seen.append(a[-2:]) or real(*a))
     args = make(5, 8, 12, 7)
-    OPS.ffn(*args, 4, 2, "t", False)
-    OPS.ffn(*args, 4, 2, "t", False, 9)
-    assert seen == [0, 9]
-    assert OPS.ffn.default._schema.arguments[-1].name == "instance"
-    assert OPS.ffn_train.default._schema.arguments[-1].name == "instance"
+    OPS.ffn(*args, "t", False)
+    OPS.ffn(*args, "t", False, 9, "torch")
+    assert seen == [(0, "auto"), (9, "torch")]
+    for op in (OPS.ffn.default, OPS.ffn_train.default):
+        assert [a.name for a in op._schema.arguments[-2:]] == ["instance", "path"]

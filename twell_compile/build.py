@@ -8,7 +8,9 @@ versions and a hash of the checkout's ``csrc`` path and flags, so two checkouts 
 never rebuild each other's cache. A build (10-35 s for ``cpu_ffn`` on 2-16 cores) prints one
 line to stderr before and one with its time after; loading a cached build prints nothing.
 ``python -m twell_compile.build --check`` compile-checks every source without linking or
-running (CI does this where nvcc exists; nothing built here needs a GPU to compile).
+running (CI does this where nvcc exists; nothing built here needs a GPU to compile), and the
+measurement probes of a checkout's ``benchmarks/probes/`` (not shipped; ``load(name,
+directory=PROBES)`` builds one).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import Sequence
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 if not CSRC.is_dir():  # installed (non-editable): csrc ships as package data
     CSRC = Path(__file__).resolve().parent / "csrc"
+# benchmark probes (benchmarks/probes/*.cu): in a checkout only, never shipped or used by the ops
+PROBES = Path(__file__).resolve().parent.parent / "benchmarks" / "probes"
 
 CXX_FLAGS = ["-O3", "-std=c++17"]
 CUDA_FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
@@ -40,10 +44,12 @@ class BuildError(RuntimeError):
     """A C++/CUDA extension could not be built (no compiler, or a compile error)."""
 
 
-def sources(name: str) -> list[Path]:
-    found = sorted(p for p in CSRC.glob(f"{name}*") if p.suffix in (".cpp", ".cu"))
+def sources(name: str, directory: Path | str = CSRC) -> list[Path]:
+    """The .cpp/.cu files of extension ``name`` in ``directory`` (csrc/ unless told)."""
+    directory = Path(directory)
+    found = sorted(p for p in directory.glob(f"{name}*") if p.suffix in (".cpp", ".cu"))
     if not found:
-        raise ValueError(f"no sources for extension {name!r} in {CSRC}")
+        raise ValueError(f"no sources for extension {name!r} in {directory}")
     return found
 
 
@@ -58,9 +64,9 @@ def build_dir_name(name: str, *, version: str, torch_version: str, python: str, 
     return f"twell_{clean(name)}-{clean(version)}-torch{clean(torch_version)}-{clean(python)}-{digest}"
 
 
-def build_directory(name: str, flags: Sequence[str]) -> Path:
-    """Where ``load`` builds extension ``name``: ``build_dir_name`` under ``TORCH_EXTENSIONS_DIR``
-    (torch's default root when unset)."""
+def build_directory(name: str, flags: Sequence[str], source_dir: Path | str = CSRC) -> Path:
+    """Where ``load`` builds extension ``name`` from ``source_dir``: ``build_dir_name`` under
+    ``TORCH_EXTENSIONS_DIR`` (torch's default root when unset)."""
     import torch
     from torch.utils import cpp_extension
 
@@ -69,17 +75,18 @@ def build_directory(name: str, flags: Sequence[str]) -> Path:
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
     return Path(root) / build_dir_name(name, version=__version__, torch_version=torch.__version__, python=python,
-                                       csrc=CSRC, flags=flags)
+                                       csrc=source_dir, flags=flags)
 
 
 def is_built(module: str, directory: Path, srcs: Sequence[Path]) -> bool:
-    """Whether ``directory`` holds ``module``'s library, newer than every source and header."""
+    """Whether ``directory`` holds ``module``'s library, newer than every source and every header
+    beside the sources."""
     from torch.utils import cpp_extension
 
     lib = directory / f"{module}{cpp_extension.LIB_EXT}"
     if not lib.is_file():
         return False
-    deps = list(srcs) + [p for p in CSRC.iterdir() if p.suffix in (".h", ".cuh")]
+    deps = list(srcs) + [p for d in {Path(s).parent for s in srcs} for p in d.iterdir() if p.suffix in (".h", ".cuh")]
     return all(lib.stat().st_mtime >= p.stat().st_mtime for p in deps)
 
 
@@ -112,19 +119,21 @@ def build(module: str, srcs: Sequence[Path], directory: Path, cflags: Sequence[s
 
 
 @functools.lru_cache(maxsize=None)
-def load(name: str, openmp: bool = False) -> ModuleType:
-    """Build (once) and import the extension made of ``csrc/<name>*.cpp|.cu``."""
+def load(name: str, openmp: bool = False, directory: Path | str | None = None) -> ModuleType:
+    """Build (once) and import the extension made of ``<directory>/<name>*.cpp|.cu`` (directory:
+    csrc/ unless told, e.g. ``PROBES`` for a benchmark probe)."""
     from torch.utils import cpp_extension
 
-    srcs = sources(name)
+    source_dir = CSRC if directory is None else Path(directory)
+    srcs = sources(name, source_dir)
     if any(p.suffix == ".cu" for p in srcs) and shutil.which("nvcc") is None and cpp_extension.CUDA_HOME is None:
         raise BuildError(f"extension {name!r} needs nvcc (CUDA toolkit), which was not found")
     if shutil.which("c++") is None and shutil.which("g++") is None:
         raise BuildError(f"extension {name!r} needs a C++ compiler (c++ or g++), none was found")
     cflags = CXX_FLAGS + (["-fopenmp", "-march=native"] if openmp else [])
     ldflags = ["-fopenmp"] if openmp else []
-    directory = build_directory(name, cflags + CUDA_FLAGS + ldflags)
-    return build(f"twell_{name}", srcs, directory, cflags, ldflags)
+    target = build_directory(name, cflags + CUDA_FLAGS + ldflags, source_dir)
+    return build(f"twell_{name}", srcs, target, cflags, ldflags)
 
 
 def _torch_includes() -> list[str]:
@@ -137,13 +146,15 @@ def _torch_includes() -> list[str]:
 
 
 def check(verbose: bool = True) -> int:
-    """Compile every source in csrc/ to an object file (no link, no run). Returns failures."""
+    """Compile every source in csrc/ (and the checkout's benchmarks/probes/) to an object file
+    (no link, no run). Returns failures."""
     import tempfile
 
     failures = 0
     incs = _torch_includes()
+    srcs = sorted(CSRC.iterdir()) + (sorted(PROBES.iterdir()) if PROBES.is_dir() else [])
     with tempfile.TemporaryDirectory() as tmp:
-        for src in sorted(CSRC.iterdir()):
+        for src in srcs:
             if src.suffix == ".cu":
                 if shutil.which("nvcc") is None:
                     print(f"skip {src.name} (nvcc not found)")
@@ -166,11 +177,12 @@ def check(verbose: bool = True) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--check", action="store_true", help="compile-check every csrc/ source")
+    ap.add_argument("--check", action="store_true",
+                    help="compile-check every csrc/ source and the checkout's benchmarks/probes/")
     args = ap.parse_args(argv)
     if args.check:
         n = check()
-        print(f"csrc compile check: {n} failure(s)")
+        print(f"compile check (csrc/, benchmarks/probes/): {n} failure(s)")
         return 1 if n else 0
     ap.print_help()
     return 0

@@ -16,12 +16,12 @@ from dataclasses import dataclass, fields
 from typing import Any, Iterable, Mapping, Optional
 
 PREFIX = "twell."
-# The paths ``twell.kernel`` (and the ops' ``kernel`` argument) can force; runtime/select.py
-# says what each runs.
-INFER_KERNELS = ("auto", "dense", "twell", "decode", "decode-rows", "decode-tiles", "decode-list",
-                 "decode-pairs", "cpu", "torch")
-TRAIN_KERNELS = ("auto", "dense", "compact", "twell")
-KERNELS = tuple(dict.fromkeys(INFER_KERNELS + TRAIN_KERNELS))
+# The paths ``twell.path`` (and the ops' ``path`` argument) can force; runtime/select.py says
+# what each runs.
+INFER_PATHS = ("auto", "dense", "twell", "decode", "decode-rows", "decode-tiles", "decode-list",
+               "decode-pairs", "cpu", "torch")
+TRAIN_PATHS = ("auto", "dense", "compact", "twell")
+PATHS = tuple(dict.fromkeys(INFER_PATHS + TRAIN_PATHS))
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class TwellConfig:
         count under the sparse kernels' threshold, too wide); ``explain`` gives the reason.
         Training FFNs are always rewritten when ``l1`` is set (the penalty lives in our
         backward).
-    kernel ["auto"]: force one path for every rewritten FFN instead of the measured rules
+    path ["auto"]: force one path for every rewritten FFN instead of the measured rules
         (runtime/select.py): "dense", "twell", "decode", "decode-rows", "decode-tiles",
         "decode-list", "decode-pairs", "cpu", "torch" for inference; "dense", "compact",
         "twell" for training. For tests and benchmarks: FFNs are then always rewritten, and a
@@ -78,7 +78,7 @@ class TwellConfig:
     skip_dense: bool = True
     mode: str = ""
     cudagraphs: str = ""
-    kernel: str = "auto"
+    path: str = "auto"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -99,8 +99,8 @@ class TwellConfig:
             raise ValueError(f"twell option {PREFIX}backup_rows must be >= 1, got {self.backup_rows}")
         if self.cudagraphs not in ("", "on", "off"):
             raise ValueError(f"twell option {PREFIX}cudagraphs must be '', 'on' or 'off', got {self.cudagraphs!r}")
-        if self.kernel not in KERNELS:
-            raise ValueError(f"twell option {PREFIX}kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if self.path not in PATHS:
+            raise ValueError(f"twell option {PREFIX}path must be one of {PATHS}, got {self.path!r}")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> tuple["TwellConfig", dict[str, Any]]:
@@ -125,6 +125,13 @@ class TwellConfig:
 
     def replace(self, **changes: Any) -> "TwellConfig":
         return dataclasses.replace(self, **changes)
+
+    def l1_scale(self, ffns: int) -> float:
+        """The penalty coefficient each training op adds to its backward: l1 over the number of
+        FFN layers the mean runs over (``l1_layers``, else the ``ffns`` found), as the paper's
+        l1 x mean over tokens, hidden units and layers of |h| (the op divides by its own tokens
+        and hidden units)."""
+        return float(self.l1 / (self.l1_layers or max(ffns, 1)))
 
     def cache_tag(self) -> str:
         """A string that changes whenever an option that shapes the compiled code changes."""

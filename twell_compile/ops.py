@@ -8,9 +8,10 @@
 ``instance`` (default 0) names the op instance whose runtime state (the CUDA path's density
 measurements) a call reads and writes: the passes and ``prepare`` give each op they insert a
 number unique in the process (``next_instance``); 0, for direct calls, shares the state by
-layer name. ``kernel`` (last, default "auto") forces a path (runtime/select.py: "dense",
+layer name. ``path`` (last, default "auto") forces a path (runtime/select.py: "dense",
 "twell", "decode", "decode-<form>", "cpu", "torch" for inference; "dense", "compact", "twell"
-for training); a forced path that cannot run the call raises ``ValueError``.
+for training); a forced path that cannot run the call raises ``ValueError``. (Not named
+``kernel``: Inductor's fallback lowering takes that keyword itself.)
 
 ``w_up=None`` selects the non-gated FFN down(relu(gate(x))). Weights use nn.Linear's layout:
 w_gate, w_up [N, K]; w_down [K_out, N]. Biases are optional. Every tensor must share x's dtype
@@ -30,7 +31,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from twell_compile.config import KERNELS
+from twell_compile.config import PATHS
 from twell_compile.formats import backup_capacity
 from twell_compile.runtime import execute, select
 from twell_compile.runtime.select import static_reason
@@ -98,15 +99,15 @@ def _check_positive(**knobs: int) -> None:
 # need a gradient is refused up front (the backend rewrites to ffn_train when one is needed).
 _lib = torch.library.Library("twell", "FRAGMENT")
 _lib.define("ffn(Tensor x, Tensor w_gate, Tensor? b_gate, Tensor? w_up, Tensor? b_up, Tensor w_down, "
-            "Tensor? b_down, str layer, bool stats, int instance=0, str kernel='auto') -> Tensor",
+            "Tensor? b_down, str layer, bool stats, int instance=0, str path='auto') -> Tensor",
             tags=(torch.Tag.pt2_compliant_tag,))
 
 
 def _ffn(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
          b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
-         layer: str, stats: bool, instance: int = 0, kernel: str = "auto") -> Tensor:
+         layer: str, stats: bool, instance: int = 0, path: str = "auto") -> Tensor:
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
-    select.check_kernel(kernel, select.INFER_KERNELS, "inference")
+    select.check_path(path, select.INFER_PATHS, "inference")
     if torch.is_grad_enabled():
         for name, t in (("x", x), ("w_gate", w_gate), ("b_gate", b_gate), ("w_up", w_up),
                         ("b_up", b_up), ("w_down", w_down), ("b_down", b_down)):
@@ -114,7 +115,7 @@ def _ffn(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Ten
                 raise ValueError(f"{name} requires grad, and twell::ffn is inference only: call it "
                                  f"under torch.no_grad() / torch.inference_mode(), or use "
                                  f"twell::ffn_train, whose backward is ours")
-    return execute.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, stats, instance, kernel)
+    return execute.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, stats, instance, path)
 
 
 _lib.impl("ffn", _ffn, "CompositeExplicitAutograd")
@@ -122,9 +123,9 @@ _lib.impl("ffn", torch.library.fallthrough_kernel, "Autograd")
 
 
 @torch.library.register_fake("twell::ffn", lib=_lib)
-def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, stats, instance=0, kernel="auto"):
+def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, stats, instance=0, path="auto"):
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
-    select.check_kernel(kernel, select.INFER_KERNELS, "inference")
+    select.check_path(path, select.INFER_PATHS, "inference")
     return x.new_empty((*x.shape[:-1], w_down.shape[0]))
 
 
@@ -133,16 +134,16 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, stats, instance=0, k
 def ffn_train(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
               ell_width: int, backup_rows: int, l1_scale: float, layer: str, stats: bool,
-              instance: int = 0, kernel: str = "auto"
+              instance: int = 0, path: str = "auto"
               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u); see formats.Hybrid."""
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
     _check_positive(ell_width=ell_width, backup_rows=backup_rows)
-    select.check_kernel(kernel, select.TRAIN_KERNELS, "training")
+    select.check_path(path, select.TRAIN_PATHS, "training")
     if not math.isfinite(l1_scale) or l1_scale < 0:
         raise ValueError(f"l1_scale must be a finite number >= 0, got {l1_scale}")
     return execute.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
-                                     ell_width, backup_rows, layer, stats, instance, kernel)
+                                     ell_width, backup_rows, layer, stats, instance, path)
 
 
 def _backup_rows(capacity):
@@ -166,9 +167,9 @@ def _backup_rows(capacity):
 
 @ffn_train.register_fake
 def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, ell_width, backup_rows, l1_scale, layer, stats, instance=0,
-      kernel="auto"):
+      path="auto"):
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
-    select.check_kernel(kernel, select.TRAIN_KERNELS, "training")
+    select.check_path(path, select.TRAIN_PATHS, "training")
     m = math.prod(x.shape[:-1])
     n = w_gate.shape[0]
     width = min(ell_width, n)
@@ -236,10 +237,10 @@ def _train_backward(ctx, dy: Optional[Tensor], *_unused: Optional[Tensor]):
     grads = list(torch.ops.twell.ffn_train_bwd(dy, x, w_gate, b_gate, w_up, b_up, w_down, *saved, ctx.l1_scale))
     present = [True, True, b_gate is not None, w_up is not None, b_up is not None, True, ctx.has_b_down]
     out = [g if keep and need else None for g, keep, need in zip(grads, present, ctx.needs_input_grad)]
-    return (*out, None, None, None, None, None, None, None)      # ell_width .. kernel
+    return (*out, None, None, None, None, None, None, None)      # ell_width .. path
 
 
 ffn_train.register_autograd(_train_backward, setup_context=_train_setup_context)
 
 
-__all__ = ["KERNELS", "arg_index", "ffn_train", "ffn_train_bwd", "next_instance", "static_reason"]
+__all__ = ["PATHS", "arg_index", "ffn_train", "ffn_train_bwd", "next_instance", "static_reason"]

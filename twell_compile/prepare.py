@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
@@ -62,7 +63,7 @@ class FFNSpec:
     l1_scale: float
     stats: bool
     skip_dense: bool
-    kernel: str = "auto"                  # twell.kernel
+    path: str = "auto"                    # twell.path
     instance: int = 0                     # the op instance (ops.next_instance): its runtime state
 
 
@@ -187,7 +188,7 @@ def _spec_of(module: nn.Module, gm: fx.GraphModule, layer: str, config: TwellCon
     if len({p.dtype for p in module.parameters()}) != 1:
         return None, "parameters of different dtypes"
     spec = FFNSpec(layer, projs[0], projs[1], projs[2], config.ell_width, config.backup_rows, 0.0,
-                   config.stats, config.skip_dense, config.kernel)
+                   config.stats, config.skip_dense, config.path)
     return spec, ""
 
 
@@ -241,9 +242,9 @@ def run_ffn(module: nn.Module, spec: FFNSpec, x: Tensor) -> Tensor:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return torch.ops.twell.ffn_train.default(x, wg, bg, wu, bu, wd, bd, spec.ell_width, spec.backup_rows,
                                                  spec.l1_scale, spec.layer, spec.stats, spec.instance,
-                                                 spec.kernel)[0]
+                                                 spec.path)[0]
     if spec.skip_dense and static_reason(x.device, dtype, None, wg.shape[1], wg.shape[0], wd.shape[0],
-                                         gated=wu is not None, kernel=spec.kernel) is not None:
+                                         gated=wu is not None, path=spec.path) is not None:
         # Our op would run slower than dense here (e.g. fp32 on CUDA): the plain formula, which
         # the backend then leaves to Inductor as it does for unprepared FFNs (twell.skip_dense).
         # (The token count is not asked: it would put a guard on every prepared FFN's input.)
@@ -252,7 +253,7 @@ def run_ffn(module: nn.Module, spec: FFNSpec, x: Tensor) -> Tensor:
             h = h * F.linear(x, wu, bu)
         return F.linear(h, wd, bd)
     return torch.ops.twell.ffn.default(x, wg, bg, wu, bu, wd, bd, spec.layer, spec.stats, spec.instance,
-                                       spec.kernel)
+                                       spec.path)
 
 
 def _is_dtensor(t: Tensor) -> bool:
@@ -264,8 +265,6 @@ def _is_dtensor(t: Tensor) -> bool:
 
 
 def _dual(t: Optional[Tensor]) -> bool:
-    import torch.autograd.forward_ad as fwAD
-
     return t is not None and fwAD.unpack_dual(t).tangent is not None
 
 
@@ -274,8 +273,6 @@ def transform_active(module: nn.Module, spec: FFNSpec, x: Tensor) -> Optional[st
     jvp, ...) is active, whose wrapped tensors the ops' autograd formula and kernels do not
     support, or forward-mode AD has a dual tensor among the FFN's inputs (the ops have no
     forward-mode derivative)."""
-    import torch.autograd.forward_ad as fwAD
-
     # (Dynamo folds the depth to a constant; peek_interpreter_stack() would read as not None)
     if torch._C._functorch.get_dynamic_layer_stack_depth() > 0:
         return "a torch.func transform is active"
@@ -377,7 +374,7 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Re
         taken.append(name)
     if not found:
         return report
-    scale = config.l1 / (config.l1_layers or len(found))
+    scale = config.l1_scale(len(found))
     for module, spec in reversed(found):
         spec = dataclasses.replace(spec, l1_scale=float(scale), instance=next_instance())
         setattr(module, _SPEC, spec)

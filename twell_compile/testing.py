@@ -11,6 +11,7 @@ clamped to Phi^-1(1e-6) at density 1.0 (the exact value is -inf: every gate woul
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -45,8 +46,6 @@ def make_ffn(m: int, k: int, n: int, density: float, tail: float = 0.0, *, gated
 def load_profile(path: str, layer: str | None = None) -> tuple[str, dict]:
     """One layer of a non-zeros-per-token profile written by examples/train_sparse_lm.py
     (--profile-out). ``layer=None`` picks the layer with the highest mean density."""
-    import json
-
     layers = json.load(open(path))["layers"]
     if layer is None:
         layer = max(layers, key=lambda name: layers[name]["density"])

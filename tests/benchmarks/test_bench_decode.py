@@ -1,12 +1,12 @@
-"""bench_ffn.py --decode argument handling on the CPU (no GPU needed to reject bad flags)."""
+"""bench_ffn.py --decode's host side on the CPU: flags rejected before any GPU work, the layer
+count, and the configs / cost-model files it runs under (arch.patched)."""
 
-import sys
-from pathlib import Path
+import json
 
 import pytest
 
-from benchmarks import bench_decode  # noqa: E402
-from benchmarks import bench_ffn  # noqa: E402
+from benchmarks import bench_decode, bench_ffn
+from twell_compile.runtime import arch, select
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -28,40 +28,48 @@ def test_layers_cover_more_than_the_l2():
     assert bench_decode.layers_for(64, 64, 64, True, 256) > 1000
 
 
-def test_configs_file_sets_the_decode_configs(tmp_path, monkeypatch):
-    from twell_compile.kernels import cuda_decode
-    monkeypatch.setattr(cuda_decode, "CONFIGS", dict(cuda_decode.CONFIGS))
-    monkeypatch.setattr(cuda_decode, "WIDE_CONFIGS", dict(cuda_decode.WIDE_CONFIGS))
-    wide = cuda_decode.WIDE_CONFIGS[32]
+def test_configs_file_sets_the_decode_configs(tmp_path):
+    base = arch.cuda_default()
     path = tmp_path / "c.json"
     path.write_text('{"16": [16, 128, 64, 64, 2, 4096, 4, 3], "wide:16": [32, 64, 64, 64, 1, 0, 8, 2]}')
-    bench_decode.load_configs(str(path))
-    assert cuda_decode.CONFIGS[16] == cuda_decode.Config(16, 128, 64, 64, 2, 4096, 4, 3)
-    assert cuda_decode.WIDE_CONFIGS[16] == cuda_decode.Config(32, 64, 64, 64, 1, 0, 8, 2)
-    assert cuda_decode.WIDE_CONFIGS[32] == wide
-    assert cuda_decode.config_for(16, 2048) == cuda_decode.CONFIGS[16]
-    assert cuda_decode.config_for(9, cuda_decode.WIDE_K) == cuda_decode.WIDE_CONFIGS[16]
+    changes = bench_decode.load_configs(str(path))
+    with arch.patched(**changes):
+        p = arch.cuda_default()
+        assert p.decode_configs[16] == arch.DecodeConfig(16, 128, 64, 64, 2, 4096, 4, 3)
+        assert p.wide_decode_configs[16] == arch.DecodeConfig(32, 64, 64, 64, 1, 0, 8, 2)
+        assert p.wide_decode_configs[32] == base.wide_decode_configs[32]      # buckets not given: the record's
+        assert p.decode_config(16, 2048) == p.decode_configs[16]
+        assert p.decode_config(9, p.wide_k) == p.wide_decode_configs[16]
+    assert arch.cuda_default() == base                                       # only inside the block
+
+
+def test_policy_file_sets_the_cost_model(tmp_path):
+    base = arch.cuda_default()
+    rows = [9.0, 2000.0, 4.0, 0.25]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"decode_forms": {"rows": rows}, "dense_fixed_us": 20.0, "dense_gbps": 3000.0}))
+    with arch.patched(**bench_decode.load_policy(str(path))):
+        p = arch.cuda_default()
+        assert p.decode_forms["rows"] == tuple(rows) and p.decode_forms["pairs"] == base.decode_forms["pairs"]
+        assert (p.dense_fixed_us, p.dense_gbps) == (20.0, 3000.0)
+        assert select.dense_us(p, 2048, 5632, 2048, True) > select.dense_us(base, 2048, 5632, 2048, True)
+    path.write_text(json.dumps({"decode_forms": {"rows": rows[:3]}}))
+    with pytest.raises(ValueError, match="'rows' wants 4 constants"):
+        bench_decode.load_policy(str(path))
+    path.write_text(json.dumps({"DEC_ROWS_FIXED_US": 5.0}))
+    with pytest.raises(ValueError, match="unknown fields"):
+        bench_decode.load_policy(str(path))
 
 
 def test_shipped_decode_configs_by_width():
-    """Session 14's sweep: the pairs form at 16 neurons per program, 2 pairs per trip and 2 warps
-    up to 16 rows below WIDE_K (the list form keeps session 9's 32 neurons, 4 pairs, 4 warps),
-    32 neurons (4 pairs, 4 warps) above; session 9's: 64 up to 16 rows at and above WIDE_K;
-    whole K_out per step except at K >= WIDE_K with 32+ rows."""
-    from twell_compile.kernels import cuda_decode
-    c16, c32 = cuda_decode.config_for(16, 2048), cuda_decode.config_for(32, 2048)
-    assert (cuda_decode.pairs_bn(c16), cuda_decode.pairs_pb(c16), c16.pwarps, c16.koc) == (16, 2, 2, 2048)
+    """The H200 record's decode configs (arch.py, 2026-11-22 to 2026-11-23): the pairs form at
+    16 neurons per program, 2 pairs per trip and 2 warps up to 16 rows below wide_k (the list
+    form keeps 32 neurons, 4 pairs, 4 warps), 32 neurons (4 pairs, 4 warps) above; 64 up to 16
+    rows at and above wide_k; whole K_out per step except at K >= wide_k with 32+ rows."""
+    p = arch.H200
+    c16, c32 = p.decode_config(16, 2048), p.decode_config(32, 2048)
+    assert (arch.pairs_bn(c16), arch.pairs_pb(c16), c16.pwarps, c16.koc) == (16, 2, 2, 2048)
     assert (c16.lbn, c16.pb, c16.warps) == (32, 4, 4)
-    assert (cuda_decode.pairs_bn(c32), cuda_decode.pairs_pb(c32), c32.pwarps or c32.warps) == (32, 4, 4)
-    assert cuda_decode.config_for(16, 4096).lbn == 64 and cuda_decode.config_for(32, 4096).koc == 1024
-    assert cuda_decode.config_for(1, 4096).vec_m == cuda_decode.config_for(1, 2048).vec_m
-
-
-def test_shipped_decode_rule_constants_are_the_fit_of_the_committed_grid():
-    """cuda_policy's decode-rule constants come from the committed H200 grid (no GPU needed)."""
-    import tune_decode
-    from twell_compile.kernels import cuda_policy
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200" / "ffn_decode.json"
-    fit = tune_decode.fit_from_bench(str(path))
-    for name, value in fit.items():
-        assert getattr(cuda_policy, name) == pytest.approx(value, rel=2e-3), name
+    assert (arch.pairs_bn(c32), arch.pairs_pb(c32), c32.pwarps or c32.warps) == (32, 4, 4)
+    assert p.decode_config(16, 4096).lbn == 64 and p.decode_config(32, 4096).koc == 1024
+    assert p.decode_config(1, 4096).vec_m == p.decode_config(1, 2048).vec_m

@@ -2,20 +2,16 @@
 rules, training and inference, and its flags are checked."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_dynamic  # noqa: E402
+from benchmarks import bench_dynamic
 
 
 def _stand_ins():
-    from twell_compile import dispatch
-    from twell_compile.kernels import cuda_policy, cuda_train
-    return (dispatch.ffn_train_forward, dispatch.ffn_infer, dispatch.static_dense_train_reason,
-            dispatch.static_dense_reason, cuda_train.MIN_TOKENS, cuda_policy.DECODE_MAX_M, cuda_policy.MIN_TOKENS,
-            cuda_policy.MIN_WIDTH)
+    from twell_compile.runtime import arch, execute
+    return (execute.ffn_train_forward, execute.ffn_infer, bench_dynamic._fuse_module().static_reason,
+            arch.cuda_default())
 
 
 @pytest.mark.parametrize("mode,ms,ran,compiles", [
@@ -35,6 +31,7 @@ def test_quick_runs_inductor_where_the_rules_say_and_our_op_elsewhere(tmp_path, 
     assert [r["twell_compiles"] for r in rows] == compiles
     assert all(r["inductor_compiles"] == 1 for r in rows)
     assert all(r["rel_err"] <= 2 * r["inductor_rel_err"] + 1e-6 for r in rows)
+    assert all(r["gpu"].startswith("cpu: ") and r["commit"] and r["time"].endswith("Z") for r in rows)
     assert _stand_ins() == saved                      # put back
 
 

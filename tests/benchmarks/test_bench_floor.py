@@ -1,14 +1,12 @@
-"""bench_floor.py's host parts on the CPU: the index lists it gathers by, and the floors it
-derives from a point's times (the probe kernel itself is compile-checked by CI and run on the
-device)."""
-
-import sys
-from pathlib import Path
+"""benchmarks/probes/bench_floor.py's host parts on the CPU: the index lists it gathers by, and
+the floors it derives from a point's times (the probe kernel, benchmarks/probes/gather_probe.cu,
+is compile-checked by ``python3 -m twell_compile.build --check`` and run on the device)."""
 
 import pytest
 import torch
 
-from benchmarks import bench_floor  # noqa: E402
+from benchmarks.probes import bench_floor
+from twell_compile import build
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -41,3 +39,24 @@ def test_floors_take_the_cheaper_of_gathering_and_dense_per_group():
     assert f["train_floor_sparse_ms"] == pytest.approx(0.5 + 2.0 + 2.0 + 1.5 + 1.5)
     del t["inductor_ffn"]                             # --no-inductor: eager's FFN is the dense time
     assert bench_floor.floors(t, 1000, 8192)["infer_dense_ms"] == 1.8
+
+
+def test_the_probe_lives_with_the_benchmarks_and_builds_from_there():
+    """The probe is no shipped source: build.sources finds it in benchmarks/probes/ only."""
+    assert build.sources("gather_probe", build.PROBES) == [build.PROBES / "gather_probe.cu"]
+    with pytest.raises(ValueError, match="no sources"):
+        build.sources("gather_probe")
+    assert build.sources("cpu_ffn") == [build.CSRC / "cpu_ffn.cpp"]
+
+
+def test_load_builds_the_probe_from_its_directory(tmp_path, monkeypatch):
+    """cpp_extension.load stubbed: the probe's source and a build directory of its own."""
+    from torch.utils import cpp_extension
+
+    asked = {}
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: asked.update(kw) or "module")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", cpp_extension.CUDA_HOME or "/usr/local/cuda")
+    assert build.load.__wrapped__("gather_probe", directory=build.PROBES) == "module"
+    assert asked["sources"] == [str(build.PROBES / "gather_probe.cu")]
+    assert build.build_directory("gather_probe", ["-O3"], build.PROBES) != build.build_directory("gather_probe", ["-O3"])

@@ -1,25 +1,12 @@
 """benchmarks/multi_gpu_summary.py on synthetic examples/train_ddp.py JSON (no runs): the table,
 the speed-ups against the 1-GPU one, the loss agreement, and rows for failed or cut runs."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks import multi_gpu_summary as MGS
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("multi_gpu_summary", ROOT / "benchmarks" / "multi_gpu_summary.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["multi_gpu_summary"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-MGS = _load()
 LOSSES = [10.8, 9.3, 8.2, 7.0]
 
 
@@ -81,6 +68,9 @@ def test_summary_speedups_losses_and_table(out, capsys):
     assert rows["fsdp2_inductor"]["peak_memory_mb"] == 12000
     assert rows["fsdp2_inductor"]["peak_memory_mb_per_rank"] == [12000, 11990]
     assert rows["ddp_inductor"]["ddp_graph_pieces_per_rank"] == [[12], [12]]
+    # stamped rows (benchmarks/rows.py): the run's GPU, this process's commit and time
+    assert list(rows["fsdp2_twell"])[:5] == ["gpu", "torch", "triton", "commit", "time"]
+    assert rows["fsdp2_twell"]["gpu"] == "NVIDIA H200" and rows["fsdp2_twell"]["time"].endswith("Z")
     cut = rows["ddp_twell"]
     assert cut["rc"] == 124 and not cut["complete"] and cut["steps_done"] == 2 and cut["peak_memory_mb"] == 19000
     table = s["table_markdown"].splitlines()

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-from benchmarks import timing  # noqa: E402
+from benchmarks import timing
 
 
 def test_interleaved_rounds_rotate_and_take_the_median(monkeypatch):

@@ -2,7 +2,7 @@
 layouts, the plan's choice.
 
 Exactness rule: relative error vs an fp64 reference at most 2x that of plain PyTorch in the same
-dtype. The op is called with ``kernel="cpu"`` (the kernel at any size), and both kernel paths
+dtype. The op is called with ``path="cpu"`` (the kernel at any size), and both kernel paths
 (sparse up/down and the in-kernel dense branch) run on every case through the CPU record's
 density thresholds; the real thresholds are tested separately.
 """
@@ -59,9 +59,9 @@ def args(t):
     return t["x"], t["w_gate"], t["b_gate"], t["w_up"], t["b_up"], t["w_down"], t["b_down"]
 
 
-def twell(t, layer="t", keep_stats=False, kernel="cpu"):
+def twell(t, layer="t", keep_stats=False, force="cpu"):
     """The op on the C++ kernel at any size (small shapes keep these tests fast)."""
-    return torch.ops.twell.ffn(*args(t), layer, keep_stats, 0, kernel)
+    return torch.ops.twell.ffn(*args(t), layer, keep_stats, 0, force)
 
 
 def rel_err(y, ref):
@@ -257,7 +257,7 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch):
     t = make(5, 16, 40, 16, 0.1, torch.float32, seed=14)
     with warnings.catch_warnings(record=True) as caught, arch.patched(min_work=0):
         warnings.simplefilter("always")
-        y1, y2 = twell(t, kernel="auto"), twell(t, kernel="auto")
+        y1, y2 = twell(t, force="auto"), twell(t, force="auto")
         assert select.plan_infer(t["x"], 40, 16, True, "t", False).path == "torch"
         with pytest.raises(ValueError, match="must build"):
             twell(t)

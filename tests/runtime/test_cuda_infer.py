@@ -251,13 +251,13 @@ def test_reduce_overhead_captures_cuda_graphs_without_skips():
 
 
 def test_forced_kernels_run_their_path_or_refuse():
-    """kernel= forces a path (the plan's argument): TwELL at any width the kernels take, dense,
+    """path= forces a path (the plan's argument): TwELL at any width the kernels take, dense,
     and a clear error where the path cannot run the call."""
     p = _ffn(300, 64, 257, 64, 0.05, 0.0, torch.bfloat16)
     ref = ffn_dense(*(None if a is None else a.float() for a in _args(p)))
-    for kernel in ("twell", "dense", "auto"):
-        y = torch.ops.twell.ffn(*_args(p), f"forced_{kernel}", False, 0, kernel)
-        assert _rel(y, ref) <= 2 * _rel(ffn_dense(*_args(p)), ref) + 1e-6, kernel
+    for path in ("twell", "dense", "auto"):
+        y = torch.ops.twell.ffn(*_args(p), f"forced_{path}", False, 0, path)
+        assert _rel(y, ref) <= 2 * _rel(ffn_dense(*_args(p)), ref) + 1e-6, path
     with pytest.raises(ValueError, match="decode path takes"):
         torch.ops.twell.ffn(*_args(p), "forced_decode", False, 0, "decode")
     with pytest.raises(ValueError, match="per-row path takes"):

@@ -1,6 +1,6 @@
 """GPU tests of the CUDA training path (runtime/cuda_train.py): gradients of twell::ffn_train
 through autograd on every path (sparse kernels, dense saving g and u, dense saving the compact
-state; forced through the op's ``kernel`` argument) against fp32 autograd with
+state; forced through the op's ``path`` argument) against fp32 autograd with
 the 2x-of-bf16-eager rule, over densities 0..1, long tails, odd shapes, biases, L1, rows past
 the dense backup, NaN/Inf, M up to 131072; CUDA-graph capture (no host sync); bf16 autocast
 with fp32 weights and HF gradient checkpointing under torch.compile."""
@@ -76,24 +76,24 @@ def _dense_grads(args, dy, l1, dtype):
     return y.detach(), torch.autograd.grad(loss, params)
 
 
-def _twell_grads(args, dy, l1, width, backup_rows, kernel="auto", calls=2):
+def _twell_grads(args, dy, l1, width, backup_rows, path="auto", calls=2):
     for _ in range(calls):        # auto: the first call probes the density (dense path)
         leaves = [None if a is None else a.detach().requires_grad_() for a in args]
-        y = torch.ops.twell.ffn_train(*leaves, width, backup_rows, l1, "t", True, 0, kernel)[0]
+        y = torch.ops.twell.ffn_train(*leaves, width, backup_rows, l1, "t", True, 0, path)[0]
         params = [a for a in leaves if a is not None]
         grads = torch.autograd.grad((y.float() * dy.float()).sum(), params)
         torch.cuda.synchronize()
     return y.detach(), grads
 
 
-def _check(args, l1=0.0, width=256, backup_rows=16, seed=0, kernel="twell"):
+def _check(args, l1=0.0, width=256, backup_rows=16, seed=0, path="twell"):
     m, k_out = args[0].shape[0], args[5].shape[0]
     dy = torch.randn(m, k_out, device="cuda", generator=torch.Generator("cuda").manual_seed(seed + 7)).to(args[0].dtype)
     with _no_tf32():
         yref, gref = _dense_grads(args, dy, l1, torch.float32)
     yeag, geag = _dense_grads(args, dy, l1, args[0].dtype)
     poison(1024)
-    y, grads = _twell_grads(args, dy, l1, width, backup_rows, kernel)
+    y, grads = _twell_grads(args, dy, l1, width, backup_rows, path)
     assert torch.equal(torch.isnan(y), torch.isnan(yeag))
     e, d = _rel(y, yref), _rel(yeag, yref)
     assert e <= 2 * d + 1e-6, ("y", e, d)
@@ -105,25 +105,25 @@ def _check(args, l1=0.0, width=256, backup_rows=16, seed=0, kernel="twell"):
         assert e <= 2 * d + 1e-6, (nm, e, d)
 
 
-@pytest.mark.parametrize("kernel", ["twell", "dense", "compact"])
+@pytest.mark.parametrize("path", ["twell", "dense", "compact"])
 @pytest.mark.parametrize("d,tail", [(0.0, 0.0), (0.005, 0.0), (0.02, 0.2), (0.05, 0.2), (1.0, 0.0)])
 @pytest.mark.parametrize("gated,bias", [(True, True), (False, False)])
-def test_gradient_grid(kernel, d, tail, gated, bias):
+def test_gradient_grid(path, d, tail, gated, bias):
     args = _ffn(1500, 520, 1100, 264, d, tail, gated, bias, seed=int(d * 1000) + gated)
-    _check(args, width=64, backup_rows=8, kernel=kernel)
+    _check(args, width=64, backup_rows=8, path=path)
 
 
-@pytest.mark.parametrize("kernel", ["twell", "dense", "compact"])
-def test_l1_and_fp16(kernel):
+@pytest.mark.parametrize("path", ["twell", "dense", "compact"])
+def test_l1_and_fp16(path):
     args = _ffn(777, 256, 700, 256, 0.03, 0.2, True, True, seed=3, dtype=torch.float16)
-    _check(args, l1=3.0, width=32, backup_rows=16, kernel=kernel)
+    _check(args, l1=3.0, width=32, backup_rows=16, path=path)
 
 
 @pytest.mark.parametrize("m", [1, 2, 37])
 def test_tiny_m(m):
     """Any M: the auto plan (sparse wherever the backup is smaller than M) is exact."""
     with arch.patched(sparse_max_density=float("inf")):
-        _check(_ffn(m, 128, 300, 96, 0.05, 0.0, seed=m), width=8, backup_rows=16, kernel="auto")
+        _check(_ffn(m, 128, 300, 96, 0.05, 0.0, seed=m), width=8, backup_rows=16, path="auto")
 
 
 def test_forced_sparse_refuses_a_backup_as_large_as_m():
@@ -132,15 +132,15 @@ def test_forced_sparse_refuses_a_backup_as_large_as_m():
         torch.ops.twell.ffn_train(*args, 8, 16, 0.0, "t", False, 0, "twell")
 
 
-@pytest.mark.parametrize("kernel", ["twell", "compact"])
-def test_rows_past_the_backup_are_recomputed(kernel):
+@pytest.mark.parametrize("path", ["twell", "compact"])
+def test_rows_past_the_backup_are_recomputed(path):
     """ELL width 4 and a backup of M/256 rows: most busy rows go to the exact recompute (per
     neuron in the sparse backward, per row in the densifying one)."""
     args = _ffn(2048, 384, 900, 384, 0.02, 0.3, seed=11)
     st = cuda_train.forward_sparse(*[a.contiguous() if a is not None else None for a in args],
                                    4, int(backup_capacity(2048, 256)))
     assert int(st[-1]) > 1000                               # rows past the backup
-    _check(args, width=4, backup_rows=256, kernel=kernel)
+    _check(args, width=4, backup_rows=256, path=path)
 
 
 def test_policy_follows_density_and_rows_past_the_backup():
@@ -281,7 +281,7 @@ def test_autocast_fp32_weights(monkeypatch):
         return [p.grad.clone() for p in model.parameters()]
 
     # the sparse kernels forced (2048 static tokens without L1 would be left to Inductor)
-    compiled = torch.compile(model, backend="twell", options={"twell.kernel": "twell"})
+    compiled = torch.compile(model, backend="twell", options={"twell.path": "twell"})
     grads(compiled)
     torch.cuda.synchronize()
     got = grads(compiled)
@@ -316,7 +316,7 @@ def test_hf_gradient_checkpointing(monkeypatch):
     eager = grads(model, torch.bfloat16)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    compiled = torch.compile(model, backend="twell", options={"twell.ell_width": 32, "twell.kernel": "twell"})
+    compiled = torch.compile(model, backend="twell", options={"twell.ell_width": 32, "twell.path": "twell"})
     grads(compiled, torch.bfloat16)
     torch.cuda.synchronize()
     got = grads(compiled, torch.bfloat16)

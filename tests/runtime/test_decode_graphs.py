@@ -130,8 +130,8 @@ def test_no_graph(decode_op, monkeypatch, case):
 
 @gpu
 @pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("kernel", ["auto", "dense"])
-def test_dense_path_at_decode_sizes_is_graphed(gated, kernel):
+@pytest.mark.parametrize("path", ["auto", "dense"])
+def test_dense_path_at_decode_sizes_is_graphed(gated, path):
     """Where the rule runs dense at M <= decode_max_m (no statistics; here: a decode margin of
     0, so decode never wins), or dense is forced, eager's GEMMs replay from one graph per key
     too; results within the 2x rule of fp32 on fresh inputs."""
@@ -141,7 +141,7 @@ def test_dense_path_at_decode_sizes_is_graphed(gated, kernel):
         p["x"] = torch.randn_like(p["x"])
         _poison()
         with arch.patched(decode_margin=0.0):
-            y = torch.ops.twell.ffn(*_args(p), "graphs_dense", False, 0, kernel)
+            y = torch.ops.twell.ffn(*_args(p), "graphs_dense", False, 0, path)
         ref, derr = _ref(_args(p))
         assert _rel(y, ref) <= 2 * derr + 1e-6, i
         assert decode_graphs.count() == (0 if i == 0 else 1)
@@ -186,7 +186,7 @@ def test_recompile_warmup_leaves_nothing_in_the_cudagraph_pool(decode_wins_every
     decode_graphs.clear()
     model = _MLP(512, 1408).cuda().to(torch.bfloat16)
     f = torch.compile(_Step(model), backend="twell", dynamic=False,
-                      options={"twell.mode": "reduce-overhead", "twell.kernel": "decode-rows"})
+                      options={"twell.mode": "reduce-overhead", "twell.path": "decode-rows"})
     w = (model.gate_proj.weight, None, model.up_proj.weight, None, model.down_proj.weight, None)
     with torch.no_grad():
         for i, zlen in enumerate((3, 3, 3, 5, 5, 5)):

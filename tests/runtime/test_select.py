@@ -66,16 +66,10 @@ def test_cuda_decode_sizes_need_cuda_graphs():
     assert reason(CUDA, torch.bfloat16, P.min_tokens, cudagraphs=False) is None
 
 
-def test_cuda_decode_sizes_where_dense_wins_even_at_density_zero():
-    """A tiny layer: the decode cost model's fixed costs exceed dense's at density 0."""
-    why = reason(CUDA, torch.bfloat16, 1, 64, 128, 64)
-    assert why and "density 0" in why and P.name in why
-
-
-def test_a_forced_kernel_always_rewrites():
-    for kernel in ("dense", "twell", "decode"):
-        assert reason(CUDA, torch.float32, 1000, kernel=kernel) is None
-        assert reason(CPU, torch.float16, 1, 16, 40, 16, kernel=kernel) is None
+def test_a_forced_path_always_rewrites():
+    for path in ("dense", "twell", "decode"):
+        assert reason(CUDA, torch.float32, 1000, path=path) is None
+        assert reason(CPU, torch.float16, 1, 16, 40, 16, path=path) is None
 
 
 def test_inference_dynamic_token_counts_are_guarded_to_their_range():
@@ -181,23 +175,23 @@ def test_cpu_inference_at_the_kernels_sizes_is_rewritten():
 def test_cpu_plans_by_work_and_forced_kernels():
     small = torch.randn(2, 16)
     assert select.plan_infer(small, 40, 16, True, "l", False).path == "torch"
-    assert select.plan_infer(small, 40, 16, True, "l", False, kernel="torch").path == "torch"
-    for kernel in ("dense", "twell", "decode", "decode-rows"):
+    assert select.plan_infer(small, 40, 16, True, "l", False, path="torch").path == "torch"
+    for path in ("dense", "twell", "decode", "decode-rows"):
         with pytest.raises(ValueError, match="CUDA path"):
-            select.plan_infer(small, 40, 16, True, "l", False, kernel=kernel)
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        select.plan_infer(small, 40, 16, True, "l", False, kernel="fast")
+            select.plan_infer(small, 40, 16, True, "l", False, path=path)
+    with pytest.raises(ValueError, match="path must be one of"):
+        select.plan_infer(small, 40, 16, True, "l", False, path="fast")
     with pytest.raises(ValueError, match="float16"):
-        select.plan_infer(small.half(), 40, 16, True, "l", False, kernel="cpu")
+        select.plan_infer(small.half(), 40, 16, True, "l", False, path="cpu")
 
 
 def test_training_plans_on_cpu_run_plain_pytorch_and_refuse_forced_cuda_paths():
     x = torch.randn(64, 16)
     assert select.plan_train(x, 40, 16, True, 8, 16, "l").path == "torch"
     with pytest.raises(ValueError, match="plain PyTorch"):
-        select.plan_train(x, 40, 16, True, 8, 16, "l", kernel="twell")
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        select.plan_train(x, 40, 16, True, 8, 16, "l", kernel="decode")
+        select.plan_train(x, 40, 16, True, 8, 16, "l", path="twell")
+    with pytest.raises(ValueError, match="path must be one of"):
+        select.plan_train(x, 40, 16, True, 8, 16, "l", path="decode")
 
 
 # --------------------------------------------------------------------------- cost models

@@ -16,7 +16,7 @@ padded to MB >= 16 (tl.dot's minimum) and split in row blocks of MB <= 32.
   a time, its whole W_u and W_d^T rows in one round trip of loads) or ``_up_down_tiles``
   (tl.dot over K and K_out with masked rows: inactive neurons' rows never leave memory).
   Statistics (non-zeros per row, sum |h|) are added into counters kept with the accumulator
-  (``_add_stats``). FINISH: every program then takes a ticket of its row block (acq_rel
+  (``add_stats``). FINISH: every program then takes a ticket of its row block (acq_rel
   atomic after a CTA barrier); the last one writes y = acc + b_d in x's dtype, zeroes acc
   again and resets the ticket (CLEAN: the accumulator is a persistent one, kept zero between
   calls, so no launch zero-fills it), and reads and zeroes the counters. One launch.
@@ -35,7 +35,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _pdl_enter(PDL: tl.constexpr):
+def pdl_enter(PDL: tl.constexpr):
     """Wait for the previous kernel in the stream (all its writes visible), then let the next
     one launch early (it waits likewise). A no-op unless launched with launch_pdl."""
     if PDL:
@@ -68,7 +68,7 @@ def _finish_span(acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, lo, hi, KO,
 
 
 @triton.jit
-def _finish_stats(rc_ptr, hs_ptr, tok_ptr, hsum_ptr, st_ptr, M, NB, NRB,
+def finish_stats(rc_ptr, hs_ptr, tok_ptr, hsum_ptr, st_ptr, M, NB, NRB,
                   HAS_ST: tl.constexpr, MB: tl.constexpr, RB: tl.constexpr):
     """Statistics [NRB, NB, MB] -> non-zeros per token, their total (tok[M]), sum |h|, and the
     layer's stats buffer [sum, max non-zeros per token, sum |h|, overflows = 0] (float64)."""
@@ -99,12 +99,12 @@ def _finish_stats(rc_ptr, hs_ptr, tok_ptr, hsum_ptr, st_ptr, M, NB, NRB,
 
 
 @triton.jit
-def _add_stats(cnt_ptr, hsa_ptr, nz, hsum, rm, m_ok):
+def add_stats(cnt_ptr, hsa_ptr, nz, hsum, rm, m_ok):
     """Adds a block's non-zeros per row (nz [MB, BN]) and its sum |h| into the call's counters
     (relaxed atomics; skipped where zero: at d=0.005 most blocks add nothing). Added, not
     written per block: the finisher then reads M counts whatever the number of blocks (a sum
     over written per-block counts cost 0.4-0.5 us at 176 blocks and ~6.5 at 1408, H200,
-    results/h200/session13/run4/)."""
+    2026-11-23)."""
     c = tl.sum(nz.to(tl.int32), axis=1)
     tl.atomic_add(cnt_ptr + rm, c, mask=m_ok & (c != 0), sem="relaxed")
     if hsum != 0.0:       # NaN too
@@ -113,7 +113,7 @@ def _add_stats(cnt_ptr, hsa_ptr, nz, hsum, rm, m_ok):
 
 @triton.jit
 def _finish_counts(cnt_ptr, hsa_ptr, tok_ptr, hsum_ptr, st_ptr, M, HAS_ST: tl.constexpr, CB: tl.constexpr):
-    """Counters (``_add_stats``) -> non-zeros per token and their total (tok[M + 1]), sum |h|,
+    """Counters (``add_stats``) -> non-zeros per token and their total (tok[M + 1]), sum |h|,
     and the layer's stats buffer [sum, max non-zeros per token, sum |h|, overflows = 0]
     (float64); the counters are read and zeroed in one atomic each (as the accumulator)."""
     r = tl.arange(0, CB)
@@ -134,7 +134,7 @@ def _finish_counts(cnt_ptr, hsa_ptr, tok_ptr, hsum_ptr, st_ptr, M, HAS_ST: tl.co
 
 
 @triton.jit
-def _rows_dot(xbase, sx_k, w_ptr, sw_n, sw_k, b_ptr, sel, rn, m_ok, K,
+def rows_dot(xbase, sx_k, w_ptr, sw_n, sw_k, b_ptr, sel, rn, m_ok, K,
               HAS_B: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """x W[rn]^T (+ b[rn]) [MB, BN] in fp32 by tl.dot over K in steps of BK; rows of W (and
     bias entries) outside ``sel`` are masked, so never read. The gate (sel: neurons in range)
@@ -154,12 +154,12 @@ def _rows_dot(xbase, sx_k, w_ptr, sw_n, sw_k, b_ptr, sel, rn, m_ok, K,
 
 
 @triton.jit
-def _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
+def gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
                 HAS_BG: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Returns (v, nz, act) for MB rows x BN neurons: g = x W_g^T + b_g over all of K (fp32,
     tl.dot); v = relu(g) (NaN kept); nz: v != 0 (NaN counted, as eager's count); act: nz or g non-finite (a row of
     x holding NaN/Inf: the pair must reach the down projection so the result propagates)."""
-    g = _rows_dot(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, n_ok, rn, m_ok, K, HAS_BG, MB, BN, BK)
+    g = rows_dot(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, n_ok, rn, m_ok, K, HAS_BG, MB, BN, BK)
     valid = m_ok[:, None] & n_ok[None, :]
     v = tl.where(g < 0.0, 0.0, g)
     nz = (v != 0.0) & valid
@@ -170,10 +170,10 @@ def _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
 @triton.jit
 def _gate_rows(x_ptr, sx_m, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, rm, m_ok, M, K,
                HAS_BG: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, MS: tl.constexpr, KP: tl.constexpr):
-    """``_gate_block`` for M <= MS rows as a plain GEMV: the block's BN whole W_gate rows in
+    """``gate_block`` for M <= MS rows as a plain GEMV: the block's BN whole W_gate rows in
     one request ([BN, KP]: one memory round trip), g by FMA in fp32, no rows padded to 16.
     Small BN then gives many programs: H200, M=1, K=2048, N=5632, 23 MB: 12.5 us at BN=4
-    (1408 programs) against 14.9 for the tl.dot gate at BN=32 (results/h200/session13/run4/)."""
+    (1408 programs) against 14.9 for the tl.dot gate at BN=32 (H200, 2026-11-23)."""
     rk = tl.arange(0, KP)
     k_ok = rk < K
     w = tl.load(wg_ptr + rn.to(tl.int64)[:, None] * swg_n + rk[None, :] * swg_k,
@@ -200,7 +200,7 @@ def _up_down_tiles(x_ptr, sx_k, xbase, wu_ptr, swu_n, swu_k, bu_ptr, wdt_ptr, sw
     """Up and down for the block's active neurons as tl.dot tiles over K and K_out (masked
     rows: inactive neurons' weights are not read). Returns sum |h|."""
     if GATED:
-        h = v * _rows_dot(xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, col, rn, m_ok, K, HAS_BU, MB, BN, BKU)
+        h = v * rows_dot(xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, col, rn, m_ok, K, HAS_BU, MB, BN, BKU)
     else:
         h = v
     hb = tl.where(valid & col[None, :], h, 0.0).to(x_ptr.dtype.element_ty)
@@ -265,7 +265,7 @@ def decode_fused_kernel(
     MS: tl.constexpr, KP: tl.constexpr, KOP: tl.constexpr, FB: tl.constexpr, CB: tl.constexpr,
     GEMV: tl.constexpr, PDL: tl.constexpr,
 ):
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_r = tl.program_id(1)
     nb = tl.num_programs(0)
@@ -279,7 +279,7 @@ def decode_fused_kernel(
         v, nz, act = _gate_rows(x_ptr, sx_m, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, rm, m_ok, M, K,
                                 HAS_BG, MB, BN, MS, KP)
     else:
-        v, nz, act = _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
+        v, nz, act = gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
                                  HAS_BG, MB, BN, BK)
     col = tl.max(act.to(tl.int32), axis=0) > 0             # [BN]: active in some row
     hsum = tl.sum(tl.zeros((BN,), dtype=tl.float32), axis=0)
@@ -291,7 +291,7 @@ def decode_fused_kernel(
         else:
             hsum = _up_down_tiles(x_ptr, sx_k, xbase, wu_ptr, swu_n, swu_k, bu_ptr, wdt_ptr, swd_n, swd_k,
                                   acc_ptr, v, col, valid, rn, rm, m_ok, K, KO, GATED, HAS_BU, MB, BN, BKU, BKO)
-    _add_stats(cnt_ptr, hsa_ptr, nz, hsum, rm, m_ok)
+    add_stats(cnt_ptr, hsa_ptr, nz, hsum, rm, m_ok)
     if FINISH:
         # the row block's last program finishes it (split-K "serial fixup" pattern): the CTA
         # barrier orders every thread's adds before the release; the acquire makes everyone
@@ -313,7 +313,7 @@ def decode_finish_kernel(acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, cnt_ptr, hsa_ptr, t
                          BLOCK: tl.constexpr, CB: tl.constexpr, PDL: tl.constexpr):
     """The finish as its own launch: BLOCK accumulator elements per program, the last program
     reads the statistics counters."""
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     if pid < tl.num_programs(0) - 1:
         lo = pid * BLOCK

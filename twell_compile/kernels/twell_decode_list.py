@@ -7,7 +7,7 @@ tl.dot loops over K and K_out are latency-bound (H200, K=2048, N=5632, M=16, d=0
 vs dense 34.1). Here the work is per active (row, neuron) pair instead:
 
 ``decode_pairs_kernel`` (grid: N / BN neuron blocks x row blocks of MB rows), one program per
-  block: the gate (``_gate_block``: all of K, relu, the active set), then the active (row,
+  block: the gate (``gate_block``: all of K, relu, the active set), then the active (row,
   neuron) pairs PB at a time: u = x[row] . W_up[neuron] with whole-row gathers (one memory
   round trip per PB pairs, K in chunks of KC), h = v * u rounded to x's dtype as eager rounds
   h for the down GEMM. Statistics: the pairs form adds them into counters as the fused kernel
@@ -18,7 +18,7 @@ vs dense 34.1). Here the work is per active (row, neuron) pair instead:
   with the W_up row) times h goes into the fp32 accumulator [M, K_out] by relaxed atomics,
   M x K_out values per pair instead of the tiles form's whole [MB, K_out] tile per block;
   ``decode_finish_kernel`` (twell_decode.py) then writes y. H200, K=2048, M=16, d=0.005: 21.2
-  us vs the list form's 26.5 (session 9 grid, results/h200/ffn_decode.json).
+  us vs the list form's 26.5 (bench_ffn.py --decode, H200, 2026-11-22).
   Otherwise (the list form): the pairs of token m in block b go to slots [b * BN, b * BN +
   count) of token m's list (neuron index and h), in neuron order; count per (token, block) is
   written, not added, so nothing needs zeroing between calls.
@@ -36,7 +36,7 @@ torch.use_deterministic_algorithms).
 import triton
 import triton.language as tl
 
-from twell_compile.kernels.twell_decode import _add_stats, _finish_stats, _gate_block, _pdl_enter, _rows_dot
+from twell_compile.kernels.twell_decode import add_stats, finish_stats, gate_block, pdl_enter, rows_dot
 
 
 @triton.jit
@@ -48,7 +48,7 @@ def _up_dot(x_ptr, xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, v, act, rn, m_ok, 
     masked, so never read)."""
     if GATED:
         col = tl.max(act.to(tl.int32), axis=0) > 0
-        h = v * _rows_dot(xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, col, rn, m_ok, K, HAS_BU, MB, BN, BKU)
+        h = v * rows_dot(xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, col, rn, m_ok, K, HAS_BU, MB, BN, BKU)
     else:
         h = v
     return tl.where(act, h, 0.0).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -79,7 +79,7 @@ def decode_pairs_kernel(
     UDOT: tl.constexpr, BKU: tl.constexpr, ADOWN: tl.constexpr, KOC: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_r = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -87,7 +87,7 @@ def decode_pairs_kernel(
     rm = pid_r * MB + tl.arange(0, MB)
     m_ok = rm < M
     xbase = x_ptr + rm.to(tl.int64)[:, None] * sx_m
-    v, nz, act = _gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
+    v, nz, act = gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
                              HAS_BG, MB, BN, BK)
     blk = pid_r * tl.num_programs(0) + pid_n
     ai = act.to(tl.int32)
@@ -150,7 +150,7 @@ def decode_pairs_kernel(
                 slot = tl.sum(tl.where(sel, fp[None, :], 0), axis=1)
                 tl.store(lh_ptr + slot, h, mask=p_ok)
     if ADOWN:
-        _add_stats(rc_ptr, hs_ptr, nz, hsum, rm, m_ok)
+        add_stats(rc_ptr, hs_ptr, nz, hsum, rm, m_ok)
     else:
         tl.store(hs_ptr + blk, hsum)
 
@@ -163,10 +163,10 @@ def decode_gather_kernel(
     HAS_BD: tl.constexpr, HAS_ST: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr,
     NBP: tl.constexpr, LE: tl.constexpr, BO: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr,
 ):
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     if pid == M * NO:
-        _finish_stats(rc_ptr, hs_ptr, tok_ptr, hsum_ptr, st_ptr, M, NB, NRB, HAS_ST, MB, RB)
+        finish_stats(rc_ptr, hs_ptr, tok_ptr, hsum_ptr, st_ptr, M, NB, NRB, HAS_ST, MB, RB)
     else:
         m = pid // NO
         ko = (pid % NO) * BO + tl.arange(0, BO)

@@ -25,6 +25,8 @@ Also writes sum |h| per row (stats), in fp32.
 import triton
 import triton.language as tl
 
+from twell_compile.kernels.pairs import pick, scan, select
+
 
 @triton.jit
 def _store_b32(addr, val, mask, ASM: tl.constexpr):
@@ -185,15 +187,10 @@ def twell_rows_kernel(
         gv = tl.load(g_ptr + m * sg_m + cn, mask=c_ok, other=0.0)
         v = tl.where(gv < 0.0, 0.0, gv).to(tl.float32)            # relu(g) as rounded by cuBLAS
         act = ((v != 0.0) | bad) & c_ok
-        ai = act.to(tl.int32)
-        incl = tl.cumsum(ai, axis=0)
-        na = tl.sum(ai, axis=0)
+        incl, na = scan(act)
         for q in range(0, na, PAIRS):
-            j = q + pa + 1
-            sel = act[None, :] & (incl[None, :] == j[:, None])     # [PAIRS, CH]: the j-th active
-            tl_live = j <= na
-            tn = (c0 + tl.sum(tl.where(sel, cc[None, :], 0), axis=1)).to(tl.int64)
-            tg = tl.sum(tl.where(sel, v[None, :], 0.0), axis=1)
+            sel, tl_live, tn = select(act, incl, na, q, pa, c0, cc)
+            tg = pick(sel, v)
             twu = _wrows(wu_ptr, tn, swu_n, ks, swu_k, tl_live, wu_m, tg, GATED)
             twd = _wrows(wdt_ptr, tn, swd_n, ko, swd_k, tl_live, wd_m, tg, True)
             acc, hs = _pair(acc, hs, xr, tg, tn, tl_live, twu, twd, bu_ptr, k_ok, GATED, HAS_BU)

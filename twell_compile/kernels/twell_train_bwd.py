@@ -35,6 +35,8 @@ single row kernel gathered W_d^T rows too (69 MB) and took ~1.5 ms (H200, M=1638
 import triton
 import triton.language as tl
 
+from twell_compile.kernels.pairs import pick, scan, select
+
 
 @triton.jit
 def _pairs(dxa, n, hg, u, live, dyr, wg_ptr, swg_n, wu_ptr, swu_n, wdt_ptr, swd_n,
@@ -57,7 +59,7 @@ def _pairs(dxa, n, hg, u, live, dyr, wg_ptr, swg_n, wu_ptr, swu_n, wdt_ptr, swd_
 
 
 @triton.jit
-def _recompute(x_ptr, sx_m, m, w_ptr, sw_n, b_ptr, cn, c_ok, K, dt,
+def recompute(x_ptr, sx_m, m, w_ptr, sw_n, b_ptr, cn, c_ok, K, dt,
                HAS_B: tl.constexpr, CH: tl.constexpr, BK: tl.constexpr):
     """x[m] . W[cn] (+ b[cn]) in fp32, rounded to dt: [CH]."""
     acc = tl.zeros((CH,), dtype=tl.float32)
@@ -163,25 +165,20 @@ def _busy_row(m, dy_ptr, sdy_m, x_ptr, sx_m, slot_ptr, bg_ptr, bu_ptr,
             else:
                 uq = hgq
         else:
-            gq = _recompute(x_ptr, sx_m, m, wg_ptr, swg_n, bgate_ptr, cn, c_ok, K, dt, HAS_BG, CH, BK)
+            gq = recompute(x_ptr, sx_m, m, wg_ptr, swg_n, bgate_ptr, cn, c_ok, K, dt, HAS_BG, CH, BK)
             hgq = tl.where(gq < 0.0, 0.0, gq)                          # relu, NaN kept
             if GATED:
-                uq = _recompute(x_ptr, sx_m, m, wu_ptr, swu_n, bup_ptr, cn, c_ok, K, dt, HAS_BU, CH, BK)
+                uq = recompute(x_ptr, sx_m, m, wu_ptr, swu_n, bup_ptr, cn, c_ok, K, dt, HAS_BU, CH, BK)
             else:
                 uq = hgq
         hgv = hgq.to(tl.float32)
         uv = uq.to(tl.float32)
         act = ((hgv != 0.0) | bad) & c_ok
-        ai = act.to(tl.int32)
-        incl = tl.cumsum(ai, axis=0)
-        na = tl.sum(ai, axis=0)
+        incl, na = scan(act)
         for q in range(0, na, PAIRS):
-            j = q + pa + 1
-            sel = act[None, :] & (incl[None, :] == j[:, None])       # [PAIRS, CH]: the j-th active
-            t_live = j <= na
-            tn = (c0 + tl.sum(tl.where(sel, cc[None, :], 0), axis=1)).to(tl.int64)
-            tg = tl.sum(tl.where(sel, hgv[None, :], 0.0), axis=1)
-            tu = tl.sum(tl.where(sel, uv[None, :], 0.0), axis=1)
+            sel, t_live, tn = select(act, incl, na, q, pa, c0, cc)
+            tg = pick(sel, hgv)
+            tu = pick(sel, uv)
             dxa, dg, du, h = _pairs(dxa, tn, tg, tu, t_live, dyr, wg_ptr, swg_n, wu_ptr, swu_n,
                                     wdt_ptr, swd_n, l1c, ks, k_ok, ko, ko_ok, GATED, L1)
             if ins:

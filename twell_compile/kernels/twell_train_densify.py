@@ -19,7 +19,7 @@ twell_train_dense.py.
 import triton
 import triton.language as tl
 
-from twell_compile.kernels.twell_train_bwd import _recompute
+from twell_compile.kernels.twell_train_bwd import recompute
 
 
 @triton.jit
@@ -53,8 +53,9 @@ def train_densify_kernel(dh_ptr, dg_ptr, du_ptr, cnt_ptr, cols_ptr, eg_ptr, eu_p
                          L1: tl.constexpr, W_P: tl.constexpr, K_P: tl.constexpr,
                          CH: tl.constexpr, BK: tl.constexpr, DCH: tl.constexpr):
     """CH columns per step where g and u are recomputed ([CH, BK] weight tiles), DCH where the
-    row is only streamed (run 18: 256 there too, 1-2 elements per thread between barriers,
-    made the compact dense path 0.95-0.97x of eager against 1.02-1.03x for the g-and-u one)."""
+    row is only streamed (256 there too, 1-2 elements per thread between barriers,
+    made the compact dense path 0.95-0.97x of eager against 1.02-1.03x for the g-and-u one;
+    H200, 2026-11-22)."""
     m = tl.program_id(0).to(tl.int64)
     dt = dh_ptr.dtype.element_ty
     row = m * N
@@ -81,11 +82,11 @@ def train_densify_kernel(dh_ptr, dg_ptr, du_ptr, cnt_ptr, cols_ptr, eg_ptr, eu_p
             for c0 in range(0, N, CH):
                 cn = c0 + cc
                 c_ok = cn < N
-                g = _recompute(x_ptr, sx_m, m, wg_ptr, swg_n, bgate_ptr, cn, c_ok, K, dt,
+                g = recompute(x_ptr, sx_m, m, wg_ptr, swg_n, bgate_ptr, cn, c_ok, K, dt,
                                HAS_BG, CH, BK).to(tl.float32)
                 hg = tl.where(g < 0.0, 0.0, g)                          # relu, NaN kept
                 if GATED:
-                    u = _recompute(x_ptr, sx_m, m, wu_ptr, swu_n, bup_ptr, cn, c_ok, K, dt,
+                    u = recompute(x_ptr, sx_m, m, wu_ptr, swu_n, bup_ptr, cn, c_ok, K, dt,
                                    HAS_BU, CH, BK).to(tl.float32)
                 else:
                     u = hg

@@ -20,6 +20,8 @@ are complete in ``cnt`` and recomputed, never truncated.
 import triton
 import triton.language as tl
 
+from twell_compile.kernels.pairs import pick, scan, select
+
 
 @triton.jit
 def _up(xr, n, live, wu_ptr, swu_n, bu_ptr, ks, k_ok, u_ptr, su_m, m,
@@ -109,15 +111,10 @@ def train_fwd_kernel(
         tl.store(bg_ptr + brow + cn, v, mask=tl.where(ins, c_ok, False))
         vf = v.to(tl.float32)
         act = ((vf != 0.0) | bad) & c_ok
-        ai = act.to(tl.int32)
-        incl = tl.cumsum(ai, axis=0)
-        na = tl.sum(ai, axis=0)
+        incl, na = scan(act)
         for q in range(0, na, PAIRS):
-            j = q + pa + 1
-            sel = act[None, :] & (incl[None, :] == j[:, None])     # [PAIRS, CH]: the j-th active
-            t_live = j <= na
-            tn = (c0 + tl.sum(tl.where(sel, cc[None, :], 0), axis=1)).to(tl.int64)
-            tg = tl.sum(tl.where(sel, vf[None, :], 0.0), axis=1)
+            sel, t_live, tn = select(act, incl, na, q, pa, c0, cc)
+            tg = pick(sel, vf)
             # columns the list loop did not take (all of them for non-finite x)
             take = tl.where(bad, t_live, tl.where(over, t_live & (tn > last), False))
             u = _up(xr, tn, take, wu_ptr, swu_n, bu_ptr, ks, k_ok, u_ptr, su_m, m, GATED, HAS_BU, Y)

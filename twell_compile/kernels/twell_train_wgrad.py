@@ -8,7 +8,7 @@ order has the fixed size M * W.
 ``wgrad_kernel``: one program per (neuron n, chunk of BKW columns), fp32, over the quiet
 rows' entries of n, E at a time, in one of two passes (constexpr DY). Each pass gathers rows
 of one [M, 2048]-sized tensor only (64 MB at M=16384 bf16: about the H200's 50 MB L2), where
-one pass over x and dy together gathered 128 MB per step set (run 2: ~0.9 ms):
+one pass over x and dy together gathered 128 MB per step set (~0.9 ms, H200, 2026-11-23):
 
   DY pass (whole rows, BKW >= K_out): W_d^T[n] in registers; per entry the dy row gathered,
       dh = dy[m] . W_d^T[n] (+ l1c sgn(h)), d_g = dh u [h_g > 0], d_u = dh h_g, h = h_g u;
@@ -25,7 +25,7 @@ The [E, BKW] tiles must lie along K inside each warp (BKW >= 256 x warps): the s
 entries then stay in registers. Compiled for sm_90 (Triton 3.9, CPU-side check of the TTGIR):
 BKW 2048 / E 4 / 4 warps gives warpsPerCTA [1, 4] and 6 bar.sync in the kernel; BKW 256 / 4
 warps gives warpsPerCTA [4, 1] (warps along E) and 42 bar.sync (3.7-12.8 ms on the H200 at
-M=16384, d=0.005, run 3, against about 1 ms for whole rows)."""
+M=16384, d=0.005, 2026-11-23, against about 1 ms for whole rows)."""
 
 import triton
 import triton.language as tl

@@ -218,7 +218,7 @@ H200 = GpuPolicy(
     min_tokens=8192, min_width=2048,
     probe_every=64, refresh_every=16,
     # Decode cost model: least-relative-error fit of each forced form on the 56-point grid of
-    # benchmarks/results/h200/ffn_decode.json (2026-11-25; tune_decode.py --fit-from), within
+    # benchmarks/results/h200/ffn_decode.json (2026-11-25; benchmarks/fit_policy.py --fit-decode), within
     # 1.6x of dense. K=2048 N=5632 d=0.005: M=1 rows 14.9 us (2.28x of dense), M=16 pairs 28.2
     # us vs dense 34.3 (1.22x); with margin 0.9 no pick on that grid below 0.97x of dense.
     decode_max_m=64,

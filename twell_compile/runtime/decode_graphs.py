@@ -86,7 +86,7 @@ def _capture(key: tuple, x: Tensor, fn: Callable[[Tensor], tuple]) -> tuple:
             # it came from whatever pool the thread allocated to, and in a cudagraph tree's
             # warm-up (a recompile under reduce-overhead) that is Inductor's, which then fails
             # its check "Detected 16 tensor(s) in the cudagraph pool not tracked as outputs"
-            # (results/h200/session12/run1/probe_host_e2e.log)
+            # (seen on the H200 in generate() after a cache-length recompile, 2026-11-23)
             xs = torch.empty(x.shape, dtype=x.dtype, device=dev)
             out = fn(xs)
         finally:

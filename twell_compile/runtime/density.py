@@ -15,6 +15,7 @@ instance 0. ``reset`` (also run by ``torch._dynamo.reset()``) forgets everything
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -34,6 +35,16 @@ class _Layer:
 
 _lock = threading.Lock()
 _layers: dict[tuple, _Layer] = {}      # by (op instance, key)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def _capturing() -> bool:
+    """Whether the current stream is capturing a CUDA graph (False on CPU-only builds)."""
+    return _has_cuda() and torch.cuda.is_current_stream_capturing()
 _scope = threading.local()
 
 
@@ -66,7 +77,7 @@ def poll(key: tuple) -> Optional[float]:
     """The layer's latest landed density (None before the first lands), taking a landed
     measurement first. Never syncs; not under capture."""
     st = _state(key)
-    if st.pending is not None and not torch.cuda.is_current_stream_capturing():
+    if st.pending is not None and not _capturing():
         event, pinned, elements = st.pending
         if event.query():
             st.density = float(pinned[0]) / max(elements, 1)
@@ -83,7 +94,7 @@ def wants_probe(key: tuple, every: int) -> bool:
     """Whether this call should measure the layer: every ``every`` calls, and the first; one
     probe in flight at a time; never under capture."""
     st = _state(key)
-    if torch.cuda.is_current_stream_capturing() or st.pending is not None:
+    if _capturing() or st.pending is not None:
         return False
     return st.density is None or st.calls % every == 0
 

@@ -12,6 +12,7 @@ first use (``import twell_compile.ops`` stays light on machines without it).
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType
 from typing import Optional
 
@@ -34,11 +35,11 @@ def _cuda_train() -> ModuleType:
 
 def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], layer: str,
-              keep_stats: bool, instance: int = 0, kernel: str = "auto") -> Tensor:
+              keep_stats: bool, instance: int = 0, path: str = "auto") -> Tensor:
     """The inference FFN y [..., K_out] for x [..., K]; weights in nn.Linear's layout."""
     n, k_out = w_gate.shape[0], w_down.shape[0]
     with density.scope(instance):
-        plan = select.plan_infer(x, n, k_out, w_up is not None, layer, keep_stats, kernel)
+        plan = select.plan_infer(x, n, k_out, w_up is not None, layer, keep_stats, path)
         if plan.path == "torch":
             return torch_impl.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats)
         if plan.path == "cpu":
@@ -55,11 +56,11 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
 def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                       b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
                       ell_width: int, backup_rows: int, layer: str, keep_stats: bool,
-                      instance: int = 0, kernel: str = "auto") -> tuple[Tensor, ...]:
+                      instance: int = 0, path: str = "auto") -> tuple[Tensor, ...]:
     """(y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u): formats.Hybrid's state."""
     n, k_out = w_gate.shape[0], w_down.shape[0]
     with density.scope(instance):
-        plan = select.plan_train(x, n, k_out, w_up is not None, ell_width, backup_rows, layer, kernel)
+        plan = select.plan_train(x, n, k_out, w_up is not None, ell_width, backup_rows, layer, path)
         if plan.path == "torch":
             return torch_impl.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
                                                 ell_width, backup_rows, layer, keep_stats)
@@ -85,8 +86,6 @@ def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[T
 def reset() -> None:
     """Forget every op instance's runtime state (density measurements, the training path's
     hints); ``torch._dynamo.reset()`` calls this through the backend."""
-    import sys
-
     density.reset()
     train = sys.modules.get("twell_compile.runtime.cuda_train")
     if train is not None:

@@ -3,7 +3,7 @@
 Per call, ``plan_infer`` / ``plan_train`` return a plan (path, its sizing, whether to measure
 density); ``static_reason`` is their compile-time twin, used by the graph pass (fuse_ffn),
 ``prepare`` and the backend: why a rewritten FFN would surely run a path slower than
-Inductor's, or None. ``kernel=`` forces a path (tests, benchmarks, ``twell.kernel``); a forced
+Inductor's, or None. ``path=`` forces a path (tests, benchmarks, ``twell.path``); a forced
 path that cannot run the call raises ``ValueError``.
 
 Inference, CUDA bf16/fp16 (fp32 runs eager's dense calls: tl.dot would round its operands to
@@ -63,7 +63,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from twell_compile.config import INFER_KERNELS, TRAIN_KERNELS
+from twell_compile.config import INFER_PATHS, TRAIN_PATHS
 from twell_compile.formats import backup_capacity
 from twell_compile.runtime import arch, decode_graphs, density
 from twell_compile.runtime.arch import CpuPolicy, GpuPolicy
@@ -215,14 +215,14 @@ def _cpu_kernel_ok(x: Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in CPU_DTYPES and cpu_ffn.extension() is not None
 
 
-def _refuse(kernel: str, why: str) -> ValueError:
-    return ValueError(f"kernel={kernel!r} cannot run this call: {why} (kernel='auto' chooses for itself)")
+def _refuse(path: str, why: str) -> ValueError:
+    return ValueError(f"path={path!r} cannot run this call: {why} (path='auto' chooses for itself)")
 
 
-def check_kernel(kernel: str, allowed: tuple[str, ...], what: str) -> None:
-    """ValueError unless ``kernel`` names a path of the ``what`` op."""
-    if kernel not in allowed:
-        raise ValueError(f"kernel must be one of {allowed} for the {what} op, got {kernel!r}")
+def check_path(path: str, allowed: tuple[str, ...], what: str) -> None:
+    """ValueError unless ``path`` names a path of the ``what`` op."""
+    if path not in allowed:
+        raise ValueError(f"path must be one of {allowed} for the {what} op, got {path!r}")
 
 
 def _graph_dense(p: GpuPolicy, x: Tensor, m: int, k: int, n: int, k_out: int, gated: bool) -> bool:
@@ -234,48 +234,49 @@ def _graph_dense(p: GpuPolicy, x: Tensor, m: int, k: int, n: int, k_out: int, ga
 
 
 def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stats: bool,
-               kernel: str = "auto") -> InferPlan:
+               path: str = "auto") -> InferPlan:
     """The plan for one ``twell::ffn`` call on x [..., K] with N hidden units and K_out outputs.
     Reads the layer's lagged density (never syncs)."""
-    check_kernel(kernel, INFER_KERNELS, "inference")
+    check_path(path, INFER_PATHS, "inference")
     k = x.shape[-1]
     m = x.numel() // k if k else 0
-    if kernel == "torch":
+    if path == "torch":
         return InferPlan("torch")
     if x.device.type == "cpu":
-        if kernel in ("auto", "cpu"):
+        if path in ("auto", "cpu"):
             p = arch.policy_for(x.device)
-            if _cpu_kernel_ok(x) and (kernel == "cpu" or m * n * (k + k_out) >= p.min_work):
+            if _cpu_kernel_ok(x) and (path == "cpu" or m * n * (k + k_out) >= p.min_work):
                 return InferPlan("cpu", p)
-            if kernel == "cpu":
-                raise _refuse(kernel, f"the C++ CPU kernel takes {', '.join(map(str, CPU_DTYPES))} "
+            if path == "cpu":
+                raise _refuse(path, f"the C++ CPU kernel takes {', '.join(map(str, CPU_DTYPES))} "
                                       f"and must build (x is {x.dtype})")
             return InferPlan("torch")
-        raise _refuse(kernel, f"x is on {x.device}; {kernel!r} is a CUDA path")
+        raise _refuse(path, f"x is on {x.device}; {path!r} is a CUDA path")
     if not x.is_cuda or not triton_available():
-        if kernel == "auto":
+        if path == "auto":
             return InferPlan("torch")
-        raise _refuse(kernel, f"x is on {x.device}{'' if triton_available() else ' and Triton is not installed'}")
+        raise _refuse(path, f"x is on {x.device}{'' if triton_available() else ' and Triton is not installed'}")
     p = arch.policy_for(x.device)
     sparse_ok = x.dtype in DTYPES
     key = (layer, x.device, x.dtype, k, n, k_out, gated)
-    if kernel == "cpu":
-        raise _refuse(kernel, "x is on CUDA")
-    if kernel == "dense":
-        return InferPlan("dense", p, counts=keep_stats)
-    if kernel.startswith("decode"):
+    if path == "cpu":
+        raise _refuse(path, "x is on CUDA")
+    if path == "dense":      # eager's calls, replayed from the op's graph where host-bound
+        return InferPlan("dense", p, graphed=not keep_stats and _graph_dense(p, x, m, k, n, k_out, gated),
+                         counts=keep_stats)
+    if path.startswith("decode"):
         if not (sparse_ok and 1 <= m <= arch.MAX_M):
-            raise _refuse(kernel, f"the decode path takes bf16/fp16 and 1-{arch.MAX_M} tokens "
+            raise _refuse(path, f"the decode path takes bf16/fp16 and 1-{arch.MAX_M} tokens "
                                   f"({m} tokens of {x.dtype})")
         d = density.poll(key) or 0.0
-        form = kernel[len("decode-"):] if kernel != "decode" else decode_form(
+        form = path[len("decode-"):] if path != "decode" else decode_form(
             p, d, m, k, n, k_out, DETERMINISTIC_FORMS if torch.are_deterministic_algorithms_enabled() else None)
         if form == "rows" and m > p.decode_config(m, k).vec_m:
-            raise _refuse(kernel, f"the rows form takes up to {p.decode_config(m, k).vec_m} tokens, got {m}")
+            raise _refuse(path, f"the rows form takes up to {p.decode_config(m, k).vec_m} tokens, got {m}")
         return InferPlan("decode", p, key, form=form, probe=density.wants_probe(key, p.refresh_every), tick=True)
-    if kernel == "twell":
+    if path == "twell":
         if not (sparse_ok and k <= MAX_WIDTH and k_out <= MAX_WIDTH and 1 <= n <= MAX_N):
-            raise _refuse(kernel, f"the per-row path takes bf16/fp16, K and K_out <= {MAX_WIDTH}, "
+            raise _refuse(path, f"the per-row path takes bf16/fp16, K and K_out <= {MAX_WIDTH}, "
                                   f"N <= {MAX_N} (got {x.dtype}, K={k}, K_out={k_out}, N={n})")
         d = density.poll(key)
         return InferPlan("twell", p, key, width=list_width(p, n, None if d is None else d * n),
@@ -330,14 +331,14 @@ def cuda_train_supported(x: Tensor, n: int, k_out: int) -> bool:
 
 
 def plan_train(x: Tensor, n: int, k_out: int, gated: bool, ell_width: int, backup_rows: int,
-               layer: str, kernel: str = "auto") -> TrainPlan:
+               layer: str, path: str = "auto") -> TrainPlan:
     """The plan for one ``twell::ffn_train`` forward. Inside a backward pass (activation
     checkpointing's recompute) the measurements are not polled, so the recompute takes the path
     its forward took and saves tensors of the same shapes (non-reentrant checkpointing checks)."""
-    check_kernel(kernel, TRAIN_KERNELS, "training")
+    check_path(path, TRAIN_PATHS, "training")
     if not cuda_train_supported(x, n, k_out):
-        if kernel != "auto":
-            raise _refuse(kernel, "the CUDA training kernels take bf16/fp16 CUDA tensors with Triton, "
+        if path != "auto":
+            raise _refuse(path, "the CUDA training kernels take bf16/fp16 CUDA tensors with Triton, "
                                   f"K and K_out <= {MAX_WIDTH}, N <= {MAX_N}; this call trains on plain PyTorch")
         return TrainPlan("torch")
     k = x.shape[-1]
@@ -348,11 +349,11 @@ def plan_train(x: Tensor, n: int, k_out: int, gated: bool, ell_width: int, backu
     key = ("train", layer, x.device, x.dtype, k, n, k_out, gated)
     lkey = ("train-lost",) + key[1:]
     compact_ok = cap < m                    # a compact state needs a backup smaller than M
-    if kernel != "auto":
-        if kernel in ("twell", "compact") and not compact_ok:
-            raise _refuse(kernel, f"{m} tokens fit the dense backup ({cap} rows, backup_rows={backup_rows}); "
+    if path != "auto":
+        if path in ("twell", "compact") and not compact_ok:
+            raise _refuse(path, f"{m} tokens fit the dense backup ({cap} rows, backup_rows={backup_rows}); "
                                   "the sparse and compact states need more tokens than backup rows")
-        return TrainPlan(kernel, p, key, lkey, probe=density.wants_probe(key, p.train_probe_every),
+        return TrainPlan(path, p, key, lkey, probe=density.wants_probe(key, p.train_probe_every),
                          tick=compact_ok, width=width, cap=cap)
     if not (m >= p.train_min_tokens and compact_ok) or torch.are_deterministic_algorithms_enabled():
         # (deterministic mode: eager's path; the sparse and compact states use atomic counters)
@@ -480,12 +481,12 @@ def _train_reason(device: torch.device, dtype: torch.dtype, m, k: int, n: int, k
 
 def static_reason(device: torch.device, dtype: torch.dtype, m: Optional[Union[int, torch.SymInt]], k: int,
                   n: int, k_out: int, *, gated: bool = True, training: bool = False, l1: float = 0.0,
-                  cudagraphs: bool = True, kernel: str = "auto") -> Optional[str]:
+                  cudagraphs: bool = True, path: str = "auto") -> Optional[str]:
     """Why a rewritten FFN would surely run a path slower than Inductor's for these compile-time
     facts (``m``: token count, an int, a SymInt under dynamic shapes, None when unknown), or
-    None: rewrite it. A forced ``kernel`` always rewrites; so does training with an L1 penalty
+    None: rewrite it. A forced ``path`` always rewrites; so does training with an L1 penalty
     (it lives in our backward)."""
-    if kernel != "auto":
+    if path != "auto":
         return None
     device = torch.device(device)
     if training:

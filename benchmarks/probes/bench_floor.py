@@ -1,7 +1,7 @@
 """How fast can a row-gathering sparse FFN be at all? Floors measured on the device, one run.
 
-    python3 benchmarks/bench_floor.py                    # issues 3 and 4's target points
-    python3 benchmarks/bench_floor.py --M 16384 --density 0.005 --tail 0
+    python3 benchmarks/probes/bench_floor.py             # issues 3 and 4's target points
+    python3 benchmarks/probes/bench_floor.py --M 16384 --density 0.005 --tail 0
 
 Every sparse kernel of this project (and the paper's) works per active (token m, neuron n)
 pair and, with no weight row reused across tokens, moves whole 2*K-byte rows per pair:
@@ -13,32 +13,35 @@ neurons: a block of B tokens reuses a loaded row B d / (1 - (1 - d)^B) times, 1.
 d=0.005; reuse 2 needs B ~ 320, whose x and fp32 y rows (3.9 MB) exceed a 16-SM cluster's 3.6 MB
 of shared memory.
 
-This script times the sum of those rows and nothing else (``csrc/gather_probe.cu``: no dot
+This script times the sum of those rows and nothing else (``gather_probe.cu`` beside it: no dot
 products, no dependency between rows, the best of 9 launch configurations) on the point's own
 sparsity pattern, next to cuBLAS's gate GEMM, Inductor's dense FFN and eager's training step:
   infer_floor = gate + W_up/W_down^T rows per pair          (omits compaction, dots, x and y)
   train_floor = gate + sum over the four row groups of min(gathering it, its two dense GEMMs)
 and prints the best ratio any such kernel could reach against the issue's target. Times are
-medians of interleaved do_bench rounds (timing.interleaved_ms). Writes
-benchmarks/results/<gpu>/floor.json.
+medians of interleaved do_bench rounds (timing.interleaved_ms). Rows as benchmarks/rows.py
+stamps them, to --out (default runs/<gpu>/floor.json; the canonical files:
+benchmarks/results/README.md). The probe is built on first use from this folder
+(twell_compile.build.load(..., directory=build.PROBES)); it ships with nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from twell_compile.testing import make_ffn  # noqa: E402
-from timing import gpu_name, interleaved_ms, median_ms  # noqa: E402
+if __package__ in (None, ""):                  # run as a file: python3 benchmarks/probes/bench_floor.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
+from benchmarks.timing import gpu_name, interleaved_ms, median_ms  # noqa: E402
 
 from twell_compile.reference import ffn_dense  # noqa: E402
+from twell_compile.testing import make_ffn  # noqa: E402
 
 # (M, density, tail): issue 3's and issue 4's target points, and their tail-0 neighbour
 POINTS = [(16384, 0.005, 0.0), (16384, 0.02, 0.0), (16384, 0.05, 0.0), (65536, 0.005, 0.0), (65536, 0.005, 0.2)]
@@ -141,10 +144,10 @@ def point(ext, m, k, n, d, tail, reps, rounds, inductor) -> dict:
         t = interleaved_ms({kk: v for kk, v in fns.items() if kk != "eager_train"}, reps, rounds)
     t.update(interleaved_ms({"eager_train": fns["eager_train"]}, reps, rounds))
     ti, tt = TARGETS.get((m, d, tail), (None, None))
-    return dict(M=m, K=k, N=n, density=d, tail=tail, pairs=pairs, nnz_per_row=pairs / m, times_ms=t,
-                configs=dict(pairs=pair[1], cols=col[1], cols_shuffled=col_s[1], cols_x_dy=col2[1]),
-                probe_rel_err=max(errs), **floors(t, pairs, 2 * k * x.element_size()), infer_target=ti,
-                train_target=tt, gpu=torch.cuda.get_device_name())
+    return stamp(dict(M=m, K=k, N=n, density=d, tail=tail, pairs=pairs, nnz_per_row=pairs / m, times_ms=t,
+                      configs=dict(pairs=pair[1], cols=col[1], cols_shuffled=col_s[1], cols_x_dy=col2[1]),
+                      probe_rel_err=max(errs), **floors(t, pairs, 2 * k * x.element_size()), infer_target=ti,
+                      train_target=tt), dev)
 
 
 def floors(t: dict, pairs: int, row_bytes: int) -> dict:
@@ -181,7 +184,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=100, help="do_bench ms per variant, split over the rounds")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-inductor", action="store_true")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>/floor.json)")
+    ap.add_argument("--out", default=None, help="JSON path (default runs/<gpu>/floor.json)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_floor.py needs a CUDA device")
@@ -190,10 +193,9 @@ def main(argv=None) -> int:
         points = [(m, d, t) for m in (a.M or [16384]) for d in (a.density or [0.005]) for t in (a.tail or [0.0])]
     from twell_compile.build import load
 
-    ext = load("gather_probe")
+    ext = load("gather_probe", directory=Path(__file__).resolve().parent)
     torch.backends.cuda.matmul.allow_tf32 = False
-    out = Path(a.out) if a.out else Path(__file__).resolve().parent / "results" / gpu_name() / "floor.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = out_path(a.out, gpu_name(), "floor.json")
     rows = []
     print(f"{'M':>6} {'dens':>6} {'tail':>4} {'nnz/r':>6} {'gate':>6} {'pairs':>6} {'TB/s':>5} {'cols':>6} "
           f"{'TB/s':>5} {'shuf':>6} {'x+dy':>6} {'ind':>6} {'floor':>6} {'max x':>6} {'tgt':>5} "
@@ -205,7 +207,7 @@ def main(argv=None) -> int:
                 continue
             r = point(ext, m, a.K, a.N, d, tail, a.reps, a.rounds, inductor)
             rows.append(r)
-            out.write_text(json.dumps(rows, indent=1))
+            write_json(out, rows)
             t = r["times_ms"]
             fmt = lambda v: "-" if v is None else f"{v:.2f}"
             print(f"{m:>6} {d:>6} {tail:>4} {r['nnz_per_row']:>6.1f} {t['gate']:>6.3f} {t['pairs']:>6.3f} "

@@ -1,5 +1,6 @@
-// Measurement kernel for benchmarks/bench_floor.py (not used by the ops): the fastest way we
-// know to gather whole rows of a bf16 table by index lists, with no arithmetic but the sum.
+// Measurement kernel for benchmarks/probes/bench_floor.py (not used by the ops, not shipped): the
+// fastest way we know to gather whole rows of a bf16 table by index lists, with no arithmetic but
+// the sum.
 //
 //   out[t] = sum_{p in [off[t], off[t+1])} (a[idx[p]] + b[idx[p]])      (b optional)
 //

@@ -1,0 +1,124 @@
+"""The package's layering (docs/architecture.md), read from the source: kernels/ holds device
+code only, passes/ imports only the ops, config, report and formats, the runtime never imports
+the graph layer, no module imports another's private names, and module-level imports form no
+cycle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "twell_compile"
+PASSES = ROOT / "passes"
+
+
+def _module_name(path: Path) -> str:
+    if path.is_relative_to(PASSES):
+        rel = ("passes",) + path.relative_to(PASSES).with_suffix("").parts
+    else:
+        rel = path.relative_to(PACKAGE).with_suffix("").parts
+    parts = [p for p in rel if p != "__init__"]
+    return ".".join(["twell_compile", *parts])
+
+
+def _sources() -> dict[str, Path]:
+    files = list(PACKAGE.rglob("*.py")) + list(PASSES.rglob("*.py"))
+    return {_module_name(p): p for p in files}
+
+
+SOURCES = _sources()
+
+
+def _imports(path: Path, top_level_only: bool) -> list[tuple[str, list[str], int]]:
+    """(module, imported names, line) for every ``import``/``from`` of a twell_compile module."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    out = []
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("twell_compile"):
+            out.append((node.module, [a.name for a in node.names], node.lineno))
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("twell_compile"):
+                    out.append((a.name, [], node.lineno))
+    return out
+
+
+def _targets(module: str, names: list[str]) -> list[str]:
+    """The package modules an import statement reaches (a name may be a submodule)."""
+    out = [module] if module in SOURCES else []
+    out += [f"{module}.{n}" for n in names if f"{module}.{n}" in SOURCES]
+    return out
+
+
+def test_sources_found():
+    assert "twell_compile.runtime.select" in SOURCES and "twell_compile.passes.fuse_ffn" in SOURCES
+
+
+@pytest.mark.parametrize("name", sorted(n for n in SOURCES if n.startswith("twell_compile.kernels")))
+def test_kernels_hold_device_code_only(name):
+    """kernels/ imports Triton and other kernels modules only: no torch host code, no runtime."""
+    tree = ast.parse(SOURCES[name].read_text())
+    for node in ast.walk(tree):
+        mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        for mod in mods:
+            assert mod == "__future__" or mod.startswith(("triton", "twell_compile.kernels")), (name, mod)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in SOURCES if n.startswith("twell_compile.passes")))
+def test_passes_import_only_ops_config_report_formats(name):
+    allowed = ("twell_compile.ops", "twell_compile.config", "twell_compile.report", "twell_compile.formats",
+               "twell_compile.passes")
+    for module, names, line in _imports(SOURCES[name], top_level_only=False):
+        for target in _targets(module, names) or [module]:
+            assert target.startswith(allowed), f"{name}:{line} imports {target}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in SOURCES if n.startswith("twell_compile.runtime")))
+def test_runtime_never_imports_the_graph_layer(name):
+    banned = ("twell_compile.passes", "twell_compile.backend", "twell_compile.prepare", "twell_compile.explain",
+              "twell_compile.export", "twell_compile.ops")
+    for module, names, line in _imports(SOURCES[name], top_level_only=False):
+        for target in _targets(module, names) or [module]:
+            assert not target.startswith(banned), f"{name}:{line} imports {target}"
+
+
+def test_no_private_names_across_modules():
+    bad = []
+    for name, path in SOURCES.items():
+        for module, names, line in _imports(path, top_level_only=False):
+            for n in names:
+                if n.startswith("_") and not n.endswith("__") and f"{module}.{n}" not in SOURCES:
+                    bad.append(f"{name}:{line} imports {module}.{n}")
+    assert not bad, bad
+
+
+def test_module_level_imports_form_no_cycle():
+    graph = {name: set() for name in SOURCES}
+    for name, path in SOURCES.items():
+        for module, names, _ in _imports(path, top_level_only=True):
+            graph[name].update(t for t in _targets(module, names) if t != name)
+    # a package's __init__ importing its own submodules is not a cycle of the layering
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not t.startswith(name + ".")}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> None:
+        state[n] = 1
+        stack.append(n)
+        for t in sorted(graph[n]):
+            if state.get(t) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(t):] + [t]))
+            if t not in state:
+                visit(t)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n)
