@@ -11,6 +11,9 @@ from __future__ import annotations
 import torch
 
 ARG_NAMES = ("x", "w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down")
+# torch.compile options that rewrite every matched FFN, whatever the speed rules say (tiny CPU
+# models and CPU training are otherwise left to Inductor: tests/runtime/test_select.py)
+REWRITE_ALL = {"twell.skip_dense": False}
 
 
 def ffn_args(p: dict) -> tuple:

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import twell_compile
+from tests.helpers import REWRITE_ALL
 from twell_compile import backend as backend_mod
 
 
@@ -55,12 +56,12 @@ def test_backend_rewrites_and_matches_eager_forward_and_backward():
     ref_grads = [p.grad.clone() for p in net.parameters()] + [x.grad.clone()]
     net.zero_grad()
     x.grad = None
-    out = torch.compile(net, backend="twell")(x)
+    out = torch.compile(net, backend="twell", options=REWRITE_ALL)(x)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     out.square().sum().backward()
     for a, b in zip(ref_grads, [p.grad for p in net.parameters()] + [x.grad]):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
-    report = twell_compile.explain(net, x)
+    report = twell_compile.explain(net, x, options=REWRITE_ALL)
     assert [r.op for r in report.rewrites] == ["twell::ffn_train"] * 2
     assert [r.layer for r in report.rewrites] == ["mlps.0", "mlps.1"]
 
@@ -69,8 +70,8 @@ def test_no_grad_uses_inference_op():
     net = Net()
     x = torch.randn(4, 16)
     with torch.no_grad():
-        report = twell_compile.explain(net, x)
-        out = torch.compile(net, backend="twell")(x)
+        report = twell_compile.explain(net, x, options=REWRITE_ALL)
+        out = torch.compile(net, backend="twell", options=REWRITE_ALL)(x)
         torch.testing.assert_close(out, net(x), atol=1e-5, rtol=1e-5)
     assert [r.op for r in report.rewrites] == ["twell::ffn"] * 2
 
@@ -90,7 +91,7 @@ def test_l1_option_matches_autograd_of_explicit_penalty():
     # Without the option the gradient differs: the test can fail.
     net.zero_grad()
     torch._dynamo.reset()
-    torch.compile(net, backend="twell")(x).sum().backward()
+    torch.compile(net, backend="twell", options=REWRITE_ALL)(x).sum().backward()
     assert any(not torch.allclose(p.grad, a, atol=1e-6) for a, p in zip(ref, net.parameters()))
 
 
@@ -111,7 +112,7 @@ def test_layer_stats_after_a_step():
     twell_compile.reset_stats()
     net = Net()
     x = torch.randn(4, 3, 16)
-    torch.compile(net, backend="twell")(x).sum().backward()
+    torch.compile(net, backend="twell", options=REWRITE_ALL)(x).sum().backward()
     stats = twell_compile.layer_stats()
     assert set(stats) == {"mlps.0", "mlps.1"}
     _, hs = hidden(net, x)
@@ -135,8 +136,8 @@ def test_autocast_region_keeps_autocast_numerics():
 
     with torch.no_grad():
         ref = f(x)
-        report = twell_compile.explain(f, x)
-        out = torch.compile(f, backend="twell")(x)
+        report = twell_compile.explain(f, x, options=REWRITE_ALL)
+        out = torch.compile(f, backend="twell", options=REWRITE_ALL)(x)
     assert len(report.rewrites) == 2 and report.rewrites[0].dtype == "bfloat16"
     assert out.dtype == ref.dtype
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
@@ -165,12 +166,14 @@ def test_mode_and_inductor_options_reach_compile_fx(monkeypatch):
     monkeypatch.setattr(cfx, "compile_fx", fake_compile_fx)
     assert real is None  # imported lazily inside the backend, so the patch above is what runs
     net = Net()
-    torch.compile(net, backend="twell", mode="max-autotune-no-cudagraphs")(torch.randn(2, 16))
+    torch.compile(net, backend="twell", options={"twell.mode": "max-autotune-no-cudagraphs", **REWRITE_ALL})(
+        torch.randn(2, 16))
     assert seen["patches"].get("max_autotune") is True
     assert "twell-" in seen["tag"] and "l1=0.0" in seen["tag"]
     assert any("twell.ffn" in t for t in seen["targets"])
     torch._dynamo.reset()
-    torch.compile(net, backend="twell", options={"epilogue_fusion": False, "twell.l1": 1e-4})(torch.randn(2, 16))
+    torch.compile(net, backend="twell", options={"epilogue_fusion": False, "twell.l1": 1e-4, **REWRITE_ALL})(
+        torch.randn(2, 16))
     assert seen["patches"] == {"epilogue_fusion": False}
     assert "l1=0.0001" in seen["tag"]
 
@@ -228,7 +231,7 @@ def test_stats_buffers_are_reserved_at_compile_time(monkeypatch):
 
     monkeypatch.setattr(stats, "record", watch)
     with torch.no_grad():
-        torch.compile(Net(), backend="twell")(torch.randn(3, 16))
+        torch.compile(Net(), backend="twell", options=REWRITE_ALL)(torch.randn(3, 16))
     assert sorted(found) == [("mlps.0", True), ("mlps.1", True)]
     assert set(twell_compile.layer_stats()) == {"mlps.0", "mlps.1"}
 
@@ -256,17 +259,18 @@ def test_twell_mode_option_applies_the_mode(monkeypatch):
                                                 (None, "on", "on"), ("reduce-overhead", "off", "off")])
 def test_cudagraphs_option_resolves_from_the_mode(monkeypatch, mode, option, want):
     """The passes see whether the compiled graph replays CUDA graphs (the decode-size rule of
-    dispatch.static_dense_reason needs it): from the mode unless twell.cudagraphs says."""
-    from twell_compile import passes
+    select.static_reason needs it): from the mode unless twell.cudagraphs says."""
+    import sys
 
+    explain_mod = sys.modules["twell_compile.explain"]
     seen = {}
-    real = passes.run_passes
+    real = explain_mod.run_passes
 
     def spy(gm, config):
         seen["cudagraphs"] = config.cudagraphs
         return real(gm, config)
 
-    monkeypatch.setattr(passes, "run_passes", spy)
+    monkeypatch.setattr(explain_mod, "run_passes", spy)
     options = {"twell.cudagraphs": option} if option else {}
     if mode:
         options["twell.mode"] = mode

@@ -16,12 +16,8 @@ runs in well under a minute on two CPU cores.
 
 from __future__ import annotations
 
-import copy
-import sys
-from pathlib import Path
 from typing import Any, Callable
 
-import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn as nn
@@ -30,7 +26,7 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import twell_compile
 
-from tests.passes.rewrite_harness import check_close  # noqa: E402
+from tests.helpers import REWRITE_ALL, check_close  # noqa: E402
 
 FUZZ = settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
 LINEARS = ("F.linear", "addmm", "matmul+add")
@@ -128,7 +124,7 @@ def _functional(m: nn.Module, p: dict, x: torch.Tensor) -> torch.Tensor:
 
 
 def _compiled(fn: Callable) -> Callable:
-    return torch.compile(fn, backend="twell")
+    return torch.compile(fn, backend="twell", options=REWRITE_ALL)
 
 
 # name: (run(model, x, t, wrap) -> result); ``wrap`` compiles (or not) the right callable:
@@ -221,8 +217,8 @@ def test_fuzz_bias_shapes(build, grad: bool, dtype: torch.dtype, batch: tuple) -
     xs = [x.to(dtype).requires_grad_(grad) for _ in range(2)]
     x64 = x.double().requires_grad_(grad)
     with torch.set_grad_enabled(grad):
-        report = twell_compile.explain(model, xs[0])
-        got = torch.compile(model, backend="twell")(xs[0])
+        report = twell_compile.explain(model, xs[0], options=REWRITE_ALL)
+        got = torch.compile(model, backend="twell", options=REWRITE_ALL)(xs[0])
         want = ref(xs[1])
         y64 = ref64(x64)
     assert len(report.rewrites) == 1 and not report.rejections, str(report)
@@ -309,9 +305,9 @@ def test_fuzz_inplace_writes_between_projections(build, write: str, where: str, 
     x = torch.randn(2, tokens, k)
     with torch.set_grad_enabled(grad):
         torch._dynamo.reset()
-        report = twell_compile.explain(fresh(), x.clone())
+        report = twell_compile.explain(fresh(), x.clone(), options=REWRITE_ALL)
         torch._dynamo.reset()
-        got, _ = torch.compile(fresh(), backend="twell")(x.clone())
+        got, _ = torch.compile(fresh(), backend="twell", options=REWRITE_ALL)(x.clone())
         want, _ = fresh()(x.clone())
     if touches:
         assert not report.rewrites, str(report)

@@ -3,7 +3,6 @@ prepared model's eager and compiled outputs and gradients equal the unprepared e
 
 import copy
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -251,7 +250,7 @@ def test_bad_arguments_name_the_argument():
 
 
 @pytest.mark.parametrize("options, suggestion", [({"l1": 1.0}, "twell.l1"), ({"twell.l1_layer": 2}, "twell.l1_layers"),
-                                                 ({"twel.tile_n": 64}, "twell.tile_n")])
+                                                 ({"twel.ell_width": 64}, "twell.ell_width")])
 def test_misspelled_options_suggest_the_twell_key(options, suggestion):
     with pytest.raises(ValueError, match=rf"did you mean '{suggestion}'\?"):
         twell_compile.prepare(Gated(), options=options)

@@ -1,14 +1,37 @@
-"""The synthetic FFN generator: anchors.md's recipe, and replay of a measured profile."""
+"""twell_compile/testing.py: the synthetic FFN generator (anchors.md's recipe) and the replay
+of a non-zeros-per-token profile, in the format examples/train_sparse_lm.py --profile-out
+writes (a long-tailed one is made here; the measured ones live in benchmarks/profiles/)."""
 
-import sys
-from pathlib import Path
+import json
 
 import pytest
 import torch
 
-from twell_compile.testing import load_profile, make_ffn, make_ffn_profile  # noqa: E402
+from twell_compile.testing import load_profile, make_ffn, make_ffn_profile
 
-PROFILE = Path(__file__).resolve().parents[2] / "docs" / "gpu_run_h200" / "nnz_profile.json"
+
+@pytest.fixture
+def profile_path(tmp_path):
+    """Two layers; the denser one long-tailed: 75% of tokens with no non-zero of 4096, 1% over 100."""
+    values = [0, 1, 2, 3, 4, 8, 16, 32, 64, 128, 256]
+    counts = [6000, 500, 300, 200, 150, 300, 200, 150, 100, 70, 30]
+    total = sum(counts)
+    mean = sum(v * c for v, c in zip(values, counts)) / total
+    cum, quantiles = 0, {}
+    for q in (0.0, 0.5, 0.9, 0.99, 1.0):
+        acc = 0
+        for v, c in zip(values, counts):
+            acc += c
+            if acc >= q * total:
+                quantiles[str(q)] = float(v)
+                break
+    dense = dict(hidden=4096, tokens=total, mean=mean, density=mean / 4096, quantiles=quantiles,
+                 hist_values=values, hist_counts=counts)
+    quiet = dict(dense, mean=0.1, density=0.1 / 4096, hist_values=[0, 1], hist_counts=[9000, 900],
+                 quantiles={"0.0": 0.0, "0.5": 0.0, "0.9": 0.0, "0.99": 1.0, "1.0": 1.0})
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"layers": {"model.layers.0.mlp": quiet, "model.layers.1.mlp": dense}}))
+    return path
 
 
 def _nnz(p):
@@ -22,11 +45,10 @@ def test_anchor_generator_hits_the_density(density):
     assert measured == pytest.approx(density, rel=0.15)
 
 
-def test_profile_replay_matches_the_measured_distribution():
-    import json
-
-    name, prof = load_profile(str(PROFILE))
-    layers = json.load(open(PROFILE))["layers"]
+def test_profile_replay_matches_the_measured_distribution(profile_path):
+    name, prof = load_profile(str(profile_path))
+    layers = json.load(open(profile_path))["layers"]
+    assert name == "model.layers.1.mlp"
     assert prof["density"] == max(v["density"] for v in layers.values())  # the densest by default
     n = 4096
     p = make_ffn_profile(8192, 512, n, prof, dtype=torch.float32, device="cpu", seed=3)
@@ -42,6 +64,6 @@ def test_profile_replay_matches_the_measured_distribution():
     assert (dens == 0).double().mean().item() == pytest.approx(zero_frac, abs=0.1)
 
 
-def test_unknown_profile_layer_is_named():
+def test_unknown_profile_layer_is_named(profile_path):
     with pytest.raises(ValueError, match="not in"):
-        load_profile(str(PROFILE), "model.layers.99.mlp")
+        load_profile(str(profile_path), "model.layers.99.mlp")

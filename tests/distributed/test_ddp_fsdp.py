@@ -94,13 +94,14 @@ def _scenario(rank, wrap, bucket_mb, prepare):
                 fully_shard(b)
             model = fully_shard(net)
         seen["rewrites"].clear(), seen["rejections"].clear()
-        loss = torch.compile(model, backend="twell")(x).square().mean()
+        # every FFN rewritten (CPU training would otherwise stay with Inductor: no twell.l1 here)
+        loss = torch.compile(model, backend="twell", options={"twell.skip_dense": False})(x).square().mean()
         loss.backward()
         grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
         backend_seen = {k: list(v) for k, v in seen.items()}
         torch._dynamo.reset()
         with torch.no_grad():
-            report = twell_compile.explain(model, x)
+            report = twell_compile.explain(model, x, options={"twell.skip_dense": False})
     finally:
         report_mod.Report.add_rewrite, report_mod.Report.add_rejection = add_rw, add_rj
     return {"backend": backend_seen, "loss": loss.detach(), "grads": [g.detach().clone() for g in grads],

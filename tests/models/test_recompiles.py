@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from twell_compile.backend import twell_backend
 
+from tests.helpers import REWRITE_ALL
 from tests.models.hf_tiny import VOCAB, build, main_output
 from tests.passes.rewrite_harness import TWELL_OPS, check_close
 
@@ -45,7 +46,7 @@ def test_no_recompile_after_first_dynamic_recompile(grad: bool) -> None:
     torch.manual_seed(0)
     model = Block()
     backend = CountingTwell()
-    compiled = torch.compile(model, backend=backend)
+    compiled = torch.compile(model, backend=backend, options=REWRITE_ALL)
     # Batch sizes cross the training op's backup-capacity steps (ceil(M / 16)): 6, 12, 51 tokens.
     for step, batch in enumerate((2, 4, 3, 17, 9)):
         x = torch.randn(batch, 3, 16, requires_grad=grad)
@@ -68,7 +69,7 @@ def test_mark_dynamic_compiles_once() -> None:
     torch.manual_seed(0)
     model = Block()
     backend = CountingTwell()
-    compiled = torch.compile(model, backend=backend)
+    compiled = torch.compile(model, backend=backend, options=REWRITE_ALL)
     for batch in (4, 7, 2, 33):
         x = torch.randn(batch, 5, 16)
         torch._dynamo.mark_dynamic(x, 0)
@@ -81,7 +82,7 @@ def test_llama_mark_dynamic_batch_and_sequence() -> None:
     pytest.importorskip("transformers")
     model = build("llama", "relu", seed=2)
     backend = CountingTwell()
-    compiled = torch.compile(model, backend=backend)
+    compiled = torch.compile(model, backend=backend, options=REWRITE_ALL)
     gen = torch.Generator().manual_seed(3)
     for shape in ((2, 7), (3, 5), (5, 11)):
         ids = torch.randint(3, VOCAB, shape, generator=gen)
@@ -96,19 +97,18 @@ def test_llama_mark_dynamic_batch_and_sequence() -> None:
 @pytest.fixture
 def cuda_count_rules(monkeypatch):
     """The CUDA token-count rules answer these CPU compiles (as for bf16 CUDA tensors) at small
-    thresholds: decode-sized <= 8, per-row sized and training >= 40, per-row K >= 16."""
-    from twell_compile import dispatch
-    from twell_compile.kernels import cuda_policy, cuda_train
+    thresholds: decode-sized <= 8, per-row sized and training >= 40, per-row K >= 16. The
+    device is stood in (CI has no GPU): the graph pass's compile-time plan is asked for CUDA."""
+    import importlib
 
+    from twell_compile.runtime import arch, select
+
+    fuse_ffn = importlib.import_module("twell_compile.passes.fuse_ffn")   # the module, not the pass
     cuda = torch.device("cuda")
-    train_rule, infer_rule = dispatch.static_dense_train_reason, dispatch.static_dense_reason
-    monkeypatch.setattr(dispatch, "static_dense_train_reason",
-                        lambda dev, dt, m, k, n, k_out: train_rule(cuda, torch.bfloat16, m, k, n, k_out))
-    monkeypatch.setattr(dispatch, "static_dense_reason",
-                        lambda dev, dt, m, k, n, k_out, **kw: infer_rule(cuda, torch.bfloat16, m, k, n, k_out, **kw))
-    for mod, name, value in ((cuda_policy, "DECODE_MAX_M", 8), (cuda_policy, "MIN_TOKENS", 40),
-                             (cuda_policy, "MIN_WIDTH", 16), (cuda_train, "MIN_TOKENS", 40)):
-        monkeypatch.setattr(mod, name, value)
+    monkeypatch.setattr(fuse_ffn, "static_reason",
+                        lambda dev, dt, *a, **kw: select.static_reason(cuda, torch.bfloat16, *a, **kw))
+    with arch.patched(decode_max_m=8, min_tokens=40, min_width=16, train_min_tokens=40):
+        yield
 
 
 def test_training_token_counts_across_the_small_m_rule(cuda_count_rules) -> None:

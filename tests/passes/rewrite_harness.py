@@ -30,7 +30,9 @@ REPLACED_METHODS = {"relu", "relu_", "mul", "matmul", "__matmul__"}
 
 class PassBackend:
     def __init__(self, config: TwellConfig | None = None):
-        self.config = config or TwellConfig()
+        # the matcher's view: every match rewritten, whatever the speed rules (twell.skip_dense,
+        # tested on their own in tests/runtime/test_select.py) would leave to Inductor
+        self.config = config or TwellConfig(skip_dense=False)
         self.graphs: list[fx.GraphModule] = []
         self.report = Report()
 

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 import twell_compile
 from twell_compile.config import TwellConfig
 
+from tests.helpers import REWRITE_ALL
 from tests.passes.ffn_zoo import Spec, build, eager_allows, specs
 from tests.passes.rewrite_harness import REPLACED_FNS, REPLACED_METHODS, TWELL_OPS, PassBackend, check_close
 
@@ -121,7 +122,7 @@ INDUCTOR_CASES = [
 def test_twell_backend_end_to_end(spec: Spec, dtype: torch.dtype, grad: bool, monkeypatch) -> None:
     spy = CompileFxSpy(monkeypatch)
     model = build(spec, dtype, seed=3)
-    compiled = torch.compile(model, backend="twell")
+    compiled = torch.compile(model, backend="twell", options=REWRITE_ALL)
     _compare(spec, dtype, 3, model, compiled, grad, True, True)
     ops, replaced = spy.node_kinds()
     assert ops == [_expected_op(grad, True, True)], ops
@@ -133,9 +134,9 @@ def test_options_turn_rewrites_off(monkeypatch) -> None:
     model = build(spec)
     x = torch.randn(4, 8)
     with torch.no_grad():
-        off = twell_compile.explain(model, x, options={"twell.enabled": False})
-        no_infer = twell_compile.explain(model, x, options={"twell.rewrite_inference": False})
-    no_train = twell_compile.explain(model, x, options={"twell.rewrite_training": False})
+        off = twell_compile.explain(model, x, options={**REWRITE_ALL, "twell.enabled": False})
+        no_infer = twell_compile.explain(model, x, options={**REWRITE_ALL, "twell.rewrite_inference": False})
+    no_train = twell_compile.explain(model, x, options={**REWRITE_ALL, "twell.rewrite_training": False})
     for report, reason in ((off, "enabled is False"), (no_infer, "rewrite_inference"),
                            (no_train, "rewrite_training")):
         assert not report.rewrites and len(report.rejections) == 1, str(report)
@@ -146,26 +147,25 @@ def test_options_turn_rewrites_off(monkeypatch) -> None:
     assert not backend.twell_ops() and torch.equal(got, model(x).detach())
 
 
-def test_skip_dense_applies_to_training_only_without_l1(monkeypatch) -> None:
-    """Where the training op would surely run slower than Inductor (CUDA facts; stood in for
-    here on the CPU), the FFN is left to Inductor with the reason, unless an L1 penalty needs
-    our backward or skip_dense is off. Inference asks its own rule."""
-    from twell_compile import dispatch
-    monkeypatch.setattr(dispatch, "static_dense_train_reason", lambda *a: "slow training path (test)")
-    asked = {}
-    monkeypatch.setattr(dispatch, "static_dense_reason", lambda *a, **kw: asked.update(kw))
+def test_skip_dense_leaves_slow_paths_to_inductor_unless_the_penalty_needs_our_backward() -> None:
+    """Where our op would surely run slower than Inductor's code (here: CPU training runs the
+    plain-PyTorch path; a tiny CPU inference FFN is under the C++ kernel's minimum work), the
+    FFN is left to Inductor with the reason, unless an L1 penalty needs our backward (training)
+    or skip_dense is off."""
     spec = Spec(k=8, n=12, k_out=8, batch=(4,))
     model = build(spec)
     x = torch.randn(4, 8)
     skipped = twell_compile.explain(model, x)
-    assert not skipped.rewrites and "slow training path (test)" in skipped.rejections[0].reason
+    assert not skipped.rewrites and "training on CPU" in skipped.rejections[0].reason
     assert "skip_dense=False" in skipped.rejections[0].reason
-    for options in ({"twell.l1": 1e-3}, {"twell.skip_dense": False}):
+    for options in ({"twell.l1": 1e-3}, REWRITE_ALL):
         kept = twell_compile.explain(model, x, options=options)
         assert len(kept.rewrites) == 1 and kept.rewrites[0].op == "twell::ffn_train", (options, str(kept))
     with torch.no_grad():
-        assert len(twell_compile.explain(model, x).rewrites) == 1   # inference: its own rule
-    assert asked == {"cudagraphs": False}       # no mode given: no CUDA graphs replayed
+        small = twell_compile.explain(model, x)
+        assert not small.rewrites and "multiply-adds" in small.rejections[0].reason
+        assert not twell_compile.explain(model, x, options={"twell.l1": 1e-3}).rewrites   # no penalty at inference
+        assert len(twell_compile.explain(model, x, options=REWRITE_ALL).rewrites) == 1
 
 
 # ------------------------------------------------------------------------------ subgraphs
@@ -224,7 +224,7 @@ def test_checkpoint_through_inductor(monkeypatch) -> None:
     model = CheckpointedBlocks()
     x = torch.randn(3, 4, 16)
     xs = [x.clone().requires_grad_() for _ in range(2)]
-    got = torch.compile(model, backend="twell")(xs[0])
+    got = torch.compile(model, backend="twell", options=REWRITE_ALL)(xs[0])
     want = model(xs[1])
     ops, replaced = spy.node_kinds()
     assert ops == ["twell::ffn_train"] * 2 and not replaced
@@ -294,7 +294,7 @@ def test_mixed_dtypes_outside_autocast_raise_as_eager(where: str, change: str) -
         assert "outside autocast" in report.rejections[0].reason
         torch._dynamo.reset()
         with pytest.raises(RuntimeError, match="same dtype"):
-            torch.compile(model, backend="twell")(x)
+            torch.compile(model, backend="twell", options=REWRITE_ALL)(x)
 
 
 @pytest.mark.parametrize("where", ["outside", "checkpoint"])
@@ -340,7 +340,7 @@ def test_no_tokens_compile_and_match_eager(grad: bool) -> None:
     model = GatedMLP()
     x = torch.randn(2, 0, 16, requires_grad=grad)
     with torch.set_grad_enabled(grad):
-        y = torch.compile(model, backend="twell")(x)
+        y = torch.compile(model, backend="twell", options=REWRITE_ALL)(x)
     assert y.shape == (2, 0, 16)
     if grad:
         y.sum().backward()
@@ -432,7 +432,7 @@ def test_broadcast_bias_through_inductor(monkeypatch) -> None:
     model = BroadcastBias("F.linear", (1,))
     xs = [torch.randn(4, 8).requires_grad_() for _ in range(2)]
     xs[1].data.copy_(xs[0].data)
-    got = torch.compile(model, backend="twell")(xs[0])
+    got = torch.compile(model, backend="twell", options=REWRITE_ALL)(xs[0])
     want = model(xs[1])
     ops, replaced = spy.node_kinds()
     assert ops == ["twell::ffn_train"] and not replaced
@@ -464,7 +464,7 @@ def test_add_of_another_dtype_after_down_is_not_its_bias(zshape):
     if zshape == (16,):
         model.forward = lambda x, z, m=model: m.down(F.relu(m.gate(x)) * m.up(x)) + z
     with torch.no_grad():
-        report = twell_compile.explain(model, x, z)
+        report = twell_compile.explain(model, x, z, options=REWRITE_ALL)
         assert [r.op for r in report.rewrites] == ["twell::ffn"], str(report)
         got = torch.compile(model, backend=PassBackend())(x, z)
         want = model(x, z)

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 import twell_compile
 from twell_compile.passes.match_ffn import Match, Rejection, find_ffns, module_path, skip, transform_regions
 
+from tests.helpers import REWRITE_ALL
 from tests.passes.ffn_zoo import Spec, build, eager_allows, specs
 from tests.passes.graph_capture import dynamo_graph, param_name
 from tests.passes.rewrite_harness import PassBackend, check_close
@@ -64,7 +65,7 @@ def test_matcher_finds_every_spelling(spec: Spec, grad: bool) -> None:
         assert m.up is None and m.gate.rows is None
 
     with torch.set_grad_enabled(grad):
-        report = twell_compile.explain(model, x)
+        report = twell_compile.explain(model, x, options=REWRITE_ALL)
     assert len(report.rewrites) == 1 and not report.rejections, str(report)
     r = report.rewrites[0]
     needs_grad = grad  # parameters require grad by default
@@ -193,7 +194,7 @@ def test_near_miss_is_not_rewritten(name: str, grad: bool) -> None:
     x, x2 = torch.randn(2, 3, K), torch.randn(2, 3, K)
     with torch.set_grad_enabled(grad):
         torch.manual_seed(1)
-        report = twell_compile.explain(model, x.clone(), x2.clone())
+        report = twell_compile.explain(model, x.clone(), x2.clone(), options=REWRITE_ALL)
     assert not report.rewrites, str(report)
     if reason is None:
         assert not report.rejections, str(report)
@@ -232,7 +233,7 @@ def test_linear_relu_stacks(widths, relu_after, expected) -> None:
     x = torch.randn(3, widths[0])
     for grad in (False, True):
         with torch.set_grad_enabled(grad):
-            report = twell_compile.explain(model, x)
+            report = twell_compile.explain(model, x, options=REWRITE_ALL)
         assert len(report.rewrites) == expected, str(report)
         backend = PassBackend()
         with torch.set_grad_enabled(grad):
@@ -252,7 +253,7 @@ def test_rejections_name_the_layer() -> None:
         def forward(self, x):
             return self.mlp(x, x)
 
-    report = twell_compile.explain(Outer().eval(), torch.randn(4, K))
+    report = twell_compile.explain(Outer().eval(), torch.randn(4, K), options=REWRITE_ALL)
     assert [r.layer for r in report.rejections] == ["mlp"], str(report)
     assert "SiLU" in str(report)
 
@@ -263,7 +264,7 @@ def test_inplace_relu_on_disjoint_fused_slices_is_rewritten() -> None:
     model = Block(lambda s, x, x2: (lambda gu: s.down(gu[..., :N].relu_() * gu[..., N:]))(s.fused(x))).eval()
     x = torch.randn(5, K)
     with torch.no_grad():
-        report = twell_compile.explain(model, x, x)
+        report = twell_compile.explain(model, x, x, options=REWRITE_ALL)
         backend = PassBackend()
         torch._dynamo.reset()
         got = torch.compile(model, backend=backend)(x, x)
@@ -293,7 +294,7 @@ def test_transformer_encoder_layer(grad: bool) -> None:
                                   enable_nested_tensor=False).eval()
     x = torch.randn(2, 5, 16)
     with torch.set_grad_enabled(grad):
-        report = twell_compile.explain(model, x)
+        report = twell_compile.explain(model, x, options=REWRITE_ALL)
         backend = PassBackend()
         torch._dynamo.reset()
         got = torch.compile(model, backend=backend)(x)
@@ -344,7 +345,7 @@ def test_weight_written_inside_block_is_not_rewritten(name: str, grad: bool) -> 
 
     x, x2 = torch.randn(2, 3, K), torch.randn(2, 3, K)
     with torch.set_grad_enabled(grad):
-        report = twell_compile.explain(fresh(), x, x2)
+        report = twell_compile.explain(fresh(), x, x2, options=REWRITE_ALL)
         backend = PassBackend()
         got = torch.compile(fresh(), backend=backend)(x, x2)
         want = fresh()(x, x2)
@@ -423,7 +424,7 @@ def test_ffn_inside_a_functorch_transform_is_left_to_inductor(name: str, grad: b
     fn = make(mlp, t)
     with torch.set_grad_enabled(grad):
         gm = dynamo_graph(fn, x)
-        report = twell_compile.explain(fn, x)
+        report = twell_compile.explain(fn, x, options=REWRITE_ALL)
     found = find_ffns(gm.graph)
     assert len(found) == 1 and isinstance(found[0], Rejection) and reason in found[0].reason, found
     assert not report.rewrites and len(report.rejections) == 1 and reason in report.rejections[0].reason, str(report)
@@ -466,7 +467,7 @@ def test_ffn_outside_the_transform_region_is_rewritten() -> None:
         backend = PassBackend()
         got = torch.compile(fn, backend=backend)(x)
         want = fn(x)
-    assert [type(f).__name__ for f in found] == ["Match", "_Rejection"], found
+    assert [type(f).__name__ for f in found] == ["Match", "Rejection"], found
     assert found[0].down.out not in regions and "vmap" in regions[found[1].down]
     assert backend.twell_ops() == ["twell::ffn"]
     check_close("output", got, want)
