@@ -163,7 +163,7 @@ def test_skip_dense_leaves_slow_paths_to_inductor_unless_the_penalty_needs_our_b
         assert len(kept.rewrites) == 1 and kept.rewrites[0].op == "twell::ffn_train", (options, str(kept))
     with torch.no_grad():
         small = twell_compile.explain(model, x)
-        assert not small.rewrites and "multiply-adds" in small.rejections[0].reason
+        assert not small.rewrites and "CPU kernel" in small.rejections[0].reason
         assert not twell_compile.explain(model, x, options={"twell.l1": 1e-3}).rewrites   # no penalty at inference
         assert len(twell_compile.explain(model, x, options=REWRITE_ALL).rewrites) == 1
 

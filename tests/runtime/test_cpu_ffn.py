@@ -209,16 +209,17 @@ def test_stats_match_plain_pytorch(path):
 
 
 # ------------------------------------------------------------------------------- the plan
-def test_plan_picks_the_kernel_by_dtype_and_size():
-    def path(m, dtype):
-        return select.plan_infer(torch.empty(m, 64, dtype=dtype), 512, 64, True, "t", False).path
+def test_plan_picks_the_kernel_by_dtype_tokens_and_width():
+    def path(m, k, dtype):
+        return select.plan_infer(torch.empty(m, k, dtype=dtype), 512, k, True, "t", False).path
 
-    with arch.patched(min_work=1 << 17):
-        for dtype in DTYPES:  # 4 x 512 x 128 = 2^18 multiply-adds
-            assert path(4, dtype) == "cpu"
-            assert path(1, dtype) == "torch"    # 2^16
+    with arch.patched(min_tokens=4, min_width=64):
+        for dtype in DTYPES:
+            assert path(4, 64, dtype) == "cpu"
+            assert path(3, 64, dtype) == "torch"     # fewer tokens
+            assert path(4, 32, dtype) == "torch"     # narrower
         for dtype in (torch.float16, torch.float64):
-            assert path(4, dtype) == "torch"
+            assert path(4, 64, dtype) == "torch"
 
 
 def test_in_kernel_branch_follows_the_counted_density():
@@ -255,7 +256,7 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch):
     monkeypatch.setattr(cpu_ffn, "_failure", None)
     monkeypatch.setattr(cpu_ffn, "load", broken)
     t = make(5, 16, 40, 16, 0.1, torch.float32, seed=14)
-    with warnings.catch_warnings(record=True) as caught, arch.patched(min_work=0):
+    with warnings.catch_warnings(record=True) as caught, arch.patched(min_tokens=0, min_width=0):
         warnings.simplefilter("always")
         y1, y2 = twell(t, force="auto"), twell(t, force="auto")
         assert select.plan_infer(t["x"], 40, 16, True, "t", False).path == "torch"
@@ -285,8 +286,8 @@ def test_compiled_model_runs_the_cpu_kernel(monkeypatch):
     real = cpu_ffn.ffn_infer
     monkeypatch.setattr(cpu_ffn, "ffn_infer", lambda *a: calls.append(a[0].shape) or real(*a))
     x = torch.randn(2, 7, 48)
-    with torch.no_grad():
-        out = torch.compile(net, backend="twell")(x)
+    with torch.no_grad():          # a small layer: the kernel forced (auto: Inductor's code is faster)
+        out = torch.compile(net, backend="twell", options={"twell.path": "cpu"})(x)
         ref = net(x)
     assert calls == [torch.Size([2, 7, 48])]
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

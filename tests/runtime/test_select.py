@@ -145,34 +145,35 @@ def test_training_dynamic_token_counts_are_answered_under_a_guard():
 
 
 # --------------------------------------------------------------------------- CPU inference
-def test_cpu_inference_under_the_kernels_minimum_work_is_left_to_inductor():
+def test_cpu_inference_under_the_kernels_tokens_or_width_is_left_to_inductor():
     p = arch.CPU
-    per_token = 40 * (16 + 16)
-    limit = -(-p.min_work // per_token)
-    why = reason(CPU, torch.float32, limit - 1, 16, 40, 16)
-    assert why and f"{limit - 1} tokens" in why and "Inductor" in why
-    assert reason(CPU, torch.float32, None, 16, 40, 16) is None          # unknown count: the op decides
-    assert "float16" in reason(CPU, torch.float16, 10 ** 6, 16, 40, 16)
+    why = reason(CPU, torch.float32, p.min_tokens - 1, 1024, 2816, 1024)
+    assert why and f"{p.min_tokens - 1} tokens" in why and "CPU kernel" in why
+    why = reason(CPU, torch.float32, 4096, p.min_width - 1, 384, 96)
+    assert why and f"K={p.min_width - 1}" in why
+    assert reason(CPU, torch.float32, None, 1024, 2816, 1024) is None          # unknown count: the op decides
+    assert "float16" in reason(CPU, torch.float16, 10 ** 6, 1024, 2816, 1024)
 
 
 def test_cpu_inference_dynamic_counts_are_guarded():
-    per_token = 40 * 32
-    limit = -(-arch.CPU.min_work // per_token)
+    limit = arch.CPU.min_tokens
     env, m = tokens(8)
-    why = reason(CPU, torch.float32, m, 16, 40, 16)
+    why = reason(CPU, torch.float32, m, 1024, 2816, 1024)
     assert why and "8 now" in why and f"< {limit}" in why
     assert guards(env) == [f"{m.node.expr} < {limit}"]
+    env, m = tokens(8)                     # decided by the width: no guard
+    assert "K=16" in reason(CPU, torch.float32, m, 16, 40, 16) and not env.guards
 
 
 @pytest.mark.slow
 def test_cpu_inference_at_the_kernels_sizes_is_rewritten():
     """Builds the C++ kernel (once per checkout and version)."""
-    assert reason(CPU, torch.float32, 64, 2048, 5632, 2048) is None
-    assert reason(CPU, torch.bfloat16, 1, 2048, 5632, 2048) is None
+    assert reason(CPU, torch.float32, 4096, 2048, 5632, 2048) is None
+    assert reason(CPU, torch.bfloat16, arch.CPU.min_tokens, 2048, 5632, 2048) is None
 
 
 # --------------------------------------------------------------------------- per-call plans
-def test_cpu_plans_by_work_and_forced_kernels():
+def test_cpu_plans_by_size_and_forced_paths():
     small = torch.randn(2, 16)
     assert select.plan_infer(small, 40, 16, True, "l", False).path == "torch"
     assert select.plan_infer(small, 40, 16, True, "l", False, path="torch").path == "torch"

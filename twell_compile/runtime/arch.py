@@ -172,7 +172,8 @@ class CpuPolicy:
 
     name: str
     measured_on: str
-    min_work: int                    # M N (K + K_out) multiply-adds below which the C++ kernel loses
+    min_tokens: int                  # the C++ kernel runs from this many tokens per call
+    min_width: int                   # ... and K at least this (narrower: plain calls win)
     max_density_small: float         # the kernel's dense up/down above this density, M <= 4
     max_density_mid: float           # ... M <= 64
     max_density_large: float         # ... M > 64
@@ -255,12 +256,18 @@ FALLBACK = dataclasses.replace(
     measured_on="constants of the H200 with narrower margins; never measured on this GPU",
     margin=0.8, decode_margin=0.75, sparse_max_density=0.008)
 
-# docs/cpu.md, 2-core Xeon (AVX-512), K=2048 N=5632 (benchmarks/results/cpu-intel-xeon-processor/
-# ffn_inference.json, 2026-11-22): the kernel's fixed cost (~15 us) cannot pay off under 1.5e5
-# multiply-adds (36 vs 20 us at 6400, 290 vs 430 us at 1.5e6); sparse up/down wins up to
-# d ~ 0.5 at M=1, 0.12 at M <= 64 (0.94x of Inductor at d=0.2, M=16, 2 threads), 0.1 above.
-CPU = CpuPolicy(name="cpu", measured_on="2-core Intel Xeon (AVX-512), torch 2.13 CPU, 2026-11-22",
-                min_work=1 << 17, max_density_small=0.5, max_density_mid=0.12, max_density_large=0.1)
+# The C++ kernel against Inductor's compiled FFN, fp32, 2 threads, d = 0.005 / 0.04 (the op
+# forced to path="cpu", 2-core AMD EPYC with AVX2, 2026-11-25): wins from 512 tokens at K >= 256
+# (K=256: 1.22x at 512 tokens, 1.40x at 2048; K=1024: 1.25x / 1.56x; K=2048: 1.55x / 1.70x at
+# d=0.005), loses below (K=1024, 128 tokens: 0.71x; K=512, 1 token: 0.11x: the per-call reads of
+# max|W_up| and W_down's finiteness cost what the dense GEMVs do) and at K <= 96 (0.53-0.77x at
+# any count). At d=0.04 its sparse part lost up to K=512 (0.63-0.97x) and won from K=1024 at
+# 2048 tokens (1.16-1.18x): above 2% the kernel takes its dense branch. The 2-core Xeon
+# (AVX-512) of docs/cpu.md (2026-11-22, before the per-call maxima) measured more: 2.2-3.7x
+# at 1-2048 tokens up to d=0.05 (benchmarks/results/cpu-intel-xeon-processor/ffn_inference.json).
+CPU = CpuPolicy(name="cpu", measured_on="2-core AMD EPYC (AVX2) and 2-core Intel Xeon (AVX-512), torch 2.13 CPU, "
+                "2026-11-22 and 2026-11-25",
+                min_tokens=512, min_width=256, max_density_small=0.5, max_density_mid=0.12, max_density_large=0.02)
 
 Policy = Union[GpuPolicy, CpuPolicy]
 _by_index: dict[int, GpuPolicy] = {}

@@ -34,8 +34,9 @@ tf32, about 3e-4 relative error, over twice eager fp32's):
      CUDA graph recorded on the second call would otherwise keep dense forever).
   4. A dense call at decode sizes replays the op's own CUDA graph where eager's calls take more
      host time (op_dense_host_us) than their GPU time (``dense_host_bound``).
-Inference, CPU: the C++ kernel (cpu_ffn.py) for fp32/bf16 from min_work multiply-adds (it picks
-sparse or dense up/down inside, from the non-zeros it counts); plain PyTorch otherwise.
+Inference, CPU: the C++ kernel (cpu_ffn.py) for fp32/bf16 from min_tokens tokens at K >=
+min_width (it picks sparse or dense up/down inside, from the non-zeros it counts); plain PyTorch
+(eager's calls) otherwise.
 Training, CUDA bf16/fp16 within the kernels' widths: from train_min_tokens tokens (and a dense
 backup smaller than M) the sparse kernels while the lagged density is under
 sparse_max_density; else eager's GEMMs saving the compact state (while no rows were lost past
@@ -46,8 +47,8 @@ Compile time (``static_reason``), leaving an FFN to Inductor: CUDA fp32; static 
 in the band between the decode and per-row paths; decode sizes without CUDA graphs (host-bound:
 rewritten, generate() ran 0.63x of Inductor's tokens/s at batch 1, H200, 2026-11-23,
 bench_e2e.py --generate --compile-mode default); decode sizes where even density 0 cannot win;
-layers too wide or too narrow for the per-row kernels; CPU FFNs under min_work or in a dtype
-the C++ kernel lacks; training without an L1 penalty under train_min_tokens, in fp32, or on
+layers too wide or too narrow for the per-row kernels; CPU FFNs under the C++ kernel's token
+count or width, or in a dtype it lacks; training without an L1 penalty under train_min_tokens, in fp32, or on
 the CPU. A dynamic token count is answered as its current value is, under a guard on its range
 (the graph then serves that range; another range recompiles once); a user's range
 (``mark_dynamic(min=, max=)``) is never narrowed.
@@ -245,7 +246,7 @@ def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
     if x.device.type == "cpu":
         if path in ("auto", "cpu"):
             p = arch.policy_for(x.device)
-            if _cpu_kernel_ok(x) and (path == "cpu" or m * n * (k + k_out) >= p.min_work):
+            if _cpu_kernel_ok(x) and (path == "cpu" or (m >= p.min_tokens and k >= p.min_width)):
                 return InferPlan("cpu", p)
             if path == "cpu":
                 raise _refuse(path, f"the C++ CPU kernel takes {', '.join(map(str, CPU_DTYPES))} "
@@ -434,21 +435,22 @@ def _cpu_infer_reason(p: CpuPolicy, dtype: torch.dtype, m, k: int, n: int, k_out
     if dtype not in CPU_DTYPES:
         return (f"{str(dtype).replace('torch.', '')} on CPU runs plain PyTorch (the C++ kernel takes "
                 f"float32/bfloat16), slower than Inductor's code")
-    per_token = n * (k + k_out)
-    limit = -(-p.min_work // max(per_token, 1))          # tokens from which the kernel can win
+    if k < p.min_width:
+        return (f"K={k}: under the K >= {p.min_width} where the CPU kernel beats Inductor (narrower layers: "
+                f"Inductor's dense code is faster)")
 
-    def small(count: int) -> str:
-        return (f"{count} tokens x {per_token} multiply-adds per token: under the CPU kernel's "
-                f"{p.min_work} (its fixed cost does not pay off; plain PyTorch is slower than Inductor)")
+    def few(count: int) -> str:
+        return (f"{count} tokens: under the {p.min_tokens} from which the CPU kernel beats Inductor (its "
+                f"per-call weight reads do not pay off; plain PyTorch is slower than Inductor)")
 
     if isinstance(m, torch.SymInt):
-        if m.node.has_hint() and _sym_lt(m, limit):
-            return _guarded(m, f"< {limit}", small(int(m.node.hint)))
+        if m.node.has_hint() and _sym_lt(m, p.min_tokens):
+            return _guarded(m, f"< {p.min_tokens}", few(int(m.node.hint)))
         return None
     if m is None:
         return None                      # unknown count (prepare): the op decides per call
-    if m < limit:
-        return small(m)
+    if m < p.min_tokens:
+        return few(m)
     from twell_compile.runtime import cpu_ffn       # builds on first use; not at import
 
     if cpu_ffn.extension() is None:
