@@ -19,7 +19,7 @@ import torch
 from torch import fx
 
 from twell_compile.config import TwellConfig
-from twell_compile.ops import next_instance, static_reason
+from twell_compile.ops import next_instance, static_path, static_reason
 from twell_compile.passes.match_ffn import Match, Projection, Rejection, find_ffns, transform_reason
 from twell_compile.passes.pass_utils import example, graph_modules, report_of, tokens_str
 from twell_compile.report import RejectionEntry, RewriteEntry
@@ -229,8 +229,11 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
             op_name, y = _rewrite(sub.graph, found, config, layer)
             replaced[down_node] = y
             changed = True
+            runs = static_path(out.device, out.dtype, _tokens_count(xe.shape), int(xe.shape[-1]),
+                               int(out.shape[-1]), n, training=out.requires_grad, path=config.path)
             report.add_rewrite(RewriteEntry(layer, found.gated, op_name, tokens_str(xe.shape), int(xe.shape[-1]),
-                                            n, int(out.shape[-1]), str(out.dtype).replace("torch.", ""), sub_name))
+                                            n, int(out.shape[-1]), str(out.dtype).replace("torch.", ""), sub_name,
+                                            runs=runs))
         if changed:
             sub.graph.lint()
             sub.recompile()

@@ -65,16 +65,16 @@ def test_max_autotune_works():
     _check("max-autotune", x, grad=False)
 
 
-def test_few_static_tokens_are_left_to_inductor_with_a_reason(monkeypatch):
-    from twell_compile.kernels import cuda_policy
+def test_few_static_tokens_are_left_to_inductor_with_a_reason():
+    from twell_compile.runtime import arch
     net = Net().cuda().to(torch.bfloat16)
     with torch.no_grad():
         small = twell_compile.explain(net, torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16))
         torch._dynamo.reset()
         narrow = twell_compile.explain(net, torch.randn(8192, 256, device="cuda", dtype=torch.bfloat16))
         torch._dynamo.reset()
-        monkeypatch.setattr(cuda_policy, "MIN_WIDTH", 1)        # this test's K=256 as if wide enough
-        large = twell_compile.explain(net, torch.randn(8192, 256, device="cuda", dtype=torch.bfloat16))
+        with arch.patched(min_width=1):                          # this test's K=256 as if wide enough
+            large = twell_compile.explain(net, torch.randn(8192, 256, device="cuda", dtype=torch.bfloat16))
     assert not small.rewrites and all("2048 tokens" in r.reason for r in small.rejections)
     assert not narrow.rewrites and all("K=256" in r.reason for r in narrow.rejections)
     assert len(large.rewrites) == 2

@@ -18,8 +18,9 @@ w_gate, w_up [N, K]; w_down [K_out, N]. Biases are optional. Every tensor must s
 and device. ``runtime/select.py`` chooses the kernel, ``runtime/execute.py`` runs it; this
 module only registers. Importing it initialises no device and builds nothing.
 
-``static_reason`` is the plan's compile-time twin (runtime/select.py), re-exported here for the
-graph passes: why a rewritten FFN would surely run slower than Inductor's code, or None.
+``static_reason`` and ``static_path`` are the plan's compile-time twins (runtime/select.py),
+re-exported here for the graph passes: why a rewritten FFN would surely run slower than
+Inductor's code (or None), and what it will run, in words.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch import Tensor
 from twell_compile.config import PATHS
 from twell_compile.formats import backup_capacity
 from twell_compile.runtime import execute, select
-from twell_compile.runtime.select import static_reason
+from twell_compile.runtime.select import static_path, static_reason
 
 # The CUDA bf16/fp16 training path (kernels/cuda_train.py) is sync-free and captures in a CUDA
 # graph (tests/kernels/test_cuda_train.py), but tags are per op, not per device or dtype: CUDA
@@ -243,4 +244,4 @@ def _train_backward(ctx, dy: Optional[Tensor], *_unused: Optional[Tensor]):
 ffn_train.register_autograd(_train_backward, setup_context=_train_setup_context)
 
 
-__all__ = ["PATHS", "arg_index", "ffn_train", "ffn_train_bwd", "next_instance", "static_reason"]
+__all__ = ["PATHS", "arg_index", "ffn_train", "ffn_train_bwd", "next_instance", "static_path", "static_reason"]

@@ -28,6 +28,8 @@ class RewriteEntry:
         graph, else the subgraph's attribute name after the index ("0:subgraph_0").
     via: "graph" (found in a Dynamo graph by the backend) or "prepare" (made one op by
         ``twell_compile.prepare``).
+    runs: what the op will run, from the compile-time facts (e.g. "C++ CPU kernel", "plain
+        PyTorch", "CUDA TwELL or dense, by measured density"); "" where not known (prepare).
     """
 
     layer: str
@@ -40,6 +42,7 @@ class RewriteEntry:
     dtype: str
     graph: str
     via: str = "graph"
+    runs: str = ""
 
 
 @dataclass(frozen=True)
@@ -97,9 +100,10 @@ class Report:
 
     def add_rewrite(self, entry: RewriteEntry) -> None:
         self.rewrites.append(entry)
-        log.info("twell: rewrote %s (%s, %s, N=%d, K=%d, %s) -> %s%s", entry.layer or "<ffn>",
+        log.info("twell: rewrote %s (%s, %s, N=%d, K=%d, %s) -> %s%s%s", entry.layer or "<ffn>",
                  "gated" if entry.gated else "non-gated", entry.dtype, entry.n, entry.k,
-                 entry.tokens_shape, entry.op, " (prepared)" if entry.via == "prepare" else "")
+                 entry.tokens_shape, entry.op, " (prepared)" if entry.via == "prepare" else "",
+                 f": {entry.runs}" if entry.runs else "")
 
     def add_rejection(self, entry: RejectionEntry) -> None:
         self.rejections.append(entry)
@@ -118,10 +122,12 @@ class Report:
             lines.append(_MODE_LINES[self.mode])
         many = len({r.graph for r in self.rewrites} | {r.graph for r in self.rejections}) > 1
         if self.rewrites:
-            rows = [("layer", "kind", "op", "tokens", "K", "N", "K_out", "dtype") + (("graph",) if many else ())]
+            runs = any(r.runs for r in self.rewrites)
+            rows = [("layer", "kind", "op", "tokens", "K", "N", "K_out", "dtype") + (("graph",) if many else ())
+                    + (("runs",) if runs else ())]
             rows += [(r.layer or "-", ("gated" if r.gated else "non-gated") + (", prepared" if r.via == "prepare" else ""),
                       r.op, r.tokens_shape, str(r.k), str(r.n), str(r.k_out), r.dtype) + ((r.graph,) if many else ())
-                     for r in self.rewrites]
+                     + ((r.runs or "-",) if runs else ()) for r in self.rewrites]
             lines += table(rows)
         if self.rejections:
             lines.append("")

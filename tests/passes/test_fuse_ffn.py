@@ -161,6 +161,8 @@ def test_skip_dense_leaves_slow_paths_to_inductor_unless_the_penalty_needs_our_b
     for options in ({"twell.l1": 1e-3}, REWRITE_ALL):
         kept = twell_compile.explain(model, x, options=options)
         assert len(kept.rewrites) == 1 and kept.rewrites[0].op == "twell::ffn_train", (options, str(kept))
+        # and it says which path a CPU training FFN runs
+        assert kept.rewrites[0].runs.startswith("plain PyTorch") and "runs" in str(kept), str(kept)
     with torch.no_grad():
         small = twell_compile.explain(model, x)
         assert not small.rewrites and "CPU kernel" in small.rejections[0].reason

@@ -209,3 +209,19 @@ def test_list_width_grows_with_the_measured_density_within_bounds():
     assert select.list_width(p, 5632, 28.0) == 256          # pow2(4 x 28 + 32) = 256
     assert select.list_width(p, 5632, 5000.0) == p.list_max
     assert select.list_width(p, 16, 28.0) == 16               # never wider than pow2(N)
+
+
+@pytest.mark.parametrize("device, dtype, m, k, training, path, want", [
+    (CPU, torch.float32, 7, 16, True, "auto", "plain PyTorch (exact"),
+    (CPU, torch.float32, 4096, 1024, False, "auto", "C++ CPU kernel"),
+    (CPU, torch.float32, 8, 1024, False, "auto", "plain PyTorch"),
+    (CPU, torch.float32, None, 1024, False, "auto", "C++ CPU kernel from 512 tokens"),
+    (CUDA, torch.bfloat16, 1, 2048, False, "auto", "CUDA decode or dense"),
+    (CUDA, torch.bfloat16, 16384, 2048, False, "auto", "CUDA TwELL or dense"),
+    (CUDA, torch.float32, 16384, 2048, False, "auto", "dense (eager's calls)"),
+    (CUDA, torch.bfloat16, 16384, 2048, True, "auto", "CUDA sparse training kernels"),
+    (CUDA, torch.bfloat16, 16384, 2048, False, "twell", "forced: twell"),
+])
+def test_static_path_says_what_a_rewritten_ffn_runs(device, dtype, m, k, training, path, want):
+    """explain's "runs" column: which implementation the op takes, from compile-time facts."""
+    assert select.static_path(device, dtype, m, k, k, 4 * k, training=training, path=path).startswith(want)

@@ -272,6 +272,8 @@ CPU = CpuPolicy(name="cpu", measured_on="2-core AMD EPYC (AVX2) and 2-core Intel
 Policy = Union[GpuPolicy, CpuPolicy]
 _by_index: dict[int, GpuPolicy] = {}
 _patches = threading.local()
+_active = 0                 # patched() blocks open in any thread: policy_for's fast path when 0
+_active_lock = threading.Lock()
 
 
 def gpu_policy_for_name(name: str) -> GpuPolicy:
@@ -285,8 +287,10 @@ def gpu_policy_for_name(name: str) -> GpuPolicy:
 
 
 def policy_for(device: Union[torch.device, str]) -> Policy:
-    """The record for ``device``: its GPU's (cached per device index; no sync), or the CPU's."""
-    device = torch.device(device)
+    """The record for ``device``: its GPU's (cached per device index; no sync), or the CPU's.
+    On every op call: a dict lookup unless ``patched`` is active somewhere."""
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if device.type != "cuda":
         base: Policy = CPU
     else:
@@ -294,6 +298,10 @@ def policy_for(device: Union[torch.device, str]) -> Policy:
         base = _by_index.get(index)
         if base is None:
             base = _by_index.setdefault(index, gpu_policy_for_name(torch.cuda.get_device_name(index)))
+    return _with_patches(base) if _active else base
+
+
+def _with_patches(base: Policy) -> Policy:
     changes = getattr(_patches, "stack", None)
     if changes:
         fields = {f.name for f in dataclasses.fields(base)}
@@ -315,11 +323,7 @@ def cuda_default() -> GpuPolicy:
     the current device's where CUDA is available, else H200's (the most measured)."""
     if torch.cuda.is_available():
         return policy_for(torch.device("cuda"))          # type: ignore[return-value]
-    changes = getattr(_patches, "stack", None)
-    if changes:
-        merged = {k: v for c in changes for k, v in c.items() if k in {f.name for f in dataclasses.fields(H200)}}
-        return dataclasses.replace(H200, **merged)
-    return H200
+    return _with_patches(H200)                           # type: ignore[return-value]
 
 
 @contextlib.contextmanager
@@ -331,11 +335,16 @@ def patched(**changes) -> Iterator[None]:
     unknown = sorted(set(changes) - known)
     if unknown:
         raise ValueError(f"unknown policy fields {unknown}; known: {sorted(known)}")
+    global _active
     stack = getattr(_patches, "stack", None)
     if stack is None:
         stack = _patches.stack = []
     stack.append(dict(changes))
+    with _active_lock:
+        _active += 1
     try:
         yield
     finally:
         stack.pop()
+        with _active_lock:
+            _active -= 1

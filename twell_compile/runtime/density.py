@@ -7,7 +7,7 @@ nothing is polled or copied: the graph records the path chosen by the calls befo
 
 State is per op instance: the passes and ``prepare`` give every op they insert an ``instance``
 number unique in the process (``ops.next_instance``), and the runtime runs each call inside
-its op's scope (``scope``), so a key (layer name, shapes) names a layer within one compiled op
+its op's scope (``enter``), so a key (layer name, shapes) names a layer within one compiled op
 only: a second model with the same layer names starts unmeasured. Direct calls of the op share
 instance 0. ``reset`` (also run by ``torch._dynamo.reset()``) forgets everything.
 """
@@ -48,15 +48,23 @@ def _capturing() -> bool:
 _scope = threading.local()
 
 
-@contextlib.contextmanager
-def scope(instance: int) -> Iterator[None]:
-    """Make ``instance`` the op instance whose state the calls inside read and write."""
+def enter(instance: int) -> int:
+    """Make ``instance`` the op instance whose state the following calls read and write;
+    returns the previous one, to restore (a plain call: a context manager's generator costs a
+    few us per op call, which decode-sized eager calls feel)."""
     prev = getattr(_scope, "instance", 0)
     _scope.instance = instance
+    return prev
+
+
+@contextlib.contextmanager
+def scope(instance: int) -> Iterator[None]:
+    """``enter`` as a context manager (tests and tools)."""
+    prev = enter(instance)
     try:
         yield
     finally:
-        _scope.instance = prev
+        enter(prev)
 
 
 def instance() -> int:

@@ -4,7 +4,7 @@
     ffn_train_forward    twell::ffn_train      plan_train -> cuda_train / torch_impl
     ffn_train_backward   twell::ffn_train_bwd  the path the saved state's shapes say
 
-Every call runs inside its op instance's scope (density.scope), so the measurements it reads
+Every call runs inside its op instance's scope (density.enter), so the measurements it reads
 and writes are its own op's. No host sync on any path: decisions use shapes, dtypes, devices
 and lagged device-side counts only. The CUDA launchers import Triton, so they are imported on
 first use (``import twell_compile.ops`` stays light on machines without it).
@@ -38,7 +38,8 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
               keep_stats: bool, instance: int = 0, path: str = "auto") -> Tensor:
     """The inference FFN y [..., K_out] for x [..., K]; weights in nn.Linear's layout."""
     n, k_out = w_gate.shape[0], w_down.shape[0]
-    with density.scope(instance):
+    prev = density.enter(instance)
+    try:
         plan = select.plan_infer(x, n, k_out, w_up is not None, layer, keep_stats, path)
         if plan.path == "torch":
             return torch_impl.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats)
@@ -51,6 +52,8 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
         if plan.tick:
             density.tick(plan.key, plan.path)
         return y
+    finally:
+        density.enter(prev)
 
 
 def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
@@ -59,7 +62,8 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
                       instance: int = 0, path: str = "auto") -> tuple[Tensor, ...]:
     """(y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u): formats.Hybrid's state."""
     n, k_out = w_gate.shape[0], w_down.shape[0]
-    with density.scope(instance):
+    prev = density.enter(instance)
+    try:
         plan = select.plan_train(x, n, k_out, w_up is not None, ell_width, backup_rows, layer, path)
         if plan.path == "torch":
             return torch_impl.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
@@ -70,6 +74,8 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
             density.tick(plan.key)
         density.record_path(plan.key, plan.path)
         return out
+    finally:
+        density.enter(prev)
 
 
 def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],

@@ -58,8 +58,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from dataclasses import dataclass
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -179,8 +178,7 @@ def decode_wins(p: GpuPolicy, d: float, m: int, k: int, n: int, k_out: int, gate
 
 
 # --------------------------------------------------------------------------- per call
-@dataclass(frozen=True)
-class InferPlan:
+class InferPlan(NamedTuple):
     """How one inference call runs.
 
     path: "dense" (eager's calls), "decode", "twell" (per-row TwELL), "cpu" (the C++ kernel)
@@ -246,7 +244,7 @@ def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
     if x.device.type == "cpu":
         if path in ("auto", "cpu"):
             p = arch.policy_for(x.device)
-            if _cpu_kernel_ok(x) and (path == "cpu" or (m >= p.min_tokens and k >= p.min_width)):
+            if (path == "cpu" or (m >= p.min_tokens and k >= p.min_width)) and _cpu_kernel_ok(x):
                 return InferPlan("cpu", p)
             if path == "cpu":
                 raise _refuse(path, f"the C++ CPU kernel takes {', '.join(map(str, CPU_DTYPES))} "
@@ -310,8 +308,7 @@ def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
     return InferPlan("dense", p, key, probe=probe, graphed=graphed, counts=not graphed, tick=True)
 
 
-@dataclass(frozen=True)
-class TrainPlan:
+class TrainPlan(NamedTuple):
     """How one training forward runs. path: "twell" (sparse kernels), "dense" (eager's GEMMs
     saving g and u), "compact" (eager's GEMMs saving the compact hybrid state) or "torch"
     (plain PyTorch). key / lost_key: the layer's density and lost-row state. probe: measure
@@ -499,6 +496,37 @@ def static_reason(device: torch.device, dtype: torch.dtype, m: Optional[Union[in
     if device.type == "cpu":
         return _cpu_infer_reason(arch.policy_for(device), dtype, m, k, n, k_out)  # type: ignore[arg-type]
     return None
+
+
+def static_path(device: torch.device, dtype: torch.dtype, m: Optional[Union[int, torch.SymInt]], k: int,
+                k_out: int, n: int, *, training: bool = False, path: str = "auto") -> str:
+    """What a rewritten FFN's op will run, in words, for ``explain`` (compile-time facts; the
+    final choice is per call). Adds no guard: a dynamic count is described, not decided."""
+    device = torch.device(device)
+    if path != "auto":
+        return f"forced: {path}"
+    static_m = m if isinstance(m, int) else None
+    if training:
+        if device.type == "cuda" and dtype in DTYPES and k <= MAX_WIDTH and k_out <= MAX_WIDTH and n <= MAX_N:
+            return "CUDA sparse training kernels or dense, by measured density"
+        return "plain PyTorch (exact; the sparse training kernels take CUDA bf16/fp16)"
+    if device.type == "cuda":
+        if dtype not in DTYPES:
+            return "dense (eager's calls)"
+        p = arch.cuda_default() if not torch.cuda.is_available() else arch.policy_for(device)
+        if static_m is not None and static_m <= p.decode_max_m:
+            return "CUDA decode or dense, by measured density"
+        if static_m is not None:
+            return "CUDA TwELL or dense, by measured density"
+        return "CUDA decode, TwELL or dense, by token count and measured density"
+    if device.type == "cpu" and dtype in CPU_DTYPES:
+        p = arch.policy_for(device)
+        if k < p.min_width:
+            return "plain PyTorch"
+        if static_m is None:
+            return f"C++ CPU kernel from {p.min_tokens} tokens, else plain PyTorch"
+        return "C++ CPU kernel" if static_m >= p.min_tokens else "plain PyTorch"
+    return "plain PyTorch"
 
 
 def decode_state_wanted(device: torch.device, dtype: torch.dtype, k: int, n: int, k_out: int,
