@@ -1,4 +1,4 @@
-"""Decode-sized FFN (issue 7): dense eager vs twell, CUDA graphs for both. Run it as
+"""Decode-sized FFN: dense eager vs twell, CUDA graphs for both. Run it as
 ``python3 benchmarks/bench_ffn.py --decode [flags]`` (or this file directly).
 
     python3 benchmarks/bench_ffn.py --decode                       # M 1..64 x 4 densities x 2 shapes

@@ -1,8 +1,8 @@
 """End to end: a Hugging Face LlamaForCausalLM with sparse ReLU FFNs, Inductor vs twell, one run.
 
-    python3 benchmarks/bench_e2e.py --density 0.005 0.02 --out runs/e2e_forward.json   # issue 3 item 7
-    python3 benchmarks/bench_e2e.py --generate --seq 128 --new-tokens 128                # issue 7 item 4
-    python3 benchmarks/bench_e2e.py --train --layers 4 --batch 2 --seq 1024              # issue 4 item 5
+    python3 benchmarks/bench_e2e.py --density 0.005 0.02 --out runs/e2e_forward.json   # whole-model forward
+    python3 benchmarks/bench_e2e.py --generate --seq 128 --new-tokens 128                # generate()
+    python3 benchmarks/bench_e2e.py --train --layers 4 --batch 2 --seq 1024              # training step
     python3 benchmarks/bench_e2e.py --tiny --train                                       # CPU-sized
 
 Model: hidden 2048, intermediate 5632, 16 layers, 16 heads, vocab 32000, ``hidden_act="relu"``,

@@ -1,10 +1,10 @@
 """FFN inference: dense eager vs Inductor vs the gate GEMM alone vs twell, in one run.
 
-    python3 benchmarks/bench_ffn.py                      # the full grid of issue 3
+    python3 benchmarks/bench_ffn.py                      # the full grid
     python3 benchmarks/bench_ffn.py --quick              # K=2048 N=5632, M 16384/65536, 4 densities
     python3 benchmarks/bench_ffn.py --M 16384 --density 0.005 0.02 --tail 0 --shapes 2048x5632
 
-    python3 benchmarks/bench_ffn.py --decode             # decode grid (issue 7): M 1..64, CUDA graphs
+    python3 benchmarks/bench_ffn.py --decode             # decode grid: M 1..64, CUDA graphs
     python3 benchmarks/bench_ffn.py --decode --M 64 128 256 512 2048 8192 --density 0.005 \
         --shapes 2048x5632 --out /tmp/crossover.json    # where dense starts to win
 
@@ -62,11 +62,11 @@ def main(argv=None) -> int:
     pre.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     pre.add_argument("--decode", action="store_true")
     known, rest = pre.parse_known_args(argv)
-    if known.decode:   # the decode grid of issue 7 (its own flags, see bench_decode.py)
+    if known.decode:   # the decode grid (its own flags, see bench_decode.py)
         from benchmarks import bench_decode
 
         return bench_decode.main([a for a in (argv if argv is not None else sys.argv[1:]) if a != "--decode"])
-    if known.device == "cpu":  # the CPU grid of issue 9 lives in bench_ffn_cpu.py (its own flags)
+    if known.device == "cpu":  # the CPU grid lives in bench_ffn_cpu.py (its own flags)
         from benchmarks import bench_ffn_cpu
 
         return bench_ffn_cpu.main(rest)

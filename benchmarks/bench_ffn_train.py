@@ -1,6 +1,6 @@
 """FFN training step (forward + backward): dense eager vs Inductor vs twell::ffn_train, one run.
 
-    python3 benchmarks/bench_ffn_train.py                  # the grid of issue 4 (K=2048, N=5632)
+    python3 benchmarks/bench_ffn_train.py                  # the training grid (K=2048, N=5632)
     python3 benchmarks/bench_ffn_train.py --M 16384 --density 0.005 --tail 0
     python3 benchmarks/bench_ffn_train.py --quick          # CPU smoke test, tiny shapes
 

@@ -7,7 +7,7 @@ single / ddp / fsdp2, backend in inductor / twell) and the ``### end <config> rc
 the script's log. Per configuration: median step time, tokens/s, peak memory (the largest over
 ranks), FFNs rewritten per rank, and the largest |loss - loss of the 1-GPU run of the same
 backend| over the steps both ran. Per wrapper: the speed-up twell over Inductor (step time
-ratio), its ratio to the 1-GPU speed-up (issue 8's criterion: >= 0.8), and twell's peak
+ratio), its ratio to the 1-GPU speed-up (CRITERION: >= 0.8), and twell's peak
 memory over Inductor's. A configuration that failed or was cut keeps its row, with the rc and
 ``complete: false`` (its numbers are then from the steps it finished, if any). Rows as
 benchmarks/rows.py stamps them (gpu and torch from the run's JSON where it has them).

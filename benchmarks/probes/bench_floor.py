@@ -1,6 +1,6 @@
 """How fast can a row-gathering sparse FFN be at all? Floors measured on the device, one run.
 
-    python3 benchmarks/probes/bench_floor.py             # issues 3 and 4's target points
+    python3 benchmarks/probes/bench_floor.py             # the speed targets' points
     python3 benchmarks/probes/bench_floor.py --M 16384 --density 0.005 --tail 0
 
 Every sparse kernel of this project (and the paper's) works per active (token m, neuron n)
@@ -43,7 +43,7 @@ from benchmarks.timing import gpu_name, interleaved_ms, median_ms  # noqa: E402
 from twell_compile.reference import ffn_dense  # noqa: E402
 from twell_compile.testing import make_ffn  # noqa: E402
 
-# (M, density, tail): issue 3's and issue 4's target points, and their tail-0 neighbour
+# (M, density, tail): the inference and training targets' points, and their tail-0 neighbour
 POINTS = [(16384, 0.005, 0.0), (16384, 0.02, 0.0), (16384, 0.05, 0.0), (65536, 0.005, 0.0), (65536, 0.005, 0.2)]
 TARGETS = {  # (M, density, tail): (inference x Inductor, training x eager)
     (16384, 0.005, 0.0): (2.2, 2.2), (16384, 0.02, 0.0): (1.5, 1.4), (16384, 0.05, 0.0): (1.05, None),
