@@ -195,7 +195,8 @@ def test_recompile_warmup_leaves_nothing_in_the_cudagraph_pool(decode_wins_every
             z = torch.randn(zlen, device="cuda")
             y = f(x, z).clone()
             ref = ffn_dense(*(None if t is None else t.float() for t in (x,) + w)) + z.mean()
-            derr = _rel(ffn_dense(x, *w).float() + z.mean(), ref)
+            # eager's error on the same step: the bf16 FFN, then the sum rounded to bf16 as well
+            derr = _rel(ffn_dense(x, *w) + z.mean(), ref)
             assert _rel(y, ref) <= 2 * derr + 1e-6, (i, zlen)
     assert decode_graphs.count() == 1, "the recompile's warm-up did not capture the op's graph"
     decode_graphs.clear()

@@ -8,7 +8,8 @@ record names the measurements behind it (results file under ``benchmarks/results
     launch_policy(device)  the GPU record the launchers read (CUDA's default for CPU tensors
                          under the Triton interpreter)
     patched(**changes)   a context in which policy_for returns records with fields replaced
-                         (tests and tuning scripts; thread-local, restored on exit)
+                         (tests and tuning scripts; process-wide, so autograd's backward
+                         threads see it too; restored on exit)
 
 H100: every constant below was fitted on the H200 (2026-11-21 to 2026-11-25) and is applied to
 the H100 as is; ``GpuPolicy.measured_on`` says so. The H100 product grid of 2026-11-24
@@ -271,9 +272,8 @@ CPU = CpuPolicy(name="cpu", measured_on="2-core AMD EPYC (AVX2) and 2-core Intel
 
 Policy = Union[GpuPolicy, CpuPolicy]
 _by_index: dict[int, GpuPolicy] = {}
-_patches = threading.local()
-_active = 0                 # patched() blocks open in any thread: policy_for's fast path when 0
-_active_lock = threading.Lock()
+_patches: list[dict] = []  # patched() blocks open, innermost last: policy_for's fast path when empty
+_patches_lock = threading.Lock()
 
 
 def gpu_policy_for_name(name: str) -> GpuPolicy:
@@ -298,17 +298,13 @@ def policy_for(device: Union[torch.device, str]) -> Policy:
         base = _by_index.get(index)
         if base is None:
             base = _by_index.setdefault(index, gpu_policy_for_name(torch.cuda.get_device_name(index)))
-    return _with_patches(base) if _active else base
+    return _with_patches(base) if _patches else base
 
 
 def _with_patches(base: Policy) -> Policy:
-    changes = getattr(_patches, "stack", None)
-    if changes:
-        fields = {f.name for f in dataclasses.fields(base)}
-        merged = {k: v for c in changes for k, v in c.items() if k in fields}
-        if merged:
-            return dataclasses.replace(base, **merged)
-    return base
+    fields = {f.name for f in dataclasses.fields(base)}
+    merged = {k: v for c in list(_patches) for k, v in c.items() if k in fields}
+    return dataclasses.replace(base, **merged) if merged else base
 
 
 def launch_policy(device: Union[torch.device, str]) -> GpuPolicy:
@@ -329,22 +325,18 @@ def cuda_default() -> GpuPolicy:
 @contextlib.contextmanager
 def patched(**changes) -> Iterator[None]:
     """Within the block, ``policy_for`` returns records with these fields replaced (a field a
-    record lacks is ignored for it; an unknown name raises). For tests and tuning scripts: it
-    changes what the rules and launchers read, nothing else."""
+    record lacks is ignored for it; an unknown name raises), in every thread (the autograd
+    engine runs backward passes, and checkpoint recomputes, on threads of its own). For tests
+    and tuning scripts: it changes what the rules and launchers read, nothing else."""
     known = {f.name for f in dataclasses.fields(GpuPolicy)} | {f.name for f in dataclasses.fields(CpuPolicy)}
     unknown = sorted(set(changes) - known)
     if unknown:
         raise ValueError(f"unknown policy fields {unknown}; known: {sorted(known)}")
-    global _active
-    stack = getattr(_patches, "stack", None)
-    if stack is None:
-        stack = _patches.stack = []
-    stack.append(dict(changes))
-    with _active_lock:
-        _active += 1
+    entry = dict(changes)
+    with _patches_lock:
+        _patches.append(entry)
     try:
         yield
     finally:
-        stack.pop()
-        with _active_lock:
-            _active -= 1
+        with _patches_lock:
+            del _patches[next(i for i, e in enumerate(_patches) if e is entry)]
