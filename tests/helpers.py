@@ -8,6 +8,11 @@ fills recently freed device memory with NaN, so a kernel that leaves an output u
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 
 ARG_NAMES = ("x", "w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down")
@@ -59,3 +64,18 @@ def check_close(name: str, got: torch.Tensor, eager: torch.Tensor, ref64: torch.
     floor = 0.5 * torch.finfo(got.dtype).eps * (ref64.abs().max().item() if ref64.numel() else 0.0)
     assert err <= 2 * eager_err + floor, (
         f"{name}: error vs fp64 {err:.3g} > 2 x eager {got.dtype} error {eager_err:.3g}")
+
+
+def run_interpreted(script: str, timeout: int = 120) -> None:
+    """Run ``script`` in a fresh Python under TRITON_INTERPRET=1 (the interpreter is chosen when
+    the kernels are defined, so each case gets its own process); it must print a line starting
+    with "ok". Skips where Triton < 3.7's interpreter cannot run the kernels (the device image's
+    Triton 3.6 fails inside numpy: "only 0-dimensional arrays can be converted")."""
+    triton = pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    old = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7)
+    if r.returncode != 0 and old and "InterpreterError" in r.stderr:
+        pytest.skip(f"Triton {triton.__version__} interpreter cannot run the kernels: {r.stderr[-200:]}")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert r.stdout.startswith("ok"), r.stdout

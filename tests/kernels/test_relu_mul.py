@@ -3,12 +3,11 @@ h bit-identical to eager, exact non-zero counts (NaN counted), |h| sums, odd and
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.helpers import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -52,8 +51,4 @@ CASES = [
 @pytest.mark.parametrize("programs", [1, 64])
 @pytest.mark.parametrize("case", CASES)
 def test_relu_mul_rows_under_interpreter(case, programs):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "-c", SCRIPT.format(seed=sum(case[:2]), case=case, programs=programs)],
-                       env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert r.stdout.startswith("ok")
+    run_interpreted(SCRIPT.format(seed=sum(case[:2]), case=case, programs=programs))

@@ -5,14 +5,13 @@ interpreter's bf16 tl.dot returns garbage (seen here: 2.8e10 error on a 16x16 pr
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-triton = pytest.importorskip("triton")
+from tests.helpers import run_interpreted
+
+pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent("""
     import torch, torch.nn.functional as F
@@ -63,13 +62,4 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES)
 def test_kernels_under_interpreter(case):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "-c", SCRIPT.format(seed=sum(case[:4]), case=case)],
-                       env=env, capture_output=True, text=True, timeout=60)
-    old = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7)
-    if r.returncode != 0 and old and "InterpreterError" in r.stderr:
-        # Triton 3.6's interpreter (the device image, torch 2.11) fails inside numpy on these
-        # kernels ("only 0-dimensional arrays can be converted"); 3.9 runs them.
-        pytest.skip(f"Triton {triton.__version__} interpreter cannot run the kernels: {r.stderr[-200:]}")
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert r.stdout.startswith("ok")
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case), timeout=60)

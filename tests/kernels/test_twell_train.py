@@ -9,14 +9,13 @@ test_twell_rows.py)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-triton = pytest.importorskip("triton")
+from tests.helpers import run_interpreted
+
+pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent("""
     import math, torch, torch.nn.functional as F
@@ -155,11 +154,4 @@ CASES = [
 # last case (~12 entries per neuron) also runs the shipped config (the records' wg_*_entries)
 @pytest.mark.parametrize("case, ent", [(c, (1, 2)) for c in CASES] + [(CASES[-1], (4, 4))])
 def test_train_kernels_under_interpreter(case, ent):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "-c", SCRIPT.format(seed=sum(case[:4]), case=case, ent=ent)],
-                       env=env, capture_output=True, text=True, timeout=300)
-    old = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7)
-    if r.returncode != 0 and old and "InterpreterError" in r.stderr:
-        pytest.skip(f"Triton {triton.__version__} interpreter cannot run the kernels: {r.stderr[-200:]}")
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert r.stdout.startswith("ok"), r.stdout
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case, ent=ent), timeout=300)

@@ -8,9 +8,6 @@ through ``arch.patched``."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -19,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import twell_compile.ops  # noqa: F401  (registers torch.ops.twell when this file runs alone)
-from tests.helpers import ffn_args as _args, poison as _poison, rel as _rel
+from tests.helpers import ffn_args as _args, poison as _poison, rel as _rel, run_interpreted
 from twell_compile.runtime import arch, decode_state as ds, select
 
 P = arch.H200
@@ -176,17 +173,7 @@ def test_state_tail_holds_tickets_counters_and_sum():
 
 @pytest.mark.parametrize("case", CASES)
 def test_decode_kernels_under_interpreter(case):
-    pytest.importorskip("triton")
-    import triton
-
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "-c", SCRIPT.format(seed=sum(case[:4]), case=case)],
-                       env=env, capture_output=True, text=True, timeout=120)
-    old = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7)
-    if r.returncode != 0 and old and "InterpreterError" in r.stderr:
-        pytest.skip(f"Triton {triton.__version__} interpreter cannot run the kernels: {r.stderr[-200:]}")
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert r.stdout.startswith("ok")
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case))
 
 
 # ----------------------------------------------------------------------------- CPU: state, rule
