@@ -61,8 +61,9 @@ class _Rewrites(logging.Handler):
         self.left: list[list[str]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.msg.startswith("twell: rewrote") and record.args[-2] != "prepared":   # not prepare's own report
-            self.rewritten.append(f"{record.args[0]} -> {record.args[-2]}{record.args[-1]}")
+        # report.add_rewrite's record: (layer, kind, dtype, N, K, tokens, op, prepared, runs)
+        if record.msg.startswith("twell: rewrote") and record.args[6] != "prepared":   # not prepare's own report
+            self.rewritten.append(f"{record.args[0]} -> {record.args[6]}{record.args[7]}")
         elif record.msg.startswith("twell: left"):
             self.left.append([str(record.args[0]), str(record.args[1])])
 

@@ -25,14 +25,14 @@ def run(tmp_path_factory, *argv):
     return result
 
 
+# The CPU rules leave the tiny model's FFNs to Inductor (under the C++ kernel's width and token
+# count; training without a penalty): twell.skip_dense=false rewrites them, so twell's op runs.
+REWRITE = ("--twell-opt", "twell.skip_dense=false")
+
+
 @pytest.fixture(scope="module")
 def forward(tmp_path_factory):
-    return run(tmp_path_factory, "--forward")
-
-
-# The CPU rules leave these FFNs to Inductor (decode steps under the C++ kernel's minimum work;
-# training without a penalty): twell.skip_dense=false rewrites them, so twell's op runs.
-REWRITE = ("--twell-opt", "twell.skip_dense=false")
+    return run(tmp_path_factory, "--forward", *REWRITE)
 
 
 @pytest.fixture(scope="module")
