@@ -122,3 +122,14 @@ def test_module_level_imports_form_no_cycle():
     for n in sorted(graph):
         if n not in state:
             visit(n)
+
+
+def test_every_package_directory_is_installed():
+    """pyproject lists its packages by name: a new subpackage left out of the list would be
+    missing from a wheel (an editable install hides that)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"twell_compile." + ".".join(p.parent.relative_to(PACKAGE).parts) if p.parent != PACKAGE else "twell_compile"
+             for p in PACKAGE.rglob("__init__.py")}
+    assert found | {"twell_compile.passes", "twell_compile.csrc"} == listed, (found, listed)
