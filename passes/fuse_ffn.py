@@ -77,12 +77,12 @@ def _rewrite(graph: fx.Graph, m: Match, config: TwellConfig, layer: str) -> tupl
             op = torch.ops.twell.ffn_train.default
             # l1_scale (0.0 here) is filled in by the scale_l1 pass once all FFNs are known.
             call = graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, config.ell_width, config.backup_rows,
-                                            0.0, layer, config.stats, next_instance(), config.path))
+                                            0.0, layer, config.stats, next_instance(), config.path_for(True)))
             y = graph.call_function(operator.getitem, (call, 0))
         else:
             op = torch.ops.twell.ffn.default
             y = graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, layer, config.stats, next_instance(),
-                                         config.path))
+                                         config.path_for(False)))
         if example(m.x).dim() != example(m.down.x).dim():
             y = graph.call_method("reshape", (y, -1, out.shape[-1]))
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
@@ -219,7 +219,8 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
                 # a dynamic count (SymInt) may be answered under a guard (runtime/select.py)
                 why = static_reason(out.device, out.dtype, _tokens_count(xe.shape), int(xe.shape[-1]), n,
                                     int(out.shape[-1]), gated=found.gated, training=out.requires_grad,
-                                    l1=config.l1, cudagraphs=config.cudagraphs != "off", path=config.path)
+                                    l1=config.l1, cudagraphs=config.cudagraphs != "off",
+                                    path=config.path_for(out.requires_grad))
                 if why is not None:
                     report.add_rejection(RejectionEntry(found.layer, f"{why}; Inductor's dense FFN is faster "
                                                         "(twell.skip_dense=False rewrites it anyway)", sub_name))
@@ -230,7 +231,8 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
             replaced[down_node] = y
             changed = True
             runs = static_path(out.device, out.dtype, _tokens_count(xe.shape), int(xe.shape[-1]),
-                               int(out.shape[-1]), n, training=out.requires_grad, path=config.path)
+                               int(out.shape[-1]), n, training=out.requires_grad,
+                               path=config.path_for(out.requires_grad))
             report.add_rewrite(RewriteEntry(layer, found.gated, op_name, tokens_str(xe.shape), int(xe.shape[-1]),
                                             n, int(out.shape[-1]), str(out.dtype).replace("torch.", ""), sub_name,
                                             runs=runs))

@@ -152,3 +152,9 @@ def test_the_readmes_l1_sparsifies_a_short_run_where_the_papers_value_does_not()
     none, paper, readme = density_after(0.0), density_after(2e-5), density_after(3.0)
     assert abs(paper - none) < 0.02 and none > 0.4
     assert readme < 0.6 * paper
+
+
+def test_a_path_one_op_lacks_leaves_that_op_on_auto():
+    assert TwellConfig(path="cpu").path_for(False) == "cpu" and TwellConfig(path="cpu").path_for(True) == "auto"
+    assert TwellConfig(path="compact").path_for(False) == "auto" and TwellConfig(path="compact").path_for(True) == "compact"
+    assert TwellConfig(path="twell").path_for(True) == TwellConfig(path="twell").path_for(False) == "twell"

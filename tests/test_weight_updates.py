@@ -19,6 +19,9 @@ import torch.nn.functional as F
 import twell_compile  # noqa: F401  (registers the backend and the ops)
 
 gpu = pytest.mark.gpu
+# the CPU tests run the C++ kernel (forced: these layers are under its token count) and, where
+# they train, our backward (rewritten although CPU training has no penalty here)
+ON_CPU_KERNEL = {"twell.path": "cpu", "twell.skip_dense": False}
 
 
 class FFN(nn.Module):
@@ -119,7 +122,9 @@ def _check_inference(model: FFN, compiled, x: torch.Tensor, mutate, calls: int =
         for _ in range(calls):
             got = compiled(x).clone()
             want = model(x)
-            ref = copy.deepcopy(model).double()(x.double())
+            plain = copy.deepcopy(model)
+            twell_compile.unprepare(plain)          # the fp64 reference runs the plain forward
+            ref = plain.double()(x.double())
             _close(got, want, ref)
 
 
@@ -147,14 +152,14 @@ def _check_training(model: FFN, compiled, x: torch.Tensor, mutate) -> None:
 def test_cpu_inference_sees_every_weight_update(mutate):
     model = _model(64, 256, "cpu", torch.float32)
     x = torch.randn(8, 64)
-    _check_inference(model, torch.compile(model, backend="twell"), x, mutate)
+    _check_inference(model, torch.compile(model, backend="twell", options=ON_CPU_KERNEL), x, mutate)
 
 
 @pytest.mark.parametrize("mutate", [_data_mul, _data_rebind, _set_, _optimizer("AdamW", fused=True)],
                          ids=["data_mul", "data_rebind", "set_", "AdamW_fused"])
 def test_cpu_prepared_model_sees_every_weight_update(mutate):
     model = _model(64, 256, "cpu", torch.float32)
-    twell_compile.prepare(model)
+    twell_compile.prepare(model, options=ON_CPU_KERNEL)
     x = torch.randn(8, 64)
     try:
         _check_inference(model, model, x, mutate)
@@ -174,9 +179,9 @@ def test_cpu_fused_optimizer_train_eval_rounds_match_eager():
     model = _model(64, 256, "cpu", torch.float32)
     x = torch.randn(8, 64)
     with torch.no_grad():
-        assert [r.op for r in twell_compile.explain(model, x).rewrites] == ["twell::ffn"]
+        assert [r.op for r in twell_compile.explain(model, x, options=ON_CPU_KERNEL).rewrites] == ["twell::ffn"]
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="twell")
+    compiled = torch.compile(model, backend="twell", options=ON_CPU_KERNEL)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
     for _ in range(3):
         compiled(x).square().mean().backward()
@@ -239,7 +244,7 @@ def test_fuzz_mutation_sequences_against_eager(steps, seed):
     inference calls or training steps between them: each compiled result matches eager."""
     torch._dynamo.reset()
     model = _model(64, 256, "cpu", torch.float32, seed=seed)
-    compiled = torch.compile(model, backend="twell")
+    compiled = torch.compile(model, backend="twell", options=ON_CPU_KERNEL)
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(seed))
     for which, train in steps:
         MUTATIONS[which](model)
@@ -269,10 +274,10 @@ def test_parametrized_weights_are_exact_and_keep_no_state_per_call():
     model = _model(64, 256, "cpu", torch.float32)
     weight_norm(model.down)
     weight_norm(model.up)
-    compiled = torch.compile(model, backend="twell")
+    compiled = torch.compile(model, backend="twell", options=ON_CPU_KERNEL)
     x = torch.randn(8, 64)
     with torch.no_grad():
-        assert [r.op for r in twell_compile.explain(model, x).rewrites] == ["twell::ffn"]
+        assert [r.op for r in twell_compile.explain(model, x, options=ON_CPU_KERNEL).rewrites] == ["twell::ffn"]
         for _ in range(3):
             compiled(x)
         gc.collect()

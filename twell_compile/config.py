@@ -58,6 +58,8 @@ class TwellConfig:
         "decode-list", "decode-pairs", "cpu", "torch" for inference; "dense", "compact",
         "twell" for training. For tests and benchmarks: FFNs are then always rewritten, and a
         call the forced path cannot run (e.g. "decode" at 1000 tokens) raises ``ValueError``.
+        A path one op lacks ("cpu", "torch", "decode*" for training, "compact" for inference)
+        leaves that op on "auto" (and its FFNs to the usual rules).
     cudagraphs [""]: whether the compiled graph is replayed in CUDA graphs: "" reads it from
         the compile mode and Inductor's ``triton.cudagraphs`` (reduce-overhead: on); "on" when
         you capture CUDA graphs around the compiled model yourself; "off". Without CUDA graphs a
@@ -126,6 +128,10 @@ class TwellConfig:
     def replace(self, **changes: Any) -> "TwellConfig":
         return dataclasses.replace(self, **changes)
 
+    def path_for(self, training: bool) -> str:
+        """The forced path for the training or the inference op ("auto" where it has none)."""
+        return path_for(self.path, training)
+
     def l1_scale(self, ffns: int) -> float:
         """The penalty coefficient each training op adds to its backward: l1 over the number of
         FFN layers the mean runs over (``l1_layers``, else the ``ffns`` found), as the paper's
@@ -136,6 +142,11 @@ class TwellConfig:
     def cache_tag(self) -> str:
         """A string that changes whenever an option that shapes the compiled code changes."""
         return ",".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+
+
+def path_for(path: str, training: bool) -> str:
+    """``path`` for the training or the inference op, "auto" where that op has no such path."""
+    return path if path in (TRAIN_PATHS if training else INFER_PATHS) else "auto"
 
 
 def did_you_mean(key: str, candidates: Iterable[str]) -> str:

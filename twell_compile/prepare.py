@@ -29,7 +29,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from twell_compile.config import PREFIX, TwellConfig, did_you_mean
+from twell_compile.config import PREFIX, TwellConfig, did_you_mean, path_for
 from twell_compile.ops import next_instance, static_reason
 from twell_compile.passes.match_ffn import Match, find_ffns
 from twell_compile.passes.pass_utils import CAST_METHODS, DROPOUT_FNS, arg, chain, example, skip
@@ -242,9 +242,9 @@ def run_ffn(module: nn.Module, spec: FFNSpec, x: Tensor) -> Tensor:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return torch.ops.twell.ffn_train.default(x, wg, bg, wu, bu, wd, bd, spec.ell_width, spec.backup_rows,
                                                  spec.l1_scale, spec.layer, spec.stats, spec.instance,
-                                                 spec.path)[0]
+                                                 path_for(spec.path, True))[0]
     if spec.skip_dense and static_reason(x.device, dtype, None, wg.shape[1], wg.shape[0], wd.shape[0],
-                                         gated=wu is not None, path=spec.path) is not None:
+                                         gated=wu is not None, path=path_for(spec.path, False)) is not None:
         # Our op would run slower than dense here (e.g. fp32 on CUDA): the plain formula, which
         # the backend then leaves to Inductor as it does for unprepared FFNs (twell.skip_dense).
         # (The token count is not asked: it would put a guard on every prepared FFN's input.)
@@ -253,7 +253,7 @@ def run_ffn(module: nn.Module, spec: FFNSpec, x: Tensor) -> Tensor:
             h = h * F.linear(x, wu, bu)
         return F.linear(h, wd, bd)
     return torch.ops.twell.ffn.default(x, wg, bg, wu, bu, wd, bd, spec.layer, spec.stats, spec.instance,
-                                       spec.path)
+                                       path_for(spec.path, False))
 
 
 def _is_dtensor(t: Tensor) -> bool:
