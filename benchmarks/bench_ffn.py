@@ -13,7 +13,7 @@ medians of triton.testing.do_bench (CUDA events) taken in interleaved rounds (ti
 every variant once per round, --rounds rounds, the median round). twell_ms is the product: a
 gated FFN module (3 nn.Linear) holding the point's weights, compiled with backend="twell"
 (dynamic=False, --mode), so shapes the backend leaves to Inductor read Inductor's time and
-``path`` says which ran ("inductor", or the op's path); inductor_ms is the same module compiled
+``path`` says which ran ("inductor", or the path the product's own op last took); inductor_ms is the same module compiled
 by Inductor, same mode (not ffn_dense compiled as a function taking the weights: its host time
 differs from the module's, and at M <= 64 in the default mode both are host-bound, 0.06-0.18
 ms per call, H200, 2026-11-24); op_ms is the op torch.ops.twell.ffn called directly on the
@@ -42,6 +42,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):                  # run as a file: python3 benchmarks/bench_ffn.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_dynamic import FFN, OpCalls  # noqa: E402
+from benchmarks import reference  # noqa: E402
 from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
 from benchmarks.timing import gpu_name, interleaved_ms, rel  # noqa: E402
 
@@ -91,8 +92,14 @@ def main(argv=None) -> int:
                     help="replay a real non-zeros-per-token profile (train_sparse_lm.py --profile-out) "
                          "instead of the density/tail grid")
     ap.add_argument("--profile-layer", default=None, help="layer of the profile (default: the densest)")
+    ap.add_argument("--reference", default=None, metavar="DIR",
+                    help="the paper's kernels (the sparser-faster-llms folder, ../shared/anchor/README.md): "
+                         "ref_ms / ref_rel_err per point, each in a process of its own (benchmarks/reference.py)")
+    ap.add_argument("--ref-timeout", type=float, default=150, help="seconds per reference point")
     ap.add_argument("--out", default=None, help="JSON path (default runs/<gpu>/ffn_inference.json)")
     args = ap.parse_args(argv)
+    if args.reference:
+        print(f"reference {args.reference}: {reference.build(args.reference)}", flush=True)
     if args.quick:
         ms, ds, ts, shapes = [16384, 65536], [0.005, 0.02, 0.05, 1.0], [0.0, 0.2], ["2048x5632"]
     else:
@@ -111,7 +118,7 @@ def main(argv=None) -> int:
     out = out_path(args.out, gpu_name(), "ffn_inference.json")
     hdr = (f"{'M':>6} {'K':>5} {'N':>6} {'dens':>6} {'tail':>4} {'nnz/r':>6} {'W':>5} {'ovf%':>5} {'dense':>7} "
            f"{'induct':>7} {'gate':>7} {'twell':>7} {'op':>7} {'kernel':>7} {'x_ind':>6} {'x_op':>6} {'x_krn':>6} {'%floor':>6} "
-           f"{'err':>8} {'d_err':>8} path")
+           f"{'err':>8} {'d_err':>8} {'ref':>7} {'x_ref':>6} {'ref_err':>8} path")
     print(hdr, flush=True)
     torch.set_grad_enabled(False)       # inference: the backend rewrites to the inference op
     with OpCalls(cpu_rule=False) as op_calls:
@@ -164,6 +171,8 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                     for _ in range(20):          # the policy's first measurement lands
                         tw(x)
                     torch.cuda.synchronize()
+                    # the product's own op instance's path (reset above: only its state is there)
+                    tw_paths = sorted({path for inst, _, _, path in density.snapshot() if inst != 0 and path})
                     nnz = float((F.linear(x, wg) > 0).sum()) / m
                     width = select.list_width(policy, n, nnz)
                     # the forced per-row path reads its list width from the layer's measurement:
@@ -196,23 +205,31 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                     counts = (F.linear(xr, wg) > 0).sum(1)
                     ovf = float((counts > width).float().mean()) * 100     # rows over the list width
                     op_ran = op_path(x, n, k, layer)
-                    path = op_ran if ran_op else "inductor"
+                    paper = (reference.run_point(args.reference, m, k, n, d, t, seed, args.reps, args.rounds,
+                                                 args.ref_timeout)
+                             if args.reference and profile is None else {})
+                    path = ("/".join(tw_paths) or op_ran) if ran_op else "inductor"
                     row = stamp(dict(M=m, K=k, N=n, density=d, tail=t, dense_ms=dense_ms, inductor_ms=ind_ms,
                                      gate_ms=gate_ms, twell_ms=twell_ms, rel_err=err, dense_rel_err=derr,
                                      op_ms=op_ms, op_rel_err=op_err, op_path=op_ran, mode=args.mode,
                                      kernel_ms=kernel_ms, kernel_rel_err=kerr, nnz_per_row=nnz,
                                      list_width=width, overflow_row_pct=ovf, path=path,
-                                     profile=f"{args.nnz_profile}:{layer_name}" if profile is not None else None),
+                                     profile=f"{args.nnz_profile}:{layer_name}" if profile is not None else None,
+                                     **paper),
                                 dev)
                     rows.append(row)
                     write_json(out, rows)     # every row: a timeout keeps the done ones
                     base = ind_ms if ind_ms == ind_ms else dense_ms
+                    ref_ms, ref_err = paper.get("ref_ms", nan), paper.get("ref_rel_err", nan)
                     print(f"{m:>6} {k:>5} {n:>6} {d:>6} {t:>4} {nnz:>6.1f} {width:>5} {ovf:>5.2f} {dense_ms:>7.3f} "
                           f"{ind_ms:>7.3f} {gate_ms:>7.3f} {twell_ms:>7.3f} {op_ms:>7.3f} {kernel_ms:>7.3f} "
                           f"{base / twell_ms:>6.2f} {base / op_ms:>6.2f} {base / kernel_ms:>6.2f} "
-                          f"{100 * gate_ms / twell_ms:>5.0f}% {err:>8.1e} {derr:>8.1e} {path}"
+                          f"{100 * gate_ms / twell_ms:>5.0f}% {err:>8.1e} {derr:>8.1e} "
+                          f"{ref_ms:>7.3f} {base / ref_ms:>6.2f} {ref_err:>8.1e} {path}"
                           + (f" (op {op_ran})" if path != op_ran else "")
-                          + ("  ERR>2x" if max(err, op_err) > 2 * derr else ""), flush=True)
+                          + (f" [reference {paper['ref_status']}]" if paper and paper["ref_status"] != "ok" else "")
+                          + ("  ERR>2x" if max(err, op_err) > 2 * derr else "")
+                          + ("  SLOW<0.97x" if base / twell_ms < 0.97 else ""), flush=True)
                     del p, x, wg, wu, wd, args7
             del inductor, tw, tw_mod, ind_mod
             torch._dynamo.reset()

@@ -11,10 +11,8 @@ record names the measurements behind it (results file under ``benchmarks/results
                          (tests and tuning scripts; process-wide, so autograd's backward
                          threads see it too; restored on exit)
 
-H100: every constant below was fitted on the H200 (2026-11-21 to 2026-11-25) and is applied to
-the H100 as is; ``GpuPolicy.measured_on`` says so. The H100 product grid of 2026-11-24
-(benchmarks/results/h100/ffn_inference.json) read the density rule's picks at 0.92-0.97x of
-Inductor at d=0.005 tail 0.2 and d=0.01, M=16384: a refit there is open work.
+H100: the per-row and decode cost models refitted on the H100 (2026-11-25); its launch sizes,
+decode configs and training constants are the H200's (``GpuPolicy.measured_on`` says so).
 FALLBACK (any other CUDA GPU): H200's constants with narrower margins (sparse paths only where
 the model predicts a clear win), never measured.
 """
@@ -248,9 +246,29 @@ H200 = GpuPolicy(
     # model's step 214.8 ms against 197.7, bench_e2e.py --train).
 )
 
+# H100 (80 GB HBM3): the inference constants refitted on it; launch sizes, decode configs and
+# training constants are the H200's (training: not yet measured on the H100).
 H100 = dataclasses.replace(
     H200, name="H100",
-    measured_on="constants of the H200 (NVIDIA H200, 2026-11-21 to 2026-11-25), not refitted on the H100")
+    measured_on="NVIDIA H100 80GB HBM3 (torch 2.11, Triton 3.6), 2026-11-25: per-row and decode cost "
+                "models; launch sizes, decode configs and training constants are the H200's",
+    # Per-row path: least-relative-error fit of the forced-kernel column at M = 16384 and 65536,
+    # tail 0, d 0.005-0.05 (benchmarks/results/h100/ffn_inference.json, 2026-11-25): 1.43 + 174 d
+    # (H200: 1.2 + 145); Inductor 3.1-3.3 units. TwELL below d = 0.0082: d=0.01 read 0.97x
+    # (16384) and 1.07x (65536) of Inductor, left dense. The forced kernel ran 1.22x at M=4096
+    # (d=0.005), but the compiled module issues a call in 0.42 ms of host time, more than its
+    # 0.35 ms on the GPU: back to back it ran 1.03x of Inductor (benchmarks/profile_product.py
+    # --M 4096 --policy min_tokens=4096, 2026-11-25). min_tokens stays 8192 (1.30x there).
+    gate_units=1.43, pair_units=174.0,
+    # Decode cost model: benchmarks/fit_policy.py --fit-decode on benchmarks/results/h100/
+    # ffn_decode.json (56 points, 2026-11-25): HBM 2.6 TB/s for eager's dense FFN (H200: 3.8).
+    decode_forms=_frozen({
+        "rows": (3.68, 1689.0, 4.453, 0.3255),
+        "tiles": (17.87, 1228.0, 1.3963, 0.0019, 0.0001),
+        "list": (33.89, 1231.0, 9.2562, 0.1282, 1.3004),
+        "pairs": (2.58, 1240.0, 0.0, 0.3231),
+    }),
+    dense_fixed_us=14.41, dense_gbps=2599.0)
 
 FALLBACK = dataclasses.replace(
     H200, name="fallback",

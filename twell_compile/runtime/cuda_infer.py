@@ -24,6 +24,7 @@ from torch import Tensor
 
 from twell_compile import stats
 from twell_compile.kernels.relu_mul import relu_mul_rows_kernel
+from twell_compile.kernels.row_stats import row_stats_kernel
 from twell_compile.kernels.twell_rows import compact_rows_kernel, twell_rows_kernel
 from twell_compile.runtime import arch, cuda_decode, decode_graphs, density
 from twell_compile.runtime.launch import INTERPRET, launch, pow2, transposed, unit_rows, warps_by_width
@@ -59,10 +60,10 @@ def gate_rows(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], width: int) 
     order = torch.empty((m,), dtype=torch.int32, device=x2.device)
     if m:
         ctr = torch.zeros((2,), dtype=torch.int32, device=x2.device)
-        compact_rows_kernel[(-(-m // p.compact_bm),)](
-            g, g.stride(0), lst, cnt, order, ctr, m, n, width,
-            BM=p.compact_bm, CH=min(p.compact_ch, pow2(n)), ASM=not INTERPRET,
-            num_warps=p.compact_warps)
+        launch(compact_rows_kernel, (-(-m // p.compact_bm),),
+               (g, g.stride(0), lst, cnt, order, ctr, m, n, width),
+               dict(BM=p.compact_bm, CH=min(p.compact_ch, pow2(n)), ASM=not INTERPRET),
+               num_warps=p.compact_warps)
     return Rows(g, lst, cnt, order)
 
 
@@ -78,14 +79,14 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
     hsum = torch.empty((m,), dtype=torch.float32, device=x2.device)
     if m == 0:
         return y, hsum
-    twell_rows_kernel[(m,)](
-        x2, x2.stride(0), x2.stride(1), r.g, r.g.stride(0), r.lst, r.cnt, r.order,
-        wu, wu.stride(0), wu.stride(1), b_up if b_up is not None else x2,
-        wdt, wdt.stride(0), wdt.stride(1), b_down if b_down is not None else x2,
-        y, y.stride(0), y.stride(1), hsum, k, n, k_out, r.lst.shape[1],
-        GATED=w_up is not None, HAS_BU=b_up is not None, HAS_BD=b_down is not None,
-        K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.row_pairs, CH=min(TAIL_CH, pow2(n)), PF=p.row_prefetch,
-        num_warps=warps_by_width(max(k, k_out), p.row_cols_per_warp))
+    launch(twell_rows_kernel, (m,),
+           (x2, x2.stride(0), x2.stride(1), r.g, r.g.stride(0), r.lst, r.cnt, r.order,
+            wu, wu.stride(0), wu.stride(1), b_up if b_up is not None else x2,
+            wdt, wdt.stride(0), wdt.stride(1), b_down if b_down is not None else x2,
+            y, y.stride(0), y.stride(1), hsum, k, n, k_out, r.lst.shape[1]),
+           dict(GATED=w_up is not None, HAS_BU=b_up is not None, HAS_BD=b_down is not None,
+                K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.row_pairs, CH=min(TAIL_CH, pow2(n)), PF=p.row_prefetch),
+           num_warps=warps_by_width(max(k, k_out), p.row_cols_per_warp))
     return y, hsum
 
 
@@ -164,6 +165,20 @@ def relu_mul_rows(g: Tensor, u: Optional[Tensor]) -> tuple[Tensor, Tensor, Tenso
     return h, cnt, asum
 
 
+def record_stats(layer: str, cnt: Tensor, hsum: Tensor, width: int, n: int) -> Tensor:
+    """The layer's statistics buffer (stats.py) filled from per-row counts [M] int32 and |h|
+    sums [M] fp32 in one launch (overflows: rows with count > width; none when width is 0).
+    Returns the buffer: its first field is the summed count, which the density probe reads."""
+    m = cnt.numel()
+    buf = stats.device_buffer(layer, cnt.device, m, n)
+    if m == 0:
+        buf.zero_()
+    else:
+        launch(row_stats_kernel, (1,), (cnt, hsum, buf, m, width), dict(BLOCK=1024, OVERFLOW=width > 0),
+               num_warps=4)
+    return buf
+
+
 def ffn_infer(plan: InferPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], layer: str,
               keep_stats: bool) -> Tensor:
@@ -180,16 +195,14 @@ def ffn_infer(plan: InferPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tenso
             density.submit(plan.key, tok[m], m * n)
     elif plan.path == "twell":
         y, per_token, hsum = twell_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, plan.width)
-        if keep_stats:
-            stats.record(layer, per_token, hsum.sum(), (per_token > plan.width).sum(), n)
+        total = record_stats(layer, per_token, hsum, plan.width, n)[0] if keep_stats else None
         if plan.probe:
-            density.submit(plan.key, per_token.sum(), m * n)
+            density.submit(plan.key, per_token.sum() if total is None else total, m * n)
     elif plan.graphed:
         y = dense_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
     else:
         y, per_token, hsum = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, counts=plan.counts)
-        if keep_stats:
-            stats.record(layer, per_token, hsum.sum(), per_token.new_zeros(()), n)
+        total = record_stats(layer, per_token, hsum, 0, n)[0] if keep_stats else None
         if plan.probe:
-            density.submit(plan.key, per_token.sum(), m * n)
+            density.submit(plan.key, per_token.sum() if total is None else total, m * n)
     return y.reshape(*x.shape[:-1], k_out)

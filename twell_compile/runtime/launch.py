@@ -60,8 +60,8 @@ def transposed(w: Tensor) -> Tensor:
     r, c = w.shape
     out = torch.empty((c, r), dtype=w.dtype, device=w.device)
     if w.numel():
-        transpose_kernel[(-(-r // 64), -(-c // 64))](w, out, r, c, w.stride(0), w.stride(1),
-                                                     BR=64, BC=64, num_warps=4)
+        launch(transpose_kernel, (-(-r // 64), -(-c // 64)), (w, out, r, c, w.stride(0), w.stride(1)),
+               dict(BR=64, BC=64), num_warps=4)
     return out
 
 _PLAIN = frozenset((int, float, bool, type(None)))

@@ -1,0 +1,126 @@
+"""Where the product's time goes against the op's: one FFN point, the module compiled with
+backend="twell" beside the op called directly and the module under Inductor.
+
+    python3 benchmarks/profile_product.py --M 8192 --density 0.005 [--calls 200] [--top 15]
+    python3 benchmarks/profile_product.py --M 4096 --policy min_tokens=4096   # a record's field changed
+
+Per variant: the path it ran (the product's from its own op instance's state), host us per call
+(calls issued back to back, no sync), wall us per call (then synchronised), whether a call syncs
+(torch.cuda.set_sync_debug_mode("error") around one call), and torch.profiler's top ops by CUDA
+and by CPU time over --calls calls; then cProfile's top Python functions of the product's calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):                  # run as a file
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_dynamic import FFN  # noqa: E402
+
+import twell_compile  # noqa: E402,F401  (backend="twell")
+from twell_compile.runtime import arch, density  # noqa: E402
+from twell_compile.testing import make_ffn  # noqa: E402
+
+
+def per_call_us(fn, calls: int) -> tuple[float, float]:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return host, (time.perf_counter() - t0) / calls * 1e6
+
+
+def syncs(fn) -> str:
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return "no"
+    except RuntimeError as e:
+        return f"yes ({str(e).splitlines()[0][:80]})"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--M", type=int, default=8192)
+    ap.add_argument("--K", type=int, default=2048)
+    ap.add_argument("--N", type=int, default=5632)
+    ap.add_argument("--density", type=float, default=0.005)
+    ap.add_argument("--tail", type=float, default=0.0)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="run with these fields of the GPU record replaced (arch.patched)")
+    a = ap.parse_args(argv)
+    changes = {f: type(getattr(arch.H200, f))(v) for f, v in (kv.split("=", 1) for kv in a.policy)}
+    with arch.patched(**changes):
+        return _run(a)
+
+
+def _run(a) -> int:
+    torch.set_grad_enabled(False)
+    p = make_ffn(a.M, a.K, a.N, a.density, a.tail, device="cuda", seed=7)
+    x = p["x"]
+    mods = [FFN(a.K, a.N).cuda().to(torch.bfloat16) for _ in range(2)]
+    for m in mods:
+        m.gate.weight.copy_(p["w_gate"])
+        m.up.weight.copy_(p["w_up"])
+        m.down.weight.copy_(p["w_down"])
+    tw = torch.compile(mods[0], backend="twell", dynamic=False)
+    ind = torch.compile(mods[1], dynamic=False)
+    w = mods[0]
+    args7 = (x, w.gate.weight, None, w.up.weight, None, w.down.weight, None)
+    fns = {"product": lambda: tw(x), "op": lambda: torch.ops.twell.ffn(*args7, "profile/op", False),
+           "inductor": lambda: ind(x)}
+    for fn in fns.values():
+        for _ in range(40):
+            fn()
+    torch.cuda.synchronize()
+    paths = {("op" if inst == 0 else f"product (op instance {inst})"): path
+             for inst, key, _, path in density.snapshot()}
+    print(f"M={a.M} K={a.K} N={a.N} d={a.density} tail={a.tail} on {torch.cuda.get_device_name()}")
+    print("paths:", paths)
+    for name, fn in fns.items():
+        host, wall = per_call_us(fn, a.calls)
+        print(f"{name:>9}: host {host:7.1f} us/call, wall {wall:7.1f} us/call, syncs: {syncs(fn)}")
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, fn in fns.items():
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(a.calls):
+                fn()
+            torch.cuda.synchronize()
+        ka = prof.key_averages()
+        print(f"=== {name}: by CUDA time")
+        print(ka.table(sort_by="cuda_time_total", row_limit=a.top, max_name_column_width=60))
+        print(f"=== {name}: by CPU time")
+        print(ka.table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=60))
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(a.calls):
+        fns["product"]()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
+    print(f"=== product: cProfile over {a.calls} calls")
+    print("\n".join(s.getvalue().splitlines()[:a.top + 12]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
