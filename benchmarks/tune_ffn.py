@@ -1,14 +1,17 @@
 """Time the per-row TwELL kernels apart, over launch variants: the numbers behind the GPU
-record's compaction and row-kernel launch fields (runtime/arch.py).
+record's compaction, row-kernel and dense relu*mul launch fields (runtime/arch.py).
 
     python3 benchmarks/tune_ffn.py [--M 16384] [--density 0.005 0.02] [--tail 0 0.2]
     python3 benchmarks/tune_ffn.py --compact 16,256,4 8,256,4 --fused 1,1,1024 4,1,512
+    python3 benchmarks/tune_ffn.py --dense 1,1024,4 4,1024,8 --no-twell --M 16384 65536 --tail 0
 
 Per point: cuBLAS's gate GEMM, the compaction pass per variant (compact_bm, compact_ch,
 compact_warps; its time less the gate's), the fused row kernel per variant (row_pairs,
 row_prefetch, row_cols_per_warp) with the weight-row bytes it moves per ms, the whole
 twell_forward and eager's dense FFN at the record's fields, and the kernel's error against
-fp32 next to eager bf16's. Each variant runs under arch.patched: the record's fields replaced
+fp32 next to eager bf16's. --dense: the dense path's relu*mul pass (with its counts) per variant
+(dense_rows, dense_block, dense_warps) against Inductor's fused relu*mul and eager's two
+passes, and the dense path's whole FFN against Inductor's. Each variant runs under arch.patched: the record's fields replaced
 for that variant only. A variant the device cannot launch (out of shared memory or registers)
 is reported and skipped. Prints only; nothing is written.
 """
@@ -100,12 +103,41 @@ def rows(a, compact: list[dict[str, int]], fused: list[dict[str, int]]) -> None:
         del x, wg, wu, wd, r
 
 
+def dense_variants(a, dense: list[dict[str, int]]) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    fused = torch.compile(lambda g, u: torch.relu(g) * u, dynamic=False)
+    whole = torch.compile(lambda x, wg, wu, wd: ffn_dense(x, wg, None, wu, None, wd, None), dynamic=False)
+    for m, d, t, x, wg, wu, wd, lin in cases(a):
+        g, u = F.linear(x, wg), F.linear(x, wu)
+        ind, eager = bench(lambda: fused(g, u)), bench(lambda: torch.relu(g) * u)
+        ind_ffn = bench(lambda: whole(x, wg, wu, wd))
+        line = f"M={m} d={d} t={t}: relu*mul Inductor {ind:.3f} eager {eager:.3f}; FFN Inductor {ind_ffn:.3f}"
+        print(line, flush=True)
+        want = torch.relu(g) * u
+        for v in dense:
+            with arch.patched(**v):
+                try:
+                    ms = bench(lambda: cuda_infer.relu_mul_rows(g, u))
+                    ffn = bench(lambda: cuda_infer.dense_forward(x, wg, None, wu, None, wd, None, counts=True))
+                except LAUNCH_ERRORS as ex:
+                    print("   ", v, type(ex).__name__, str(ex)[:200])
+                    continue
+                same = torch.equal(cuda_infer.relu_mul_rows(g, u)[0], want)
+            print(f"    dense {','.join(map(str, v.values()))}: relu*mul {ms:.3f} ms ({ind / ms:.2f}x Inductor's), "
+                  f"dense path {ffn:.3f} ms ({ind_ffn / ffn:.2f}x Inductor's FFN)"
+                  + ("" if same else "  NOT BIT-IDENTICAL"), flush=True)
+        del g, u, want
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--compact", nargs="+", default=["16,256,4", "8,256,4", "4,512,4"],
                     help="compact_bm,compact_ch,compact_warps of the compaction pass")
     ap.add_argument("--fused", nargs="+", default=["1,1,1024", "4,1,512", "2,1,512", "1,1,512"],
                     help="row_pairs,row_prefetch,row_cols_per_warp of the fused row kernel")
+    ap.add_argument("--dense", nargs="*", default=[],
+                    help="dense_rows,dense_block,dense_warps of the dense path's relu*mul pass")
+    ap.add_argument("--no-twell", action="store_true", help="only the --dense variants")
     ap.add_argument("--width", type=int, default=0, help="list width (0: from the density, as the rules pick it)")
     ap.add_argument("--M", type=int, nargs="+", default=[16384])
     ap.add_argument("--K", type=int, default=2048)
@@ -115,9 +147,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     compact = variants(a.compact, ("compact_bm", "compact_ch", "compact_warps"), "--compact")
     fused = variants(a.fused, ("row_pairs", "row_prefetch", "row_cols_per_warp"), "--fused")
+    dense = variants(a.dense, ("dense_rows", "dense_block", "dense_warps"), "--dense")
     if not torch.cuda.is_available():
         raise SystemExit("tune_ffn.py needs a CUDA device")
-    rows(a, compact, fused)
+    if dense:
+        dense_variants(a, dense)
+    if not a.no_twell:
+        rows(a, compact, fused)
     return 0
 
 
