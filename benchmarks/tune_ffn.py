@@ -7,9 +7,7 @@ record's compaction, row-kernel and dense relu*mul launch fields (runtime/arch.p
 
 Per point: cuBLAS's gate GEMM, the compaction pass per variant (compact_bm, compact_ch,
 compact_warps; its time less the gate's), the fused row kernel per variant (row_pairs,
-row_prefetch, row_cols_per_warp; the tiled kernel off), the tiled row kernel per --tiled variant
-(row_tile, row_tile_bk, row_tile_bo, row_tile_warps; with the per-row kernel on the rows it
-leaves) with the weight-row bytes it moves per ms, the whole
+row_prefetch, row_cols_per_warp) with the weight-row bytes it moves per ms, the whole
 twell_forward and eager's dense FFN at the record's fields, and the kernel's error against
 fp32 next to eager bf16's. --dense: the dense path's relu*mul pass (with its counts) per variant
 (dense_rows, dense_block, dense_warps) against Inductor's fused relu*mul and eager's two
@@ -65,7 +63,7 @@ def cases(a):
                 del p, x, wg, wu, wd  # free this case before the next one is drawn
 
 
-def rows(a, compact: list[dict[str, int]], fused: list[dict[str, int]], tiled: list[dict[str, int]]) -> None:
+def rows(a, compact: list[dict[str, int]], fused: list[dict[str, int]]) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     record = arch.policy_for(torch.device("cuda"))
     for m, d, t, x, wg, wu, wd, lin in cases(a):
@@ -85,7 +83,7 @@ def rows(a, compact: list[dict[str, int]], fused: list[dict[str, int]], tiled: l
         over = int((r.cnt > width).sum())
         print(line + f" | rows over W {over}", flush=True)
         for f in fused:
-            with arch.patched(**f, row_tile=0):
+            with arch.patched(**f):
                 try:
                     ms = bench(lambda: cuda_infer.fused_rows(x, r, wu, None, wd, None))
                 except LAUNCH_ERRORS as ex:
@@ -95,19 +93,6 @@ def rows(a, compact: list[dict[str, int]], fused: list[dict[str, int]], tiled: l
             print(f"    fused row_pairs={f['row_pairs']} row_prefetch={f['row_prefetch']} "
                   f"row_cols_per_warp={f['row_cols_per_warp']}: {ms:.3f} ms ({gb / ms:.1f} TB/s of weight rows)",
                   flush=True)
-        for v in tiled:
-            with arch.patched(**v):
-                try:
-                    ms = bench(lambda: cuda_infer.fused_rows(x, r, wu, None, wd, None))
-                    y = cuda_infer.fused_rows(x, r, wu, None, wd, None)[0]
-                except LAUNCH_ERRORS as ex:
-                    print("   ", v, type(ex).__name__, str(ex)[:200])
-                    continue
-            with arch.patched(row_tile=0):
-                same = torch.equal(y, cuda_infer.fused_rows(x, r, wu, None, wd, None)[0])
-            gb = nnz * m * 2 * a.K * 2 / 1e9
-            print(f"    tiled {','.join(map(str, v.values()))}: {ms:.3f} ms ({gb / ms:.1f} TB/s of weight rows)"
-                  + ("" if same else " (differs from the per-row kernel's bits)"), flush=True)
         tot = bench(lambda: cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width))
         rr = min(m, 4096)
         y = cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width)[0][:rr]
@@ -150,8 +135,6 @@ def main(argv=None) -> int:
                     help="compact_bm,compact_ch,compact_warps of the compaction pass")
     ap.add_argument("--fused", nargs="+", default=["1,1,1024", "4,1,512", "2,1,512", "1,1,512"],
                     help="row_pairs,row_prefetch,row_cols_per_warp of the fused row kernel")
-    ap.add_argument("--tiled", nargs="*", default=[],
-                    help="row_tile,row_tile_bk,row_tile_bo,row_tile_warps of the tiled row kernel")
     ap.add_argument("--dense", nargs="*", default=[],
                     help="dense_rows,dense_block,dense_warps of the dense path's relu*mul pass")
     ap.add_argument("--no-twell", action="store_true", help="only the --dense variants")
@@ -165,13 +148,12 @@ def main(argv=None) -> int:
     compact = variants(a.compact, ("compact_bm", "compact_ch", "compact_warps"), "--compact")
     fused = variants(a.fused, ("row_pairs", "row_prefetch", "row_cols_per_warp"), "--fused")
     dense = variants(a.dense, ("dense_rows", "dense_block", "dense_warps"), "--dense")
-    tiled = variants(a.tiled, ("row_tile", "row_tile_bk", "row_tile_bo", "row_tile_warps"), "--tiled")
     if not torch.cuda.is_available():
         raise SystemExit("tune_ffn.py needs a CUDA device")
     if dense:
         dense_variants(a, dense)
     if not a.no_twell:
-        rows(a, compact, fused, tiled)
+        rows(a, compact, fused)
     return 0
 
 

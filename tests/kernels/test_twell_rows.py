@@ -1,6 +1,5 @@
 """The per-row TwELL kernels (kernels/twell_rows.py, through runtime/cuda_infer.py's launchers)
-on the CPU under TRITON_INTERPRET=1, tiny shapes, with the tiled row kernel off, on rows of up
-to 4 pairs, and on rows of up to 64 (the rest: the exact kernel) (one subprocess each,
+on the CPU under TRITON_INTERPRET=1, tiny shapes (one subprocess each,
 since the interpreter is chosen when the kernels are defined). fp16 only: the Triton 3.9
 interpreter's bf16 tl.dot returns garbage (seen here: 2.8e10 error on a 16x16 product)."""
 
@@ -16,11 +15,8 @@ pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent("""
     import torch, torch.nn.functional as F
-    from twell_compile.runtime import arch
     from twell_compile.runtime.cuda_infer import gate_rows, twell_forward
     from twell_compile.reference import ffn_dense
-    # tile > 0: the tiled kernel takes rows with up to ``tile`` pairs (K and K_out in steps of 16)
-    arch.patched(row_tile={tile}, row_tile_bk=16, row_tile_bo=16).__enter__()
     torch.manual_seed({seed})
     m, k, n, ko, gated, bias, width, bad = {case}
     dt = torch.float16
@@ -36,12 +32,7 @@ SCRIPT = textwrap.dedent("""
     args = (x, wg, bg, wu, bu, wd, bd)
     hg = torch.relu(F.linear(x, wg, bg))
     # list width ``width``: rows over it take the exact tail over g
-    torch.empty(4 * m * (n + ko)).to(dt).fill_(float("nan"))    # poison freed memory
     y, counts, hsum = twell_forward(*args, width)
-    want_hsum = (hg * (F.linear(x, wu, bu) if gated else 1)).float().abs().sum(1)
-    fin_rows = torch.isfinite(x).all(1) & torch.isfinite(want_hsum)
-    assert not (hsum < 0).any(), "a row was left without the exact kernel"
-    assert torch.allclose(hsum[fin_rows], want_hsum[fin_rows], rtol=2e-2, atol=1e-2), (hsum, want_hsum)
     assert torch.equal(counts, (hg != 0).sum(1).int()), "counts"
     o = gate_rows(x, wg, bg, width).order.long()      # the row kernels' order
     assert torch.equal(o.sort().values, torch.arange(m)), ("order: a permutation", o)
@@ -69,7 +60,6 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("tile", [0, 4, 64])
 @pytest.mark.parametrize("case", CASES)
-def test_kernels_under_interpreter(case, tile):
-    run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case, tile=tile), timeout=60)
+def test_kernels_under_interpreter(case):
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case), timeout=60)

@@ -24,12 +24,10 @@ DT = [torch.bfloat16, torch.float16]
 MECHANISM = dict(min_tokens=1024, min_width=1, gate_units=1.3, pair_units=80.0)
 
 
-@pytest.fixture(autouse=True, params=[0, 32], ids=["rows", "tiled"])
-def _fresh_policy(request):
-    """Every test twice: the per-row kernel alone (row_tile=0), and the tiled row kernel on
-    rows of up to 32 pairs with the per-row kernel on the rest."""
+@pytest.fixture(autouse=True)
+def _fresh_policy():
     density.reset()
-    with arch.patched(**MECHANISM, row_tile=request.param, row_tile_bk=64, row_tile_bo=64):
+    with arch.patched(**MECHANISM):
         yield
     density.reset()
 

@@ -11,11 +11,6 @@ registers with a running prefix count:
                   row kernels take rows in this order, so the long chains of the exact tail
                   start first instead of finishing after everything else
 
-``twell_rows_tiled_kernel``: one program per row whose listed pairs fit a tile (at most T, finite
-x): the up projection as [PT, BK] tiles of W_u rows, the down projection as [PT, BO] tiles of
-W_d^T rows, all of a row's weight-row loads issued together; other rows are marked (hsum < 0)
-for ``twell_rows_kernel``, which then runs on them only (ONLY_LEFT).
-
 ``twell_rows_kernel``: one program per token row (in ``order``), x row and y row in registers, h never in
 global memory:
   1. list loop: pairs list[m, p] for p < min(cnt, W), PAIRS per iteration, the
@@ -128,22 +123,16 @@ def twell_rows_kernel(
     K, N, KO, W,
     GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
-    PF: tl.constexpr, ONLY_LEFT: tl.constexpr,
+    PF: tl.constexpr,
 ):
     m = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)     # rows over W first
     ks = tl.arange(0, K_P)
+    k_ok = ks < K
     ko = tl.arange(0, KO_P)
-    if ONLY_LEFT:   # after twell_rows_tiled_kernel: only the rows it left (hsum < 0)
-        left = tl.load(hsum_ptr + m) < 0.0
-        k_ok = (ks < K) & left
-        ko_ok = (ko < KO) & left
-        cnt = tl.where(left, tl.load(cnt_ptr + m), 0)
-    else:
-        k_ok = ks < K
-        ko_ok = ko < KO
-        cnt = tl.load(cnt_ptr + m)
+    ko_ok = ko < KO
     xr = tl.load(x_ptr + m * sx_m + ks * sx_k, mask=k_ok, other=0.0).to(tl.float32)
     bad = tl.sum(((xr != xr) | (tl.abs(xr) == float("inf"))).to(tl.int32), axis=0) > 0
+    cnt = tl.load(cnt_ptr + m)
     nl = tl.where(bad, 0, tl.minimum(cnt, W))
     lrow = m * W
     pa = tl.arange(0, PAIRS)
@@ -208,63 +197,4 @@ def twell_rows_kernel(
     if HAS_BD:
         acc += tl.load(bd_ptr + ko, mask=ko_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * sy_m + ko * sy_k, acc.to(y_ptr.dtype.element_ty), mask=ko_ok)
-    if ONLY_LEFT:
-        tl.store(hsum_ptr + m, tl.sum(hs, axis=0), mask=left)
-    else:
-        tl.store(hsum_ptr + m, tl.sum(hs, axis=0))
-
-
-@triton.jit
-def twell_rows_tiled_kernel(
-    x_ptr, sx_m, sx_k, list_ptr, cnt_ptr,
-    wu_ptr, swu_n, swu_k, bu_ptr,
-    wdt_ptr, swd_n, swd_k, bd_ptr,
-    y_ptr, sy_m, sy_k, hsum_ptr,
-    K, KO, W, T,
-    GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
-    PT: tl.constexpr, BK: tl.constexpr, BO: tl.constexpr,
-):
-    """One program per row with at most T (<= PT, <= W) listed pairs and finite x: all its
-    pairs at once, as [PT, BK] tiles of W_u rows (u = W_u[n] . x over K in BK steps) and
-    [PT, BO] tiles of W_d^T rows (y over K_out in BO steps, written once): every weight-row
-    load of the row is issued together instead of one pair after the other. Other rows (more
-    pairs, or NaN/Inf in x) get hsum = -1 and are left to twell_rows_kernel (ONLY_LEFT)."""
-    m = tl.program_id(0).to(tl.int64)
-    ks = tl.arange(0, BK)
-    bad = tl.zeros((BK,), dtype=tl.int32)
-    for k0 in range(0, K, BK):
-        xk = tl.load(x_ptr + m * sx_m + (k0 + ks) * sx_k, mask=k0 + ks < K, other=0.0).to(tl.float32)
-        bad |= ((xk != xk) | (tl.abs(xk) == float("inf"))).to(tl.int32)
-    cnt = tl.load(cnt_ptr + m)
-    mine = (cnt <= T) & (tl.max(bad, axis=0) == 0)
-    nl = tl.where(mine, cnt, 0)
-    pa = tl.arange(0, PT)
-    live = pa < nl
-    n, g = _unpack(tl.load(list_ptr + m * W + pa, mask=live, other=0), x_ptr.dtype.element_ty)
-    if GATED:
-        u = tl.zeros((PT,), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            kk = k0 + ks
-            k_ok = kk < K
-            xk = tl.load(x_ptr + m * sx_m + kk * sx_k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(wu_ptr + n[:, None] * swu_n + kk[None, :] * swu_k, mask=live[:, None] & k_ok[None, :],
-                        other=0.0)
-            u += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
-        if HAS_BU:
-            u += tl.load(bu_ptr + n, mask=live, other=0.0).to(tl.float32)
-        h = g * u
-    else:
-        h = g
-    h = tl.where(live, h, 0.0)
-    os = tl.arange(0, BO)
-    for o0 in range(0, KO, BO):
-        oo = o0 + os
-        o_ok = oo < KO
-        w = tl.load(wdt_ptr + n[:, None] * swd_n + oo[None, :] * swd_k, mask=live[:, None] & o_ok[None, :],
-                    other=0.0)
-        acc = tl.sum(h[:, None] * w.to(tl.float32), axis=0)
-        if HAS_BD:
-            acc += tl.load(bd_ptr + oo, mask=o_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + m * sy_m + oo * sy_k, acc.to(y_ptr.dtype.element_ty), mask=o_ok & mine)
-    tl.store(hsum_ptr + m, tl.where(mine, tl.sum(tl.abs(h), axis=0), -1.0))
-
+    tl.store(hsum_ptr + m, tl.sum(hs, axis=0))

@@ -139,10 +139,6 @@ class GpuPolicy:
     row_pairs: int = 1               # listed pairs per iteration of the fused row kernel
     row_prefetch: int = 1            # 0 none, 1 next (col, value), 2 next weight rows too
     row_cols_per_warp: int = 1024    # warps = pow2(max(K, K_out)) / this
-    row_tile: int = 0                # tiled row kernel: rows with up to this many pairs (0: off)
-    row_tile_bk: int = 256           # ... its K step (up projection)
-    row_tile_bo: int = 256           # ... its K_out step (down projection)
-    row_tile_warps: int = 4
     list_min: int = 32               # per-row list width bounds
     list_max: int = 1024
     eager_elementwise_max_m: int = 1024   # dense path without counts: eager's relu/mul up to here

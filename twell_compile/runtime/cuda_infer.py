@@ -5,12 +5,9 @@ TwELL path (``twell_forward``), for x [M, K] (bf16/fp16), three launches:
      against 0.72 ms for a Triton GEMM packing TwELL in its epilogue, 2026-11-22).
   2. ``compact_rows_kernel`` (kernels/twell_rows.py): one read of g; per row the count of
      relu(g)'s non-zeros and its first W (value, column) pairs, contiguous.
-  3. ``twell_rows_tiled_kernel`` (where the record's row_tile > 0): rows with at most
-     row_tile listed pairs and finite x, all pairs of a row as weight-row tiles; then
-     ``twell_rows_kernel`` on the rows it left (on every row without it): per token, up
-     projection for the listed pairs only, times g, down projection, y written once. Rows with
-     count > W continue over g after the W-th listed column; rows whose x holds NaN/Inf take
-     every column. Exact, nothing dropped.
+  3. ``twell_rows_kernel``: per token, up projection for the listed pairs only, times g, down
+     projection, y written once. Rows with count > W continue over g after the W-th listed
+     column; rows whose x holds NaN/Inf take every column. Exact, nothing dropped.
 Dense path (``dense_forward``): eager's GEMMs, bit-identical to eager, with one Triton pass for
 relu (* up) that also counts non-zeros per row; at decode sizes optionally replayed from the
 op's own CUDA graph. Decode path: runtime/cuda_decode.py. No host sync: capacities are fixed,
@@ -28,7 +25,7 @@ from torch import Tensor
 from twell_compile import stats
 from twell_compile.kernels.relu_mul import relu_mul_rows_kernel
 from twell_compile.kernels.row_stats import row_stats_kernel
-from twell_compile.kernels.twell_rows import compact_rows_kernel, twell_rows_kernel, twell_rows_tiled_kernel
+from twell_compile.kernels.twell_rows import compact_rows_kernel, twell_rows_kernel
 from twell_compile.runtime import arch, cuda_decode, decode_graphs, density
 from twell_compile.runtime.launch import INTERPRET, launch, pow2, transposed, unit_rows, warps_by_width
 from twell_compile.runtime.select import InferPlan
@@ -82,25 +79,13 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
     hsum = torch.empty((m,), dtype=torch.float32, device=x2.device)
     if m == 0:
         return y, hsum
-    bu, bd = (b_up if b_up is not None else x2), (b_down if b_down is not None else x2)
-    width = r.lst.shape[1]
-    tiled = p.row_tile > 0
-    if tiled:   # rows whose pairs fit a tile; the others get hsum < 0 for the exact kernel below
-        pt = min(p.row_tile, pow2(width))
-        launch(twell_rows_tiled_kernel, (m,),
-               (x2, x2.stride(0), x2.stride(1), r.lst, r.cnt, wu, wu.stride(0), wu.stride(1), bu,
-                wdt, wdt.stride(0), wdt.stride(1), bd, y, y.stride(0), y.stride(1), hsum, k, k_out, width,
-                min(pt, width)),
-               dict(GATED=w_up is not None, HAS_BU=b_up is not None, HAS_BD=b_down is not None, PT=pt,
-                    BK=min(p.row_tile_bk, pow2(k)), BO=min(p.row_tile_bo, pow2(k_out))),
-               num_warps=p.row_tile_warps)
     launch(twell_rows_kernel, (m,),
            (x2, x2.stride(0), x2.stride(1), r.g, r.g.stride(0), r.lst, r.cnt, r.order,
-            wu, wu.stride(0), wu.stride(1), bu, wdt, wdt.stride(0), wdt.stride(1), bd,
-            y, y.stride(0), y.stride(1), hsum, k, n, k_out, width),
+            wu, wu.stride(0), wu.stride(1), b_up if b_up is not None else x2,
+            wdt, wdt.stride(0), wdt.stride(1), b_down if b_down is not None else x2,
+            y, y.stride(0), y.stride(1), hsum, k, n, k_out, r.lst.shape[1]),
            dict(GATED=w_up is not None, HAS_BU=b_up is not None, HAS_BD=b_down is not None,
-                K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.row_pairs, CH=min(TAIL_CH, pow2(n)), PF=p.row_prefetch,
-                ONLY_LEFT=tiled),
+                K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.row_pairs, CH=min(TAIL_CH, pow2(n)), PF=p.row_prefetch),
            num_warps=warps_by_width(max(k, k_out), p.row_cols_per_warp))
     return y, hsum
 
