@@ -32,7 +32,11 @@ SCRIPT = textwrap.dedent("""
     args = (x, wg, bg, wu, bu, wd, bd)
     hg = torch.relu(F.linear(x, wg, bg))
     # list width ``width``: rows over it take the exact tail over g
+    torch.empty(4 * m * (n + ko)).to(dt).fill_(float("nan"))    # poison freed memory
     y, counts, hsum = twell_forward(*args, width)
+    want_hsum = (hg * (F.linear(x, wu, bu) if gated else 1)).float().abs().sum(1)
+    fin_rows = torch.isfinite(x).all(1) & torch.isfinite(want_hsum)
+    assert torch.allclose(hsum[fin_rows], want_hsum[fin_rows], rtol=2e-2, atol=1e-2), (hsum, want_hsum)
     assert torch.equal(counts, (hg != 0).sum(1).int()), "counts"
     o = gate_rows(x, wg, bg, width).order.long()      # the row kernels' order
     assert torch.equal(o.sort().values, torch.arange(m)), ("order: a permutation", o)
