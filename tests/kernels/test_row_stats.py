@@ -35,7 +35,8 @@ SCRIPT = textwrap.dedent("""
 
 CASES = [
     # m, n, width (0: no overflow count)
-    (2500, 300, 64),     # three BLOCK steps, partial last; some rows over the width
+    (2500, 300, 64),     # one block, partial; some rows over the width
+    (20000, 300, 64),    # three blocks of 8192, partial last
     (700, 50, 0),        # dense path: no overflows
     (1, 9, 4),           # one row
     (0, 16, 8),          # no rows: zeros

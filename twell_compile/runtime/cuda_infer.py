@@ -176,8 +176,10 @@ def record_stats(layer: str, cnt: Tensor, hsum: Tensor, width: int, n: int) -> T
     if m == 0:
         buf.zero_()
     else:
-        launch(row_stats_kernel, (1,), (cnt, hsum, buf, m, width), dict(BLOCK=1024, OVERFLOW=width > 0),
-               num_warps=4)
+        # one program; a wide block keeps its loads in flight (BLOCK 1024: 28.7 us at M=16384, H100)
+        block = min(8192, max(128, pow2(m)))
+        launch(row_stats_kernel, (1,), (cnt, hsum, buf, m, width), dict(BLOCK=block, OVERFLOW=width > 0),
+               num_warps=max(1, min(16, block // 512)))
     return buf
 
 
