@@ -228,11 +228,19 @@ def per_feature(b: torch.Tensor, width: Any) -> bool:
     return b.dim() == 0 or (all(str(d) == "1" for d in b.shape[:-1]) and str(b.shape[-1]) in ("1", str(width)))
 
 
+# Dynamo up to torch 2.13 traces w.T / w.mT as getattr; torch 2.14 as these ops
+_ATTR_TRANSPOSES = frozenset(op for name in ("numpy_T", "mT") for op in (
+    getattr(torch.ops.aten, name, None), getattr(getattr(torch.ops.aten, name, None), "default", None))
+    if op is not None)
+
+
 def _transpose_source(w: Any) -> Optional[fx.Node]:
     """If w is the transpose of a 2-D tensor, that tensor."""
     if not isinstance(w, fx.Node):
         return None
     if w.op == "call_function" and w.target is getattr and w.args[1] in ("T", "mT"):
+        return w.args[0]
+    if w.op == "call_function" and w.target in _ATTR_TRANSPOSES:   # w.T / w.mT from torch 2.14's Dynamo
         return w.args[0]
     if is_method(w, {"t"}) or is_fn(w, {torch.t}):
         return w.args[0]

@@ -35,9 +35,19 @@ if not CSRC.is_dir():  # installed (non-editable): csrc ships as package data
 # benchmark probes (benchmarks/probes/*.cu): in a checkout only, never shipped or used by the ops
 PROBES = Path(__file__).resolve().parent.parent / "benchmarks" / "probes"
 
-CXX_FLAGS = ["-O3", "-std=c++17"]
-CUDA_FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+# No -std here: torch.utils.cpp_extension passes the one its headers need (C++17 up to torch
+# 2.13, C++20 from 2.14, whose headers refuse C++17); ``check`` adds ``std_flag()`` itself.
+CXX_FLAGS = ["-O3"]
+CUDA_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a",
               "-gencode=arch=compute_80,code=sm_80", "--expt-relaxed-constexpr"]
+
+
+def std_flag() -> str:
+    """The C++ standard the installed torch's headers need: C++20 from torch 2.14, else C++17."""
+    import torch
+
+    major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    return "-std=c++20" if (major, minor) >= (2, 14) else "-std=c++17"
 
 
 class BuildError(RuntimeError):
@@ -159,9 +169,10 @@ def check(verbose: bool = True) -> int:
                 if shutil.which("nvcc") is None:
                     print(f"skip {src.name} (nvcc not found)")
                     continue
-                cmd = ["nvcc", "-c", str(src), "-o", f"{tmp}/{src.stem}.o", *CUDA_FLAGS, *incs, "-Xcompiler", "-fPIC"]
+                cmd = ["nvcc", "-c", str(src), "-o", f"{tmp}/{src.stem}.o", *CUDA_FLAGS, std_flag(), *incs,
+                       "-Xcompiler", "-fPIC"]
             elif src.suffix == ".cpp":
-                cmd = ["c++", "-c", str(src), "-o", f"{tmp}/{src.stem}.o", *CXX_FLAGS, "-fopenmp",
+                cmd = ["c++", "-c", str(src), "-o", f"{tmp}/{src.stem}.o", *CXX_FLAGS, std_flag(), "-fopenmp",
                        "-fPIC", *incs]
             else:
                 continue
