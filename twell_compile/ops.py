@@ -144,7 +144,7 @@ def ffn_train(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     if not math.isfinite(l1_scale) or l1_scale < 0:
         raise ValueError(f"l1_scale must be a finite number >= 0, got {l1_scale}")
     return execute.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
-                                     ell_width, backup_rows, layer, stats, instance, path)
+                                     ell_width, backup_rows, layer, stats, instance, path, l1_scale)
 
 
 def _backup_rows(capacity):

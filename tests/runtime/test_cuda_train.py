@@ -355,3 +355,27 @@ def test_checkpoint_recompute_takes_its_forwards_path():
     assert _path(low[0], low[1], low[5], "ck") == "dense"  # outside a backward the landed density counts
     for g, r in zip(grads, ref):
         assert _rel(g, r) < 1e-2, _rel(g, r)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_first_auto_call_compiles_every_paths_kernels(gated):
+    """A layer's first call on the auto plan runs the other paths once (outputs discarded), so
+    a later switch to any path compiles nothing mid-run; its own result is unchanged."""
+    import triton
+
+    args = _ffn(1536, 192, 700, 136, 0.01, 0.2, gated=gated, seed=3)
+    dy = torch.randn(1536, 136, device="cuda", dtype=args[0].dtype)
+    y_auto, g_auto = _twell_grads(args, dy, 0.5, 64, 16, "auto", calls=1)     # warms every path
+    compiled = []
+    old = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = (
+        lambda *a, **kw: (kw.get("already_compiled") or compiled.append(kw.get("fn"))) and False)
+    try:
+        for path in ("twell", "compact", "dense"):
+            _twell_grads(args, dy, 0.5, 64, 16, path, calls=1)
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = old
+    assert compiled == [], f"kernels compiled after the first call: {compiled}"
+    y_dense, g_dense = _twell_grads(args, dy, 0.5, 64, 16, "dense", calls=1)
+    assert torch.equal(y_auto, y_dense)        # the first auto call ran dense, as before the warm-up
+    assert all(torch.equal(a, b) for a, b in zip(g_auto, g_dense))

@@ -73,8 +73,41 @@ def _densify_hint(bidx: Tensor, densify: bool) -> None:
 
 
 def clear_hints() -> None:
-    """Forget the densify hints (runtime reset)."""
+    """Forget the densify hints and which layers' kernels are warm (runtime reset)."""
     _densify.clear()
+    _warm.clear()
+
+
+# Layers whose every path's Triton kernels are compiled: a layer switching path mid-run (its
+# density crossing sparse_max_density) otherwise compiled the new path's kernels in that step:
+# 1.0 s at step 11 and 5.9 s at step 2 against 70 ms steps (H100, bench_e2e.py --train --layers
+# 4 --twell-opt twell.l1=12, 2026-11-26). Keyed by everything the kernels specialize on.
+_warm: set = set()
+TRAIN_PATHS = ("twell", "compact", "dense")
+
+
+def warm_paths(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], l1_scale: float) -> None:
+    """Before a layer's first call that may switch path (path='auto'), run the other paths'
+    forward and backward once on its inputs, outputs discarded, so every kernel it can take is
+    compiled in the call that compiles anyway (the first). Nothing is measured or recorded; not
+    under CUDA-graph capture or inside a backward pass."""
+    if torch.cuda.is_current_stream_capturing() or torch._C._current_graph_task_id() != -1:
+        return
+    key = (x.shape[-1], x.numel() // max(x.shape[-1], 1), x.dtype, x.device, tuple(w_gate.shape), w_up is not None,
+           b_gate is not None, b_up is not None, b_down is not None, tuple(w_down.shape), plan.width, plan.cap,
+           bool(l1_scale), arch.launch_policy(x.device))
+    if key in _warm:
+        return
+    _warm.add(key)
+    with torch.no_grad():
+        dy = torch.zeros((*x.shape[:-1], w_down.shape[0]), dtype=x.dtype, device=x.device)
+        for path in TRAIN_PATHS:
+            if path == plan.path:
+                continue
+            out = ffn_train_forward(plan._replace(path=path, probe=False, tick=False), x, w_gate, b_gate, w_up,
+                                    b_up, w_down, b_down, "", False)
+            ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *out[1:], l1_scale=l1_scale)
 
 
 def _warps(k: int, k_out: int) -> int:

@@ -59,8 +59,10 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
 def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                       b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
                       ell_width: int, backup_rows: int, layer: str, keep_stats: bool,
-                      instance: int = 0, path: str = "auto") -> tuple[Tensor, ...]:
-    """(y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u): formats.Hybrid's state."""
+                      instance: int = 0, path: str = "auto", l1_scale: float = 0.0) -> tuple[Tensor, ...]:
+    """(y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u): formats.Hybrid's state.
+    ``l1_scale``: the backward's (the first call of a layer that may switch path runs every
+    path's kernels once with it: cuda_train.warm_paths)."""
     n, k_out = w_gate.shape[0], w_down.shape[0]
     prev = density.enter(instance)
     try:
@@ -68,6 +70,8 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
         if plan.path == "torch":
             return torch_impl.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
                                                 ell_width, backup_rows, layer, keep_stats)
+        if path == "auto" and plan.tick:    # a plan that may switch path: every path's kernels built now
+            _cuda_train().warm_paths(plan, x, w_gate, b_gate, w_up, b_up, w_down, b_down, l1_scale)
         out = _cuda_train().ffn_train_forward(plan, x, w_gate, b_gate, w_up, b_up, w_down, b_down,
                                               layer, keep_stats)
         if plan.tick:
