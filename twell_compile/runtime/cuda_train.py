@@ -96,7 +96,7 @@ def warm_paths(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tens
         return
     key = (x.shape[-1], x.numel() // max(x.shape[-1], 1), x.dtype, x.device, tuple(w_gate.shape), w_up is not None,
            b_gate is not None, b_up is not None, b_down is not None, tuple(w_down.shape), plan.width, plan.cap,
-           bool(l1_scale), arch.launch_policy(x.device))
+           bool(l1_scale), arch.launch_policy(x.device).name)
     if key in _warm:
         return
     _warm.add(key)
