@@ -21,6 +21,49 @@ ARG_NAMES = ("x", "w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down")
 REWRITE_ALL = {"twell.skip_dense": False}
 
 
+def ffn_with_biases(m: int, k: int, n: int, k_out: int, density: float, tail: float = 0.0, *,
+                    dtype: torch.dtype = torch.bfloat16, gated: bool = True, bias: bool = True,
+                    seed: int | None = None, down_floor: float = 1e-3) -> dict:
+    """A CUDA FFN for the GPU kernel tests: ``twell_compile.testing.make_ffn``'s inputs (fresh
+    seed unless given) with K_out != K allowed (W_down scaled by 1/sqrt(N max(density,
+    down_floor))), random biases, and at density 0 a gate that never fires."""
+    from twell_compile.testing import make_ffn
+
+    seed = torch.randint(0, 2**31, ()).item() if seed is None else seed
+    p = make_ffn(m, k, n, max(density, 1e-9), tail, gated=gated, dtype=torch.float32, seed=seed)
+    g = torch.Generator("cuda").manual_seed(seed + 1)
+    p["w_down"] = torch.randn(k_out, n, generator=g, device="cuda") / (n * max(density, down_floor)) ** 0.5
+    if density == 0.0:
+        p["w_gate"][:, 0] = -1e4            # no gate ever fires
+    if bias:
+        p["b_gate"] = torch.randn(n, generator=g, device="cuda") * 0.1
+        p["b_up"] = torch.randn(n, generator=g, device="cuda") if gated else None
+        p["b_down"] = torch.randn(k_out, generator=g, device="cuda")
+    return {key: None if v is None else v.to(dtype) for key, v in p.items()}
+
+
+class GatedMLP(torch.nn.Module):
+    """An HF-style gated ReLU MLP (gate_proj, up_proj, down_proj) holding anchors.md weights at
+    ``density``, fp32 (move it with .cuda().to(dtype))."""
+
+    def __init__(self, k: int, n: int, density: float):
+        from twell_compile.testing import make_ffn
+
+        super().__init__()
+        nn = torch.nn
+        self.gate_proj = nn.Linear(k, n, bias=False)
+        self.up_proj = nn.Linear(k, n, bias=False)
+        self.down_proj = nn.Linear(n, k, bias=False)
+        p = make_ffn(8, k, n, density, 0.0, dtype=torch.float32)
+        with torch.no_grad():
+            self.gate_proj.weight.copy_(p["w_gate"])
+            self.up_proj.weight.copy_(p["w_up"])
+            self.down_proj.weight.copy_(p["w_down"])
+
+    def forward(self, x):
+        return self.down_proj(torch.relu(self.gate_proj(x)) * self.up_proj(x))
+
+
 def ffn_args(p: dict) -> tuple:
     """The op's seven tensor arguments from ``twell_compile.testing.make_ffn``'s dict."""
     return tuple(p[name] for name in ARG_NAMES)

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import twell_compile.ops  # noqa: F401  (registers torch.ops.twell when this file runs alone)
-from tests.helpers import ffn_args as _args, poison as _poison, rel as _rel, run_interpreted
+from tests.helpers import GatedMLP, ffn_args as _args, ffn_with_biases, poison as _poison, rel as _rel, run_interpreted
 from twell_compile.runtime import arch, decode_state as ds, select
 
 P = arch.H200
@@ -332,18 +332,7 @@ DT = [torch.bfloat16, torch.float16]
 
 
 def _ffn(m, k, n, k_out, density, dtype, gated=True, bias=True, tail=0.0, seed=None):
-    from twell_compile.testing import make_ffn
-    seed = torch.randint(0, 2**31, ()).item() if seed is None else seed
-    p = make_ffn(m, k, n, max(density, 1e-9), tail, gated=gated, dtype=torch.float32, seed=seed)
-    g = torch.Generator("cuda").manual_seed(seed + 1)
-    p["w_down"] = torch.randn(k_out, n, generator=g, device="cuda") / (n * max(density, 1e-3)) ** 0.5
-    if density == 0.0:
-        p["w_gate"][:, 0] = -1e4
-    if bias:
-        p["b_gate"] = torch.randn(n, generator=g, device="cuda") * 0.1
-        p["b_up"] = torch.randn(n, generator=g, device="cuda") if gated else None
-        p["b_down"] = torch.randn(k_out, generator=g, device="cuda")
-    return {key: None if v is None else v.to(dtype) for key, v in p.items()}
+    return ffn_with_biases(m, k, n, k_out, density, tail, dtype=dtype, gated=gated, bias=bias, seed=seed)
 
 
 def _check(p, cfg=None, form=None):
@@ -614,23 +603,6 @@ def test_op_in_deterministic_mode_repeats_its_bits():
     density.reset()
 
 
-class _MLP(nn.Module):
-    def __init__(self, k, n):
-        super().__init__()
-        from twell_compile.testing import make_ffn
-        self.gate_proj = nn.Linear(k, n, bias=False)
-        self.up_proj = nn.Linear(k, n, bias=False)
-        self.down_proj = nn.Linear(n, k, bias=False)
-        p = make_ffn(8, k, n, 0.01, 0.0, dtype=torch.float32)
-        with torch.no_grad():
-            self.gate_proj.weight.copy_(p["w_gate"])
-            self.up_proj.weight.copy_(p["w_up"])
-            self.down_proj.weight.copy_(p["w_down"])
-
-    def forward(self, x):
-        return self.down_proj(F.relu(self.gate_proj(x)) * self.up_proj(x))
-
-
 @gpu
 def test_compile_reduce_overhead_decode(monkeypatch, decode_wins_everywhere):
     from torch._dynamo.utils import counters
@@ -641,7 +613,7 @@ def test_compile_reduce_overhead_decode(monkeypatch, decode_wins_everywhere):
     real = cuda_decode.decode_forward
     monkeypatch.setattr(cuda_decode, "decode_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     counters.clear()
-    model = _MLP(512, 1408).cuda().to(torch.bfloat16)
+    model = GatedMLP(512, 1408, 0.01).cuda().to(torch.bfloat16)
     f = torch.compile(model, backend="twell", mode="reduce-overhead")
     with torch.no_grad():
         for _ in range(4):
@@ -664,7 +636,7 @@ def test_static_decode_ffn_is_rewritten_only_with_cuda_graphs(decode_wins_everyw
     reduce-overhead, or twell.cudagraphs='on' for graphs captured by hand: rewritten."""
     import twell_compile
 
-    model = _MLP(512, 1408).cuda().to(torch.bfloat16)
+    model = GatedMLP(512, 1408, 0.01).cuda().to(torch.bfloat16)
     x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         plain = twell_compile.explain(model, x)

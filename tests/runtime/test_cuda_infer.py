@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import twell_compile
 import twell_compile.ops  # noqa: F401
-from tests.helpers import ffn_args as _args, poison as _poison, rel as _rel
+from tests.helpers import GatedMLP, ffn_args as _args, ffn_with_biases, poison as _poison, rel as _rel
 from twell_compile.reference import ffn_dense
 from twell_compile.runtime import arch, cuda_infer, density, select
-from twell_compile.testing import make_ffn
 
 pytestmark = pytest.mark.gpu
 DT = [torch.bfloat16, torch.float16]
@@ -33,18 +31,7 @@ def _fresh_policy():
 
 
 def _ffn(m, k, n, k_out, density, tail, dtype, gated=True, bias=True, seed=None):
-    """Synthetic FFN (anchors.md) plus random biases, K_out may differ from K."""
-    seed = torch.randint(0, 2**31, ()).item() if seed is None else seed
-    p = make_ffn(m, k, n, max(density, 1e-9), tail, gated=gated, dtype=torch.float32, seed=seed)
-    g = torch.Generator("cuda").manual_seed(seed + 1)
-    p["w_down"] = torch.randn(k_out, n, generator=g, device="cuda") / (n * max(density, 1e-3)) ** 0.5
-    if density == 0.0:
-        p["w_gate"][:, 0] = -1e4            # no gate ever fires
-    if bias:
-        p["b_gate"] = torch.randn(n, generator=g, device="cuda") * 0.1
-        p["b_up"] = torch.randn(n, generator=g, device="cuda") if gated else None
-        p["b_down"] = torch.randn(k_out, generator=g, device="cuda")
-    return {key: None if v is None else v.to(dtype) for key, v in p.items()}
+    return ffn_with_biases(m, k, n, k_out, density, tail, dtype=dtype, gated=gated, bias=bias, seed=seed)
 
 
 def _check_exact(p, width=32):
@@ -198,22 +185,6 @@ def test_dense_forward_without_counts_is_eager(m, gated):
     assert (cnt is None) == (m <= arch.cuda_default().eager_elementwise_max_m)
 
 
-class _MLP(nn.Module):
-    def __init__(self, k, n):
-        super().__init__()
-        self.gate_proj = nn.Linear(k, n, bias=False)
-        self.up_proj = nn.Linear(k, n, bias=False)
-        self.down_proj = nn.Linear(n, k, bias=False)
-        p = make_ffn(8, k, n, 0.002, 0.0, dtype=torch.float32)
-        with torch.no_grad():
-            self.gate_proj.weight.copy_(p["w_gate"])
-            self.up_proj.weight.copy_(p["w_up"])
-            self.down_proj.weight.copy_(p["w_down"])
-
-    def forward(self, x):
-        return self.down_proj(F.relu(self.gate_proj(x)) * self.up_proj(x))
-
-
 def _inputs(m, k):
     x = torch.randn(m, k, device="cuda")
     x[:, 0] = 1.0
@@ -221,7 +192,7 @@ def _inputs(m, k):
 
 
 def test_compile_end_to_end_uses_twell():
-    model = _MLP(256, 1024).cuda().to(torch.bfloat16)
+    model = GatedMLP(256, 1024, 0.002).cuda().to(torch.bfloat16)
     f = torch.compile(model, backend="twell")
     with torch.no_grad():
         for _ in range(3):
@@ -236,7 +207,7 @@ def test_compile_end_to_end_uses_twell():
 def test_reduce_overhead_captures_cuda_graphs_without_skips():
     from torch._dynamo.utils import counters
     counters.clear()
-    model = _MLP(256, 1024).cuda().to(torch.bfloat16)
+    model = GatedMLP(256, 1024, 0.002).cuda().to(torch.bfloat16)
     f = torch.compile(model, backend="twell", mode="reduce-overhead")
     x = _inputs(2048, 256)
     with torch.no_grad():

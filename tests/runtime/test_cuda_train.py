@@ -14,10 +14,9 @@ import torch.nn.functional as F
 
 import twell_compile  # noqa: F401
 import twell_compile.ops  # noqa: F401
-from tests.helpers import ARG_NAMES as NAMES, poison, rel as _plain_rel
+from tests.helpers import ARG_NAMES as NAMES, ffn_with_biases, poison, rel as _plain_rel
 from twell_compile.formats import backup_capacity
 from twell_compile.runtime import arch, cuda_train, density
-from twell_compile.testing import make_ffn
 
 pytestmark = pytest.mark.gpu
 
@@ -38,16 +37,8 @@ def _path(x, wg, wd, layer):
 
 
 def _ffn(m, k, n, k_out, density, tail, gated=True, bias=True, seed=0, dtype=torch.bfloat16):
-    p = make_ffn(m, k, n, max(density, 1e-9), tail, gated=gated, dtype=torch.float32, seed=seed)
-    g = torch.Generator("cuda").manual_seed(seed + 1)
-    p["w_down"] = torch.randn(k_out, n, generator=g, device="cuda") / (n * max(density, 1e-2)) ** 0.5
-    if density == 0.0:
-        p["w_gate"][:, 0] = -1e4
-    if bias:
-        p["b_gate"] = torch.randn(n, generator=g, device="cuda") * 0.1
-        p["b_up"] = torch.randn(n, generator=g, device="cuda") if gated else None
-        p["b_down"] = torch.randn(k_out, generator=g, device="cuda")
-    return [None if p[a] is None else p[a].to(dtype) for a in NAMES]
+    p = ffn_with_biases(m, k, n, k_out, density, tail, dtype=dtype, gated=gated, bias=bias, seed=seed, down_floor=1e-2)
+    return [p[a] for a in NAMES]
 
 
 class _no_tf32:
