@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 
 from tests.helpers import ffn_args as _args, poison as _poison, rel as _rel
-from tests.runtime.test_cuda_decode import MECHANISM, _MLP, _ffn, gpu
+from tests.helpers import GatedMLP, ffn_with_biases
+from tests.runtime.test_cuda_decode import MECHANISM, gpu
 from tests.runtime.test_cuda_decode import decode_wins_everywhere  # noqa: F401  (a fixture)
 from twell_compile.runtime import arch, decode_graphs, decode_state as ds, density
 
@@ -50,7 +51,7 @@ def _ref(args):
 @gpu
 @pytest.mark.parametrize("m", [1, 16])
 def test_eager_calls_replay_one_graph_and_never_alias(decode_op, m):
-    p = _ffn(m, 2048, 5632, 2048, 0.005, torch.bfloat16)
+    p = ffn_with_biases(m, 2048, 5632, 2048, 0.005, dtype=torch.bfloat16)
     assert ds.register(p["w_down"])
     outs, refs = [], []
     for i in range(5):
@@ -73,7 +74,7 @@ def test_eager_calls_replay_one_graph_and_never_alias(decode_op, m):
 
 @gpu
 def test_replays_see_in_place_weight_updates(decode_op):
-    p = _ffn(4, 2048, 5632, 2048, 0.005, torch.bfloat16)
+    p = ffn_with_biases(4, 2048, 5632, 2048, 0.005, dtype=torch.bfloat16)
     assert ds.register(p["w_down"])
     for _ in range(3):
         _decode(_args(p), "graphs_upd")
@@ -90,7 +91,7 @@ def test_replays_see_in_place_weight_updates(decode_op):
 
 @gpu
 def test_no_graph_of_its_own_while_the_caller_captures(decode_op):
-    p = _ffn(8, 2048, 5632, 2048, 0.005, torch.bfloat16)
+    p = ffn_with_biases(8, 2048, 5632, 2048, 0.005, dtype=torch.bfloat16)
     assert ds.register(p["w_down"])
     x = p["x"].clone()
     args = (x,) + _args(p)[1:]
@@ -117,7 +118,7 @@ def test_no_graph_of_its_own_while_the_caller_captures(decode_op):
 @pytest.mark.parametrize("case", ["switched_off", "unregistered_weight"])
 def test_no_graph(decode_op, monkeypatch, case):
     """TWELL_DECODE_GRAPHS off, or a W_down the weight cache does not hold: eager calls."""
-    p = _ffn(2, 2048, 5632, 2048, 0.005, torch.bfloat16)
+    p = ffn_with_biases(2, 2048, 5632, 2048, 0.005, dtype=torch.bfloat16)
     if case == "switched_off":
         monkeypatch.setattr(decode_graphs, "ENABLED", False)
         assert ds.register(p["w_down"])
@@ -136,7 +137,7 @@ def test_dense_path_at_decode_sizes_is_graphed(gated, path):
     0, so decode never wins), or dense is forced, eager's GEMMs replay from one graph per key
     too; results within the 2x rule of fp32 on fresh inputs."""
     decode_graphs.clear()
-    p = _ffn(64, 2048, 5632, 2048, 0.02, torch.bfloat16, gated=gated)
+    p = ffn_with_biases(64, 2048, 5632, 2048, 0.02, dtype=torch.bfloat16, gated=gated)
     for i in range(4):
         p["x"] = torch.randn_like(p["x"])
         _poison()
@@ -184,7 +185,7 @@ def test_recompile_warmup_leaves_nothing_in_the_cudagraph_pool(decode_wins_every
     density.reset()
     ds.clear()
     decode_graphs.clear()
-    model = _MLP(512, 1408).cuda().to(torch.bfloat16)
+    model = GatedMLP(512, 1408, 0.01).cuda().to(torch.bfloat16)
     f = torch.compile(_Step(model), backend="twell", dynamic=False,
                       options={"twell.mode": "reduce-overhead", "twell.path": "decode-rows"})
     w = (model.gate_proj.weight, None, model.up_proj.weight, None, model.down_proj.weight, None)
