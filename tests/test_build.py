@@ -70,3 +70,12 @@ def test_build_failure_names_the_module_and_directory(tmp_path, capsys):
     src.write_text("this is not C++\n")
     with pytest.raises(build.BuildError, match=r"building extension 'twell_broken' in .*build failed"):
         build.build("twell_broken", [src], tmp_path / "build", ["-O1"])
+
+
+@pytest.mark.parametrize("version,flag", [("2.11.0+cu130", "-std=c++17"), ("2.13.0+cpu", "-std=c++17"),
+                                          ("2.14.1+cu130", "-std=c++20"), ("3.0.0", "-std=c++20")])
+def test_the_compile_check_uses_the_standard_torchs_headers_need(monkeypatch, version, flag):
+    # torch 2.14's headers refuse C++17 (#error); the builds take the standard from cpp_extension
+    monkeypatch.setattr(torch, "__version__", version)
+    assert build.std_flag() == flag
+    assert not any(f.startswith("-std=") for f in build.CXX_FLAGS + build.CUDA_FLAGS)
