@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from twell_compile import stats
+from twell_compile.config import TRAIN_PATHS
 from twell_compile.kernels.twell_rows import compact_rows_kernel
 from twell_compile.kernels.twell_train_bwd import dx_rows_kernel, rank_kernel, train_bwd_kernel
 from twell_compile.kernels.twell_train_dense import train_dense_bwd_kernel
@@ -83,7 +84,6 @@ def clear_hints() -> None:
 # 1.0 s at step 11 and 5.9 s at step 2 against 70 ms steps (H100, bench_e2e.py --train --layers
 # 4 --twell-opt twell.l1=12, 2026-11-26). Keyed by everything the kernels specialize on.
 _warm: set = set()
-TRAIN_PATHS = ("twell", "compact", "dense")
 
 
 def warm_paths(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
@@ -103,7 +103,7 @@ def warm_paths(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tens
     with torch.no_grad():
         dy = torch.zeros((*x.shape[:-1], w_down.shape[0]), dtype=x.dtype, device=x.device)
         for path in TRAIN_PATHS:
-            if path == plan.path:
+            if path in ("auto", plan.path):
                 continue
             out = ffn_train_forward(plan._replace(path=path, probe=False, tick=False), x, w_gate, b_gate, w_up,
                                     b_up, w_down, b_down, "", False)
