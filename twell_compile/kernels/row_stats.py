@@ -11,9 +11,10 @@ import triton.language as tl
 
 
 @triton.jit
-def row_stats_kernel(cnt_ptr, hsum_ptr, out_ptr, M, W, BLOCK: tl.constexpr, OVERFLOW: tl.constexpr):
-    """One program: out (fp64 [4]) = (sum of cnt, max of cnt, sum of hsum, rows with cnt > W
-    when OVERFLOW else 0) over M rows of int32 cnt and fp32 hsum."""
+def row_stats_kernel(cnt_ptr, hsum_ptr, lost_ptr, out_ptr, M, W, BLOCK: tl.constexpr, OVERFLOW: tl.constexpr):
+    """One program: out (fp64 [4]) = (sum of cnt, max of cnt, sum of hsum, overflows) over M
+    rows of int32 cnt and fp32 hsum; overflows by OVERFLOW: 0 none, 1 the rows with cnt > W
+    (inference's list width), 2 the int32 at lost_ptr (training's rows past the dense backup)."""
     offs = tl.arange(0, BLOCK)
     tot = tl.zeros([BLOCK], dtype=tl.int64)
     mx = tl.zeros([BLOCK], dtype=tl.int32)
@@ -26,9 +27,12 @@ def row_stats_kernel(cnt_ptr, hsum_ptr, out_ptr, M, W, BLOCK: tl.constexpr, OVER
         tot += c.to(tl.int64)
         mx = tl.maximum(mx, c)
         hs += tl.load(hsum_ptr + idx, mask=ok, other=0.0).to(tl.float64)
-        if OVERFLOW:
+        if OVERFLOW == 1:
             ov += (c > W).to(tl.int32)
     tl.store(out_ptr, tl.sum(tot, axis=0).to(tl.float64))
     tl.store(out_ptr + 1, tl.max(mx, axis=0).to(tl.float64))
     tl.store(out_ptr + 2, tl.sum(hs, axis=0))
-    tl.store(out_ptr + 3, tl.sum(ov, axis=0).to(tl.float64))
+    if OVERFLOW == 2:
+        tl.store(out_ptr + 3, tl.load(lost_ptr).to(tl.float64))
+    else:
+        tl.store(out_ptr + 3, tl.sum(ov, axis=0).to(tl.float64))

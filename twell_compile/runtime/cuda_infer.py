@@ -167,9 +167,12 @@ def relu_mul_rows(g: Tensor, u: Optional[Tensor]) -> tuple[Tensor, Tensor, Tenso
     return h, cnt, asum
 
 
-def record_stats(layer: str, cnt: Tensor, hsum: Tensor, width: int, n: int) -> Tensor:
+def record_stats(layer: str, cnt: Tensor, hsum: Tensor, n: int, width: int = 0,
+                 lost: Optional[Tensor] = None) -> Tensor:
     """The layer's statistics buffer (stats.py) filled from per-row counts [M] int32 and |h|
-    sums [M] fp32 in one launch (overflows: rows with count > width; none when width is 0).
+    sums [M] fp32 in one launch, for every CUDA path but decode (whose kernel writes it). The
+    overflows: ``lost`` (a 0-d int32 on the device: training's rows past the dense backup)
+    where given, else the rows with count > ``width`` (inference), none when width is 0.
     Returns the buffer: its first field is the summed count, which the density probe reads."""
     m = cnt.numel()
     buf = stats.device_buffer(layer, cnt.device, m, n)
@@ -178,8 +181,9 @@ def record_stats(layer: str, cnt: Tensor, hsum: Tensor, width: int, n: int) -> T
     else:
         # one program; a wide block keeps its loads in flight (BLOCK 1024: 28.7 us at M=16384, H100)
         block = min(8192, max(128, pow2(m)))
-        launch(row_stats_kernel, (1,), (cnt, hsum, buf, m, width), dict(BLOCK=block, OVERFLOW=width > 0),
-               num_warps=max(1, min(16, block // 512)))
+        mode = 2 if lost is not None else 1 if width > 0 else 0
+        launch(row_stats_kernel, (1,), (cnt, hsum, cnt if lost is None else lost, buf, m, width),
+               dict(BLOCK=block, OVERFLOW=mode), num_warps=max(1, min(16, block // 512)))
     return buf
 
 
@@ -199,14 +203,14 @@ def ffn_infer(plan: InferPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tenso
             density.submit(plan.key, tok[m], m * n)
     elif plan.path == "twell":
         y, per_token, hsum = twell_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, plan.width)
-        total = record_stats(layer, per_token, hsum, plan.width, n)[0] if keep_stats else None
+        total = record_stats(layer, per_token, hsum, n, plan.width)[0] if keep_stats else None
         if plan.probe:
             density.submit(plan.key, per_token.sum() if total is None else total, m * n)
     elif plan.graphed:
         y = dense_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
     else:
         y, per_token, hsum = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, counts=plan.counts)
-        total = record_stats(layer, per_token, hsum, 0, n)[0] if keep_stats else None
+        total = record_stats(layer, per_token, hsum, n)[0] if keep_stats else None
         if plan.probe:
             density.submit(plan.key, per_token.sum() if total is None else total, m * n)
     return y.reshape(*x.shape[:-1], k_out)

@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from twell_compile import stats
 from twell_compile.config import TRAIN_PATHS
 from twell_compile.kernels.twell_rows import compact_rows_kernel
 from twell_compile.kernels.twell_train_bwd import dx_rows_kernel, rank_kernel, train_bwd_kernel
@@ -49,7 +48,7 @@ from twell_compile.kernels.twell_train_densify import train_densify_kernel
 from twell_compile.kernels.twell_train_fwd import train_fwd_kernel
 from twell_compile.kernels.twell_train_wgrad import scatter_kernel, wgrad_kernel
 from twell_compile.runtime import arch, density
-from twell_compile.runtime.cuda_infer import relu_mul_rows
+from twell_compile.runtime.cuda_infer import record_stats, relu_mul_rows
 from twell_compile.runtime.launch import INTERPRET, pow2, transposed, unit_rows, warps_by_width
 from twell_compile.runtime.select import TrainPlan
 
@@ -213,13 +212,13 @@ def ffn_train_forward(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Option
         y, hsum, cnt, *rest = forward_sparse(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap)
         missing = rest[-1]
         if keep_stats:
-            stats.record(layer, cnt, hsum.sum(), missing, n)
+            record_stats(layer, cnt, hsum, n, lost=missing)
     else:
         y, hsum, (cnt, *rest) = forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down,
                                               width, cap, compact, count_lost=plan.probe)
         missing = rest[-1]                 # lost rows (compact) or what sparse would lose
         if keep_stats:
-            stats.record(layer, cnt, hsum.sum(), missing if compact else cnt.new_zeros(()), n)
+            record_stats(layer, cnt, hsum, n, lost=missing if compact else None)
     if plan.probe:
         density.submit(plan.key, cnt.sum() + missing * plan.policy.lost_row_pairs, m * n)
         density.submit(plan.lost_key, missing, 1)
