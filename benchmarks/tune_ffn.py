@@ -3,16 +3,16 @@ record's compaction, row-kernel and dense relu*mul launch fields (runtime/arch.p
 
     python3 benchmarks/tune_ffn.py [--M 16384] [--density 0.005 0.02] [--tail 0 0.2]
     python3 benchmarks/tune_ffn.py --compact 16,256,4 8,256,4 --fused 1,1,1024 4,1,512
-    python3 benchmarks/tune_ffn.py --dense 1,1024,4 4,1024,8 --no-twell --M 16384 65536 --tail 0
+    python3 benchmarks/tune_ffn.py --dense 1024,4 2048,8 --no-twell --M 16384 65536 --tail 0
 
 Per point: cuBLAS's gate GEMM, the compaction pass per variant (compact_bm, compact_ch,
 compact_warps; its time less the gate's), the fused row kernel per variant (row_pairs,
 row_prefetch, row_cols_per_warp) with the weight-row bytes it moves per ms, the whole
 twell_forward and eager's dense FFN at the record's fields, and the kernel's error against
 fp32 next to eager bf16's. --dense: the dense path's relu*mul pass (with its counts) per variant
-(dense_rows, dense_block, dense_warps) against Inductor's fused relu*mul and eager's two
-passes, and the dense path's whole FFN against Inductor's. Each variant runs under arch.patched: the record's fields replaced
-for that variant only. A variant the device cannot launch (out of shared memory or registers)
+(dense_block, dense_warps) against Inductor's fused relu*mul and eager's two passes, and the
+dense path's whole FFN against Inductor's. Each variant runs under arch.patched: the record's
+fields replaced for that variant only. A variant the device cannot launch (out of shared memory or registers)
 is reported and skipped. Prints only; nothing is written.
 """
 
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fused", nargs="+", default=["1,1,1024", "4,1,512", "2,1,512", "1,1,512"],
                     help="row_pairs,row_prefetch,row_cols_per_warp of the fused row kernel")
     ap.add_argument("--dense", nargs="*", default=[],
-                    help="dense_rows,dense_block,dense_warps of the dense path's relu*mul pass")
+                    help="dense_block,dense_warps of the dense path's relu*mul pass")
     ap.add_argument("--no-twell", action="store_true", help="only the --dense variants")
     ap.add_argument("--width", type=int, default=0, help="list width (0: from the density, as the rules pick it)")
     ap.add_argument("--M", type=int, nargs="+", default=[16384])
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     compact = variants(a.compact, ("compact_bm", "compact_ch", "compact_warps"), "--compact")
     fused = variants(a.fused, ("row_pairs", "row_prefetch", "row_cols_per_warp"), "--fused")
-    dense = variants(a.dense, ("dense_rows", "dense_block", "dense_warps"), "--dense")
+    dense = variants(a.dense, ("dense_block", "dense_warps"), "--dense")
     if not torch.cuda.is_available():
         raise SystemExit("tune_ffn.py needs a CUDA device")
     if dense:

@@ -46,8 +46,8 @@ def _relu_mul(g, u, block=64):
     h = torch.full_like(g, float("nan"))                       # poisoned
     cnt = torch.full((m,), -7, dtype=torch.int32, device=g.device)
     asum = torch.full((m,), float("nan"), dtype=torch.float32, device=g.device)
-    L.launch(relu_mul_rows_kernel, (m, 1), (g, u, h, cnt, asum, m, n, n, g.stride(0), u.stride(0), h.stride(0)),
-             dict(GATED=True, ATOMIC=False, BM=1, BLOCK=block), num_warps=4)
+    L.launch(relu_mul_rows_kernel, (m, 1), (g, u, h, cnt, asum, n, n, g.stride(0), u.stride(0), h.stride(0)),
+             dict(GATED=True, ATOMIC=False, BLOCK=block), num_warps=4)
     return h, cnt, asum
 
 
@@ -110,8 +110,8 @@ def test_constexprs_out_of_order_raise():
     c = torch.empty(2, dtype=torch.int32, device="cuda")
     s = torch.empty(2, dtype=torch.float32, device="cuda")
     with pytest.raises(TypeError, match="constexpr"):
-        L.launch(relu_mul_rows_kernel, (2, 1), (g, g, h, c, s, 2, 16, 16, 16, 16, 16),
-                 dict(BLOCK=16, GATED=True, ATOMIC=False, BM=1), num_warps=4)
+        L.launch(relu_mul_rows_kernel, (2, 1), (g, g, h, c, s, 16, 16, 16, 16, 16),
+                 dict(BLOCK=16, GATED=True, ATOMIC=False), num_warps=4)
 
 
 @pytest.mark.gpu

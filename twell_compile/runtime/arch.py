@@ -143,10 +143,9 @@ class GpuPolicy:
     list_max: int = 1024
     eager_elementwise_max_m: int = 1024   # dense path without counts: eager's relu/mul up to here
     dense_block: int = 1024          # columns per step of the relu*mul pass
-    dense_rows: int = 1              # rows per program of the relu*mul pass (1, 1024 columns, 4
-    dense_warps: int = 4             # warps: 0.97-0.99x of Inductor's fused relu*mul; tiles of 4-8
-                                     # rows 0.85-0.90x; H100, tune_ffn.py --dense, 2026-11-25)
-    dense_programs: int = 264        # split row tiles into column spans below this many programs
+    dense_warps: int = 4             # ... and its warps (1024 columns, 4 warps: 0.97-0.99x of
+                                     # Inductor's fused relu*mul; H100, tune_ffn.py --dense, 2026-11-25)
+    dense_programs: int = 264        # split rows into column spans below this many programs
     # -- launch sizes, training kernels (runtime/cuda_train.py)
     train_pairs: int = 4             # busy-row kernel: pairs per step
     fwd_pairs: int = 1

@@ -138,9 +138,9 @@ def relu_mul_rows(g: Tensor, u: Optional[Tensor]) -> tuple[Tensor, Tensor, Tenso
     """(relu(g) * u, or relu(g) when u is None; its non-zero count per row [M] int32; sum |h|
     per row [M] fp32) for 2-D g, u.
 
-    One program per (tile of the record's dense_rows rows, span of columns); rows are split
-    into spans while there are fewer than the record's dense_programs tiles, and the spans'
-    counts and sums are then added atomically into zeroed buffers (one memset).
+    One program per (row, span of columns); a row is split into spans while there are fewer
+    than the record's dense_programs rows, and the spans' counts and sums are then added
+    atomically into zeroed buffers (one memset).
     """
     p = arch.launch_policy(g.device)
     m, n = g.shape
@@ -150,10 +150,8 @@ def relu_mul_rows(g: Tensor, u: Optional[Tensor]) -> tuple[Tensor, Tensor, Tenso
         u = u.contiguous()
     h = torch.empty((m, n), dtype=g.dtype, device=g.device)
     block = min(p.dense_block, pow2(n)) if n else 1
-    bm = min(p.dense_rows, pow2(m)) if m else 1
-    tiles = -(-m // bm)
     steps = -(-n // block)
-    split = max(1, min(steps, -(-p.dense_programs // max(tiles, 1))))
+    split = max(1, min(steps, -(-p.dense_programs // max(m, 1))))
     span = -(-steps // split) * block
     split = -(-n // span) if n else 1
     # counts and sums share one int32 buffer (zero bits are 0.0f): one memset when split > 1
@@ -161,9 +159,9 @@ def relu_mul_rows(g: Tensor, u: Optional[Tensor]) -> tuple[Tensor, Tensor, Tenso
     cnt, asum = buf[0], buf[1].view(torch.float32)
     if m and n:
         uu = u if u is not None else g
-        launch(relu_mul_rows_kernel, (tiles, split),
-               (g, uu, h, cnt, asum, m, n, span, g.stride(0), uu.stride(0), h.stride(0)),
-               dict(GATED=u is not None, ATOMIC=split > 1, BM=bm, BLOCK=block), num_warps=p.dense_warps)
+        launch(relu_mul_rows_kernel, (m, split),
+               (g, uu, h, cnt, asum, n, span, g.stride(0), uu.stride(0), h.stride(0)),
+               dict(GATED=u is not None, ATOMIC=split > 1, BLOCK=block), num_warps=p.dense_warps)
     return h, cnt, asum
 
 
