@@ -2,12 +2,15 @@
 and step (fp32 weights, bf16 autocast, AdamW), torch.profiler over a few steps after warm-up.
 
     python3 benchmarks/profile_train_step.py --layers 4 --batch 8 --seq 2048 --density 0.005 \
-        --twell-opt twell.l1=12 [--warm 12] [--steps 3] [--top 25]
+        --twell-opt twell.l1=12 [--warm 12] [--prof-steps 3] [--top 25] [--neurons]
 
 Takes bench_e2e.py's flags (the model, the calibration, --twell-opt). Per backend: the step's
 wall time (CUDA events, median of the profiled steps), then its GPU time by kernel, summed over
 the profiled steps and divided by them (ms per step), the top --top, and the same grouped into
-GEMMs, the twell kernels, Inductor's Triton kernels, the optimizer and the rest.
+GEMMs, the twell kernels, Inductor's Triton kernels, the optimizer and the rest. --neurons: after
+twell's steps, each layer's per-neuron activity on the batch (a forward hook on gate_proj):
+tokens per neuron (mean, median, p99, max), dead neurons, and the share of active (token,
+neuron) pairs held by the busiest 1% and 10% of neurons.
 """
 
 from __future__ import annotations
@@ -39,11 +42,35 @@ def group(name: str) -> str:
     return "other"
 
 
+def neuron_activity(model, ids: torch.Tensor, amp) -> None:
+    """Per layer: how the active (token, neuron) pairs of relu(gate_proj(x)) spread over neurons."""
+    counts: dict[int, torch.Tensor] = {}
+    hooks = [layer.mlp.gate_proj.register_forward_hook(
+        lambda mod, inp, out, i=i: counts.__setitem__(i, (out.float() > 0).reshape(-1, out.shape[-1]).sum(0)))
+        for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad(), amp():
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    tokens = ids.numel()
+    for i, c in sorted(counts.items()):
+        c = c.double()
+        n, total = c.numel(), float(c.sum())
+        top = c.sort(descending=True).values
+        print(f"  layer {i}: density {total / (n * tokens):.4f}; tokens per neuron mean {float(c.mean()):.0f} "
+              f"median {float(c.median()):.0f} p99 {float(top[n // 100]):.0f} max {float(c.max()):.0f}; "
+              f"dead {float((c == 0).double().mean()):.1%}; busiest 1% hold {float(top[:n // 100].sum()) / total:.1%}, "
+              f"10% {float(top[:n // 10].sum()) / total:.1%} of pairs")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--warm", type=int, default=12)
     ap.add_argument("--prof-steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--neurons", action="store_true", help="per-neuron activity of each layer after twell's steps")
     own, rest = ap.parse_known_args(argv)
     a = bench_e2e.parse_args(["--train", *rest])
     dev = torch.device(a.device)
@@ -101,6 +128,8 @@ def main(argv=None) -> int:
             print(f"    {v:8.3f} ms  {k[:100]}")
         if name == "twell":
             print("  layer densities:", {k: round(v, 4) for k, v in bench_e2e.twell_stats_density().items()})
+            if own.neurons:
+                neuron_activity(model, ids, amp)
         del model, opt, fwd
         torch._dynamo.reset()
     return 0
