@@ -22,6 +22,7 @@ import torch
 if __package__ in (None, ""):                  # run as a file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_dynamic import FFN  # noqa: E402
+from benchmarks.timing import policy_changes  # noqa: E402
 
 import twell_compile  # noqa: E402,F401  (backend="twell")
 from twell_compile.runtime import arch, density  # noqa: E402
@@ -62,8 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="run with these fields of the GPU record replaced (arch.patched)")
     a = ap.parse_args(argv)
-    changes = {f: type(getattr(arch.H200, f))(v) for f, v in (kv.split("=", 1) for kv in a.policy)}
-    with arch.patched(**changes):
+    with arch.patched(**policy_changes(a.policy)):
         return _run(a)
 
 

@@ -2,7 +2,8 @@
 and step (fp32 weights, bf16 autocast, AdamW), torch.profiler over a few steps after warm-up.
 
     python3 benchmarks/profile_train_step.py --layers 4 --batch 8 --seq 2048 --density 0.005 \
-        --twell-opt twell.l1=12 [--warm 12] [--prof-steps 3] [--top 25] [--neurons]
+        --twell-opt twell.l1=12 [--warm 12] [--prof-steps 3] [--top 25] [--neurons] \
+        [--policy wg_chunk=256 ...]
 
 Takes bench_e2e.py's flags (the model, the calibration, --twell-opt). Per backend: the step's
 wall time (CUDA events, median of the profiled steps), then its GPU time by kernel, summed over
@@ -10,7 +11,8 @@ the profiled steps and divided by them (ms per step), the top --top, and the sam
 GEMMs, the twell kernels, Inductor's Triton kernels, the optimizer and the rest. --neurons: after
 twell's steps, each layer's per-neuron activity on the batch (a forward hook on gate_proj):
 tokens per neuron (mean, median, p99, max), dead neurons, and the share of active (token,
-neuron) pairs held by the busiest 1% and 10% of neurons.
+neuron) pairs held by the busiest 1% and 10% of neurons. --policy: twell runs with these fields
+of the GPU record replaced (arch.patched).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ import torch
 if __package__ in (None, ""):                  # run as a file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_e2e  # noqa: E402
+from benchmarks.timing import policy_changes  # noqa: E402
+from twell_compile.config import TwellConfig  # noqa: E402
+from twell_compile.runtime import arch  # noqa: E402
 
 GROUPS = (("GEMM (cuBLAS)", ("gemm", "nvjet", "cutlass", "sm90_xmma", "ampere")),
           ("twell kernels", ("_rows_kernel", "train_", "rank_kernel", "scatter_kernel", "wgrad_kernel",
@@ -43,11 +48,20 @@ def group(name: str) -> str:
 
 
 def neuron_activity(model, ids: torch.Tensor, amp) -> None:
-    """Per layer: how the active (token, neuron) pairs of relu(gate_proj(x)) spread over neurons."""
+    """Per layer: how the active (token, neuron) pairs of relu(gate_proj(x)) spread over neurons,
+    and the rows busier than the default ELL width (the dense backup holds M / backup_rows of
+    them; the rest are recomputed per neuron in the sparse backward)."""
     counts: dict[int, torch.Tensor] = {}
-    hooks = [layer.mlp.gate_proj.register_forward_hook(
-        lambda mod, inp, out, i=i: counts.__setitem__(i, (out.float() > 0).reshape(-1, out.shape[-1]).sum(0)))
-        for i, layer in enumerate(model.model.layers)]
+    busy: dict[int, int] = {}
+    cfg = TwellConfig()
+
+    def hook(i, out):
+        on = (out.float() > 0).reshape(-1, out.shape[-1])
+        counts[i] = on.sum(0)
+        busy[i] = int((on.sum(1) > cfg.ell_width).sum())
+
+    hooks = [layer.mlp.gate_proj.register_forward_hook(lambda mod, inp, out, i=i: hook(i, out))
+             for i, layer in enumerate(model.model.layers)]
     try:
         with torch.no_grad(), amp():
             model(input_ids=ids, use_cache=False)
@@ -62,7 +76,8 @@ def neuron_activity(model, ids: torch.Tensor, amp) -> None:
         print(f"  layer {i}: density {total / (n * tokens):.4f}; tokens per neuron mean {float(c.mean()):.0f} "
               f"median {float(c.median()):.0f} p99 {float(top[n // 100]):.0f} max {float(c.max()):.0f}; "
               f"dead {float((c == 0).double().mean()):.1%}; busiest 1% hold {float(top[:n // 100].sum()) / total:.1%}, "
-              f"10% {float(top[:n // 10].sum()) / total:.1%} of pairs")
+              f"10% {float(top[:n // 10].sum()) / total:.1%} of pairs; rows over ELL width {cfg.ell_width}: "
+              f"{busy[i]} (backup {-(-tokens // cfg.backup_rows)})")
 
 
 def main(argv=None) -> int:
@@ -71,7 +86,13 @@ def main(argv=None) -> int:
     ap.add_argument("--prof-steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--neurons", action="store_true", help="per-neuron activity of each layer after twell's steps")
+    ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE")
     own, rest = ap.parse_known_args(argv)
+    with arch.patched(**policy_changes(own.policy)):
+        return _run(own, rest)
+
+
+def _run(own, rest) -> int:
     a = bench_e2e.parse_args(["--train", *rest])
     dev = torch.device(a.device)
     amp = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731

@@ -3,7 +3,8 @@
 # sparse path's stage times (--parts, with a per-kernel profile), the training grid (POINTS=full
 # for all 30 points, else the target points) and, unless SKIP_E2E is set, bench_e2e --train at
 # full size, once per learning rate in E2E_LRS. Logs and JSON go to a work folder, tarred
-# into $OUT/${TAG}train_gpu.tgz (the device returns at most 8 files).
+# into $OUT/${TAG}train_gpu.tgz (the device returns at most 8 files). PROFILE (below) adds
+# profile_train_step.py runs.
 OUT=${OUT:-/tmp/train_out}
 W=$(mktemp -d /tmp/train_work.XXXX)
 mkdir -p "$W"
@@ -20,6 +21,19 @@ if [ -z "$SKIP_PARTS" ]; then
     echo "parts rc=$?" >> "$W/parts.log"
     grep -E "^ *16384|best|rc=" "$W/parts.log"
 fi
+# PROFILE: a list of GPU-record changes ("default", or FIELD=VALUE[,FIELD=VALUE]); each runs
+# profile_train_step.py on bench_e2e's 4-layer model with twell.l1=12 (the first also Inductor;
+# PROFILE_ARGS: more flags, e.g. --neurons)
+first=1
+for pol in ${PROFILE:-}; do
+    pargs=(); [ "$pol" != default ] && pargs=(--policy ${pol//,/ })
+    [ $first = 1 ] || pargs+=(--backends twell)
+    timeout ${T_PROFILE:-200} python3 benchmarks/profile_train_step.py --layers 4 --batch 8 --seq 2048 \
+        --density 0.005 --twell-opt twell.l1=12 "${pargs[@]}" ${PROFILE_ARGS:-} > "$W/profile_$pol.log" 2>&1
+    echo "profile $pol rc=$?" >> "$W/profile_$pol.log"
+    grep -E "^===|^  [A-Za-z]|wgrad|rc=" "$W/profile_$pol.log" | grep -v "^  warn"
+    first=0
+done
 if [ "${POINTS:-targets}" = full ]; then
     SEL=""
 else

@@ -1,5 +1,5 @@
-"""Helpers shared by the GPU benchmarks: the GPU's folder tag, relative error, and do_bench
-medians (CUDA events). The rows they write: benchmarks/rows.py."""
+"""Helpers shared by the GPU benchmarks: the GPU's folder tag, relative error, do_bench
+medians (CUDA events), and --policy FIELD=VALUE changes to the GPU record. The rows they write: benchmarks/rows.py."""
 
 from __future__ import annotations
 
@@ -44,3 +44,16 @@ def interleaved_ms(fns: Mapping[str, Callable[[], object]], reps: int, rounds: i
         for name in names[r % len(names):] + names[:r % len(names)]:
             got[name].append(median_ms(fns[name], rep))
     return {name: sorted(v)[len(v) // 2] for name, v in got.items()}
+
+
+def policy_changes(pairs) -> dict:
+    """--policy FIELD=VALUE pairs as arch.patched's keyword arguments, each value in the type
+    of the record's field ("wg_chunk=256" -> {"wg_chunk": 256})."""
+    from twell_compile.runtime import arch
+    out = {}
+    for kv in pairs:
+        field, sep, value = kv.partition("=")
+        if not sep or not hasattr(arch.H200, field):
+            raise ValueError(f"--policy {kv!r}: expected FIELD=VALUE with FIELD a GpuPolicy field")
+        out[field] = type(getattr(arch.H200, field))(value)
+    return out

@@ -26,3 +26,11 @@ def test_interleaved_rounds_rotate_and_take_the_median(monkeypatch):
 def test_interleaved_rejects_no_rounds():
     with pytest.raises(ValueError, match="rounds"):
         timing.interleaved_ms({"a": lambda: None}, reps=10, rounds=0)
+
+
+def test_policy_changes_types_values_and_rejects_unknown_fields():
+    assert timing.policy_changes(["wg_chunk=256", "min_tokens=4096"]) == {"wg_chunk": 256, "min_tokens": 4096}
+    assert isinstance(timing.policy_changes(["row_pairs=2"])["row_pairs"], int)
+    for bad in (["no_such_field=1"], ["wg_chunk"]):
+        with pytest.raises(ValueError, match="FIELD=VALUE"):
+            timing.policy_changes(bad)

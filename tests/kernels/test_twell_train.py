@@ -21,9 +21,11 @@ SCRIPT = textwrap.dedent("""
     import math, torch, torch.nn.functional as F
     from twell_compile.runtime import arch, cuda_train as ct
     from twell_compile.formats import Hybrid, backup_capacity, unpack_hybrid
-    dy_ent, x_ent = {ent}
-    # several K chunks per neuron in the weight-gradient kernel, several steps per neuron
-    arch.patched(wg_bk=32, wg_dy_entries=dy_ent, wg_x_entries=x_ent).__enter__()
+    dy_ent, x_ent, chunk, per_sm = {ent}
+    # several K chunks per neuron in the weight-gradient kernel, several steps per neuron; small
+    # chunks split the neurons' lists over programs (atomic sums), few programs loop over many
+    arch.patched(wg_bk=32, wg_dy_entries=dy_ent, wg_x_entries=x_ent, wg_chunk=chunk,
+                 wg_programs_per_sm=per_sm).__enter__()
     torch.manual_seed({seed})
     m, k, n, ko, gated, bias, width, brows, bad, l1, dens = {case}
     dt = torch.float16
@@ -150,8 +152,9 @@ CASES = [
 ]
 
 
-# wgrad entries per step (DY, X): small ones give several steps per neuron in every case; the
-# last case (~12 entries per neuron) also runs the shipped config (the records' wg_*_entries)
-@pytest.mark.parametrize("case, ent", [(c, (1, 2)) for c in CASES] + [(CASES[-1], (4, 4))])
+# wgrad entries per step (DY, X), entries per chunk, programs per SM (4 "SMs" on the CPU):
+# small ones give several steps and chunks per neuron and several chunks per program in every
+# case; the last case (~12 entries per neuron) also runs the shipped config (the records')
+@pytest.mark.parametrize("case, ent", [(c, (1, 2, 3, 1)) for c in CASES] + [(CASES[-1], (4, 4, 128, 8))])
 def test_train_kernels_under_interpreter(case, ent):
     run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case, ent=ent), timeout=300)

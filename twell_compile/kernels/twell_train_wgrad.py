@@ -5,10 +5,17 @@
 hist, entry (m, p) of column n goes to order[off[n] + rk[m, p]] = m * W + p. No host sync:
 order has the fixed size M * W.
 
-``wgrad_kernel``: one program per (neuron n, chunk of BKW columns), fp32, over the quiet
-rows' entries of n, E at a time, in one of two passes (constexpr DY). Each pass gathers rows
-of one [M, 2048]-sized tensor only (64 MB at M=16384 bf16: about the H200's 50 MB L2), where
-one pass over x and dy together gathered 128 MB per step set (~0.9 ms, H200, 2026-11-23):
+``wgrad_kernel``: persistent programs over (chunk of one neuron's entries, chunk of BKW
+columns), fp32, in one of two passes (constexpr DY). A neuron's entries are cut into chunks of
+at most CHUNK (``chunk_map_kernel`` lists each chunk's neuron), which the programs take in
+order from an atomic ticket: a trained layer's busiest neuron holds 27x the mean's entries
+(H100, 2026-11-26, docs/training-design.md), and one program per neuron made a pass as long as
+that neuron's list (both passes 9.5 ms per step of the 4-layer model; a fixed round-robin of
+chunks 8.3 ms, of whole neurons 12.0). A neuron of one chunk adds its
+sums to the outputs (fp32, the dense backup's part already in) with plain loads and stores;
+the chunks of a split neuron add theirs atomically. Each pass gathers rows of one
+[M, 2048]-sized tensor only (64 MB at M=16384 bf16: about the H200's 50 MB L2), where one pass
+over x and dy together gathered 128 MB per step set (~0.9 ms, H200, 2026-11-23):
 
   DY pass (whole rows, BKW >= K_out): W_d^T[n] in registers; per entry the dy row gathered,
       dh = dy[m] . W_d^T[n] (+ l1c sgn(h)), d_g = dh u [h_g > 0], d_u = dh h_g, h = h_g u;
@@ -17,9 +24,10 @@ one pass over x and dy together gathered 128 MB per step set (~0.9 ms, H200, 202
   X pass: per entry the x row gathered; dW_g[n] = sum d_g x[m], dW_u[n] = sum d_u x[m].
 
 Rows listed in mlist (busy rows past the dense backup, rows with non-finite x or dy) are
-recomputed per neuron in both passes: g, u, dh at (m, n) from x, dy and the weight rows (full
-dot products; slow, exact, rare). The dense backup rows' part is already in the outputs
-(cuBLAS products written there first), so a neuron with no entries keeps exactly that part.
+recomputed per neuron in both passes, by the neuron's first chunk: g, u, dh at (m, n) from x,
+dy and the weight rows (full dot products; slow, exact, rare). The dense backup rows' part is
+already in the outputs (cuBLAS products written there first), so a neuron with no entries
+keeps exactly that part.
 
 The [E, BKW] tiles must lie along K inside each warp (BKW >= 256 x warps): the sums over the E
 entries then stay in registers. Compiled for sm_90 (Triton 3.9, CPU-side check of the TTGIR):
@@ -42,6 +50,17 @@ def scatter_kernel(cols_ptr, rk_ptr, q_ptr, off_ptr, order_ptr, W, WP: tl.conste
         n = tl.load(cols_ptr + m * W + pp, mask=live, other=0)
         pos = tl.load(off_ptr + n, mask=live, other=0) + tl.load(rk_ptr + m * W + pp, mask=live, other=0)
         tl.store(order_ptr + pos.to(tl.int64), (m * W + pp).to(tl.int32), mask=live)
+
+
+@triton.jit
+def chunk_map_kernel(hist_ptr, coff_ptr, nid_ptr, CHUNK, BJ: tl.constexpr):
+    """nid[coff[n] + j] = n for each chunk j < max(1, ceil(hist[n] / CHUNK)) of neuron n."""
+    n = tl.program_id(0)
+    nch = tl.maximum((tl.load(hist_ptr + n) + CHUNK - 1) // CHUNK, 1)
+    start = tl.load(coff_ptr + n)
+    j = tl.arange(0, BJ)
+    for j0 in range(0, nch, BJ):
+        tl.store(nid_ptr + start + j0 + j, n, mask=j0 + j < nch)
 
 
 @triton.jit
@@ -86,81 +105,103 @@ def _listed(m, n, x_ptr, sx_m, dy_ptr, sdy_m, wg_ptr, swg_n, bgate_ptr, wu_ptr, 
 
 @triton.jit
 def wgrad_kernel(
-    order_ptr, off_ptr, hist_ptr, W,
+    order_ptr, off_ptr, hist_ptr, nid_ptr, coff_ptr, ctot_ptr, ticket_ptr, CHUNK, W,
     ellg_ptr, ellu_ptr, eg_ptr, eu_ptr, x_ptr, sx_m, dy_ptr, sdy_m,
     mlist_ptr, mctr_ptr, wg_ptr, swg_n, bgate_ptr, wu_ptr, swu_n, bup_ptr, wdt_ptr, swd_n, l1c,
-    dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr,   # [N, K], [N, K], [N, KO] (backup part in), fp32 [N]
+    dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr,   # fp32 [N, K], [N, K], [N, KO] (backup part in), [N], [N]
     K, KO,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, L1: tl.constexpr,
     DY: tl.constexpr, BKW: tl.constexpr, E: tl.constexpr,
 ):
-    n = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
-    ks = j * BKW + tl.arange(0, BKW)
+    jk = tl.program_id(1)
+    ks = jk * BKW + tl.arange(0, BKW)
     ok = ks < (KO if DY else K)
-    dt = dwg_ptr.dtype.element_ty
-    start = tl.load(off_ptr + n).to(tl.int64)
-    c = tl.load(hist_ptr + n)
+    dt = x_ptr.dtype.element_ty
     ea = tl.arange(0, E)
-    acc1 = tl.zeros((BKW,), dtype=tl.float32)      # DY: dW_d^T[n]; X: dW_g[n]
-    acc2 = tl.zeros((BKW,), dtype=tl.float32)      # X: dW_u[n]
-    sg = tl.zeros((E,), dtype=tl.float32)
-    su = tl.zeros((E,), dtype=tl.float32)
-    if DY:
-        wd = tl.load(wdt_ptr + n * swd_n + ks, mask=ok, other=0.0).to(tl.float32)
-    for e0 in range(0, c, E):
-        e = e0 + ea
-        live = e < c
-        idx = tl.load(order_ptr + start + e, mask=live, other=0).to(tl.int64)
-        m = idx // W
+    nlisted = tl.load(mctr_ptr)
+    total = tl.load(ctot_ptr)
+    ticket = ticket_ptr + jk                        # chunks taken in order, one counter per column chunk
+    t = tl.atomic_add(ticket, 1, sem="relaxed")
+    while t < total:
+        nxt = tl.atomic_add(ticket, 1, sem="relaxed")   # the next chunk's ticket, ahead of this one's work
+        n = tl.load(nid_ptr + t).to(tl.int64)
+        j = t - tl.load(coff_ptr + n)
+        c_all = tl.load(hist_ptr + n)
+        split = c_all > CHUNK
+        c = tl.minimum(c_all - j * CHUNK, CHUNK)
+        start = tl.load(off_ptr + n).to(tl.int64) + j * CHUNK
+        acc1 = tl.zeros((BKW,), dtype=tl.float32)      # DY: dW_d^T[n]; X: dW_g[n]
+        acc2 = tl.zeros((BKW,), dtype=tl.float32)      # X: dW_u[n]
+        sg = tl.zeros((E,), dtype=tl.float32)
+        su = tl.zeros((E,), dtype=tl.float32)
         if DY:
-            dyt = tl.load(dy_ptr + m[:, None] * sdy_m + ks[None, :], mask=live[:, None] & ok[None, :], other=0.0).to(tl.float32)
-            dh = tl.sum(dyt * wd[None, :], axis=1)
-            hg = tl.load(ellg_ptr + idx, mask=live, other=0.0).to(tl.float32)
-            u = tl.load(ellu_ptr + idx, mask=live, other=0.0).to(tl.float32) if GATED else hg
-            h = hg * u if GATED else hg
-            if L1:
-                dh += l1c * (tl.where(h > 0.0, 1.0, 0.0) - tl.where(h < 0.0, 1.0, 0.0))
-            dg = tl.where(hg <= 0.0, 0.0, dh * u if GATED else dh)     # NaN passes, as threshold_backward
-            dg = tl.where(live, dg, 0.0)
-            du = tl.where(live, dh * hg, 0.0)
-            tl.store(eg_ptr + idx, dg, mask=live)
-            if GATED:
-                tl.store(eu_ptr + idx, du, mask=live)
-            hq = tl.where(live, h.to(dt).to(tl.float32), 0.0)       # h as eager rounds it
-            acc1 += tl.sum(hq[:, None] * dyt, axis=0)
-            sg += dg
-            su += du
-        else:
-            xt = tl.load(x_ptr + m[:, None] * sx_m + ks[None, :], mask=live[:, None] & ok[None, :], other=0.0).to(tl.float32)
-            dg = tl.load(eg_ptr + idx, mask=live, other=0.0)
-            acc1 += tl.sum(dg[:, None] * xt, axis=0)
-            if GATED:
-                du = tl.load(eu_ptr + idx, mask=live, other=0.0)
-                acc2 += tl.sum(du[:, None] * xt, axis=0)
-    # rows listed by the row kernel: recompute g, u, dh at (m, n)
-    for i in range(0, tl.load(mctr_ptr)):
-        m = tl.load(mlist_ptr + i).to(tl.int64)
-        dgm, dum, h = _listed(m, n, x_ptr, sx_m, dy_ptr, sdy_m, wg_ptr, swg_n, bgate_ptr, wu_ptr, swu_n,
-                              bup_ptr, wdt_ptr, swd_n, l1c, K, KO, dt, GATED, HAS_BG, HAS_BU, L1, BKW)
+            wd = tl.load(wdt_ptr + n * swd_n + ks, mask=ok, other=0.0).to(tl.float32)
+        for e0 in range(0, c, E):
+            e = e0 + ea
+            live = e < c
+            idx = tl.load(order_ptr + start + e, mask=live, other=0).to(tl.int64)
+            m = idx // W
+            if DY:
+                dyt = tl.load(dy_ptr + m[:, None] * sdy_m + ks[None, :], mask=live[:, None] & ok[None, :], other=0.0).to(tl.float32)
+                dh = tl.sum(dyt * wd[None, :], axis=1)
+                hg = tl.load(ellg_ptr + idx, mask=live, other=0.0).to(tl.float32)
+                u = tl.load(ellu_ptr + idx, mask=live, other=0.0).to(tl.float32) if GATED else hg
+                h = hg * u if GATED else hg
+                if L1:
+                    dh += l1c * (tl.where(h > 0.0, 1.0, 0.0) - tl.where(h < 0.0, 1.0, 0.0))
+                dg = tl.where(hg <= 0.0, 0.0, dh * u if GATED else dh)     # NaN passes, as threshold_backward
+                dg = tl.where(live, dg, 0.0)
+                du = tl.where(live, dh * hg, 0.0)
+                tl.store(eg_ptr + idx, dg, mask=live)
+                if GATED:
+                    tl.store(eu_ptr + idx, du, mask=live)
+                hq = tl.where(live, h.to(dt).to(tl.float32), 0.0)       # h as eager rounds it
+                acc1 += tl.sum(hq[:, None] * dyt, axis=0)
+                sg += dg
+                su += du
+            else:
+                xt = tl.load(x_ptr + m[:, None] * sx_m + ks[None, :], mask=live[:, None] & ok[None, :], other=0.0).to(tl.float32)
+                dg = tl.load(eg_ptr + idx, mask=live, other=0.0)
+                acc1 += tl.sum(dg[:, None] * xt, axis=0)
+                if GATED:
+                    du = tl.load(eu_ptr + idx, mask=live, other=0.0)
+                    acc2 += tl.sum(du[:, None] * xt, axis=0)
+        # rows listed by the row kernel (the neuron's first chunk): recompute g, u, dh at (m, n)
+        for i in range(0, tl.where(j == 0, nlisted, 0)):
+            m = tl.load(mlist_ptr + i).to(tl.int64)
+            dgm, dum, h = _listed(m, n, x_ptr, sx_m, dy_ptr, sdy_m, wg_ptr, swg_n, bgate_ptr, wu_ptr, swu_n,
+                                  bup_ptr, wdt_ptr, swd_n, l1c, K, KO, dt, GATED, HAS_BG, HAS_BU, L1, BKW)
+            if DY:
+                acc1 += h.to(dt).to(tl.float32) * tl.load(dy_ptr + m * sdy_m + ks, mask=ok, other=0.0).to(tl.float32)
+                sg += tl.where(ea == 0, dgm, 0.0)
+                su += tl.where(ea == 0, dum, 0.0)
+            else:
+                xm = tl.load(x_ptr + m * sx_m + ks, mask=ok, other=0.0).to(tl.float32)
+                acc1 += dgm * xm
+                acc2 += dum * xm
         if DY:
-            acc1 += h.to(dt).to(tl.float32) * tl.load(dy_ptr + m * sdy_m + ks, mask=ok, other=0.0).to(tl.float32)
-            sg += tl.where(ea == 0, dgm, 0.0)
-            su += tl.where(ea == 0, dum, 0.0)
+            if split:
+                tl.atomic_add(dwd_ptr + n * KO + ks, acc1, mask=ok, sem="relaxed")
+                if HAS_BG:
+                    tl.atomic_add(dbg_ptr + n, tl.sum(sg, axis=0), sem="relaxed")
+                if HAS_BU:
+                    tl.atomic_add(dbu_ptr + n, tl.sum(su, axis=0), sem="relaxed")
+            else:
+                acc1 += tl.load(dwd_ptr + n * KO + ks, mask=ok, other=0.0)
+                tl.store(dwd_ptr + n * KO + ks, acc1, mask=ok)
+                if HAS_BG:
+                    tl.store(dbg_ptr + n, tl.sum(sg, axis=0))
+                if HAS_BU:
+                    tl.store(dbu_ptr + n, tl.sum(su, axis=0))
         else:
-            xm = tl.load(x_ptr + m * sx_m + ks, mask=ok, other=0.0).to(tl.float32)
-            acc1 += dgm * xm
-            acc2 += dum * xm
-    if DY:
-        acc1 += tl.load(dwd_ptr + n * KO + ks, mask=ok, other=0.0).to(tl.float32)
-        tl.store(dwd_ptr + n * KO + ks, acc1.to(dt), mask=ok)
-        if HAS_BG:
-            tl.store(dbg_ptr + n, tl.sum(sg, axis=0))
-        if HAS_BU:
-            tl.store(dbu_ptr + n, tl.sum(su, axis=0))
-    else:
-        acc1 += tl.load(dwg_ptr + n * K + ks, mask=ok, other=0.0).to(tl.float32)
-        tl.store(dwg_ptr + n * K + ks, acc1.to(dt), mask=ok)
-        if GATED:
-            acc2 += tl.load(dwu_ptr + n * K + ks, mask=ok, other=0.0).to(tl.float32)
-            tl.store(dwu_ptr + n * K + ks, acc2.to(dt), mask=ok)
+            if split:
+                tl.atomic_add(dwg_ptr + n * K + ks, acc1, mask=ok, sem="relaxed")
+                if GATED:
+                    tl.atomic_add(dwu_ptr + n * K + ks, acc2, mask=ok, sem="relaxed")
+            else:
+                acc1 += tl.load(dwg_ptr + n * K + ks, mask=ok, other=0.0)
+                tl.store(dwg_ptr + n * K + ks, acc1, mask=ok)
+                if GATED:
+                    acc2 += tl.load(dwu_ptr + n * K + ks, mask=ok, other=0.0)
+                    tl.store(dwu_ptr + n * K + ks, acc2, mask=ok)
+        t = nxt

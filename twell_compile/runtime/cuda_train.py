@@ -46,10 +46,10 @@ from twell_compile.kernels.twell_train_bwd import dx_rows_kernel, rank_kernel, t
 from twell_compile.kernels.twell_train_dense import train_dense_bwd_kernel
 from twell_compile.kernels.twell_train_densify import train_densify_kernel
 from twell_compile.kernels.twell_train_fwd import train_fwd_kernel
-from twell_compile.kernels.twell_train_wgrad import scatter_kernel, wgrad_kernel
+from twell_compile.kernels.twell_train_wgrad import chunk_map_kernel, scatter_kernel, wgrad_kernel
 from twell_compile.runtime import arch, density
 from twell_compile.runtime.cuda_infer import record_stats, relu_mul_rows
-from twell_compile.runtime.launch import INTERPRET, pow2, transposed, unit_rows, warps_by_width
+from twell_compile.runtime.launch import INTERPRET, pow2, sm_count, transposed, unit_rows, warps_by_width
 from twell_compile.runtime.select import TrainPlan
 
 CH = 256          # columns per scan step over g / backup rows
@@ -279,7 +279,7 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
     if m:
         scatter_kernel[(m,)](cols, rk, q, off, order, width, WP=pow2(width), num_warps=1)
     # the backup rows' parts: cuBLAS on the gathered x / dy rows (padding slots: zero rows),
-    # written into the outputs that wgrad_kernel then completes in place
+    # fp32, written into the outputs that wgrad_kernel then completes in place
     valid = (bidx >= 0).unsqueeze(1)
     rows = bidx.clamp(min=0)
     if m:
@@ -287,26 +287,44 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
         dyb = torch.where(valid, dy2[rows], torch.zeros((), dtype=dt, device=dev))
     else:                                   # no rows (the op's M = 0 runs dense): all padding
         xb, dyb = x2.new_zeros((cap, k)), dy2.new_zeros((cap, k_out))
-    dwg = sg.t().mm(xb)
-    dwu = su.t().mm(xb) if gated else None
-    dwdt = sh.t().mm(dyb)
+    dwg = _mm_f32(sg.t(), xb)
+    dwu = _mm_f32(su.t(), xb) if gated else None
+    dwdt = _mm_f32(sh.t(), dyb)
     del xb, dyb
-    db = torch.empty((2, n), dtype=f32, device=dev)
-    common = dict(GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c))
-    args = (order, off, hist, width, ell_g, ell_u if gated else ell_g, eg, eu, x2, x2.stride(0),
-            dy2, dy2.stride(0), mlist, mctr, w_gate, w_gate.stride(0),
-            b_gate if b_gate is not None else w_gate, wu, wu.stride(0),
-            b_up if b_up is not None else w_gate, wdt, wdt.stride(0), float(l1c),
-            dwg, dwu if gated else dwg, dwdt, db[0], db[1], k, k_out)
-    bk_dy = pow2(k_out)                       # the DY pass needs whole dy rows for dh
-    wgrad_kernel[(n, 1)](*args, DY=True, BKW=bk_dy, E=p.wg_dy_entries,
-                         num_warps=warps_by_width(k_out, p.wg_dy_cols_per_warp), **common)
-    bkw = min(p.wg_bk, pow2(k))
-    wgrad_kernel[(n, -(-k // bkw))](*args, DY=False, BKW=bkw, E=p.wg_x_entries, num_warps=p.wg_x_warps, **common)
+    db = torch.zeros((2, n), dtype=f32, device=dev)
+    if n:
+        # each neuron's entries in chunks of at most `chunk`, chunk -> neuron, persistent
+        # programs (deterministic mode never gets here: select.plan_train runs eager's path)
+        chunk = max(1, p.wg_chunk)
+        nch = torch.clamp_min(torch.div(hist + (chunk - 1), chunk, rounding_mode="floor"), 1)
+        cend = torch.cumsum(nch, 0, dtype=i32)
+        coff = cend - nch
+        bound = n + -(-(m * width) // chunk)          # chunks: at most N + entries / chunk
+        nid = torch.empty((bound,), dtype=i32, device=dev)
+        chunk_map_kernel[(n,)](hist, coff, nid, chunk, BJ=32, num_warps=1)
+        programs = min(bound, sm_count(dev) * p.wg_programs_per_sm)
+        bkw = min(p.wg_bk, pow2(k))
+        tickets = torch.zeros((1 + -(-k // bkw),), dtype=i32, device=dev)   # DY pass, X pass per K chunk
+        common = dict(GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c))
+        args = (order, off, hist, nid, coff, cend[n - 1:], tickets, chunk, width,
+                ell_g, ell_u if gated else ell_g, eg, eu, x2, x2.stride(0),
+                dy2, dy2.stride(0), mlist, mctr, w_gate, w_gate.stride(0),
+                b_gate if b_gate is not None else w_gate, wu, wu.stride(0),
+                b_up if b_up is not None else w_gate, wdt, wdt.stride(0), float(l1c),
+                dwg, dwu if gated else dwg, dwdt, db[0], db[1], k, k_out)
+        bk_dy = pow2(k_out)                       # the DY pass needs whole dy rows for dh
+        wgrad_kernel[(programs, 1)](*args, DY=True, BKW=bk_dy, E=p.wg_dy_entries,
+                                    num_warps=warps_by_width(k_out, p.wg_dy_cols_per_warp), **common)
+        args = (*args[:6], tickets[1:], *args[7:])
+        wgrad_kernel[(programs, -(-k // bkw))](*args, DY=False, BKW=bkw, E=p.wg_x_entries,
+                                               num_warps=p.wg_x_warps, **common)
     if m:
         dx_rows_kernel[(m,)](q, cols, eg, eu, width, w_gate, w_gate.stride(0), wu, wu.stride(0),
                              dx, dx.stride(0), k, GATED=gated, K_P=pow2(k), PAIRS=p.dx_pairs,
                              num_warps=_warps(k, k))
+    dwg = dwg.to(dt)
+    dwu = dwu.to(dt) if gated else None
+    dwdt = dwdt.to(dt)
     db_gate = (db[0] + sg.float().sum(0)).to(dt) if b_gate is not None else None
     db_up = (db[1] + su.float().sum(0)).to(dt) if (gated and b_up is not None) else None
     return dx, dwg, db_gate, dwu, db_up, transposed(dwdt)
@@ -342,6 +360,13 @@ def _products(x2, w_gate, b_gate, w_up, b_up, dg, du):
     dw_up = du.t().mm(x2) if du is not None else None
     db_up = du.sum(0) if (du is not None and b_up is not None) else None
     return dx, dw_gate, db_gate, dw_up, db_up
+
+
+def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b with an fp32 result from bf16/fp16 operands (cuBLAS accumulates in fp32 either way)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float().mm(b.float())
 
 
 def _slot_of(bidx: Tensor, m: int) -> Tensor:

@@ -20,6 +20,7 @@ Also the small host helpers every launcher shares: ``pow2``, ``warps_by_width``,
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Sequence
 
@@ -40,6 +41,18 @@ def pow2(v: int) -> int:
 def warps_by_width(width: int, cols_per_warp: int) -> int:
     """Warps for a program holding rows of ``width`` columns: pow2(width) / cols_per_warp, >= 1."""
     return max(1, pow2(width) // cols_per_warp)
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached); 4 elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def unit_rows(w: Tensor) -> Tensor:
