@@ -58,7 +58,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):                  # run as a file: python3 benchmarks/bench_e2e.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.rows import out_path, stamp  # noqa: E402
-from benchmarks.timing import gpu_name  # noqa: E402
+from benchmarks.timing import gpu_name, policy_changes  # noqa: E402
 
 FULL = dict(layers=16, hidden=2048, ffn=5632, heads=16, kv_heads=16, vocab=32000, batch=8, seq=2048,
             density=[0.005], steps=20, new_tokens=128, warmup=3, reps=10, calib_batch=256)
@@ -91,9 +91,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                     help="forward/generate weights (default bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--lr", type=float, default=3e-4, help="--train: AdamW learning rate")
+    ap.add_argument("--pure-bf16", action="store_true",
+                    help="--train: bf16 weights and AdamW state, no autocast (default fp32 weights, bf16 autocast)")
     ap.add_argument("--backends", nargs="+", default=["inductor", "twell"], choices=("inductor", "twell"))
     ap.add_argument("--twell-opt", action="append", default=[], metavar="KEY=VALUE",
                     help="twell option, e.g. twell.stats=false (repeatable)")
+    ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="run with these fields of the GPU record replaced (arch.patched), e.g. compact_max_lost=-1")
     ap.add_argument("--no-energy", action="store_true")
     ap.add_argument("--step-loop", action="store_true",
                     help="--generate: also time a greedy loop of the compiled model's one-token forward "
@@ -116,6 +120,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("layers", "hidden", "ffn", "heads", "vocab", "batch", "seq", "steps", "reps", "calib_batch"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    policy_changes(a.policy)                     # a bad FIELD=VALUE fails here, before any work
     if a.hidden % a.heads or a.heads % a.kv_heads:
         raise ValueError(f"--hidden ({a.hidden}) must divide by --heads ({a.heads}), --heads by --kv-heads")
     if a.new_tokens < 2:
@@ -717,6 +722,8 @@ def run_train(a: argparse.Namespace, result: dict[str, Any]) -> None:
     calib = token_batch(a, a.calib_batch, a.seq, a.seed + 1)
     ids = token_batch(a, a.batch, a.seq, a.seed + 2)
     tokens = a.batch * a.seq
+    wdt = torch.bfloat16 if a.pure_bf16 else torch.float32
+    step_amp = contextlib.nullcontext if a.pure_bf16 else amp
     for d in a.density:
         master = build_model(a, torch.float32, a.seed).eval()
         achieved = calibrate(master, calib, d, amp, a.batch)
@@ -725,11 +732,12 @@ def run_train(a: argparse.Namespace, result: dict[str, Any]) -> None:
         state = {k: v.detach().to("cpu", copy=True) for k, v in master.state_dict().items()}
         del master
         run = stamp(dict(density_target=d, density_calibration=achieved, density_measured=dens,
-                         density_measured_mean=statistics.mean(dens), autocast="bfloat16" if cuda else None,
-                         backends={}), dev)
+                         density_measured_mean=statistics.mean(dens),
+                         autocast="bfloat16" if cuda and not a.pure_bf16 else None,
+                         weights=str(wdt).replace("torch.", ""), backends={}), dev)
         result["runs"].append(run)
         for name in ["eager"] + a.backends:
-            model = build_model(a, torch.float32, a.seed + 100)
+            model = build_model(a, wdt, a.seed + 100)
             model.load_state_dict(state)
             model.train()
             opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
@@ -744,7 +752,7 @@ def run_train(a: argparse.Namespace, result: dict[str, Any]) -> None:
                 if cuda:
                     ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                     ev[0].record()
-                with amp():
+                with step_amp():
                     loss = fwd(input_ids=ids, labels=ids, use_cache=False).loss
                 loss.backward()
                 opt.step()
@@ -804,12 +812,15 @@ def main(argv=None) -> dict[str, Any]:
     config = {k: v for k, v in vars(a).items() if k not in ("twell_opt",)}
     result: dict[str, Any] = dict(mode=a.mode, config=config, env=env_info(a), runs=[])
     print(f"bench_e2e --{a.mode}: {a.layers} layers, hidden {a.hidden}, ffn {a.ffn}, vocab {a.vocab}, "
-          f"batch {a.batch} x seq {a.seq}, {a.dtype if a.mode != 'train' else 'float32+autocast'} on "
+          f"batch {a.batch} x seq {a.seq}, {a.dtype if a.mode != 'train' else 'bfloat16' if a.pure_bf16 else 'float32+autocast'} on "
           f"{result['env']['device']}", flush=True)
     import twell_compile
 
+    from twell_compile.runtime import arch
+
     twell_compile.reset_stats()     # report only this run's layers (stats are process-wide)
-    {"forward": run_forward, "generate": run_generate, "train": run_train}[a.mode](a, result)
+    with arch.patched(**policy_changes(a.policy)):
+        {"forward": run_forward, "generate": run_generate, "train": run_train}[a.mode](a, result)
     write(a.out, result)
     summary(result)
     print(f"wrote {a.out}")

@@ -45,6 +45,12 @@ def train(tmp_path_factory):
     return run(tmp_path_factory, "--train", "--backends", "twell", "--steps", "3", *REWRITE)
 
 
+@pytest.fixture(scope="module")
+def train_bf16(tmp_path_factory):
+    return run(tmp_path_factory, "--train", "--backends", "twell", "--steps", "3", "--pure-bf16",
+               "--policy", "compact_max_lost=-1", *REWRITE)
+
+
 def check_calibration(run_, layers):
     # By construction round(d * T) of T calibration tokens fire; one token either way for ties.
     assert len(run_["density_calibration"]) == layers
@@ -126,8 +132,20 @@ def test_train_follows_the_eager_loss_curve(train):
     check_twell_ran(b["twell"], layers)
 
 
+def test_pure_bf16_training_has_no_autocast_and_takes_policy_changes(train_bf16):
+    assert train_bf16["config"]["pure_bf16"] and train_bf16["config"]["policy"] == ["compact_max_lost=-1"]
+    (run_,) = train_bf16["runs"]
+    assert run_["weights"] == "bfloat16" and run_["autocast"] is None
+    b = run_["backends"]
+    eager, twell = b["eager"]["losses"], b["twell"]["losses"]
+    assert eager[-1] < eager[0]
+    assert twell == pytest.approx(eager, abs=2e-2)     # bf16 weights: AdamW steps round to bf16
+    check_twell_ran(b["twell"], train_bf16["config"]["layers"])
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--density", "0"], "--density"),
+    (["--policy", "no_such_field=1"], "FIELD=VALUE"),
     (["--density", "1.5"], "--density"),
     (["--twell-opt", "stats=false"], "--twell-opt"),
     (["--new-tokens", "1"], "--new-tokens"),

@@ -54,7 +54,7 @@ from twell_compile.runtime.select import TrainPlan
 
 CH = 256          # columns per scan step over g / backup rows
 RBK = 64          # K per recompute step in the backward (CH columns x RBK)
-EW_BLOCK = 4096   # elements per program of the dense backward's elementwise pass
+EW_BM, EW_BN = 32, 128   # tile of the dense backward's elementwise pass (and its bias sums)
 DENSIFY_CH = 2048   # columns per streamed step of train_densify_kernel (16 per thread at 4 warps)
 
 # A compact state's backward: densify (the forward ran dense) or sparse, by the saved
@@ -336,17 +336,25 @@ def backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, g, u, l1c):
     the other weight grads are allocated (1106 MiB extra peak at M=16384 d=0.02 with h kept
     to the end, eager 966; H200, 2026-11-22)."""
     gated = w_up is not None
+    g = g.contiguous()
+    u = u.contiguous() if gated else None
     h = dy2.mm(w_down)                                  # dh; the kernel leaves h in its place
     dg = torch.empty_like(g)
     du = torch.empty_like(u) if gated else None
-    numel = g.numel()
-    if numel:
-        train_dense_bwd_kernel[(-(-numel // EW_BLOCK),)](
-            g, u if gated else g, h, dg, du if gated else dg, numel, float(l1c),
-            GATED=gated, L1=bool(l1c), BLOCK=EW_BLOCK, num_warps=8)
+    m, n = g.shape
+    bias = b_gate is not None or (gated and b_up is not None)
+    db = torch.zeros((2, n), dtype=torch.float32, device=g.device) if bias else None
+    if g.numel():
+        train_dense_bwd_kernel[(-(-m // EW_BM), -(-n // EW_BN))](
+            g, u if gated else g, h, dg, du if gated else dg, db if bias else g, m, n, float(l1c),
+            GATED=gated, L1=bool(l1c), BIAS=bias, BM=EW_BM, BN=EW_BN, num_warps=4)
     dw_down = dy2.t().mm(h)
     del h
-    return (*_products(x2, w_gate, b_gate, w_up, b_up, dg, du), dw_down)
+    dx, dw_gate, db_gate, dw_up, db_up = _products(x2, w_gate, None, w_up, None, dg, du)
+    if bias:
+        db_gate = db[0].to(g.dtype) if b_gate is not None else None
+        db_up = db[1].to(g.dtype) if (gated and b_up is not None) else None
+    return dx, dw_gate, db_gate, dw_up, db_up, dw_down
 
 
 def _products(x2, w_gate, b_gate, w_up, b_up, dg, du):
