@@ -33,7 +33,12 @@ The [E, BKW] tiles must lie along K inside each warp (BKW >= 256 x warps): the s
 entries then stay in registers. Compiled for sm_90 (Triton 3.9, CPU-side check of the TTGIR):
 BKW 2048 / E 4 / 4 warps gives warpsPerCTA [1, 4] and 6 bar.sync in the kernel; BKW 256 / 4
 warps gives warpsPerCTA [4, 1] (warps along E) and 42 bar.sync (3.7-12.8 ms on the H200 at
-M=16384, d=0.005, 2026-11-23, against about 1 ms for whole rows)."""
+M=16384, d=0.005, 2026-11-23, against about 1 ms for whole rows).
+
+The X pass as [16, E] x [E, 256] MMAs over K slices of 256 (d_g and d_u split in bf16 high and
+low parts; the gathered x tiles then go through cp.async, one stage ahead) lost: both passes
+10.65 ms per step of the 4-layer model at E=64, 9.09 at E=32, against 7.25 for these register
+tiles (H100, profile_train_step.py --policy, 2026-11-26; the code is in git history)."""
 
 import triton
 import triton.language as tl

@@ -250,12 +250,13 @@ H200 = GpuPolicy(
     # model's step 214.8 ms against 197.7, bench_e2e.py --train).
 )
 
-# H100 (80 GB HBM3): the inference constants refitted on it; launch sizes, decode configs and
-# training constants are the H200's (training: not yet measured on the H100).
+# H100 (80 GB HBM3): the inference constants refitted on it, and the dense training path's saved
+# state; launch sizes, decode configs and the other training constants are the H200's.
 H100 = dataclasses.replace(
     H200, name="H100",
-    measured_on="NVIDIA H100 80GB HBM3 (torch 2.11, Triton 3.6), 2026-11-25: per-row and decode cost "
-                "models; launch sizes, decode configs and training constants are the H200's",
+    measured_on="NVIDIA H100 80GB HBM3 (torch 2.11, Triton 3.6), 2026-11-25/26: per-row and decode cost "
+                "models, the dense training path's saved state; launch sizes, decode configs and the other "
+                "training constants are the H200's",
     # Per-row path: least-relative-error fit of the forced-kernel column at M = 16384 and 65536,
     # tail 0, d 0.005-0.05 (benchmarks/results/h100/ffn_inference.json, 2026-11-25): 1.43 + 174 d
     # (H200: 1.2 + 145); Inductor 3.1-3.3 units. TwELL below d = 0.0082: d=0.01 read 0.97x
@@ -272,7 +273,11 @@ H100 = dataclasses.replace(
         "list": (33.89, 1231.0, 9.2562, 0.1282, 1.3004),
         "pairs": (2.58, 1240.0, 0.0, 0.3231),
     }),
-    dense_fixed_us=14.41, dense_gbps=2599.0)
+    dense_fixed_us=14.41, dense_gbps=2599.0,
+    # Training: a dense layer saves g and u, not the compact state. bench_e2e.py --train, 4
+    # layers, no penalty (every layer dense, 1.7-2.9%): compact 70.00 ms, peak 10.92 GB; g and u
+    # 68.89 ms, 12.30 GB; Inductor 68.61 ms, 12.91 GB (2026-11-26).
+    compact_max_lost=-1)
 
 FALLBACK = dataclasses.replace(
     H200, name="fallback",
