@@ -18,6 +18,14 @@ fp32 autograd (TF32 off); dense_grad_rel_err is eager bf16's. Rows as benchmarks
 stamps them, to --out (default runs/<gpu>/ffn_training.json; the canonical file:
 benchmarks/results/README.md).
 
+--reference DIR (the sparser-faster-llms folder, ../shared/anchor/README.md) runs the paper's
+training op (torch.ops.sparse_ops.ff_forward_gated, forward + backward) on each point's inputs
+(``train_inputs``), in a process of its own (benchmarks/reference.py: it crashes on some
+points): ref_ms (do_bench median), ref_mib (peak memory as above), ref_grad_rel_err (as
+grad_rel_err; ref_grad_rel_errs per gradient: x, w_gate, w_up, w_down) and ref_status ("ok",
+"crashed rc=..", "timeout"). The table adds ref, x_ref (dense_ms / ref_ms), r_MiB and ref_err,
+"crash" / "timeout" in place of the figures of a point where the reference did not finish.
+
 --parts times each stage of the sparse path (forced) for a few launch configurations of the
 training kernels (record fields, through arch.patched); --config runs the grid under one
 (``field=value,...``, e.g. ``fwd_pairs=4,fwd_cols_per_warp=512``).
@@ -36,6 +44,7 @@ import torch.nn.functional as F
 
 if __package__ in (None, ""):                  # run as a file: python3 benchmarks/bench_ffn_train.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import reference  # noqa: E402
 from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
 from benchmarks.timing import gpu_name, median_ms, rel  # noqa: E402
 
@@ -61,6 +70,28 @@ def bench(fn, reps: int, cuda: bool) -> float:
         fn()
         t.append(time.perf_counter() - t0)
     return sorted(t)[1] * 1e3
+
+
+def train_inputs(m: int, k: int, n: int, d: float, t: float, seed: int, dev, dt):
+    """x, w_gate, w_up, w_down (leaves requiring grad) and dy of one point (the reference's
+    child, benchmarks/reference.py --train, builds the same from the same seed)."""
+    p = make_ffn(m, k, n, d, t, device=dev, seed=seed, dtype=dt)
+    x, wg, wu, wd = (p[a].requires_grad_() for a in ("x", "w_gate", "w_up", "w_down"))
+    dy = torch.randn(m, k, device=dev, dtype=torch.float32,
+                     generator=torch.Generator(dev).manual_seed(seed + 1)).to(dt)
+    return x, wg, wu, wd, dy
+
+
+def ref_cells(paper: dict, dense_ms: float) -> str:
+    """The reference's columns of the table (REF_HDR): its status where it gave no figures."""
+    if paper["ref_status"] != "ok":
+        word = "timeout" if paper["ref_status"] == "timeout" else "crash"
+        return f" {word:>7} {'':>6} {'':>7} {'':>8}"
+    ms = paper["ref_ms"]
+    return f" {ms:>7.3f} {dense_ms / ms:>6.2f} {paper['ref_mib']:>7.0f} {paper['ref_grad_rel_err']:>8.1e}"
+
+
+REF_HDR = f" {'ref':>7} {'x_ref':>6} {'r_MiB':>7} {'ref_err':>8}"
 
 
 def peak_mib(fn, cuda: bool) -> float:
@@ -159,8 +190,18 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=None,
                     help="launch fields of the GPU record for the grid, field=value,... (as --parts prints "
                          "them; default: the record's)")
+    ap.add_argument("--reference", default=None, metavar="DIR",
+                    help="the paper's kernels (the sparser-faster-llms folder, ../shared/anchor/README.md): "
+                         "ref_ms / ref_mib / ref_grad_rel_err per point, each in a process of its own "
+                         "(benchmarks/reference.py)")
+    ap.add_argument("--ref-timeout", type=float, default=150, help="seconds per reference point")
     ap.add_argument("--out", default=None, help="JSON path (default runs/<gpu>/ffn_training.json)")
     args = ap.parse_args(argv)
+    if args.reference:
+        if args.quick or args.parts:
+            ap.error("--reference runs on CUDA, on the grid: not with --quick or --parts")
+        # a folder without the reference raises ValueError here, naming the fix
+        print(f"reference {args.reference}: {reference.build_train(args.reference)}", flush=True)
     cuda = not args.quick
     if args.quick:
         ms, ds, ts, k, n = [64], [0.05, 1.0], [0.0, 0.2], 64, 160
@@ -188,18 +229,15 @@ def grid(args, ms, ds, ts, k, n, cfg, dev, dt, cuda, out) -> list[dict]:
     rows = []
     hdr = (f"{'M':>6} {'dens':>6} {'tail':>4} {'nnz/r':>6} {'busy%':>5} {'dense':>7} {'induct':>7} {'twell':>7} "
            f"{'sparse':>7} {'compct':>7} {'dpath':>7} {'x_dns':>6} {'x_ind':>6} {'d_MiB':>7} {'t_MiB':>7} {'mem%':>5} "
-           f"{'err':>8} {'d_err':>8} path")
+           f"{'err':>8} {'d_err':>8}" + (REF_HDR if args.reference else "") + " path")
     print(hdr, flush=True)
     for m in ms:
         inductor = None if args.no_inductor or not cuda else torch.compile(ffn_dense, dynamic=False)
         for d in ds:
             for t in ts:
                 seed = hash((m, k, n, d, t)) & 0xFFFF
-                p = make_ffn(m, k, n, d, t, device=dev, seed=seed, dtype=dt)
-                x, wg, wu, wd = (p[a].requires_grad_() for a in ("x", "w_gate", "w_up", "w_down"))
+                x, wg, wu, wd, dy = train_inputs(m, k, n, d, t, seed, dev, dt)
                 params = (x, wg, wu, wd)
-                dy = torch.randn(m, k, device=dev, dtype=torch.float32,
-                                 generator=torch.Generator(dev).manual_seed(seed + 1)).to(dt)
                 layer = f"bench_train/{m}/{d}/{t}"
 
                 def step(fn):
@@ -249,19 +287,27 @@ def grid(args, ms, ds, ts, k, n, cfg, dev, dt, cuda, out) -> list[dict]:
                     cnt = (F.linear(x, wg) > 0).sum(1)
                 nnz = float(cnt.float().mean())
                 busy = float((cnt > min(cfg.ell_width, n)).float().mean()) * 100
+                paper = {}
+                if args.reference:
+                    if cuda:
+                        torch.cuda.empty_cache()          # the child shares this GPU
+                    paper = reference.run_train_point(args.reference, m, k, n, d, t, seed, args.reps,
+                                                      args.ref_timeout)
                 row = stamp(dict(M=m, K=k, N=n, density=d, tail=t, dense_ms=dense_ms, inductor_ms=ind_ms,
                                  twell_ms=twell_ms, sparse_ms=sparse_ms, compact_ms=compact_ms, densepath_ms=dpath_ms,
                                  dense_peak_mib=dense_peak, twell_peak_mib=twell_peak, inductor_peak_mib=ind_peak,
                                  grad_rel_err=err, dense_grad_rel_err=derr, nnz_per_row=nnz, busy_row_pct=busy,
-                                 ell_width=cfg.ell_width, path=path), dev)
+                                 ell_width=cfg.ell_width, path=path, **paper), dev)
                 rows.append(row)
                 write_json(out, rows)       # after every row: partial runs keep theirs
                 print(f"{m:>6} {d:>6} {t:>4} {nnz:>6.1f} {busy:>5.1f} {dense_ms:>7.3f} {ind_ms:>7.3f} "
                       f"{twell_ms:>7.3f} {sparse_ms:>7.3f} {compact_ms:>7.3f} {dpath_ms:>7.3f} {dense_ms / twell_ms:>6.2f} "
                       f"{ind_ms / twell_ms:>6.2f} {dense_peak:>7.0f} {twell_peak:>7.0f} "
                       f"{100 * twell_peak / dense_peak if dense_peak == dense_peak else float('nan'):>5.0f} "
-                      f"{err:>8.1e} {derr:>8.1e} {path}" + ("  ERR>2x" if err > 2 * derr else ""), flush=True)
-                del p, x, wg, wu, wd, params, dy, dense, twell
+                      f"{err:>8.1e} {derr:>8.1e}" + (ref_cells(paper, dense_ms) if paper else "") + f" {path}"
+                      + (f" [reference {paper['ref_status']}]" if paper and paper["ref_status"] != "ok" else "")
+                      + ("  ERR>2x" if err > 2 * derr else ""), flush=True)
+                del x, wg, wu, wd, params, dy, dense, twell
         del inductor
         torch._dynamo.reset()
     return rows

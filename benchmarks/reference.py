@@ -1,15 +1,27 @@
-"""The paper's inference kernels (TwELLGatedMLP of SakanaAI/sparser-faster-llms) on one point,
-in a process of their own: the reference gives wrong output on long tails and crashes on some
-points, and a crash must not take the benchmark with it. Never vendored: DIR is the
-``sparser-faster-llms`` folder carried to the GPU machine (../shared/anchor/README.md).
+"""The paper's kernels (SakanaAI/sparser-faster-llms) on one point, in a process of their own:
+the reference gives wrong output on long tails and crashes on some points, and a crash must
+not take the benchmark with it. Never vendored: DIR is the ``sparser-faster-llms`` folder
+carried to the GPU machine (../shared/anchor/README.md).
 
     python3 -m benchmarks.reference DIR M K N DENSITY TAIL SEED [--reps MS] [--rounds R]
+    python3 -m benchmarks.reference --train DIR M K N DENSITY TAIL SEED [--reps MS] [--device D]
 
-prints one line ``REF {"ref_ms": ..., "ref_rel_err": ..., "ref_nan": ...}`` for the inputs
-twell_compile.testing.make_ffn(M, K, N, DENSITY, TAIL, seed=SEED) builds (the same bits as the
-calling benchmark's: the generator is seeded per point). bench_ffn.py --reference DIR calls
-``run_point`` per point; ``build`` compiles the reference's extension once, up front (about
-90 s with 12 jobs).
+Inference (TwELLGatedMLP) prints one line ``REF {"ref_ms": ..., "ref_rel_err": ...,
+"ref_nan": ...}`` for the inputs twell_compile.testing.make_ffn(M, K, N, DENSITY, TAIL,
+seed=SEED) builds (the same bits as the calling benchmark's: the generator is seeded per
+point). bench_ffn.py --reference DIR calls ``run_point`` per point; ``build`` compiles the
+reference's extension once, up front (about 90 s with 12 jobs).
+
+--train (the hybrid training op, torch.ops.sparse_ops.ff_forward_gated, forward + backward
+through autograd) prints ``REF {"ref_ms": ..., "ref_mib": ..., "ref_grad_rel_err": ...,
+"ref_grad_rel_errs": {"x": ..., "w_gate": ..., "w_up": ..., "w_down": ...}}`` on
+bench_ffn_train.py's inputs (``train_inputs``: x, weights and dy), timed, its peak memory taken
+and its gradients checked as bench_ffn_train.py does ours. bench_ffn_train.py --reference DIR
+calls ``run_train_point`` per point and ``build_train`` once. (--device cpu: for the tests'
+stand-in reference only.)
+
+A point that dies reads ``ref_status`` "crashed rc=N: <last stderr line>" (rc < 0: killed by
+a signal, named), one past its timeout "timeout"; its figures are NaN.
 """
 
 from __future__ import annotations
@@ -17,20 +29,31 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 NAN = float("nan")
+GRADS = ("x", "w_gate", "w_up", "w_down")      # the order of bench_ffn_train.py's gradients
+
+
+def _find(ref_dir: str, sub: str, name: str) -> Path:
+    path = Path(ref_dir) / "custom_models" / sub
+    if not (path / name).is_file():
+        raise ValueError(f"--reference {ref_dir!r}: no custom_models/{sub}/{name} there; pass the "
+                         "sparser-faster-llms folder (../shared/anchor/README.md shows how to carry it)")
+    return path
 
 
 def _ref_path(ref_dir: str) -> Path:
-    path = Path(ref_dir) / "custom_models" / "twell_modules"
-    if not (path / "twell.py").is_file():
-        raise ValueError(f"--reference {ref_dir!r}: no custom_models/twell_modules/twell.py there; pass the "
-                         "sparser-faster-llms folder (../shared/anchor/README.md shows how to carry it)")
-    return path
+    return _find(ref_dir, "twell_modules", "twell.py")
+
+
+def _train_path(ref_dir: str) -> Path:
+    return _find(ref_dir, "hybrid_modules", "sparse_ops_loader.py")
 
 
 def _env() -> dict:
@@ -40,47 +63,77 @@ def _env() -> dict:
     return env
 
 
-def build(ref_dir: str, timeout: float = 600) -> str:
-    """Compile the reference's inference extension in a child process; returns its last output line."""
-    code = (f"import sys; sys.path.insert(0, {str(_ref_path(ref_dir))!r}); import twell; "
-            "twell.get_ext(algorithms=['twell_mlp']); print('reference built')")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=_env())
+def _build(code: str, timeout: float) -> str:
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=_env())
+    except subprocess.TimeoutExpired:
+        return f"build timeout after {timeout:.0f} s"
     lines = (r.stdout + r.stderr).strip().splitlines()
     return lines[-1] if lines else f"rc={r.returncode}"
+
+
+def build(ref_dir: str, timeout: float = 600) -> str:
+    """Compile the reference's inference extension in a child process; returns its last output line."""
+    return _build(f"import sys; sys.path.insert(0, {str(_ref_path(ref_dir))!r}); import twell; "
+                  "twell.get_ext(algorithms=['twell_mlp']); print('reference built')", timeout)
+
+
+def build_train(ref_dir: str, timeout: float = 900) -> str:
+    """Compile the reference's training extension (sparse_ops) in a child process; returns its
+    last output line. The point processes load it from torch's extension cache."""
+    return _build(f"import sys; sys.path.insert(0, {str(_train_path(ref_dir))!r}); import sparse_ops_loader; "
+                  "sparse_ops_loader.load_sparse_ops(); print('reference built')", timeout)
+
+
+def parse_line(stdout: str) -> Optional[dict]:
+    """The figures of the child's ``REF {...}`` line (its last), or None where it printed none."""
+    rows = [line[4:] for line in stdout.splitlines() if line.startswith("REF ")]
+    return json.loads(rows[-1]) if rows else None
+
+
+def status(rc: int, stderr: str) -> str:
+    """``ref_status`` of a child that printed no figures or did not exit 0."""
+    sig = f" ({signal.Signals(-rc).name})" if rc < 0 and -rc in signal.valid_signals() else ""
+    tail = (stderr.strip().splitlines() or [""])[-1][:120]
+    return f"crashed rc={rc}{sig}: {tail}"
+
+
+def _child(cmd: list[str], timeout: float, out: dict) -> dict:
+    """Run one point's child; ``out`` (the NaN figures) updated with its line and ``ref_status``."""
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return dict(out, ref_status="timeout")
+    row = parse_line(r.stdout)
+    if r.returncode != 0 or row is None:
+        return dict(out, ref_status=status(r.returncode, r.stderr))
+    return dict(out, **row, ref_status="ok")
+
+
+def _point(m: int, k: int, n: int, d: float, t: float, seed: int) -> list[str]:
+    return [str(m), str(k), str(n), repr(d), repr(t), str(seed)]
 
 
 def run_point(ref_dir: str, m: int, k: int, n: int, d: float, t: float, seed: int,
               reps: int = 100, rounds: int = 5, timeout: float = 150) -> dict:
     """ref_ms, ref_rel_err, ref_nan and ref_status ("ok", "crashed rc=..", "timeout") of one point."""
     _ref_path(ref_dir)
-    cmd = [sys.executable, "-m", "benchmarks.reference", ref_dir, str(m), str(k), str(n), repr(d), repr(t),
-           str(seed), "--reps", str(reps), "--rounds", str(rounds)]
-    out = dict(ref_ms=NAN, ref_rel_err=NAN, ref_nan=None)
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return dict(out, ref_status="timeout")
-    row = next((line[4:] for line in r.stdout.splitlines() if line.startswith("REF ")), None)
-    if r.returncode != 0 or row is None:
-        tail = (r.stderr.strip().splitlines() or [""])[-1][:120]
-        return dict(out, ref_status=f"crashed rc={r.returncode}: {tail}")
-    return dict(out, **json.loads(row), ref_status="ok")
+    cmd = [sys.executable, "-m", "benchmarks.reference", ref_dir, *_point(m, k, n, d, t, seed),
+           "--reps", str(reps), "--rounds", str(rounds)]
+    return _child(cmd, timeout, dict(ref_ms=NAN, ref_rel_err=NAN, ref_nan=None))
 
 
-def _main(argv: list[str]) -> int:
-    import argparse
+def run_train_point(ref_dir: str, m: int, k: int, n: int, d: float, t: float, seed: int,
+                    reps: int = 100, timeout: float = 150) -> dict:
+    """ref_ms, ref_mib, ref_grad_rel_err (the largest of the four), ref_grad_rel_errs (per
+    gradient, GRADS) and ref_status ("ok", "crashed rc=..", "timeout") of one training point."""
+    _train_path(ref_dir)
+    cmd = [sys.executable, "-m", "benchmarks.reference", "--train", ref_dir, *_point(m, k, n, d, t, seed),
+           "--reps", str(reps)]
+    return _child(cmd, timeout, dict(ref_ms=NAN, ref_mib=NAN, ref_grad_rel_err=NAN, ref_grad_rel_errs=None))
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("dir")
-    ap.add_argument("M", type=int)
-    ap.add_argument("K", type=int)
-    ap.add_argument("N", type=int)
-    ap.add_argument("density", type=float)
-    ap.add_argument("tail", type=float)
-    ap.add_argument("seed", type=int)
-    ap.add_argument("--reps", type=int, default=100)
-    ap.add_argument("--rounds", type=int, default=5)
-    a = ap.parse_args(argv)
+
+def _infer(a) -> None:
     sys.path.insert(0, str(_ref_path(a.dir)))
     import torch
     import torch.nn.functional as F
@@ -105,6 +158,66 @@ def _main(argv: list[str]) -> int:
     err = rel(y[:r], ref32)
     print("REF " + json.dumps(dict(ref_ms=ms, ref_rel_err=err if math.isfinite(err) else NAN,
                                    ref_nan=bool(torch.isnan(y).any()))), flush=True)
+
+
+def _train(a) -> None:
+    sys.path.insert(0, str(_train_path(a.dir)))
+    import torch
+
+    import sparse_ops_loader  # the paper's training kernels (sparser-faster-llms), not ours
+
+    from benchmarks.bench_ffn_train import bench, peak_mib, train_inputs
+    from benchmarks.timing import rel
+    from twell_compile.reference import ffn_dense
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    sparse_ops_loader.load_sparse_ops()
+    m, k = a.M, a.K
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    x, wg, wu, wd, dy = train_inputs(m, k, a.N, a.density, a.tail, a.seed, dev, torch.bfloat16)
+    # their layout: x [B, S, K], all three weights [N, K] (w_down transposed)
+    leaves = (x.detach().view(1, m, k).requires_grad_(), wg.detach().requires_grad_(),
+              wu.detach().requires_grad_(), wd.detach().t().contiguous().requires_grad_())
+    dy3 = dy.view(1, m, k)
+
+    def step():
+        return torch.autograd.grad(torch.ops.sparse_ops.ff_forward_gated(*leaves)[0], leaves, dy3)
+
+    for _ in range(3):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    ms = bench(step, a.reps, cuda)                 # as bench_ffn_train.py times ours
+    mib = peak_mib(step, cuda)
+    gx, gg, gu, gd = step()
+    got = (gx.reshape(m, k), gg, gu, gd.t())
+    # bench_ffn_train.py's error: fp32 autograd through the bf16 leaves
+    ref = torch.autograd.grad(ffn_dense(x.float(), wg.float(), None, wu.float(), None, wd.float(), None),
+                              (x, wg, wu, wd), dy.float())
+    errs = {name: rel(g, r) for name, g, r in zip(GRADS, got, ref)}
+    worst = NAN if any(not math.isfinite(e) for e in errs.values()) else max(errs.values())
+    print("REF " + json.dumps(dict(ref_ms=ms, ref_mib=mib, ref_grad_rel_err=worst, ref_grad_rel_errs=errs)),
+          flush=True)
+
+
+def _main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--train", action="store_true", help="the training op, forward + backward")
+    ap.add_argument("dir")
+    ap.add_argument("M", type=int)
+    ap.add_argument("K", type=int)
+    ap.add_argument("N", type=int)
+    ap.add_argument("density", type=float)
+    ap.add_argument("tail", type=float)
+    ap.add_argument("seed", type=int)
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (inference)")
+    ap.add_argument("--device", default="cuda", help="--train's device (cpu: the tests' stand-in reference)")
+    a = ap.parse_args(argv)
+    (_train if a.train else _infer)(a)
     return 0
 
 
