@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""
     # several K chunks per neuron in the weight-gradient kernel, several steps per neuron; small
     # chunks split the neurons' lists over programs (atomic sums), few programs loop over many
     arch.patched(wg_bk=32, wg_dy_entries=dy_ent, wg_x_entries=x_ent, wg_chunk=chunk,
-                 wg_programs_per_sm=per_sm).__enter__()
+                 wg_chunk_over_mean=0 if chunk < 8 else 2, wg_programs_per_sm=per_sm).__enter__()
     torch.manual_seed({seed})
     m, k, n, ko, gated, bias, width, brows, bad, l1, dens = {case}
     dt = torch.float16

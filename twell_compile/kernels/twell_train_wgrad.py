@@ -11,7 +11,10 @@ at most CHUNK (``chunk_map_kernel`` lists each chunk's neuron), which the progra
 order from an atomic ticket: a trained layer's busiest neuron holds 27x the mean's entries
 (H100, 2026-11-26, docs/training-design.md), and one program per neuron made a pass as long as
 that neuron's list (both passes 9.5 ms per step of the 4-layer model; a fixed round-robin of
-chunks 8.3 ms, of whole neurons 12.0). A neuron of one chunk adds its
+chunks 8.3 ms, of whole neurons 12.0). CHUNK (a device scalar: no host sync) is twice the mean
+list, at least the record's wg_chunk, so only hot neurons split: split chunks add K-wide rows
+atomically, and at a fixed 128 every neuron of an i.i.d. layer at M=65536 (~590 entries)
+split into 5 (~170M atomic adds per step; the tail-0.2 point fell to 0.89x of Inductor). A neuron of one chunk adds its
 sums to the outputs (fp32, the dense backup's part already in) with plain loads and stores;
 the chunks of a split neuron add theirs atomically. Each pass gathers rows of one
 [M, 2048]-sized tensor only (64 MB at M=16384 bf16: about the H200's 50 MB L2), where one pass
@@ -58,9 +61,10 @@ def scatter_kernel(cols_ptr, rk_ptr, q_ptr, off_ptr, order_ptr, W, WP: tl.conste
 
 
 @triton.jit
-def chunk_map_kernel(hist_ptr, coff_ptr, nid_ptr, CHUNK, BJ: tl.constexpr):
+def chunk_map_kernel(hist_ptr, coff_ptr, nid_ptr, chunk_ptr, BJ: tl.constexpr):
     """nid[coff[n] + j] = n for each chunk j < max(1, ceil(hist[n] / CHUNK)) of neuron n."""
     n = tl.program_id(0)
+    CHUNK = tl.load(chunk_ptr)
     nch = tl.maximum((tl.load(hist_ptr + n) + CHUNK - 1) // CHUNK, 1)
     start = tl.load(coff_ptr + n)
     j = tl.arange(0, BJ)
@@ -110,7 +114,7 @@ def _listed(m, n, x_ptr, sx_m, dy_ptr, sdy_m, wg_ptr, swg_n, bgate_ptr, wu_ptr, 
 
 @triton.jit
 def wgrad_kernel(
-    order_ptr, off_ptr, hist_ptr, nid_ptr, coff_ptr, ctot_ptr, ticket_ptr, CHUNK, W,
+    order_ptr, off_ptr, hist_ptr, nid_ptr, coff_ptr, ctot_ptr, ticket_ptr, chunk_ptr, W,
     ellg_ptr, ellu_ptr, eg_ptr, eu_ptr, x_ptr, sx_m, dy_ptr, sdy_m,
     mlist_ptr, mctr_ptr, wg_ptr, swg_n, bgate_ptr, wu_ptr, swu_n, bup_ptr, wdt_ptr, swd_n, l1c,
     dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr,   # fp32 [N, K], [N, K], [N, KO] (backup part in), [N], [N]
@@ -125,6 +129,7 @@ def wgrad_kernel(
     ea = tl.arange(0, E)
     nlisted = tl.load(mctr_ptr)
     total = tl.load(ctot_ptr)
+    CHUNK = tl.load(chunk_ptr)
     ticket = ticket_ptr + jk                        # chunks taken in order, one counter per column chunk
     t = tl.atomic_add(ticket, 1, sem="relaxed")
     while t < total:

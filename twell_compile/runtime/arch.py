@@ -157,7 +157,8 @@ class GpuPolicy:
     wg_x_entries: int = 4
     wg_x_warps: int = 4
     wg_bk: int = 2048
-    wg_chunk: int = 128              # a neuron's entries per wgrad program step (hot neurons split)
+    wg_chunk: int = 128              # a neuron's entries per wgrad program step: at least this,
+    wg_chunk_over_mean: int = 2      # ... and this many mean lists (only hot neurons split)
     wg_programs_per_sm: int = 8      # persistent wgrad programs per SM
     dx_pairs: int = 4
     rank_bm: int = 8

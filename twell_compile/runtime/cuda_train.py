@@ -295,12 +295,16 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
     if n:
         # each neuron's entries in chunks of at most `chunk`, chunk -> neuron, persistent
         # programs (deterministic mode never gets here: select.plan_train runs eager's path)
-        chunk = max(1, p.wg_chunk)
+        # (wg_chunk_over_mean mean lists, at least wg_chunk: only hot neurons split; a device scalar)
+        floor_ = max(1, p.wg_chunk)
+        chunk = torch.clamp_min(torch.div(off[n - 1] + hist[n - 1], n, rounding_mode="floor")
+                                * p.wg_chunk_over_mean, floor_)
         nch = torch.clamp_min(torch.div(hist + (chunk - 1), chunk, rounding_mode="floor"), 1)
         cend = torch.cumsum(nch, 0, dtype=i32)
         coff = cend - nch
-        bound = n + -(-(m * width) // chunk)          # chunks: at most N + entries / chunk
+        bound = n + -(-(m * width) // floor_)         # chunks: at most N + entries / chunk
         nid = torch.empty((bound,), dtype=i32, device=dev)
+        chunk = chunk.to(i32).reshape(1)
         chunk_map_kernel[(n,)](hist, coff, nid, chunk, BJ=32, num_warps=1)
         programs = min(bound, sm_count(dev) * p.wg_programs_per_sm)
         bkw = min(p.wg_bk, pow2(k))
