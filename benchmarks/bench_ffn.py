@@ -25,6 +25,19 @@ bf16's on the same rows. "% floor" = gate_ms / twell_ms: the dense gate GEMM is 
 any TwELL FFN. Rows as benchmarks/rows.py stamps them, to --out (default
 runs/<gpu>/ffn_inference.json; the canonical files: benchmarks/results/README.md).
 
+--activity: the inputs' activity. iid (default): anchors.md's generator over the grid above.
+PROFILE.json[:LAYER]: a trained layer's per-neuron rates, position dependence and stickiness
+(benchmarks/activity_profile.py writes the profile; testing.make_ffn_activity builds the inputs
+at the profile's density and sequence length, --shapes' K x N, the layer by default the
+sparsest), e.g. --activity benchmarks/profiles/h100_activity.json:model.layers.3.mlp.
+checkpoint:PATH: one layer's real FFN inputs and weights, biases included (activity_profile.py
+--checkpoint-out; its tokens tiled to each M, K x N its own). Each row's ``activity`` names the
+spec; --reference runs the paper's kernels on the same inputs (benchmarks/reference.py
+--activity: its child builds them with testing.make_ffn_for; a checkpoint with biases is
+skipped: the reference takes none). At
+M=16384, 2048x5632 (H200, 2026-11-26, one run each) twell over Inductor read 1.43x on iid
+d=0.005, 1.36x on the H100 profile's layer 3 (d=0.0059) and 1.38x on that layer's checkpoint.
+
 --decode (benchmarks/bench_decode.py): dense eager vs the op (rules included) vs the op with
 each decode form forced, each captured in a CUDA graph over several layers' weights (more
 bytes than the L2 holds, as in a real model); default --out runs/<gpu>/ffn_decode.json.
@@ -37,6 +50,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 if __package__ in (None, ""):                  # run as a file: python3 benchmarks/bench_ffn.py
@@ -49,7 +63,8 @@ from benchmarks.timing import gpu_name, interleaved_ms, rel  # noqa: E402
 import twell_compile.ops  # noqa: E402,F401  (registers torch.ops.twell)
 from twell_compile.reference import ffn_dense  # noqa: E402
 from twell_compile.runtime import arch, decode_state, density, select  # noqa: E402
-from twell_compile.testing import load_profile, make_ffn, make_ffn_profile  # noqa: E402
+from twell_compile.testing import (load_activity_profile, load_checkpoint_ffn, load_profile,  # noqa: E402
+                                   make_ffn_for, make_ffn_profile, parse_activity)
 
 FULL_M = [1, 64, 1024, 16384, 65536]
 FULL_D = [0.005, 0.01, 0.02, 0.05, 0.2, 1.0]
@@ -92,6 +107,8 @@ def main(argv=None) -> int:
                     help="replay a real non-zeros-per-token profile (train_sparse_lm.py --profile-out) "
                          "instead of the density/tail grid")
     ap.add_argument("--profile-layer", default=None, help="layer of the profile (default: the densest)")
+    ap.add_argument("--activity", default="iid", metavar="iid|PROFILE.json[:LAYER]|checkpoint:PATH",
+                    help="the inputs' activity (see above; default iid, anchors.md's generator)")
     ap.add_argument("--reference", default=None, metavar="DIR",
                     help="the paper's kernels (the sparser-faster-llms folder, ../shared/anchor/README.md): "
                          "ref_ms / ref_rel_err per point, each in a process of its own (benchmarks/reference.py)")
@@ -106,6 +123,14 @@ def main(argv=None) -> int:
         ms, ds, ts, shapes = FULL_M, FULL_D, FULL_T, FULL_S
     ms, ds, ts, shapes = args.M or ms, args.density or ds, args.tail or ts, args.shapes or shapes
     profile = layer_name = None
+    act = resolve_activity(args.activity)
+    args.activity = act["spec"]
+    if act["kind"] != "iid":
+        if args.nnz_profile:
+            ap.error("--nnz-profile and --activity replay different things: give one")
+        ds, ts = [act["density"]], [0.0]
+        if act["kind"] == "checkpoint":
+            shapes = [f"{act['k']}x{act['n']}"]
     if args.nnz_profile:
         layer_name, profile = load_profile(args.nnz_profile, args.profile_layer)
         ds, ts = [float(profile["density"])], [0.0]
@@ -119,13 +144,55 @@ def main(argv=None) -> int:
     hdr = (f"{'M':>6} {'K':>5} {'N':>6} {'dens':>6} {'tail':>4} {'nnz/r':>6} {'W':>5} {'ovf%':>5} {'dense':>7} "
            f"{'induct':>7} {'gate':>7} {'twell':>7} {'op':>7} {'kernel':>7} {'x_ind':>6} {'x_op':>6} {'x_krn':>6} {'%floor':>6} "
            f"{'err':>8} {'d_err':>8} {'ref':>7} {'x_ref':>6} {'ref_err':>8} path")
+    print(f"activity: {act['label']}")
     print(hdr, flush=True)
     torch.set_grad_enabled(False)       # inference: the backend rewrites to the inference op
     with OpCalls(cpu_rule=False) as op_calls:
-        _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_calls)
+        _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_calls, act["bias"])
     write_json(out, rows)
     print(f"wrote {out} ({len(rows)} rows)")
     return 0
+
+
+def resolve_activity(spec: str) -> dict:
+    """--activity: {"kind", "spec" (a profile's layer named), "label" (the header's), "density",
+    and for a checkpoint "k", "n"; "bias": whether the inputs have biases}."""
+    kind, path, layer = parse_activity(spec)
+    if kind == "iid":
+        return dict(kind=kind, spec="iid", label="iid (anchors.md's generator)", density=None, bias=False)
+    if kind == "profile":
+        name, prof = load_activity_profile(path, layer)
+        d = float(f"{float(prof['density']):.4g}")    # the grid's label (and seed); nnz_per_row is measured
+        return dict(kind=kind, spec=f"{path}:{name}", density=d, bias=False,
+                    label=f"profile {path}:{name} (density {d:.4g}, dead {float(prof['dead_frac']):.1%}, "
+                          f"{prof['hidden']} neurons, sequences of {prof['seq']})")
+    p = load_checkpoint_ffn(path, 1, "cpu", torch.float32)          # checks the file (ValueError)
+    ck = torch.load(path, map_location="cpu", weights_only=True)
+    n, k = p["w_gate"].shape
+    bias = any(p[key] is not None for key in ("b_gate", "b_up", "b_down"))
+    d = float(f"{float(ck.get('density', float('nan'))):.4g}")
+    return dict(kind=kind, spec=f"checkpoint:{path}", k=k, n=n, density=d, bias=bias,
+                label=f"checkpoint {path} ({ck.get('layer')}, {ck['x'].shape[0]} tokens, density {d:.4g}"
+                      f"{', biases' if bias else ''})")
+
+
+def reference_point(args, m: int, k: int, n: int, d: float, t: float, seed: int, bias: bool) -> dict:
+    """The paper's kernels on this point's inputs (benchmarks/reference.py, the --activity spec
+    passed through); skipped where the inputs have biases, which its kernels do not take."""
+    if bias:
+        nan = float("nan")
+        return dict(ref_ms=nan, ref_rel_err=nan, ref_nan=None,
+                    ref_status="skipped: the inputs have biases, the reference kernels take none")
+    return reference.run_point(args.reference, m, k, n, d, t, seed, args.reps, args.rounds, args.ref_timeout,
+                               activity=args.activity)
+
+
+def ffn_module(k: int, n: int, bias: bool) -> nn.Module:
+    """bench_dynamic's gated FFN; with biases on its three Linears for a checkpoint's FFN."""
+    mod = FFN(k, n)
+    if bias:
+        mod.gate, mod.up, mod.down = nn.Linear(k, n), nn.Linear(k, n), nn.Linear(n, k)
+    return mod
 
 
 def op_path(x, n: int, k_out: int, layer: str) -> str:
@@ -135,14 +202,14 @@ def op_path(x, n: int, k_out: int, layer: str) -> str:
     return f"decode:{plan.form}" if plan.path == "decode" else plan.path
 
 
-def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_calls) -> None:
+def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_calls, bias=False) -> None:
     policy = arch.policy_for(dev)
     for shape in shapes:
         k, n = (int(v) for v in shape.split("x"))
         for m in ms:
             # the product and its baseline: one gated FFN module each, weights copied in per point
-            tw_mod = FFN(k, n).to(dev, torch.bfloat16)
-            ind_mod = FFN(k, n).to(dev, torch.bfloat16)
+            tw_mod = ffn_module(k, n, bias).to(dev, torch.bfloat16)
+            ind_mod = ffn_module(k, n, bias).to(dev, torch.bfloat16)
             inductor = None if args.no_inductor else torch.compile(ind_mod, dynamic=False, mode=args.mode)
             tw = torch.compile(tw_mod, backend="twell", dynamic=False, mode=args.mode)
             rewritten = None             # whether the backend rewrote this M's FFN (a compile-time fact)
@@ -150,16 +217,19 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                 for t in ts:
                     seed = hash((m, k, n, d, t)) & 0xFFFF
                     p = (make_ffn_profile(m, k, n, profile, device=dev, seed=seed) if profile is not None
-                         else make_ffn(m, k, n, d, t, device=dev, seed=seed))
+                         else make_ffn_for(args.activity, m, k, n, d, t, device=dev, seed=seed))
                     x = p["x"]
                     for mod in (tw_mod, ind_mod):
-                        mod.gate.weight.copy_(p["w_gate"])
-                        mod.up.weight.copy_(p["w_up"])
-                        mod.down.weight.copy_(p["w_down"])
+                        for name in ("gate", "up", "down"):
+                            lin = getattr(mod, name)
+                            lin.weight.copy_(p[f"w_{name}"])
+                            if bias:
+                                lin.bias.copy_(p[f"b_{name}"])
                     # the op and the kernels read the product's weights (rewritten in place here,
                     # so CUDA graphs captured at the first point read this point's weights)
                     wg, wu, wd = tw_mod.gate.weight, tw_mod.up.weight, tw_mod.down.weight
-                    args7 = (x, wg, None, wu, None, wd, None)
+                    bg, bu, bd = tw_mod.gate.bias, tw_mod.up.bias, tw_mod.down.bias
+                    args7 = (x, wg, bg, wu, bu, wd, bd)
                     layer = f"bench/{m}/{k}/{n}/{d}/{t}"
                     op = lambda: torch.ops.twell.ffn(*args7, layer, False)
                     density.reset()              # no density measured on the previous point's weights
@@ -173,14 +243,14 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                     torch.cuda.synchronize()
                     # the product's own op instance's path (reset above: only its state is there)
                     tw_paths = sorted({path for inst, _, _, path in density.snapshot() if inst != 0 and path})
-                    nnz = float((F.linear(x, wg) > 0).sum()) / m
+                    nnz = float((F.linear(x, wg, bg) > 0).sum()) / m
                     width = select.list_width(policy, n, nnz)
                     # the forced per-row path reads its list width from the layer's measurement:
                     # this point's, landed up front (the op's rules would measure it the same)
                     klayer = f"{layer}/twell"
                     density.landed((klayer, x.device, x.dtype, k, n, k, True), nnz / n)
                     kern = lambda: torch.ops.twell.ffn(*args7, klayer, False, path="twell")
-                    fns = dict(dense=lambda: ffn_dense(*args7), gate=lambda: F.linear(x, wg), op=op,
+                    fns = dict(dense=lambda: ffn_dense(*args7), gate=lambda: F.linear(x, wg, bg), op=op,
                                twell=lambda: tw(x))
                     if inductor is not None:
                         fns["inductor"] = lambda: inductor(x)
@@ -202,11 +272,10 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                     op_err = rel(y_op, ref)
                     kerr = rel(y_k, ref)
                     derr = rel(ffn_dense(*args7)[:r], ref)
-                    counts = (F.linear(xr, wg) > 0).sum(1)
+                    counts = (F.linear(xr, wg, bg) > 0).sum(1)
                     ovf = float((counts > width).float().mean()) * 100     # rows over the list width
                     op_ran = op_path(x, n, k, layer)
-                    paper = (reference.run_point(args.reference, m, k, n, d, t, seed, args.reps, args.rounds,
-                                                 args.ref_timeout)
+                    paper = (reference_point(args, m, k, n, d, t, seed, bias)
                              if args.reference and profile is None else {})
                     path = ("/".join(tw_paths) or op_ran) if ran_op else "inductor"
                     row = stamp(dict(M=m, K=k, N=n, density=d, tail=t, dense_ms=dense_ms, inductor_ms=ind_ms,
@@ -215,6 +284,7 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                                      kernel_ms=kernel_ms, kernel_rel_err=kerr, nnz_per_row=nnz,
                                      list_width=width, overflow_row_pct=ovf, path=path,
                                      profile=f"{args.nnz_profile}:{layer_name}" if profile is not None else None,
+                                     activity=args.activity,
                                      **paper),
                                 dev)
                     rows.append(row)
@@ -230,7 +300,7 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                           + (f" [reference {paper['ref_status']}]" if paper and paper["ref_status"] != "ok" else "")
                           + ("  ERR>2x" if max(err, op_err) > 2 * derr else "")
                           + ("  SLOW<0.97x" if base / twell_ms < 0.97 else ""), flush=True)
-                    del p, x, wg, wu, wd, args7
+                    del p, x, wg, wu, wd, bg, bu, bd, args7
             del inductor, tw, tw_mod, ind_mod
             torch._dynamo.reset()
             decode_state.clear()

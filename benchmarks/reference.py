@@ -115,11 +115,12 @@ def _point(m: int, k: int, n: int, d: float, t: float, seed: int) -> list[str]:
 
 
 def run_point(ref_dir: str, m: int, k: int, n: int, d: float, t: float, seed: int,
-              reps: int = 100, rounds: int = 5, timeout: float = 150) -> dict:
-    """ref_ms, ref_rel_err, ref_nan and ref_status ("ok", "crashed rc=..", "timeout") of one point."""
+              reps: int = 100, rounds: int = 5, timeout: float = 150, activity: str = "iid") -> dict:
+    """ref_ms, ref_rel_err, ref_nan and ref_status ("ok", "crashed rc=..", "timeout") of one
+    point; ``activity``: bench_ffn's --activity spec (testing.make_ffn_for builds the inputs)."""
     _ref_path(ref_dir)
     cmd = [sys.executable, "-m", "benchmarks.reference", ref_dir, *_point(m, k, n, d, t, seed),
-           "--reps", str(reps), "--rounds", str(rounds)]
+           "--reps", str(reps), "--rounds", str(rounds)] + (["--activity", activity] if activity != "iid" else [])
     return _child(cmd, timeout, dict(ref_ms=NAN, ref_rel_err=NAN, ref_nan=None))
 
 
@@ -141,11 +142,11 @@ def _infer(a) -> None:
     import twell as reference  # the paper's module (sparser-faster-llms), not ours
 
     from benchmarks.timing import interleaved_ms, rel
-    from twell_compile.testing import make_ffn
+    from twell_compile.testing import make_ffn_for
 
     torch.set_grad_enabled(False)
     torch.backends.cuda.matmul.allow_tf32 = False
-    p = make_ffn(a.M, a.K, a.N, a.density, a.tail, device="cuda", seed=a.seed)
+    p = make_ffn_for(a.activity, a.M, a.K, a.N, a.density, a.tail, device="cuda", seed=a.seed)
     x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
     mod = reference.TwELLGatedMLP(0, GATE=wg, UP=wu, DOWN=wd.t().contiguous())
     for _ in range(3):
@@ -216,6 +217,7 @@ def _main(argv: list[str]) -> int:
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (inference)")
     ap.add_argument("--device", default="cuda", help="--train's device (cpu: the tests' stand-in reference)")
+    ap.add_argument("--activity", default="iid", help="inference: bench_ffn's --activity spec of the inputs")
     a = ap.parse_args(argv)
     (_train if a.train else _infer)(a)
     return 0
