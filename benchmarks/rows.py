@@ -6,7 +6,8 @@ own fields and figures:
     gpu      the CUDA device's name ("NVIDIA H200"), or "cpu: <processor>" on the CPU
     torch    torch.__version__
     triton   Triton's version ("none" where it is not installed)
-    commit   ``git rev-parse HEAD`` of the checkout that ran, or "unknown" (no git, no repository)
+    commit   ``git rev-parse HEAD`` of the checkout that ran, or "unknown" (no git, no repository);
+             $TWELL_COMMIT where set (a copy whose .git is not the checkout's, as on the device)
     time     when the row was stamped, UTC, ISO 8601 ("2026-11-25T17:29:12Z")
 A file that is one JSON object (bench_e2e.py, multi_gpu_summary.py) stamps the rows of its
 "runs" / "rows" list. Benchmarks write under runs/<tag>/ (gitignored) unless ``--out`` names a
@@ -20,6 +21,7 @@ import functools
 import importlib.metadata
 import json
 import platform
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -59,7 +61,9 @@ def triton_version() -> str:
 
 @functools.lru_cache(maxsize=None)
 def commit() -> str:
-    """The checkout's HEAD, or "unknown" (a copy without .git, no git installed)."""
+    """$TWELL_COMMIT, else the checkout's HEAD, or "unknown" (a copy without .git, no git)."""
+    if os.environ.get("TWELL_COMMIT"):
+        return os.environ["TWELL_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):

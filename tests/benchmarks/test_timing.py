@@ -34,3 +34,12 @@ def test_policy_changes_types_values_and_rejects_unknown_fields():
     for bad in (["no_such_field=1"], ["wg_chunk"]):
         with pytest.raises(ValueError, match="FIELD=VALUE"):
             timing.policy_changes(bad)
+
+
+def test_rows_commit_prefers_twell_commit(monkeypatch):
+    from benchmarks import rows
+    monkeypatch.delenv("TWELL_COMMIT", raising=False)
+    head = rows.commit()
+    assert head == "unknown" or len(head) == 40
+    monkeypatch.setenv("TWELL_COMMIT", "0123abcd" * 5)
+    assert rows.commit() == "0123abcd" * 5
