@@ -39,7 +39,10 @@ def test_policy_changes_types_values_and_rejects_unknown_fields():
 def test_rows_commit_prefers_twell_commit(monkeypatch):
     from benchmarks import rows
     monkeypatch.delenv("TWELL_COMMIT", raising=False)
+    rows.commit.cache_clear()
     head = rows.commit()
     assert head == "unknown" or len(head) == 40
     monkeypatch.setenv("TWELL_COMMIT", "0123abcd" * 5)
+    rows.commit.cache_clear()
     assert rows.commit() == "0123abcd" * 5
+    rows.commit.cache_clear()
