@@ -26,6 +26,11 @@ grad_rel_err; ref_grad_rel_errs per gradient: x, w_gate, w_up, w_down) and ref_s
 "crashed rc=..", "timeout"). The table adds ref, x_ref (dense_ms / ref_ms), r_MiB and ref_err,
 "crash" / "timeout" in place of the figures of a point where the reference did not finish.
 
+--activity PROFILE.json[:LAYER]: the inputs from a trained layer's activity profile
+(benchmarks/activity_profile.py; testing.make_ffn_for) at its density, tail 0, each row's
+``activity`` naming it; the reference's child builds the same. A checkpoint spec is refused:
+its FFN has biases and this grid's has none.
+
 --parts times each stage of the sparse path (forced) for a few launch configurations of the
 training kernels (record fields, through arch.patched); --config runs the grid under one
 (``field=value,...``, e.g. ``fwd_pairs=4,fwd_cols_per_warp=512``).
@@ -53,7 +58,7 @@ from twell_compile.config import TwellConfig  # noqa: E402
 from twell_compile.formats import backup_capacity  # noqa: E402
 from twell_compile.reference import ffn_dense  # noqa: E402
 from twell_compile.runtime import arch, density  # noqa: E402
-from twell_compile.testing import make_ffn  # noqa: E402
+from twell_compile.testing import load_activity_profile, make_ffn, make_ffn_for, parse_activity  # noqa: E402
 
 FULL_M = [1024, 16384, 65536]
 FULL_D = [0.005, 0.02, 0.05, 0.2, 1.0]
@@ -72,10 +77,11 @@ def bench(fn, reps: int, cuda: bool) -> float:
     return sorted(t)[1] * 1e3
 
 
-def train_inputs(m: int, k: int, n: int, d: float, t: float, seed: int, dev, dt):
+def train_inputs(m: int, k: int, n: int, d: float, t: float, seed: int, dev, dt, activity: str = "iid"):
     """x, w_gate, w_up, w_down (leaves requiring grad) and dy of one point (the reference's
-    child, benchmarks/reference.py --train, builds the same from the same seed)."""
-    p = make_ffn(m, k, n, d, t, device=dev, seed=seed, dtype=dt)
+    child, benchmarks/reference.py --train, builds the same from the same seed); ``activity``:
+    "iid" or a profile spec (testing.make_ffn_for)."""
+    p = make_ffn_for(activity, m, k, n, d, t, device=dev, seed=seed, dtype=dt)
     x, wg, wu, wd = (p[a].requires_grad_() for a in ("x", "w_gate", "w_up", "w_down"))
     dy = torch.randn(m, k, device=dev, dtype=torch.float32,
                      generator=torch.Generator(dev).manual_seed(seed + 1)).to(dt)
@@ -195,8 +201,22 @@ def main(argv=None) -> int:
                          "ref_ms / ref_mib / ref_grad_rel_err per point, each in a process of its own "
                          "(benchmarks/reference.py)")
     ap.add_argument("--ref-timeout", type=float, default=150, help="seconds per reference point")
+    ap.add_argument("--activity", default="iid", metavar="iid|PROFILE.json[:LAYER]",
+                    help="the inputs' activity: anchors.md's i.i.d. generator, or a trained layer's profile "
+                         "(benchmarks/activity_profile.py; the grid's density then the profile's)")
     ap.add_argument("--out", default=None, help="JSON path (default runs/<gpu>/ffn_training.json)")
     args = ap.parse_args(argv)
+    kind, path, layer = parse_activity(args.activity)
+    if kind == "checkpoint":
+        ap.error("--activity checkpoint:PATH: the training grid's FFN has no biases, a checkpoint's has; "
+                 "give a profile (PROFILE.json[:LAYER]) or iid")
+    if kind == "profile":
+        if args.parts:
+            ap.error("--activity runs on the grid: not with --parts")
+        name, prof = load_activity_profile(path, layer)
+        args.activity = f"{path}:{name}"
+        args.density, args.tail = [float(f"{float(prof['density']):.4g}")], [0.0]
+        print(f"activity: profile {args.activity} (density {args.density[0]:.4g})", flush=True)
     if args.reference:
         if args.quick or args.parts:
             ap.error("--reference runs on CUDA, on the grid: not with --quick or --parts")
@@ -236,7 +256,7 @@ def grid(args, ms, ds, ts, k, n, cfg, dev, dt, cuda, out) -> list[dict]:
         for d in ds:
             for t in ts:
                 seed = hash((m, k, n, d, t)) & 0xFFFF
-                x, wg, wu, wd, dy = train_inputs(m, k, n, d, t, seed, dev, dt)
+                x, wg, wu, wd, dy = train_inputs(m, k, n, d, t, seed, dev, dt, args.activity)
                 params = (x, wg, wu, wd)
                 layer = f"bench_train/{m}/{d}/{t}"
 
@@ -292,12 +312,12 @@ def grid(args, ms, ds, ts, k, n, cfg, dev, dt, cuda, out) -> list[dict]:
                     if cuda:
                         torch.cuda.empty_cache()          # the child shares this GPU
                     paper = reference.run_train_point(args.reference, m, k, n, d, t, seed, args.reps,
-                                                      args.ref_timeout)
+                                                      args.ref_timeout, activity=args.activity)
                 row = stamp(dict(M=m, K=k, N=n, density=d, tail=t, dense_ms=dense_ms, inductor_ms=ind_ms,
                                  twell_ms=twell_ms, sparse_ms=sparse_ms, compact_ms=compact_ms, densepath_ms=dpath_ms,
                                  dense_peak_mib=dense_peak, twell_peak_mib=twell_peak, inductor_peak_mib=ind_peak,
                                  grad_rel_err=err, dense_grad_rel_err=derr, nnz_per_row=nnz, busy_row_pct=busy,
-                                 ell_width=cfg.ell_width, path=path, **paper), dev)
+                                 ell_width=cfg.ell_width, path=path, activity=args.activity, **paper), dev)
                 rows.append(row)
                 write_json(out, rows)       # after every row: partial runs keep theirs
                 print(f"{m:>6} {d:>6} {t:>4} {nnz:>6.1f} {busy:>5.1f} {dense_ms:>7.3f} {ind_ms:>7.3f} "

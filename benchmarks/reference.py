@@ -125,12 +125,12 @@ def run_point(ref_dir: str, m: int, k: int, n: int, d: float, t: float, seed: in
 
 
 def run_train_point(ref_dir: str, m: int, k: int, n: int, d: float, t: float, seed: int,
-                    reps: int = 100, timeout: float = 150) -> dict:
+                    reps: int = 100, timeout: float = 150, activity: str = "iid") -> dict:
     """ref_ms, ref_mib, ref_grad_rel_err (the largest of the four), ref_grad_rel_errs (per
     gradient, GRADS) and ref_status ("ok", "crashed rc=..", "timeout") of one training point."""
     _train_path(ref_dir)
     cmd = [sys.executable, "-m", "benchmarks.reference", "--train", ref_dir, *_point(m, k, n, d, t, seed),
-           "--reps", str(reps)]
+           "--reps", str(reps)] + (["--activity", activity] if activity != "iid" else [])
     return _child(cmd, timeout, dict(ref_ms=NAN, ref_mib=NAN, ref_grad_rel_err=NAN, ref_grad_rel_errs=None))
 
 
@@ -176,7 +176,7 @@ def _train(a) -> None:
     m, k = a.M, a.K
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
-    x, wg, wu, wd, dy = train_inputs(m, k, a.N, a.density, a.tail, a.seed, dev, torch.bfloat16)
+    x, wg, wu, wd, dy = train_inputs(m, k, a.N, a.density, a.tail, a.seed, dev, torch.bfloat16, a.activity)
     # their layout: x [B, S, K], all three weights [N, K] (w_down transposed)
     leaves = (x.detach().view(1, m, k).requires_grad_(), wg.detach().requires_grad_(),
               wu.detach().requires_grad_(), wd.detach().t().contiguous().requires_grad_())
@@ -217,7 +217,7 @@ def _main(argv: list[str]) -> int:
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (inference)")
     ap.add_argument("--device", default="cuda", help="--train's device (cpu: the tests' stand-in reference)")
-    ap.add_argument("--activity", default="iid", help="inference: bench_ffn's --activity spec of the inputs")
+    ap.add_argument("--activity", default="iid", help="the inputs' activity spec (bench_ffn / bench_ffn_train --activity)")
     a = ap.parse_args(argv)
     (_train if a.train else _infer)(a)
     return 0

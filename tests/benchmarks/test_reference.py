@@ -156,7 +156,7 @@ def test_the_training_child_runs_on_the_benchmarks_inputs(tmp_path):
 
 
 def _grid_args(ref: str, **kw):
-    return argparse.Namespace(no_inductor=True, reps=10, reference=ref, ref_timeout=7.0, **kw)
+    return argparse.Namespace(**dict(dict(no_inductor=True, reps=10, reference=ref, ref_timeout=7.0, activity="iid"), **kw))
 
 
 def test_bench_ffn_train_rows_carry_the_reference(tmp_path, monkeypatch, capsys):
@@ -168,8 +168,8 @@ def test_bench_ffn_train_rows_carry_the_reference(tmp_path, monkeypatch, capsys)
         built.append(a[:6])
         return inputs(*a)
 
-    def fake_point(ref_dir, m, k, n, d, t, seed, reps, timeout):
-        asked.append(((m, k, n, d, t, seed), ref_dir, reps, timeout))
+    def fake_point(ref_dir, m, k, n, d, t, seed, reps, timeout, activity):
+        asked.append(((m, k, n, d, t, seed), ref_dir, reps, timeout, activity))
         if t > 0:
             return dict(ref_ms=float("nan"), ref_mib=float("nan"), ref_grad_rel_err=float("nan"),
                         ref_grad_rel_errs=None, ref_status="crashed rc=-11 (SIGSEGV): ")
@@ -183,7 +183,7 @@ def test_bench_ffn_train_rows_carry_the_reference(tmp_path, monkeypatch, capsys)
                                 bench_ffn_train.torch.device("cpu"), bench_ffn_train.torch.bfloat16, False, out)
     # the child is asked for exactly the points (and seeds) whose inputs the benchmark built
     assert [a[0] for a in asked] == built and len(built) == 2
-    assert all(a[1:] == (ref, 10, 7.0) for a in asked)
+    assert all(a[1:] == (ref, 10, 7.0, "iid") for a in asked)
     ok, crashed = rows
     assert (ok["ref_ms"], ok["ref_mib"], ok["ref_grad_rel_err"], ok["ref_status"]) == (2.0, 123.0, 5e-3, "ok")
     assert ok["ref_grad_rel_errs"]["w_gate"] == 5e-3
@@ -203,3 +203,24 @@ def test_bench_ffn_train_without_the_reference_has_no_reference_columns(tmp_path
                                 tmp_path / "rows.json")
     assert not any(key.startswith("ref_") for key in rows[0])
     assert "ref" not in capsys.readouterr().out.splitlines()[0].split()
+
+
+def test_bench_ffn_train_takes_a_profiles_activity(tmp_path, monkeypatch, capsys):
+    """--activity PROFILE: the grid at the profile's density, each row naming the layer, and the
+    reference's child asked for the same spec; a checkpoint (biases) is refused."""
+    prof = str(bench_ffn_train.Path(__file__).resolve().parents[2] / "benchmarks" / "profiles" / "cpu_tiny_activity.json")
+    out = tmp_path / "q.json"
+    assert bench_ffn_train.main(["--quick", "--M", "64", "--activity", prof + ":1", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text().replace("NaN", "null"))
+    assert row["activity"] == prof + ":model.layers.1.mlp" and row["tail"] == 0.0
+    assert 0 < row["density"] < 0.1 and row["grad_rel_err"] <= 2 * row["dense_grad_rel_err"] + 1e-6
+    asked = []
+    monkeypatch.setattr(reference, "run_train_point", lambda *a, activity: asked.append(activity) or dict(
+        ref_ms=1.0, ref_mib=1.0, ref_grad_rel_err=1e-3, ref_grad_rel_errs={}, ref_status="ok"))
+    bench_ffn_train.grid(_grid_args(_fake_reference(tmp_path, FAKE_LOADER), activity=row["activity"]), [64],
+                         [row["density"]], [0.0], 64, 160, bench_ffn_train.TwellConfig(),
+                         bench_ffn_train.torch.device("cpu"), bench_ffn_train.torch.bfloat16, False, tmp_path / "r.json")
+    assert asked == [row["activity"]]
+    with pytest.raises(SystemExit):
+        bench_ffn_train.main(["--quick", "--activity", "checkpoint:/nonexistent.pt"])
+    assert "no biases" in capsys.readouterr().err
