@@ -163,6 +163,18 @@ def layer_profile(act: torch.Tensor, seed: int = 0) -> dict[str, Any]:
                           max_over_mean=float(top[0] / top.mean())))
 
 
+def _forward_chunks(model, ids: torch.Tensor, amp: Callable, chunk: Optional[int], hooks: list) -> None:
+    """The model's trunk on ``ids``, ``chunk`` sequences per forward; the hooks removed after."""
+    chunk = chunk or ids.shape[0]
+    try:
+        for i in range(0, ids.shape[0], chunk):
+            with amp():
+                model.model(input_ids=ids[i:i + chunk], use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 @torch.no_grad()
 def activity(model, ids: torch.Tensor, amp: Callable = contextlib.nullcontext,
              chunk: Optional[int] = None) -> dict[str, torch.Tensor]:
@@ -173,14 +185,7 @@ def activity(model, ids: torch.Tensor, amp: Callable = contextlib.nullcontext,
     hooks = [layer.mlp.gate_proj.register_forward_hook(
         lambda _m, _i, out, name=layer_name(i): parts.setdefault(name, []).append(out > 0))
         for i, layer in enumerate(model.model.layers)]
-    chunk = chunk or ids.shape[0]
-    try:
-        for i in range(0, ids.shape[0], chunk):
-            with amp():
-                model.model(input_ids=ids[i:i + chunk], use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
+    _forward_chunks(model, ids, amp, chunk, hooks)
     return {name: torch.cat(p) for name, p in parts.items()}
 
 
@@ -201,13 +206,7 @@ def layer_inputs(model, index: int, ids: torch.Tensor, amp: Callable = contextli
     xs: list[torch.Tensor] = []
     gate = model.model.layers[index].mlp.gate_proj
     hook = gate.register_forward_hook(lambda _m, inp, _o: xs.append(inp[0].to(torch.bfloat16)))
-    chunk = chunk or ids.shape[0]
-    try:
-        for i in range(0, ids.shape[0], chunk):
-            with amp():
-                model.model(input_ids=ids[i:i + chunk], use_cache=False)
-    finally:
-        hook.remove()
+    _forward_chunks(model, ids, amp, chunk, [hook])
     return torch.cat([x.reshape(-1, x.shape[-1]) for x in xs])
 
 
