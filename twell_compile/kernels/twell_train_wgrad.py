@@ -9,16 +9,18 @@ order has the fixed size M * W.
 columns), fp32, in one of two passes (constexpr DY). A neuron's entries are cut into chunks of
 at most CHUNK (``chunk_map_kernel`` lists each chunk's neuron), which the programs take in
 order from an atomic ticket: a trained layer's busiest neuron holds 27x the mean's entries
-(H100, 2026-11-26, docs/training-design.md), and one program per neuron made a pass as long as
-that neuron's list (both passes 9.5 ms per step of the 4-layer model; a fixed round-robin of
-chunks 8.3 ms, of whole neurons 12.0). CHUNK (a device scalar: no host sync) is twice the mean
-list, at least the record's wg_chunk, so only hot neurons split: split chunks add K-wide rows
-atomically, and at a fixed 128 every neuron of an i.i.d. layer at M=65536 (~590 entries)
-split into 5 (~170M atomic adds per step; the tail-0.2 point fell to 0.89x of Inductor). A neuron of one chunk adds its
-sums to the outputs (fp32, the dense backup's part already in) with plain loads and stores;
-the chunks of a split neuron add theirs atomically. Each pass gathers rows of one
-[M, 2048]-sized tensor only (64 MB at M=16384 bf16: about the H200's 50 MB L2), where one pass
-over x and dy together gathered 128 MB per step set (~0.9 ms, H200, 2026-11-23):
+(H100, 2026-11-26, docs/training-design.md), and one program per neuron made both passes take
+9.54 ms per step of the 4-layer model against 7.20 with chunks of 128 from the ticket
+(profile_train_step.py, --policy wg_chunk_over_mean=0 for the fixed 128). CHUNK, a device
+scalar (no host sync), is wg_chunk_over_mean mean lists, at least wg_chunk, so that i.i.d.
+layers at large M (~590 entries per neuron at M=65536) do not split every neuron: forced
+sparse at M=65536 d=0.005 ran 13.78 / 21.70 ms at tail 0 / 0.2 with it against 14.04 / 22.37
+with fixed chunks of 128 (bench_ffn_train.py sparse_ms, one run each, H100, 2026-11-26). A
+neuron of one chunk adds its sums to the outputs (fp32, the dense backup's part already in)
+with plain loads and stores; the chunks of a split neuron add theirs atomically. Each pass
+gathers rows of one [M, 2048]-sized tensor only (64 MB at M=16384 bf16: about the H200's
+50 MB L2), where one pass over x and dy together gathered 128 MB per step set (~0.9 ms, H200,
+2026-11-23):
 
   DY pass (whole rows, BKW >= K_out): W_d^T[n] in registers; per entry the dy row gathered,
       dh = dy[m] . W_d^T[n] (+ l1c sgn(h)), d_g = dh u [h_g > 0], d_u = dh h_g, h = h_g u;
@@ -41,7 +43,8 @@ M=16384, d=0.005, 2026-11-23, against about 1 ms for whole rows).
 The X pass as [16, E] x [E, 256] MMAs over K slices of 256 (d_g and d_u split in bf16 high and
 low parts; the gathered x tiles then go through cp.async, one stage ahead) lost: both passes
 10.65 ms per step of the 4-layer model at E=64, 9.09 at E=32, against 7.25 for these register
-tiles (H100, profile_train_step.py --policy, 2026-11-26; the code is in git history)."""
+tiles in the same call (H100, profile_train_step.py, 2026-11-26; a prototype, never committed:
+docs/training-design.md describes it)."""
 
 import triton
 import triton.language as tl

@@ -275,9 +275,10 @@ H100 = dataclasses.replace(
         "pairs": (2.58, 1240.0, 0.0, 0.3231),
     }),
     dense_fixed_us=14.41, dense_gbps=2599.0,
-    # Training, M=16384 and 65536, K=2048, N=5632 (bench_ffn_train.py, 2026-11-26): sparse 1.34x /
-    # 1.46x of Inductor at 28 non-zeros per row, 0.87x / 0.89x at 50 (tail 0.2): even at ~44
-    # (0.78%); the H200's 0.011 ran the tail-0.2 points sparse.
+    # Training, M=16384 and 65536, K=2048, N=5632 (benchmarks/results/h100/ffn_training.json,
+    # 2026-11-26): sparse 1.37x / 1.44x of Inductor at 28 non-zeros per row (tail 0), forced
+    # sparse 0.87x / 0.91x at 50 (tail 0.2): break-even near 44 (0.78%); the H200's 0.011 ran
+    # the tail-0.2 points sparse (0.87x / 0.89x; the same command at c59ab56).
     sparse_max_density=0.0075,
     # Training: a dense layer saves g and u, not the compact state. bench_e2e.py --train, 4
     # layers, no penalty (every layer dense, 1.7-2.9%): compact 70.00 ms, peak 10.92 GB; g and u
