@@ -269,21 +269,14 @@ def dump(profile: dict[str, Any]) -> str:
 def train(a: argparse.Namespace, steps: int, amp: Callable):
     """bench_e2e's model, calibrated to --density, then ``steps`` AdamW steps under twell
     (profile_train_step.py's loop); returns the model (train mode off)."""
-    calib = bench_e2e.token_batch(a, a.calib_batch, a.seq, a.seed + 1)
     ids = bench_e2e.token_batch(a, a.batch, a.seq, a.seed + 2)
-    master = bench_e2e.build_model(a, torch.float32, a.seed).eval()
-    achieved = bench_e2e.calibrate(master, calib, a.density[0], amp, a.batch)
+    state, achieved = bench_e2e.calibrated_state(a, amp)
     print(f"calibrated to {a.density[0]}: {[round(d, 4) for d in achieved]}", flush=True)
     if steps == 0:
-        return master
-    state = {k: v.detach().to("cpu", copy=True) for k, v in master.state_dict().items()}
-    del master
-    model = bench_e2e.build_model(a, torch.float32, a.seed + 100)
-    model.load_state_dict(state)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
-    fwd = torch.compile(model, **bench_e2e.compile_kwargs("twell", a, None))
-    bench_e2e.reset_twell_policy()
+        model = bench_e2e.build_model(a, torch.float32, a.seed).eval()
+        model.load_state_dict(state)
+        return model
+    model, opt, fwd = bench_e2e.training_setup(a, state, "twell")
     for i in range(steps):
         with amp():
             loss = fwd(input_ids=ids, labels=ids, use_cache=False).loss

@@ -310,6 +310,28 @@ def twell_sparse_layers(densities: dict[str, float], hidden: int, ffn: int) -> O
     return sum(select.twell_wins(p, d, True, hidden, ffn, hidden, 2) for d in densities.values())
 
 
+def calibrated_state(a: argparse.Namespace, amp) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The model of seed a.seed with its gate biases calibrated to a.density[0] on a calibration
+    batch: its state dict on the CPU, and the densities reached."""
+    master = build_model(a, torch.float32, a.seed).eval()
+    achieved = calibrate(master, token_batch(a, a.calib_batch, a.seq, a.seed + 1), a.density[0], amp, a.batch)
+    return {k: v.detach().to("cpu", copy=True) for k, v in master.state_dict().items()}, achieved
+
+
+def training_setup(a: argparse.Namespace, state: dict[str, torch.Tensor], backend: str,
+                   dtype: torch.dtype = torch.float32):
+    """(model, AdamW, the callable to train): a fresh model with ``state`` loaded, in train mode;
+    the callable is the model itself for "eager", else the model compiled for ``backend``."""
+    model = build_model(a, dtype, a.seed + 100)
+    model.load_state_dict(state)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    fwd = model if backend == "eager" else torch.compile(model, **compile_kwargs(backend, a, None))
+    if backend == "twell":
+        reset_twell_policy()
+    return model, opt, fwd
+
+
 def reset_twell_policy() -> None:
     """Fresh density measurements (runtime/density.py), as a new process would have: a dense
     layer re-probes only every probe_every calls (64 on the H200 record), so a density change
@@ -737,13 +759,7 @@ def run_train(a: argparse.Namespace, result: dict[str, Any]) -> None:
                          weights=str(wdt).replace("torch.", ""), backends={}), dev)
         result["runs"].append(run)
         for name in ["eager"] + a.backends:
-            model = build_model(a, wdt, a.seed + 100)
-            model.load_state_dict(state)
-            model.train()
-            opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
-            fwd = model if name == "eager" else torch.compile(model, **compile_kwargs(name, a, None))
-            if name == "twell":
-                reset_twell_policy()
+            model, opt, fwd = training_setup(a, state, name, wdt)
             reset_peak(dev)
             resident = torch.cuda.memory_allocated(dev) if cuda else None
             losses, step_ms, pending = [], [], []

@@ -26,7 +26,7 @@ import torch
 
 if __package__ in (None, ""):                  # run as a file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import bench_e2e  # noqa: E402
+from benchmarks import activity_profile, bench_e2e  # noqa: E402
 from benchmarks.timing import policy_changes  # noqa: E402
 from twell_compile.config import TwellConfig  # noqa: E402
 from twell_compile.runtime import arch  # noqa: E402
@@ -48,36 +48,23 @@ def group(name: str) -> str:
 
 
 def neuron_activity(model, ids: torch.Tensor, amp) -> None:
-    """Per layer: how the active (token, neuron) pairs of relu(gate_proj(x)) spread over neurons,
-    and the rows busier than the default ELL width (the dense backup holds M / backup_rows of
-    them; the rest are recomputed per neuron in the sparse backward)."""
-    counts: dict[int, torch.Tensor] = {}
-    busy: dict[int, int] = {}
+    """Per layer: how the active (token, neuron) pairs of relu(gate_proj(x)) spread over neurons
+    (activity_profile.activity's hooks), and the rows busier than the default ELL width (the
+    dense backup holds M / backup_rows of them; the rest are recomputed per neuron in the sparse
+    backward)."""
     cfg = TwellConfig()
-
-    def hook(i, out):
-        on = (out.float() > 0).reshape(-1, out.shape[-1])
-        counts[i] = on.sum(0)
-        busy[i] = int((on.sum(1) > cfg.ell_width).sum())
-
-    hooks = [layer.mlp.gate_proj.register_forward_hook(lambda mod, inp, out, i=i: hook(i, out))
-             for i, layer in enumerate(model.model.layers)]
-    try:
-        with torch.no_grad(), amp():
-            model(input_ids=ids, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
     tokens = ids.numel()
-    for i, c in sorted(counts.items()):
-        c = c.double()
+    for name, act in activity_profile.activity(model, ids, amp).items():
+        on = act.reshape(tokens, -1)
+        c = on.sum(0).double()
         n, total = c.numel(), float(c.sum())
         top = c.sort(descending=True).values
-        print(f"  layer {i}: density {total / (n * tokens):.4f}; tokens per neuron mean {float(c.mean()):.0f} "
+        busy = int((on.sum(1) > cfg.ell_width).sum())
+        print(f"  {name}: density {total / (n * tokens):.4f}; tokens per neuron mean {float(c.mean()):.0f} "
               f"median {float(c.median()):.0f} p99 {float(top[n // 100]):.0f} max {float(c.max()):.0f}; "
               f"dead {float((c == 0).double().mean()):.1%}; busiest 1% hold {float(top[:n // 100].sum()) / total:.1%}, "
               f"10% {float(top[:n // 10].sum()) / total:.1%} of pairs; rows over ELL width {cfg.ell_width}: "
-              f"{busy[i]} (backup {-(-tokens // cfg.backup_rows)})")
+              f"{busy} (backup {-(-tokens // cfg.backup_rows)})")
 
 
 def main(argv=None) -> int:
@@ -96,22 +83,12 @@ def _run(own, rest) -> int:
     a = bench_e2e.parse_args(["--train", *rest])
     dev = torch.device(a.device)
     amp = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
-    calib = bench_e2e.token_batch(a, a.calib_batch, a.seq, a.seed + 1)
     ids = bench_e2e.token_batch(a, a.batch, a.seq, a.seed + 2)
-    master = bench_e2e.build_model(a, torch.float32, a.seed).eval()
-    bench_e2e.calibrate(master, calib, a.density[0], amp, a.batch)
-    state = {k: v.detach().to("cpu", copy=True) for k, v in master.state_dict().items()}
-    del master
+    state, _ = bench_e2e.calibrated_state(a, amp)
     from torch.profiler import ProfilerActivity, profile
 
     for name in a.backends:
-        model = bench_e2e.build_model(a, torch.float32, a.seed + 100)
-        model.load_state_dict(state)
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
-        fwd = torch.compile(model, **bench_e2e.compile_kwargs(name, a, None))
-        if name == "twell":
-            bench_e2e.reset_twell_policy()
+        model, opt, fwd = bench_e2e.training_setup(a, state, name)
 
         def step():
             with amp():
