@@ -116,6 +116,16 @@ def _listed(m, n, x_ptr, sx_m, dy_ptr, sdy_m, wg_ptr, swg_n, bgate_ptr, wu_ptr, 
 
 
 @triton.jit
+def _add_to(ptr, v, mask, atomic):
+    """*ptr += v in fp32: atomically where other programs add to the same place (a split
+    neuron's chunks), else a plain load and store."""
+    if atomic:
+        tl.atomic_add(ptr, v, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptr, tl.load(ptr, mask=mask, other=0.0) + v, mask=mask)
+
+
+@triton.jit
 def wgrad_kernel(
     order_ptr, off_ptr, hist_ptr, nid_ptr, coff_ptr, ctot_ptr, ticket_ptr, chunk_ptr, W,
     ellg_ptr, ellu_ptr, eg_ptr, eu_ptr, x_ptr, sx_m, dy_ptr, sdy_m,
@@ -193,28 +203,13 @@ def wgrad_kernel(
                 acc1 += dgm * xm
                 acc2 += dum * xm
         if DY:
-            if split:
-                tl.atomic_add(dwd_ptr + n * KO + ks, acc1, mask=ok, sem="relaxed")
-                if HAS_BG:
-                    tl.atomic_add(dbg_ptr + n, tl.sum(sg, axis=0), sem="relaxed")
-                if HAS_BU:
-                    tl.atomic_add(dbu_ptr + n, tl.sum(su, axis=0), sem="relaxed")
-            else:
-                acc1 += tl.load(dwd_ptr + n * KO + ks, mask=ok, other=0.0)
-                tl.store(dwd_ptr + n * KO + ks, acc1, mask=ok)
-                if HAS_BG:
-                    tl.store(dbg_ptr + n, tl.sum(sg, axis=0))
-                if HAS_BU:
-                    tl.store(dbu_ptr + n, tl.sum(su, axis=0))
+            _add_to(dwd_ptr + n * KO + ks, acc1, ok, split)
+            if HAS_BG:
+                _add_to(dbg_ptr + n, tl.sum(sg, axis=0), n >= 0, split)
+            if HAS_BU:
+                _add_to(dbu_ptr + n, tl.sum(su, axis=0), n >= 0, split)
         else:
-            if split:
-                tl.atomic_add(dwg_ptr + n * K + ks, acc1, mask=ok, sem="relaxed")
-                if GATED:
-                    tl.atomic_add(dwu_ptr + n * K + ks, acc2, mask=ok, sem="relaxed")
-            else:
-                acc1 += tl.load(dwg_ptr + n * K + ks, mask=ok, other=0.0)
-                tl.store(dwg_ptr + n * K + ks, acc1, mask=ok)
-                if GATED:
-                    acc2 += tl.load(dwu_ptr + n * K + ks, mask=ok, other=0.0)
-                    tl.store(dwu_ptr + n * K + ks, acc2, mask=ok)
+            _add_to(dwg_ptr + n * K + ks, acc1, ok, split)
+            if GATED:
+                _add_to(dwu_ptr + n * K + ks, acc2, ok, split)
         t = nxt

@@ -274,7 +274,8 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
             GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
             K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.train_pairs, CH=min(CH, pow2(n)),
             BK=RBK, num_warps=_warps(k, k_out))
-    off = torch.cumsum(hist, 0, dtype=i32) - hist
+    csum = torch.cumsum(hist, 0, dtype=i32)
+    off = csum - hist
     order = torch.empty((max(m * width, 1),), dtype=i32, device=dev)
     if m:
         scatter_kernel[(m,)](cols, rk, q, off, order, width, WP=pow2(width), num_warps=1)
@@ -293,11 +294,12 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
     del xb, dyb
     db = torch.zeros((2, n), dtype=f32, device=dev)
     if n:
-        # each neuron's entries in chunks of at most `chunk`, chunk -> neuron, persistent
-        # programs (deterministic mode never gets here: select.plan_train runs eager's path)
-        # (wg_chunk_over_mean mean lists, at least wg_chunk: only hot neurons split; a device scalar)
+        # each neuron's entries in chunks of `chunk` (a device scalar: wg_chunk_over_mean mean
+        # lists, at least wg_chunk), chunk -> neuron, persistent programs taking chunks from a
+        # ticket per pass and K chunk (deterministic mode never gets here: select.plan_train
+        # runs eager's path there)
         floor_ = max(1, p.wg_chunk)
-        chunk = torch.clamp_min(torch.div(off[n - 1] + hist[n - 1], n, rounding_mode="floor")
+        chunk = torch.clamp_min(torch.div(csum[n - 1], n, rounding_mode="floor")
                                 * p.wg_chunk_over_mean, floor_)
         nch = torch.clamp_min(torch.div(hist + (chunk - 1), chunk, rounding_mode="floor"), 1)
         cend = torch.cumsum(nch, 0, dtype=i32)
@@ -310,17 +312,19 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
         bkw = min(p.wg_bk, pow2(k))
         tickets = torch.zeros((1 + -(-k // bkw),), dtype=i32, device=dev)   # DY pass, X pass per K chunk
         common = dict(GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c))
-        args = (order, off, hist, nid, coff, cend[n - 1:], tickets, chunk, width,
-                ell_g, ell_u if gated else ell_g, eg, eu, x2, x2.stride(0),
-                dy2, dy2.stride(0), mlist, mctr, w_gate, w_gate.stride(0),
-                b_gate if b_gate is not None else w_gate, wu, wu.stride(0),
-                b_up if b_up is not None else w_gate, wdt, wdt.stride(0), float(l1c),
-                dwg, dwu if gated else dwg, dwdt, db[0], db[1], k, k_out)
+
+        def args(ticket):
+            return (order, off, hist, nid, coff, cend[n - 1:], ticket, chunk, width,
+                    ell_g, ell_u if gated else ell_g, eg, eu, x2, x2.stride(0),
+                    dy2, dy2.stride(0), mlist, mctr, w_gate, w_gate.stride(0),
+                    b_gate if b_gate is not None else w_gate, wu, wu.stride(0),
+                    b_up if b_up is not None else w_gate, wdt, wdt.stride(0), float(l1c),
+                    dwg, dwu if gated else dwg, dwdt, db[0], db[1], k, k_out)
+
         bk_dy = pow2(k_out)                       # the DY pass needs whole dy rows for dh
-        wgrad_kernel[(programs, 1)](*args, DY=True, BKW=bk_dy, E=p.wg_dy_entries,
+        wgrad_kernel[(programs, 1)](*args(tickets[:1]), DY=True, BKW=bk_dy, E=p.wg_dy_entries,
                                     num_warps=warps_by_width(k_out, p.wg_dy_cols_per_warp), **common)
-        args = (*args[:6], tickets[1:], *args[7:])
-        wgrad_kernel[(programs, -(-k // bkw))](*args, DY=False, BKW=bkw, E=p.wg_x_entries,
+        wgrad_kernel[(programs, -(-k // bkw))](*args(tickets[1:]), DY=False, BKW=bkw, E=p.wg_x_entries,
                                                num_warps=p.wg_x_warps, **common)
     if m:
         dx_rows_kernel[(m,)](q, cols, eg, eu, width, w_gate, w_gate.stride(0), wu, wu.stride(0),
