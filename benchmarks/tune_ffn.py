@@ -41,12 +41,13 @@ def bench(fn) -> float:
     return median_ms(fn, 100, warmup=25)
 
 
-def variants(specs: list[str], fields: tuple[str, ...], flag: str) -> list[dict[str, int]]:
-    """Comma-separated integers per variant as record fields (``fields``) for arch.patched."""
+def variants(specs: list[str], fields: tuple[str, ...], flag: str, optional: int = 0) -> list[dict[str, int]]:
+    """Comma-separated integers per variant as record fields (``fields``) for arch.patched; the
+    last ``optional`` fields may be left out (the record's value stays)."""
     out = []
     for spec in specs:
         values = spec.split(",")
-        if len(values) != len(fields) or not all(v.strip().lstrip("-").isdigit() for v in values):
+        if not len(fields) - optional <= len(values) <= len(fields) or not all(v.strip().lstrip("-").isdigit() for v in values):
             raise ValueError(f"{flag} takes {','.join(fields)} as integers, got {spec!r}")
         out.append(dict(zip(fields, (int(v) for v in values))))
     return out
@@ -72,7 +73,7 @@ def rows(a, compact: list[dict[str, int]], fused: list[dict[str, int]]) -> None:
         width = select.list_width(record, a.N, nnz) if a.width == 0 else a.width
         line = f"M={m} d={d} t={t} nnz/row {nnz:.1f} W={width}: F.linear {lin:.3f} dense {dense:.3f}"
         for c in compact:
-            with arch.patched(**c):
+            with arch.patched(**c, compact_programs=1):     # exactly compact_bm rows per program
                 try:
                     ms = bench(lambda: cuda_infer.gate_rows(x, wg, None, width)) - lin
                 except LAUNCH_ERRORS as ex:
@@ -90,8 +91,7 @@ def rows(a, compact: list[dict[str, int]], fused: list[dict[str, int]]) -> None:
                     print("   ", f, type(ex).__name__, str(ex)[:200])
                     continue
             gb = nnz * m * 2 * a.K * 2 / 1e9
-            print(f"    fused row_pairs={f['row_pairs']} row_prefetch={f['row_prefetch']} "
-                  f"row_cols_per_warp={f['row_cols_per_warp']}: {ms:.3f} ms ({gb / ms:.1f} TB/s of weight rows)",
+            print(f"    fused {' '.join(f'{k}={v}' for k, v in f.items())}: {ms:.3f} ms ({gb / ms:.1f} TB/s of weight rows)",
                   flush=True)
         tot = bench(lambda: cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width))
         rr = min(m, 4096)
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compact", nargs="+", default=["16,256,4", "8,256,4", "4,512,4"],
                     help="compact_bm,compact_ch,compact_warps of the compaction pass")
     ap.add_argument("--fused", nargs="+", default=["1,1,1024", "4,1,512", "2,1,512", "1,1,512"],
-                    help="row_pairs,row_prefetch,row_cols_per_warp of the fused row kernel")
+                    help="row_pairs,row_prefetch,row_cols_per_warp[,row_stages] of the fused row kernel")
     ap.add_argument("--dense", nargs="*", default=[],
                     help="dense_block,dense_warps of the dense path's relu*mul pass")
     ap.add_argument("--no-twell", action="store_true", help="only the --dense variants")
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tail", type=float, nargs="+", default=[0.0, 0.2])
     a = ap.parse_args(argv)
     compact = variants(a.compact, ("compact_bm", "compact_ch", "compact_warps"), "--compact")
-    fused = variants(a.fused, ("row_pairs", "row_prefetch", "row_cols_per_warp"), "--fused")
+    fused = variants(a.fused, ("row_pairs", "row_prefetch", "row_cols_per_warp", "row_stages"), "--fused", optional=1)
     dense = variants(a.dense, ("dense_block", "dense_warps"), "--dense")
     if not torch.cuda.is_available():
         raise SystemExit("tune_ffn.py needs a CUDA device")

@@ -17,6 +17,8 @@ SCRIPT = textwrap.dedent("""
     import torch, torch.nn.functional as F
     from twell_compile.runtime.cuda_infer import gate_rows, twell_forward
     from twell_compile.reference import ffn_dense
+    from twell_compile.runtime import arch
+    arch.patched(**{launch}).__enter__()      # the row kernel's launch variant, for this process
     torch.manual_seed({seed})
     m, k, n, ko, gated, bias, width, bad = {case}
     dt = torch.float16
@@ -66,4 +68,13 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES)
 def test_kernels_under_interpreter(case):
-    run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case), timeout=60)
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case, launch={}), timeout=60)
+
+
+# the software-pipelined list loop (row_prefetch 3: Triton's pipeliner keeps row_stages - 1 pairs'
+# weight rows in flight), one and two pairs per step, on the cases with lists and tails
+@pytest.mark.parametrize("launch", [dict(row_prefetch=3, row_stages=3),
+                                    dict(row_prefetch=3, row_stages=2, row_pairs=2)])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]])
+def test_pipelined_list_loop_under_interpreter(case, launch):
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 1, case=case, launch=launch), timeout=60)

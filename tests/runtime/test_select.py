@@ -4,6 +4,8 @@ the H200 record (arch.cuda_default without a GPU)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch._dynamo.source import ConstantSource
@@ -225,3 +227,23 @@ def test_list_width_grows_with_the_measured_density_within_bounds():
 def test_static_path_says_what_a_rewritten_ffn_runs(device, dtype, m, k, training, path, want):
     """explain's "runs" column: which implementation the op takes, from compile-time facts."""
     assert select.static_path(device, dtype, m, k, k, 4 * k, training=training, path=path).startswith(want)
+
+
+def test_compaction_takes_fewer_rows_per_program_at_small_token_counts():
+    p = arch.H100
+    got = {m: p.compact_rows_per_program(m) for m in (1, 2048, 8192, 16384, 32768, 65536, 1 << 20)}
+    assert got == {1: 4, 2048: 4, 8192: 4, 16384: 8, 32768: 16, 65536: 16, 1 << 20: 16}
+    assert dataclasses.replace(p, compact_bm=16, compact_programs=1).compact_rows_per_program(2048) == 16
+
+
+def test_patched_records_apply_nest_and_lift():
+    base = arch.cuda_default()
+    with arch.patched(row_stages=7):
+        first = arch.cuda_default()
+        assert first.row_stages == 7 and arch.cuda_default() is first     # one record per base
+        with arch.patched(row_stages=9, compact_bm=8):
+            inner = arch.cuda_default()
+            assert (inner.row_stages, inner.compact_bm) == (9, 8)
+        after = arch.cuda_default()
+        assert (after.row_stages, after.compact_bm) == (7, base.compact_bm)
+    assert arch.cuda_default() == base and arch.cuda_default().row_stages == base.row_stages

@@ -15,7 +15,9 @@ registers with a running prefix count:
 global memory:
   1. list loop: pairs list[m, p] for p < min(cnt, W), PAIRS per iteration, the
      next pairs' (col, value) loaded one iteration ahead (PF=1) or also their weight rows
-     (PF=2); per pair u = x . W_u[n] (+ b_u), h = g * u, y += h * W_d^T[n].
+     (PF=2), or the loop software-pipelined by Triton (PF=3: list entries and weight rows of
+     the next STAGES - 1 steps copied to shared memory with cp.async while this one computes);
+     per pair u = x . W_u[n] (+ b_u), h = g * u, y += h * W_d^T[n].
   2. exact tail: rows with cnt > W continue over g itself after the W-th listed column
      (chunks of CH, non-zeros found with a prefix count); rows whose x holds NaN/Inf take
      every column (0 * Inf = NaN as in eager). Nothing is dropped, no capacity to exhaust.
@@ -123,7 +125,7 @@ def twell_rows_kernel(
     K, N, KO, W,
     GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
-    PF: tl.constexpr,
+    PF: tl.constexpr, STAGES: tl.constexpr,
 ):
     m = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)     # rows over W first
     ks = tl.arange(0, K_P)
@@ -160,6 +162,15 @@ def twell_rows_kernel(
             acc, hs = _pair(acc, hs, xr, g, n, live, wu, wd, bu_ptr, k_ok, GATED, HAS_BU)
             wu, wd, g, n, live = wu1, wd1, g1, n1, live1
             g1, n1, live1 = g2, n2, live2
+    elif PF == 3:
+        # software-pipelined by Triton: list entries and weight rows of later pairs in flight
+        for p0 in tl.range(0, nl, PAIRS, num_stages=STAGES):
+            pl = p0 + pa
+            lv = pl < nl
+            n, g = _unpack(tl.load(list_ptr + lrow + pl, mask=lv, other=0), dt)
+            wu = _wrows(wu_ptr, n, swu_n, ks, swu_k, lv, wu_m, g, GATED)
+            wd = _wrows(wdt_ptr, n, swd_n, ko, swd_k, lv, wd_m, g, True)
+            acc, hs = _pair(acc, hs, xr, g, n, lv, wu, wd, bu_ptr, k_ok, GATED, HAS_BU)
     else:
         for p0 in range(0, nl, PAIRS):
             wu = _wrows(wu_ptr, n, swu_n, ks, swu_k, live, wu_m, g, GATED)

@@ -133,11 +133,14 @@ class GpuPolicy:
     lost_row_pairs: int              # a row past the dense backup costs as many listed pairs
     compact_max_lost: float          # dense layers save the compact state up to this many lost rows
     # -- launch sizes, per-row inference kernels (runtime/cuda_infer.py)
-    compact_bm: int = 16             # rows per compaction program
+    compact_bm: int = 16             # rows per compaction program, at most (compact_rows_per_program)
+    compact_programs: int = 2048     # ... fewer rows per program (down to 4) below this many programs
     compact_ch: int = 256            # columns per compaction step
     compact_warps: int = 4
     row_pairs: int = 1               # listed pairs per iteration of the fused row kernel
-    row_prefetch: int = 1            # 0 none, 1 next (col, value), 2 next weight rows too
+    row_prefetch: int = 1            # 0 none, 1 next (col, value), 2 next weight rows too,
+                                     # 3 Triton's pipeliner: row_stages - 1 pairs in flight via cp.async
+    row_stages: int = 1              # pipeline stages when row_prefetch == 3
     row_cols_per_warp: int = 1024    # warps = pow2(max(K, K_out)) / this
     list_min: int = 32               # per-row list width bounds
     list_max: int = 1024
@@ -164,6 +167,13 @@ class GpuPolicy:
     rank_bm: int = 8
     rank_bp: int = 32
     busy_programs: int = 1024
+
+    def compact_rows_per_program(self, m: int) -> int:
+        """Rows per compaction program for M rows: compact_bm, fewer (down to 4) where M / 16
+        programs would leave SMs idle. H100, K=2048 N=5632 d=0.005 (tune_ffn.py --compact,
+        2026-11-26): M=2048 0.036 ms at 4 rows against 0.046 at 16, 4096 0.033 / 0.047, 8192
+        0.053 / 0.062; 16384 0.083-0.095 for 4-16; 65536 0.167 at 16."""
+        return max(4, min(self.compact_bm, _pow2(m // self.compact_programs)))
 
     def decode_config(self, m: int, k: int) -> DecodeConfig:
         """The decode launch config for M rows of width K."""
@@ -266,6 +276,11 @@ H100 = dataclasses.replace(
     # 0.35 ms on the GPU: back to back it ran 1.03x of Inductor (benchmarks/profile_product.py
     # --M 4096 --policy min_tokens=4096, 2026-11-25). min_tokens stays 8192 (1.30x there).
     gate_units=1.43, pair_units=174.0,
+    # Row kernel's list loop pipelined by Triton (cp.async, 3 pairs' weight rows in flight, 24 KB
+    # of shared memory per program): K=2048 N=5632 d=0.005, M=16384 0.573 ms against 0.593, M=65536
+    # 2.212 / 2.370, M=4096 0.169 / 0.169-0.181 (tune_ffn.py --fused 1,1,1024 1,3,1024,4, 2026-11-26).
+    # Every variant ran at 6.2-6.9 TB/s of weight rows: the gathers' floor is 7.6 (h100/floor.json).
+    row_prefetch=3, row_stages=4,
     # Decode cost model: benchmarks/fit_policy.py --fit-decode on benchmarks/results/h100/
     # ffn_decode.json (56 points, 2026-11-25): HBM 2.6 TB/s for eager's dense FFN (H200: 3.8).
     decode_forms=_frozen({
@@ -307,6 +322,7 @@ Policy = Union[GpuPolicy, CpuPolicy]
 _by_index: dict[int, GpuPolicy] = {}
 _patches: list[dict] = []  # patched() blocks open, innermost last: policy_for's fast path when empty
 _patches_lock = threading.Lock()
+_patched_cache: dict[int, Policy] = {}   # id(base record) -> the record with _patches applied
 
 
 def gpu_policy_for_name(name: str) -> GpuPolicy:
@@ -335,9 +351,18 @@ def policy_for(device: Union[torch.device, str]) -> Policy:
 
 
 def _with_patches(base: Policy) -> Policy:
-    fields = {f.name for f in dataclasses.fields(base)}
-    merged = {k: v for c in list(_patches) for k, v in c.items() if k in fields}
-    return dataclasses.replace(base, **merged) if merged else base
+    # one replaced record per base while the patches stand (patched() clears the cache): a
+    # dataclasses.replace per call cost ~45 us of host time per launcher, and profiles taken
+    # under --policy read that as the product's
+    got = _patched_cache.get(id(base))
+    if got is not None:
+        return got
+    with _patches_lock:
+        fields = {f.name for f in dataclasses.fields(base)}
+        merged = {k: v for c in _patches for k, v in c.items() if k in fields}
+        got = dataclasses.replace(base, **merged) if merged else base
+        _patched_cache[id(base)] = got
+    return got
 
 
 def launch_policy(device: Union[torch.device, str]) -> GpuPolicy:
@@ -368,8 +393,10 @@ def patched(**changes) -> Iterator[None]:
     entry = dict(changes)
     with _patches_lock:
         _patches.append(entry)
+        _patched_cache.clear()
     try:
         yield
     finally:
         with _patches_lock:
             del _patches[next(i for i, e in enumerate(_patches) if e is entry)]
+            _patched_cache.clear()

@@ -51,18 +51,22 @@ class Rows(NamedTuple):
 
 def gate_rows(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], width: int) -> Rows:
     """g = x2 W_g^T + b_g by cuBLAS, then one compaction pass over g."""
-    p = arch.launch_policy(x2.device)
-    m = x2.shape[0]
-    n = w_gate.shape[0]
-    g = F.linear(x2, w_gate, b_gate)
-    lst = torch.empty((m, width), dtype=torch.int32, device=x2.device)
-    cnt = torch.empty((m,), dtype=torch.int32, device=x2.device)
-    order = torch.empty((m,), dtype=torch.int32, device=x2.device)
+    return compact_rows(F.linear(x2, w_gate, b_gate), width)
+
+
+def compact_rows(g: Tensor, width: int) -> Rows:
+    """The per-row lists of relu(g) for g [M, N] (unit column stride; any row stride)."""
+    p = arch.launch_policy(g.device)
+    m, n = g.shape
+    lst = torch.empty((m, width), dtype=torch.int32, device=g.device)
+    cnt = torch.empty((m,), dtype=torch.int32, device=g.device)
+    order = torch.empty((m,), dtype=torch.int32, device=g.device)
     if m:
-        ctr = torch.zeros((2,), dtype=torch.int32, device=x2.device)
-        launch(compact_rows_kernel, (-(-m // p.compact_bm),),
+        ctr = torch.zeros((2,), dtype=torch.int32, device=g.device)
+        bm = p.compact_rows_per_program(m)
+        launch(compact_rows_kernel, (-(-m // bm),),
                (g, g.stride(0), lst, cnt, order, ctr, m, n, width),
-               dict(BM=p.compact_bm, CH=min(p.compact_ch, pow2(n)), ASM=not INTERPRET),
+               dict(BM=bm, CH=min(p.compact_ch, pow2(n)), ASM=not INTERPRET),
                num_warps=p.compact_warps)
     return Rows(g, lst, cnt, order)
 
@@ -85,7 +89,8 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
             wdt, wdt.stride(0), wdt.stride(1), b_down if b_down is not None else x2,
             y, y.stride(0), y.stride(1), hsum, k, n, k_out, r.lst.shape[1]),
            dict(GATED=w_up is not None, HAS_BU=b_up is not None, HAS_BD=b_down is not None,
-                K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.row_pairs, CH=min(TAIL_CH, pow2(n)), PF=p.row_prefetch),
+                K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.row_pairs, CH=min(TAIL_CH, pow2(n)), PF=p.row_prefetch,
+                STAGES=p.row_stages),
            num_warps=warps_by_width(max(k, k_out), p.row_cols_per_warp))
     return y, hsum
 

@@ -135,9 +135,10 @@ def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b
     y = torch.empty((m, k_out), dtype=dt, device=dev) if compute_y else None
     hsum = torch.empty((m,), dtype=torch.float32, device=dev) if compute_y else None
     if m:
-        compact_rows_kernel[(-(-m // p.compact_bm),)](
+        bm = p.compact_rows_per_program(m)
+        compact_rows_kernel[(-(-m // bm),)](
             g, g.stride(0), lst, cnt, order, ctr[1:], m, n, width,
-            BM=p.compact_bm, CH=min(p.compact_ch, pow2(n)), ASM=not INTERPRET, num_warps=p.compact_warps)
+            BM=bm, CH=min(p.compact_ch, pow2(n)), ASM=not INTERPRET, num_warps=p.compact_warps)
         wdt = transposed(w_down) if compute_y else g
         wu = w_up if (compute_y and gated) else g
         pairs, cpw = (p.fwd_pairs, p.fwd_cols_per_warp) if compute_y else (p.state_pairs, p.state_cols_per_warp)
