@@ -271,13 +271,12 @@ H100 = dataclasses.replace(
     # Per-row path: least-relative-error fit of the forced-kernel column at M = 16384 and 65536,
     # tail 0, d 0.005-0.05 (benchmarks/results/h100/ffn_inference.json, 2026-11-25): 1.43 + 174 d
     # (H200: 1.2 + 145); Inductor 3.1-3.3 units. TwELL below d = 0.0082: d=0.01 read 0.97x
-    # (16384) and 1.07x (65536) of Inductor, left dense. From 4096 tokens: the compiled module
-    # ran 0.387 ms per call there against Inductor's 0.429 (host-bound: 387 us of host time per
-    # call, 253 of them the op's, against the op's 0.33 ms on the GPU); at 2048 0.374 against
-    # 0.204, so not below (profile_product.py --M 4096 / 2048 --policy min_tokens=2048 with the
-    # row kernel pipelined, 2026-11-26; the 0.42 ms read on 2026-11-25 had the policy patch's
-    # own host time in it).
-    min_tokens=4096,
+    # (16384) and 1.07x (65536) of Inductor, left dense. min_tokens stays 8192: from 4096 tokens
+    # the i.i.d. inputs ran 1.26x of Inductor, but a trained layer's activity (h100_activity.json
+    # layer 3: denser first tokens, hot neurons; 34 non-zeros per row) ran 0.55x (the compiled
+    # module, 0.759 ms against 0.421) and the forced kernel 0.86x: a wave of 4096 rows waits on
+    # its longest ones (bench_ffn.py --M 4096 --activity ..., H100, 2026-11-26). At 2048 even
+    # i.i.d. is host-bound: 0.374 ms per call against Inductor's 0.204.
     gate_units=1.43, pair_units=174.0,
     # Row kernel's list loop pipelined by Triton (cp.async, 3 pairs' weight rows in flight, 24 KB
     # of shared memory per program): K=2048 N=5632 d=0.005, M=16384 0.573 ms against 0.593, M=65536
