@@ -266,8 +266,8 @@ H200 = GpuPolicy(
 H100 = dataclasses.replace(
     H200, name="H100",
     measured_on="NVIDIA H100 80GB HBM3 (torch 2.11, Triton 3.6), 2026-11-25/26: per-row and decode cost "
-                "models, the dense training path's saved state; launch sizes, decode configs and the other "
-                "training constants are the H200's",
+                "models, the row kernel's pipelined list loop, the dense training path's saved state; other "
+                "launch sizes, decode configs and the other training constants are the H200's",
     # Per-row path: least-relative-error fit of the forced-kernel column at M = 16384 and 65536,
     # tail 0, d 0.005-0.05 (benchmarks/results/h100/ffn_inference.json, 2026-11-25): 1.43 + 174 d
     # (H200: 1.2 + 145); Inductor 3.1-3.3 units. TwELL below d = 0.0082: d=0.01 read 0.97x
