@@ -162,6 +162,19 @@ def test_compiled_prepared_model_matches_unprepared_eager():
         assert [r.op for r in twell_compile.explain(net, x).rewrites] == ["twell::ffn"] * 2
 
 
+def test_prepared_model_compiles_as_one_graph():
+    # fullgraph: a graph break in a prepared FFN raises (torch 2.11 broke on the torch.func
+    # depth query in every prepared FFN: 10 graphs for a 4-layer Llama, one frame left to eager)
+    net, _ = _pair(Gated, Fused)
+    twell_compile.prepare(net, options=REWRITE_ALL)
+    x = torch.randn(4, 16, requires_grad=True)
+    torch._dynamo.reset()
+    torch.compile(net, backend="twell", fullgraph=True)(x).sum().backward()
+    assert all(p.grad is not None for p in net.parameters())
+    with torch.no_grad():
+        torch.compile(net, backend="twell", fullgraph=True)(x)
+
+
 def test_l1_is_given_to_prepare_not_to_compile():
     net, ref = _pair(Gated, Gated, Gated, seed=1)
     coef = 0.05

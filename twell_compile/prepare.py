@@ -268,13 +268,21 @@ def _dual(t: Optional[Tensor]) -> bool:
     return t is not None and fwAD.unpack_dual(t).tangent is not None
 
 
+@torch.compiler.assume_constant_result
+def _transform_depth() -> int:
+    """torch.func's interpreter stack depth. Under torch.compile the value at trace time, as a
+    constant: torch 2.13's Dynamo folds the call itself, 2.11's graph-broke on it in every
+    prepared FFN (10 graphs for a 4-layer model, one frame left to eager; H100, 2026-11-26);
+    peek_interpreter_stack() would read as not None."""
+    return torch._C._functorch.get_dynamic_layer_stack_depth()
+
+
 def transform_active(module: nn.Module, spec: FFNSpec, x: Tensor) -> Optional[str]:
     """Why the twell ops cannot run this call, or None: a torch.func transform (vmap, grad,
     jvp, ...) is active, whose wrapped tensors the ops' autograd formula and kernels do not
     support, or forward-mode AD has a dual tensor among the FFN's inputs (the ops have no
     forward-mode derivative)."""
-    # (Dynamo folds the depth to a constant; peek_interpreter_stack() would read as not None)
-    if torch._C._functorch.get_dynamic_layer_stack_depth() > 0:
+    if _transform_depth() > 0:
         return "a torch.func transform is active"
     if fwAD._current_level >= 0:
         params = [t for p in (spec.gate, spec.up, spec.down) if p is not None
