@@ -107,7 +107,7 @@ def cuda_count_rules(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setattr(fuse_ffn, "static_reason",
                         lambda dev, dt, *a, **kw: select.static_reason(cuda, torch.bfloat16, *a, **kw))
-    with arch.patched(decode_max_m=8, min_tokens=40, min_width=16, train_min_tokens=40):
+    with arch.patched(decode_max_m=8, min_tokens=40, min_width=16, train_min_tokens=40, train_min_width=16):
         yield
 
 

@@ -26,7 +26,7 @@ def _fresh():
     """Clean state; the auto plan's sparse kernels from any token count (the rules' tests)."""
     density.reset()
     cuda_train.clear_hints()
-    with arch.patched(train_min_tokens=1):
+    with arch.patched(train_min_tokens=1, train_min_width=1):
         yield
     density.reset()
 

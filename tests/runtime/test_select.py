@@ -118,6 +118,9 @@ def test_training_reasons_for_slow_paths():
     assert "wide" in reason(CUDA, torch.float16, None, select.MAX_WIDTH + 1, 64, 64, training=True)
     for m in (P.train_min_tokens, None):   # the sparse branch is reachable: keep the rewrite
         assert reason(CUDA, torch.bfloat16, m, training=True) is None
+    narrow = P.train_min_width // 2        # the sparse branch is not: Inductor's FFN ...
+    assert f"K={narrow}" in reason(CUDA, torch.bfloat16, 65536, narrow, 4 * narrow, narrow, training=True)
+    assert reason(CUDA, torch.bfloat16, 65536, narrow, 4 * narrow, narrow, training=True, l1=1.0) is None  # ... unless L1
 
 
 def test_training_on_cpu_is_left_to_inductor_unless_the_penalty_needs_our_backward():
@@ -222,6 +225,7 @@ def test_list_width_grows_with_the_measured_density_within_bounds():
     (CUDA, torch.bfloat16, 16384, 2048, False, "auto", "CUDA TwELL or dense"),
     (CUDA, torch.float32, 16384, 2048, False, "auto", "dense (eager's calls)"),
     (CUDA, torch.bfloat16, 16384, 2048, True, "auto", "CUDA sparse training kernels"),
+    (CUDA, torch.bfloat16, 16384, 1024, True, "auto", "CUDA dense training path (K=1024"),
     (CUDA, torch.bfloat16, 16384, 2048, False, "twell", "forced: twell"),
 ])
 def test_static_path_says_what_a_rewritten_ffn_runs(device, dtype, m, k, training, path, want):

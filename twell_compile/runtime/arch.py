@@ -128,6 +128,7 @@ class GpuPolicy:
     wide_decode_configs: Mapping[int, DecodeConfig]  # by padded M, K >= wide_k
     # -- training (select.plan_train)
     train_min_tokens: int            # the sparse training kernels run from this many tokens
+    train_min_width: int             # ... and K at least this (narrower: the dense path)
     sparse_max_density: float        # sparse while the layer's measured density is under this
     train_probe_every: int
     lost_row_pairs: int              # a row past the dense backup costs as many listed pairs
@@ -252,7 +253,11 @@ H200 = GpuPolicy(
     # 8.83 at 115; dense 4.9-6.4 ms: crossover 58-75 non-zeros per row, 0.011 keeps a margin.
     # Densities move fast in training (0.006 -> 0.016-0.027 in 20 steps at lr 3e-4): probe
     # every call. A row past the backup is recomputed at ~55 us against ~3.9 ns per pair.
-    train_min_tokens=8192, sparse_max_density=0.011, train_probe_every=1, lost_row_pairs=14000,
+    # train_min_width: bench_e2e.py --train --hidden 1024 --ffn 2816 --layers 8 --batch 8 --seq
+    # 1024 --density 0.005 --twell-opt twell.l1=12 (H100, 2026-11-26): with 7 of 8 layers sparse
+    # 0.908x of Inductor's step (27.15 / 24.66 ms), every layer dense 0.98x (25.13 ms): at K=1024
+    # the per-row kernels' fixed costs outweigh the GEMMs they save (inference: min_width)
+    train_min_tokens=8192, train_min_width=2048, sparse_max_density=0.011, train_probe_every=1, lost_row_pairs=14000,
     compact_max_lost=0,
     # Launch sizes (bench_ffn.py / bench_ffn_train.py probes, M=16384 K=2048 d=0.005,
     # 2026-11-23): compaction 16 rows per program 0.074 ms (8: 0.088); fused rows 1 pair / 2

@@ -37,9 +37,9 @@ tf32, about 3e-4 relative error, over twice eager fp32's):
 Inference, CPU: the C++ kernel (cpu_ffn.py) for fp32/bf16 from min_tokens tokens at K >=
 min_width (it picks sparse or dense up/down inside, from the non-zeros it counts); plain PyTorch
 (eager's calls) otherwise.
-Training, CUDA bf16/fp16 within the kernels' widths: from train_min_tokens tokens (and a dense
-backup smaller than M) the sparse kernels while the lagged density is under
-sparse_max_density; else eager's GEMMs saving the compact state (while no rows were lost past
+Training, CUDA bf16/fp16 within the kernels' widths: from train_min_tokens tokens and K >=
+train_min_width (and a dense backup smaller than M) the sparse kernels while the lagged density
+is under sparse_max_density; else eager's GEMMs saving the compact state (while no rows were lost past
 the backup) or g and u. Rows past the backup count lost_row_pairs pairs each in the probe.
 fp32 and the CPU train on plain PyTorch (hybrid format, exact).
 
@@ -360,7 +360,7 @@ def plan_train(x: Tensor, n: int, k_out: int, gated: bool, ell_width: int, backu
         density.poll(key)
         density.poll(lkey)
     d, lost = density.measured(key), density.measured(lkey)
-    sparse = d is not None and d < p.sparse_max_density
+    sparse = d is not None and d < p.sparse_max_density and k >= p.train_min_width
     compact = not sparse and lost is not None and lost <= p.compact_max_lost
     return TrainPlan("twell" if sparse else "compact" if compact else "dense", p, key, lkey,
                      probe=density.wants_probe(key, p.train_probe_every), tick=True, width=width, cap=cap)
@@ -466,6 +466,10 @@ def _train_reason(device: torch.device, dtype: torch.dtype, m, k: int, n: int, k
     if k > MAX_WIDTH or k_out > MAX_WIDTH or n > MAX_N:
         return f"layer too wide for the CUDA sparse training kernels (K={k}, K_out={k_out}, N={n})"
 
+    if k < p.train_min_width:
+        return (f"K={k}: under the {p.train_min_width} where the CUDA sparse training kernels can win "
+                f"(no twell.l1 penalty needs our backward)")
+
     def below(count: int) -> str:
         return (f"{count} tokens: below the {p.train_min_tokens} where the CUDA sparse training kernels "
                 f"can win (no twell.l1 penalty needs our backward)")
@@ -508,6 +512,9 @@ def static_path(device: torch.device, dtype: torch.dtype, m: Optional[Union[int,
     static_m = m if isinstance(m, int) else None
     if training:
         if device.type == "cuda" and dtype in DTYPES and k <= MAX_WIDTH and k_out <= MAX_WIDTH and n <= MAX_N:
+            p = arch.cuda_default() if not torch.cuda.is_available() else arch.policy_for(device)
+            if k < p.train_min_width:
+                return f"CUDA dense training path (K={k} under the sparse kernels' {p.train_min_width})"
             return "CUDA sparse training kernels or dense, by measured density"
         return "plain PyTorch (exact; the sparse training kernels take CUDA bf16/fp16)"
     if device.type == "cuda":
