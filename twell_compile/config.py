@@ -36,7 +36,9 @@ class TwellConfig:
         layers of the compiled graph. No change to the user's loss. 2e-5 is the paper's value
         for 10-40B tokens of pretraining at 0.5-2B parameters; short runs and small models need
         far more (the recipe uses 3.0 for 300 steps at N=384: docs/training.md "Choosing L1"),
-        and too much kills neurons (35% of hidden units dead at 3.0 there).
+        and too much kills neurons (35% of hidden units dead at 3.0 there). Added per call and
+        not scaled with the loss: k accumulated micro-batches apply it k times, and a GradScaler's
+        unscaling divides it by the scale (docs/training.md "Per call, not per loss").
     l1_layers [0]: number of FFN layers the mean runs over; 0 counts the FFNs rewritten in
         the graph (give the model's layer count when graph breaks split it into several graphs).
     ell_width [256]: hybrid format (training): non-zeros per row kept in the compact ELL part
