@@ -12,13 +12,18 @@ first use (``import twell_compile.ops`` stays light on machines without it).
 
 from __future__ import annotations
 
+import logging
 import sys
 from types import ModuleType
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from twell_compile.runtime import density, select, torch_impl
+
+log = logging.getLogger("twell_compile")
+_warned_fp16_l1 = False
 
 
 def _cuda_infer() -> ModuleType:
@@ -63,6 +68,12 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
     """(y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u): formats.Hybrid's state.
     ``l1_scale``: the backward's (the first call of a layer that may switch path runs every
     path's kernels once with it: cuda_train.warm_paths)."""
+    global _warned_fp16_l1
+    if l1_scale and x.dtype == torch.float16 and not _warned_fp16_l1:
+        _warned_fp16_l1 = True
+        log.warning("twell: the L1 penalty (twell.l1) trains in float16 here; it is added in the backward "
+                    "unscaled, so torch.amp.GradScaler's unscaling divides it by the loss scale (it all but "
+                    "vanishes): train in bfloat16, or multiply twell.l1 by the scaler's scale")
     n, k_out = w_gate.shape[0], w_down.shape[0]
     prev = density.enter(instance)
     try:
