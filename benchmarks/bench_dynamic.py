@@ -78,10 +78,10 @@ class OpCalls:
     ffn_infer, looked up by the ops at each call), so a step can tell which graph ran: ours or
     Inductor's FFN. With ``cpu_rule`` (--quick), the graph pass answers CPU facts with the CUDA
     token-count rules (select.static_reason for a bf16 CUDA FFN) at small thresholds
-    (arch.patched: decode <= 8, per-row and training >= 32, K >= 16). Everything is put back on
+    (arch.patched: decode <= 8, per-row and training >= 32, K >= 16 for both). Everything is put back on
     exit."""
 
-    CPU_RULE = dict(decode_max_m=8, min_tokens=32, train_min_tokens=32, min_width=16)
+    CPU_RULE = dict(decode_max_m=8, min_tokens=32, train_min_tokens=32, min_width=16, train_min_width=16)
 
     def __init__(self, cpu_rule: bool):
         self.n, self.cpu_rule = 0, cpu_rule
