@@ -91,9 +91,13 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def check_close(name: str, got: torch.Tensor, eager: torch.Tensor, ref64: torch.Tensor | None = None) -> None:
     """fp32/fp64: tight against eager. bf16/fp16: error vs fp64 at most 2x eager's own error.
 
-    The low-precision rule allows one extra half-ulp at the output's scale on top: on a handful
-    of elements eager can round to the exact fp64 value by luck (error 0), which no other
-    correct summation order is obliged to repeat.
+    The low-precision rule allows one extra ulp at the output's scale on top: on a handful of
+    elements eager can round to the exact fp64 value by luck (error 0), which no other correct
+    summation order is obliged to repeat. One ulp, not half: an output computed from a rounded
+    intermediate carries both roundings. Seen with a 1 x 1 x 2 FFN in bf16 (hypothesis, seed
+    186): grad down.weight = dy * h, with h from a fused F.linear(x, w, b) (one rounding) where
+    eager's x @ w.t() + b rounds twice and landed nearer fp64 by luck: ours 2.3e-4 off at
+    0.0495 (1 ulp = 3.9e-4), eager's 1.3e-5.
     """
     assert got.shape == eager.shape, f"{name}: shape {tuple(got.shape)} != eager {tuple(eager.shape)}"
     assert got.dtype == eager.dtype, f"{name}: dtype {got.dtype} != eager {eager.dtype}"
@@ -104,7 +108,7 @@ def check_close(name: str, got: torch.Tensor, eager: torch.Tensor, ref64: torch.
         assert err <= tol, f"{name}: max error {err:.3g} vs eager > {tol:.3g}"
         return
     err, eager_err = max_err(got, ref64), max_err(eager, ref64)
-    floor = 0.5 * torch.finfo(got.dtype).eps * (ref64.abs().max().item() if ref64.numel() else 0.0)
+    floor = torch.finfo(got.dtype).eps * (ref64.abs().max().item() if ref64.numel() else 0.0)
     assert err <= 2 * eager_err + floor, (
         f"{name}: error vs fp64 {err:.3g} > 2 x eager {got.dtype} error {eager_err:.3g}")
 
