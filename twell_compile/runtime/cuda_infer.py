@@ -54,15 +54,18 @@ def gate_rows(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], width: int) 
     return compact_rows(F.linear(x2, w_gate, b_gate), width)
 
 
-def compact_rows(g: Tensor, width: int) -> Rows:
-    """The per-row lists of relu(g) for g [M, N] (unit column stride; any row stride)."""
+def compact_rows(g: Tensor, width: int, ctr: Optional[Tensor] = None) -> Rows:
+    """The per-row lists of relu(g) for g [M, N] (unit column stride; any row stride). ``ctr``:
+    the order's two counters, zeroed int32 (a caller that zeroes other counters with them saves
+    a memset); allocated here when None. Inference and training both compact through this."""
     p = arch.launch_policy(g.device)
     m, n = g.shape
     lst = torch.empty((m, width), dtype=torch.int32, device=g.device)
     cnt = torch.empty((m,), dtype=torch.int32, device=g.device)
     order = torch.empty((m,), dtype=torch.int32, device=g.device)
     if m:
-        ctr = torch.zeros((2,), dtype=torch.int32, device=g.device)
+        if ctr is None:
+            ctr = torch.zeros((2,), dtype=torch.int32, device=g.device)
         bm = p.compact_rows_per_program(m)
         launch(compact_rows_kernel, (-(-m // bm),),
                (g, g.stride(0), lst, cnt, order, ctr, m, n, width),

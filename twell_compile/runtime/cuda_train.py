@@ -6,7 +6,7 @@ row count (M; a compact state needs cap < M), and densify-or-sparse for a compac
 a hint keyed on its backup_idx (both exact on any compact state).
 
 Sparse forward, for x [M, K]:
-  1. cuBLAS gate GEMM g = x W_g^T + b_g, then ``compact_rows_kernel`` (twell_rows.py): the
+  1. cuBLAS gate GEMM g = x W_g^T + b_g, then ``cuda_infer.compact_rows`` (twell_rows.py): the
      count of relu(g)'s non-zeros per row and its first W as packed (col, value) pairs.
   2. ``train_fwd_kernel`` (twell_train_fwd.py): per row, u at the listed pairs, y; writes the
      ELL slots; busy rows take a dense-backup slot from an atomic counter (rows past its
@@ -41,15 +41,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from twell_compile.config import TRAIN_PATHS
-from twell_compile.kernels.twell_rows import compact_rows_kernel
 from twell_compile.kernels.twell_train_bwd import dx_rows_kernel, rank_kernel, train_bwd_kernel
 from twell_compile.kernels.twell_train_dense import train_dense_bwd_kernel
 from twell_compile.kernels.twell_train_densify import train_densify_kernel
 from twell_compile.kernels.twell_train_fwd import train_fwd_kernel
 from twell_compile.kernels.twell_train_wgrad import chunk_map_kernel, scatter_kernel, wgrad_kernel
 from twell_compile.runtime import arch, density
-from twell_compile.runtime.cuda_infer import record_stats, relu_mul_rows
-from twell_compile.runtime.launch import INTERPRET, pow2, sm_count, transposed, unit_rows, warps_by_width
+from twell_compile.runtime.cuda_infer import compact_rows, record_stats, relu_mul_rows
+from twell_compile.runtime.launch import pow2, sm_count, transposed, unit_rows, warps_by_width
 from twell_compile.runtime.select import TrainPlan
 
 CH = 256          # columns per scan step over g / backup rows
@@ -122,8 +121,6 @@ def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b
     n, k_out = g.shape[1], w_down.shape[0]
     dev, dt = x2.device, x2.dtype
     gated = w_up is not None
-    lst = torch.empty((m, width), dtype=torch.int32, device=dev)
-    cnt = torch.empty((m,), dtype=torch.int32, device=dev)
     cols = torch.zeros((m, width), dtype=torch.int32, device=dev)
     ell_g = torch.zeros((m, width), dtype=dt, device=dev)
     ell_u = torch.zeros((m, width if gated else 0), dtype=dt, device=dev)
@@ -131,14 +128,10 @@ def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b
     bg = torch.zeros((cap, n), dtype=dt, device=dev)
     bu = torch.zeros((cap, n if gated else 0), dtype=dt, device=dev)
     ctr = torch.zeros((3,), dtype=torch.int32, device=dev)     # backup slots; the order's two
-    order = torch.empty((m,), dtype=torch.int32, device=dev)
+    _, lst, cnt, order = compact_rows(g, width, ctr[1:])
     y = torch.empty((m, k_out), dtype=dt, device=dev) if compute_y else None
     hsum = torch.empty((m,), dtype=torch.float32, device=dev) if compute_y else None
     if m:
-        bm = p.compact_rows_per_program(m)
-        compact_rows_kernel[(-(-m // bm),)](
-            g, g.stride(0), lst, cnt, order, ctr[1:], m, n, width,
-            BM=bm, CH=min(p.compact_ch, pow2(n)), ASM=not INTERPRET, num_warps=p.compact_warps)
         wdt = transposed(w_down) if compute_y else g
         wu = w_up if (compute_y and gated) else g
         pairs, cpw = (p.fwd_pairs, p.fwd_cols_per_warp) if compute_y else (p.state_pairs, p.state_cols_per_warp)

@@ -455,11 +455,17 @@ def _cpu_infer_reason(p: CpuPolicy, dtype: torch.dtype, m, k: int, n: int, k_out
     return None
 
 
+def _static_policy(device: torch.device) -> GpuPolicy:
+    """The CUDA record compile-time rules read: the device's own where CUDA is available, else
+    the default (arch.cuda_default: no GPU to ask, e.g. CI)."""
+    return arch.policy_for(device) if torch.cuda.is_available() else arch.cuda_default()  # type: ignore[return-value]
+
+
 def _train_reason(device: torch.device, dtype: torch.dtype, m, k: int, n: int, k_out: int) -> Optional[str]:
     if device.type != "cuda":
         return ("training on CPU runs the plain-PyTorch implementation (exact, slower than Inductor's "
                 "code); set twell.l1 to train with the sparsity penalty, which needs it")
-    p = arch.cuda_default() if not torch.cuda.is_available() else arch.policy_for(device)
+    p = _static_policy(device)
     if dtype not in DTYPES:
         return (f"{str(dtype).replace('torch.', '')} training on CUDA runs the plain-PyTorch path "
                 f"(the sparse training kernels take bf16/fp16, e.g. under autocast)")
@@ -495,7 +501,7 @@ def static_reason(device: torch.device, dtype: torch.dtype, m: Optional[Union[in
     if training:
         return None if l1 else _train_reason(device, dtype, m, k, n, k_out)
     if device.type == "cuda":
-        p = arch.cuda_default() if not torch.cuda.is_available() else arch.policy_for(device)
+        p = _static_policy(device)
         return _cuda_infer_reason(p, dtype, m, k, n, k_out, gated, cudagraphs)
     if device.type == "cpu":
         return _cpu_infer_reason(arch.policy_for(device), dtype, m, k, n, k_out)  # type: ignore[arg-type]
@@ -512,7 +518,7 @@ def static_path(device: torch.device, dtype: torch.dtype, m: Optional[Union[int,
     static_m = m if isinstance(m, int) else None
     if training:
         if device.type == "cuda" and dtype in DTYPES and k <= MAX_WIDTH and k_out <= MAX_WIDTH and n <= MAX_N:
-            p = arch.cuda_default() if not torch.cuda.is_available() else arch.policy_for(device)
+            p = _static_policy(device)
             if k < p.train_min_width:
                 return f"CUDA dense training path (K={k} under the sparse kernels' {p.train_min_width})"
             return "CUDA sparse training kernels or dense, by measured density"
@@ -520,7 +526,7 @@ def static_path(device: torch.device, dtype: torch.dtype, m: Optional[Union[int,
     if device.type == "cuda":
         if dtype not in DTYPES:
             return "dense (eager's calls)"
-        p = arch.cuda_default() if not torch.cuda.is_available() else arch.policy_for(device)
+        p = _static_policy(device)
         if static_m is not None and static_m <= p.decode_max_m:
             return "CUDA decode or dense, by measured density"
         if static_m is not None:
@@ -543,5 +549,5 @@ def decode_state_wanted(device: torch.device, dtype: torch.dtype, k: int, n: int
     device = torch.device(device)
     if device.type != "cuda" or dtype not in DTYPES:
         return False
-    p = arch.cuda_default() if not torch.cuda.is_available() else arch.policy_for(device)
+    p = _static_policy(device)
     return decode_wins(p, 0.0, 1, k, n, k_out, gated)
