@@ -27,6 +27,7 @@ variant that fails prints its error and the probe goes on. Probe code: it ships 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import traceback
@@ -52,6 +53,18 @@ def sparse_phase(x, g, w_up, w_down, width):
     return cuda_infer.fused_rows(x, cuda_infer.compact_rows(g, width), w_up, None, w_down, None)[0]
 
 
+@contextlib.contextmanager
+def carveout(sms):
+    """cuBLASLt matmuls leave ``sms`` SMs free within the block (None: no change)."""
+    if sms is not None:
+        torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        if sms is not None:
+            torch._C._set_sm_carveout_experimental(None)
+
+
 def pipelined(p, width, chunks, s_gemm, s_rows, carve=None):
     """Chunked forward: GEMM of chunk c on s_gemm, its sparse phase on s_rows after it."""
     x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
@@ -60,10 +73,8 @@ def pipelined(p, width, chunks, s_gemm, s_rows, carve=None):
     main = torch.cuda.current_stream()
     s_gemm.wait_stream(main)
     s_rows.wait_stream(main)
-    outs, keep = [], []
-    if carve is not None:
-        torch._C._set_sm_carveout_experimental(carve)
-    try:
+    outs, keep = [], []            # keep: each chunk's g alive until both streams are joined
+    with carveout(carve):
         for c0 in range(0, m, step):
             xc = x[c0:c0 + step]
             with torch.cuda.stream(s_gemm):
@@ -74,29 +85,17 @@ def pipelined(p, width, chunks, s_gemm, s_rows, carve=None):
                 s_rows.wait_event(ev)
                 outs.append(sparse_phase(xc, g, wu, wd, width))
             keep.append(g)
-    finally:
-        if carve is not None:
-            torch._C._set_sm_carveout_experimental(None)
     main.wait_stream(s_gemm)
     main.wait_stream(s_rows)
     return torch.cat(outs)
 
 
 def part_alone(p, width, stream, what, carve=None):
-    x, wg = p["x"], p["w_gate"]
     main = torch.cuda.current_stream()
     stream.wait_stream(main)
-    if carve is not None:
-        torch._C._set_sm_carveout_experimental(carve)
-    try:
-        with torch.cuda.stream(stream):
-            if what == "gemm":
-                out = F.linear(x, wg)
-            else:
-                out = sparse_phase(x, p["g"], p["w_up"], p["w_down"], width)
-    finally:
-        if carve is not None:
-            torch._C._set_sm_carveout_experimental(None)
+    with carveout(carve), torch.cuda.stream(stream):
+        out = (F.linear(p["x"], p["w_gate"]) if what == "gemm"
+               else sparse_phase(p["x"], p["g"], p["w_up"], p["w_down"], width))
     main.wait_stream(stream)
     return out
 
@@ -172,9 +171,8 @@ def overlap_point(m, d, reps, green_sms, carves, chunk_list):
         except Exception as e:  # noqa: BLE001
             res[f"green{a}/{b}"] = {"error": f"{type(e).__name__}: {e}"}
             print(f"  green{a}/{b} FAILED {e}", flush=True)
-    for cpw in (2048,):
-        with arch.patched(row_cols_per_warp=cpw):
-            timed(res, f"serial_cols_per_warp{cpw}", lambda: serial(p, width), ref, reps)
+    with arch.patched(row_cols_per_warp=2048):       # one warp per token at K=2048
+        timed(res, "serial_cols_per_warp2048", lambda: serial(p, width), ref, reps)
     return res
 
 
