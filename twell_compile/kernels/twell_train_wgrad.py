@@ -17,7 +17,8 @@ layers at large M (~590 entries per neuron at M=65536) do not split every neuron
 sparse at M=65536 d=0.005 ran 13.78 / 21.70 ms at tail 0 / 0.2 with it against 14.04 / 22.37
 with fixed chunks of 128 (bench_ffn_train.py sparse_ms, one run each, H100, 2026-11-26). On
 the 4-layer model the shipped rule gave both passes 4.30 ms per step (step 67.79 ms against
-Inductor's 68.75; profile_train_step.py, H100, 2026-11-26, commit a4ed0a7). A
+Inductor's 68.75; `profile_train_step.py --layers 4 --batch 8 --seq 2048 --density 0.005
+--twell-opt twell.l1=12`, H100, 2026-11-26, commit a4ed0a7). A
 neuron of one chunk adds its sums to the outputs (fp32, the dense backup's part already in)
 with plain loads and stores; the chunks of a split neuron add theirs atomically. Each pass
 gathers rows of one [M, 2048]-sized tensor only (64 MB at M=16384 bf16: about the H200's
@@ -47,11 +48,11 @@ low parts; the gathered x tiles then go through cp.async, one stage ahead) lost:
 10.65 ms per step of the 4-layer model at E=64, 9.09 at E=32, against 7.25 for these register
 tiles in the same call (H100, profile_train_step.py, 2026-11-26; a prototype, never committed:
 docs/training-design.md describes it). Nor did Triton's software pipelining of the entry loops
-(tl.range num_stages=3: the gathered rows through cp.async into shared memory, 152-168
-registers per thread against 162 / 117 without): both passes 5.13 ms per step against 4.30 in
-the same call; with the forward row kernel's and dx_rows_kernel's loops pipelined too, 5.07 and
-train_fwd_kernel 1.58 against 1.49 (H100, profile_train_step.py --policy, 2026-11-26; the
-knobs were removed again)."""
+(tl.range num_stages=3: the gathered rows through cp.async into shared memory): both passes
+5.13 ms per step against 4.30 in the same call; with the forward row kernel's and dx_rows_kernel's loops pipelined too, 5.07 and
+train_fwd_kernel 1.58 against 1.49 (H100, `profile_train_step.py --layers 4 --batch 8 --seq
+2048 --density 0.005 --twell-opt twell.l1=12 --policy wg_dy_stages=3 wg_x_stages=3 [fwd_stages=4
+dx_stages=3]`, 2026-11-26, on code whose knobs were removed again)."""
 
 import triton
 import triton.language as tl

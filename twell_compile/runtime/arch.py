@@ -280,8 +280,9 @@ H100 = dataclasses.replace(
     # the i.i.d. inputs ran 1.26x of Inductor, but a trained layer's activity (h100_activity.json
     # layer 3: denser first tokens, hot neurons; 34 non-zeros per row) ran 0.55x (the compiled
     # module, 0.759 ms against 0.421) and the forced kernel 0.86x: a wave of 4096 rows waits on
-    # its longest ones (bench_ffn.py --M 4096 --activity ..., H100, 2026-11-26). At 2048 even
-    # i.i.d. is host-bound: 0.374 ms per call against Inductor's 0.204.
+    # its longest ones (bench_ffn.py --M 4096 --activity benchmarks/profiles/h100_activity.json:
+    # model.layers.3.mlp, H100, 2026-11-26). At 2048 even i.i.d. is host-bound: 0.374 ms per call
+    # against Inductor's 0.204 (profile_product.py --M 2048 --policy min_tokens=2048, same day).
     gate_units=1.43, pair_units=174.0,
     # Row kernel's list loop pipelined by Triton (cp.async, 3 pairs' weight rows in flight, 24 KB
     # of shared memory per program): K=2048 N=5632 d=0.005, M=16384 0.573 ms against 0.593, M=65536
