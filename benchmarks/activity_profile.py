@@ -270,12 +270,12 @@ def train(a: argparse.Namespace, steps: int, amp: Callable):
     """bench_e2e's model, calibrated to --density, then ``steps`` AdamW steps under twell
     (profile_train_step.py's loop); returns the model (train mode off)."""
     ids = bench_e2e.token_batch(a, a.batch, a.seq, a.seed + 2)
-    state, achieved = bench_e2e.calibrated_state(a, amp)
+    master, achieved = bench_e2e.calibrated_model(a, amp)
     print(f"calibrated to {a.density[0]}: {[round(d, 4) for d in achieved]}", flush=True)
     if steps == 0:
-        model = bench_e2e.build_model(a, torch.float32, a.seed).eval()
-        model.load_state_dict(state)
-        return model
+        return master
+    state = bench_e2e.cpu_state(master)
+    del master
     model, opt, fwd = bench_e2e.training_setup(a, state, "twell")
     for i in range(steps):
         with amp():

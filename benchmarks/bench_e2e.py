@@ -310,12 +310,17 @@ def twell_sparse_layers(densities: dict[str, float], hidden: int, ffn: int) -> O
     return sum(select.twell_wins(p, d, True, hidden, ffn, hidden, 2) for d in densities.values())
 
 
-def calibrated_state(a: argparse.Namespace, amp) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """The model of seed a.seed with its gate biases calibrated to a.density[0] on a calibration
-    batch: its state dict on the CPU, and the densities reached."""
-    master = build_model(a, torch.float32, a.seed).eval()
-    achieved = calibrate(master, token_batch(a, a.calib_batch, a.seq, a.seed + 1), a.density[0], amp, a.batch)
-    return {k: v.detach().to("cpu", copy=True) for k, v in master.state_dict().items()}, achieved
+def calibrated_model(a: argparse.Namespace, amp, density: Optional[float] = None) -> tuple[torch.nn.Module, list[float]]:
+    """The fp32 model of seed a.seed (eval mode) with its gate biases calibrated to ``density``
+    (default a.density[0]) on the calibration batch, and the densities reached."""
+    model = build_model(a, torch.float32, a.seed).eval()
+    d = a.density[0] if density is None else density
+    return model, calibrate(model, token_batch(a, a.calib_batch, a.seq, a.seed + 1), d, amp, a.batch)
+
+
+def cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the model's state dict on the CPU (training_setup's input)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
 def training_setup(a: argparse.Namespace, state: dict[str, torch.Tensor], backend: str,
@@ -741,17 +746,15 @@ def run_train(a: argparse.Namespace, result: dict[str, Any]) -> None:
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
-    calib = token_batch(a, a.calib_batch, a.seq, a.seed + 1)
     ids = token_batch(a, a.batch, a.seq, a.seed + 2)
     tokens = a.batch * a.seq
     wdt = torch.bfloat16 if a.pure_bf16 else torch.float32
     step_amp = contextlib.nullcontext if a.pure_bf16 else amp
     for d in a.density:
-        master = build_model(a, torch.float32, a.seed).eval()
-        achieved = calibrate(master, calib, d, amp, a.batch)
+        master, achieved = calibrated_model(a, amp, d)
         dens = measure_density(master, ids, amp)
         print_density(d, achieved, dens)
-        state = {k: v.detach().to("cpu", copy=True) for k, v in master.state_dict().items()}
+        state = cpu_state(master)
         del master
         run = stamp(dict(density_target=d, density_calibration=achieved, density_measured=dens,
                          density_measured_mean=statistics.mean(dens),

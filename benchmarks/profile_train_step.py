@@ -84,7 +84,7 @@ def _run(own, rest) -> int:
     dev = torch.device(a.device)
     amp = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
     ids = bench_e2e.token_batch(a, a.batch, a.seq, a.seed + 2)
-    state, _ = bench_e2e.calibrated_state(a, amp)
+    state = bench_e2e.cpu_state(bench_e2e.calibrated_model(a, amp)[0])
     from torch.profiler import ProfilerActivity, profile
 
     for name in a.backends:
