@@ -8,14 +8,12 @@ import torch
 
 import twell_compile  # noqa: F401  (registers the ops)
 from twell_compile.runtime import execute
+from twell_compile.testing import make_ffn
 
 
 def _args(dtype):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(6, 8, generator=g).to(dtype)
-    wg, wu = (torch.randn(16, 8, generator=g) / 3).to(dtype), (torch.randn(16, 8, generator=g) / 3).to(dtype)
-    wd = (torch.randn(8, 16, generator=g) / 4).to(dtype)
-    return x, wg, None, wu, None, wd, None
+    p = make_ffn(6, 8, 16, 0.3, dtype=dtype, device="cpu")
+    return tuple(p[k] for k in ("x", "w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down"))
 
 
 def test_l1_in_float16_warns_once_about_loss_scaling(monkeypatch, caplog):
