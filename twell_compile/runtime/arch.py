@@ -279,9 +279,9 @@ H100 = dataclasses.replace(
     # (16384) and 1.07x (65536) of Inductor, left dense. min_tokens stays 8192: from 4096 tokens
     # the i.i.d. inputs ran 1.26x of Inductor, but a trained layer's activity (h100_activity.json
     # layer 3: denser first tokens, hot neurons; 34 non-zeros per row) ran 0.55x (the compiled
-    # module, 0.759 ms against 0.421) and the forced kernel 0.86x: a wave of 4096 rows waits on
-    # its longest ones (bench_ffn.py --M 4096 --activity benchmarks/profiles/h100_activity.json:
-    # model.layers.3.mlp, H100, 2026-11-26). At 2048 even i.i.d. is host-bound: 0.374 ms per call
+    # module, 0.759 ms against 0.421) and the forced kernel 0.86x (bench_ffn.py --M 4096
+    # --activity benchmarks/profiles/h100_activity.json:model.layers.3.mlp, H100, 2026-11-26;
+    # the cause, rows of uneven length in one short wave, is a reading, not profiled). At 2048 even i.i.d. is host-bound: 0.374 ms per call
     # against Inductor's 0.204 (profile_product.py --M 2048 --policy min_tokens=2048, same day).
     gate_units=1.43, pair_units=174.0,
     # Row kernel's list loop pipelined by Triton (cp.async, 3 pairs' weight rows in flight, 24 KB
