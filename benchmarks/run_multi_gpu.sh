@@ -14,10 +14,12 @@
 #
 # Outputs (8 files): $OUT/runs/<config>.json (6; rewritten after every step, "complete": false
 # until a run ends), $OUT/run.log (everything, with "### end <config> rc=N wall_s=S" lines),
-# $OUT/multi_gpu_summary.json. Each run has a time limit (T_RUN, capped by what is left of
+# $OUT/multi_gpu_summary.json. PROFILE=N: N more steps per run under torch.profiler, after the
+# timed ones: $OUT/traces/<config>/rank<r>.json.gz and benchmarks/trace_overlap.py's
+# $OUT/trace_overlap.json (compute, NCCL, exposed NCCL and idle time per step). Each run has a time limit (T_RUN, capped by what is left of
 # TOTAL_S for the whole script); a failed or cut run is logged with its rc and the next goes on.
 # Env: LAYERS, SEQ, GLOBAL_BATCH, STEPS, WARMUP, DENSITY, CALIB_BATCH, L1, DATA (fixed|random),
-# BUCKET_MB (DDP bucket cap; default DDP's 25 MB), CONFIGS (subset, in order; default single,
+# BUCKET_MB (DDP bucket cap; default DDP's 25 MB), PROFILE, CONFIGS (subset, in order; default single,
 # FSDP2, DDP), T_RUN, TOTAL_S, NPROC, SKIP_INSTALL, WORK (caches, calibrated gate biases).
 set -u
 OUT=${OUT:-/tmp/multi_gpu_out}
@@ -32,7 +34,7 @@ RESERVE_S=${RESERVE_S:-15}   # kept for the summary
 MIN_RUN_S=${MIN_RUN_S:-25}   # a run given less than this is skipped
 LOG=$OUT/run.log
 : > "$LOG"
-rm -f "$OUT"/runs/*.json "$OUT/multi_gpu_summary.json"   # nothing stale from an earlier call
+rm -rf "$OUT"/runs/*.json "$OUT/multi_gpu_summary.json" "$OUT/traces" "$OUT/trace_overlap.json"   # nothing stale
 
 # NVLink multicast stays off (set on the machine already; set again, never unset).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -55,6 +57,7 @@ COMMON=(--device "$DEVICE" $SIZE --global-batch "$GB" --steps "$STEPS" --warmup 
         --density "$DENSITY" --calib-batch "$CALIB" --calib-cache "$WORK/gate_bias_${DEVICE}${TINY:+_tiny}.pt"
         --l1 "${L1:-2e-5}" --seed "${SEED:-0}")
 [ -n "${BUCKET_MB:-}" ] && COMMON+=(--bucket-cap-mb "$BUCKET_MB")
+PROFILE=${PROFILE:-0}
 [ "${DATA:-fixed}" = fixed ] && COMMON+=(--fixed-batch)   # DATA=random: a fresh global batch per step
 
 {
@@ -89,6 +92,7 @@ run() {   # run NAME WRAP BACKEND
              --wrap "$wrap")
     fi
     cmd+=(--backend "$backend" "${COMMON[@]}" --out "$json")
+    [ "$PROFILE" -gt 0 ] && cmd+=(--profile "$PROFILE" --profile-dir "$OUT/traces/$name")
     echo "### start $name at ${SECONDS}s, limit ${limit}s: ${cmd[*]}" >> "$LOG"
     # timeout signals its whole process group: torchrun and its workers end together
     timeout -k 10 "$limit" "${cmd[@]}" >> "$LOG" 2>&1
@@ -115,6 +119,10 @@ for name in ${CONFIGS:-single_inductor single_twell fsdp2_inductor fsdp2_twell d
     run "$name" "$wrap" "${name#*_}"
 done
 
+if [ "$PROFILE" -gt 0 ] && [ "$DEVICE" = cuda ] && [ -d "$OUT/traces" ]; then
+    timeout 120 python3 benchmarks/trace_overlap.py --traces "$OUT/traces" --steps "$PROFILE" \
+        --out "$OUT/trace_overlap.json" 2>&1 | tee -a "$LOG"
+fi
 timeout 60 python3 benchmarks/multi_gpu_summary.py --runs "$OUT/runs" --log "$LOG" --nproc "$NPROC" \
     --out "$OUT/multi_gpu_summary.json" 2>&1 | tee -a "$LOG"
 echo "### done in ${SECONDS}s"

@@ -14,8 +14,9 @@ does not train a useful model. Every step draws one global batch of ``--global-b
 sequences from one seeded generator (the same on every rank; ``--fixed-batch``: the first one
 at every step, as bench_e2e --train does); rank r takes its share, cut into ``--accum``
 micro-batches (gradient accumulation, ``--wrap none`` only). So 2 ranks x 4 sequences and 1
-process x 2 micro-batches of 4 see the same tokens and average the same gradients: their
-losses agree to rounding (benchmarks/run_multi_gpu.sh compares them).
+process x 2 micro-batches of 4 see the same tokens and average the same gradients (twell's
+penalty included: each accumulated call gets ``--l1`` / k): their losses agree to rounding
+(benchmarks/run_multi_gpu.sh compares them).
 
 ``--density D`` builds benchmarks/bench_e2e.py's model instead (``mlp_bias=True``, random
 up/down biases, kv heads = heads) and calibrates every ``gate_proj.bias`` with bench_e2e's
@@ -187,7 +188,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the median step time (compile)")
     ap.add_argument("--no-prepare", dest="prepare", action="store_false",
                     help="twell backend without twell_compile.prepare (DDP's graph split then cuts FFNs)")
-    ap.add_argument("--l1", type=float, default=2e-5, help="twell.l1 (paper's activation penalty)")
+    ap.add_argument("--l1", type=float, default=2e-5,
+                    help="twell.l1 (paper's activation penalty) per step; with --accum k each call gets l1 / k")
     ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 on CUDA (default: bf16 autocast)")
     ap.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket size (default: DDP's 25 MB)")
     ap.add_argument("--lr", type=float, default=3e-4)
@@ -199,6 +201,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--fixed-batch", action="store_true",
                     help="train on the first global batch at every step (as bench_e2e --train): the loss falls "
                          "fast, so runs that differ in their gradients show it")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="after the timed steps, this many more under torch.profiler (CPU + CUDA); one Chrome "
+                         "trace per rank, --profile-dir/rank<r>.json.gz (benchmarks/trace_overlap.py reads them)")
+    ap.add_argument("--profile-dir", default="traces", help="where --profile writes its traces")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per step (gradient accumulation; --wrap none)")
     ap.add_argument("--density", type=float, default=None,
                     help="bench_e2e's model with gate biases calibrated to this density (e.g. 0.005)")
@@ -208,8 +214,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     for key in SIZED:
         ap.add_argument("--" + key, type=int, default=None, help="override the model/batch size")
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0:
-        ap.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.profile < 0:
+        ap.error("--steps must be >= 1, --warmup and --profile >= 0")
     if args.accum < 1 or (args.accum > 1 and args.wrap != "none"):
         ap.error("--accum N > 1 needs --wrap none (no no_sync / FSDP2 gradient-sync handling here)")
     if args.density is not None and not 0.0 < args.density <= 1.0:
@@ -291,11 +297,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                   f"{statistics.mean(calib['density_calibration']):.5f} ({calib['calibration_source']}); "
                   f"first batch mean {statistics.mean(measured):.5f}", flush=True)
     prep = None
+    # twell.l1 is per call (docs/training.md): k accumulated micro-batches would apply it k times,
+    # so each call gets l1 / k, the push one rank's call gives under DDP / FSDP2 (gradients averaged).
+    l1_call = args.l1 / args.accum
     if args.backend == "twell" and args.prepare:
-        prep = twell_compile.prepare(model, options={"twell.l1": args.l1})
+        prep = twell_compile.prepare(model, options={"twell.l1": l1_call})
     model = wrap(model, args.wrap, device, args.bucket_cap_mb)
     if args.backend == "twell":
-        options = {} if args.prepare else {"twell.l1": args.l1, "twell.l1_layers": size["layers"]}
+        options = {} if args.prepare else {"twell.l1": l1_call, "twell.l1_layers": size["layers"]}
         run = torch.compile(model, backend="twell", options=options)
     elif args.backend == "inductor":
         run = torch.compile(model)
@@ -311,7 +320,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "wrap": args.wrap, "backend": args.backend, "prepare": bool(prep is not None), "device": str(device.type),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "world": world,
-        "torch": torch.__version__, "bf16": amp, "l1": args.l1, "size": size, "global_batch": global_batch,
+        "torch": torch.__version__, "bf16": amp, "l1": args.l1, "l1_per_call": l1_call, "size": size, "global_batch": global_batch,
         "accum": args.accum, "tokens_per_step": global_batch * size["seq"],
         "micro_batch_tokens": size["batch"] * size["seq"], "bucket_cap_mb": args.bucket_cap_mb,
         "steps": args.steps, "warmup": args.warmup, "fixed_batch": args.fixed_batch, "density_target": args.density,
@@ -335,7 +344,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                         "median_step_ms": round(statistics.median(timed) * 1e3, 2),
                         "tokens_per_s": round(global_batch * size["seq"] / statistics.median(timed), 1)})
 
-    for step in range(args.steps):
+    def train_step(step: int) -> tuple[float, float]:
+        """One optimizer step on this step's global batch: (seconds, loss as a 0-d tensor)."""
+        nonlocal glob
         if step == 0 or not args.fixed_batch:
             glob = torch.randint(0, size["vocab"], (global_batch, size["seq"]), generator=data)
         mine = glob[rank * size["batch"] * args.accum:(rank + 1) * size["batch"] * args.accum].to(device)
@@ -352,7 +363,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0, total
+
+    glob = None
+    for step in range(args.steps):
+        seconds, total = train_step(step)
+        times.append(seconds)
         mean = total.clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / (world * args.accum))
@@ -361,6 +377,17 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             fill_times()
             summary["peak_memory_mb_rank0"] = round(peak_memory_mb(device), 1)
             write_out()
+    if args.profile:   # after the timed steps: the profiler's cost stays out of the medians
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for step in range(args.steps, args.steps + args.profile):
+                train_step(step)
+                prof.step()
+        Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(Path(args.profile_dir) / f"rank{rank}.json.gz"))
+        summary["profiled_steps"] = args.profile
 
     layer_density: dict[str, float] = {}
     if args.backend == "twell":
