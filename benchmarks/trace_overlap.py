@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-_SYNC = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$|^cuMemcpyDtoH|^cudaStreamWaitEvent$")
+# Host calls that block until the GPU catches up (cudaStreamWaitEvent only orders streams).
+_SYNC = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$|^cuMemcpyDtoH")
 # Kernel classes, first match wins. twell's kernels are Triton kernels named after their role
 # (twell_compile/kernels/*.py); Inductor's start with triton_ (or are its fused templates).
 CLASSES = (

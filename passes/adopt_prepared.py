@@ -2,8 +2,11 @@
 
 Runs first, so ``fuse_ffn`` keeps their layer names unique and ``scale_l1`` can tell them from
 the FFNs it scales: a prepared op carries its own options (L1 scale, tile sizes, stats flag),
-fixed by ``prepare`` for the whole model. Nodes are marked ``meta["twell_prepared"]``, and
-each gets a fresh ``instance`` number: a new compile starts from fresh runtime state.
+fixed by ``prepare`` for the whole model. Nodes are marked ``meta["twell_prepared"]``.
+Inference nodes get a fresh ``instance`` number: a new compile starts from fresh runtime
+state. Training nodes carry the module's tag (ops.tag), which names the instance and layer at
+run time: the tag's layer name is written into the node's ``layer`` for the passes and reports
+(a graph shared by several blocks shows the first block's name; each call runs as its own).
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ import torch
 from torch import fx
 
 from twell_compile.config import TwellConfig
-from twell_compile.ops import arg_index, next_instance
-from twell_compile.passes.pass_utils import example, graph_modules, report_of, tokens_str
+from twell_compile.ops import arg_index, next_instance, tagged
+from twell_compile.passes.pass_utils import arg, example, graph_modules, real_value, report_of, tokens_str
 from twell_compile.report import RewriteEntry
 
 PREPARED = "twell_prepared"
@@ -22,6 +25,14 @@ PREPARED = "twell_prepared"
 def _size(node: object, dim: int) -> int:
     ev = example(node)
     return int(ev.shape[dim]) if ev is not None else -1
+
+
+def _set(node: fx.Node, op: torch._ops.OpOverload, name: str, value: object) -> None:
+    pos = arg_index(op, name)
+    if len(node.args) > pos:
+        node.args = node.args[:pos] + (value,) + node.args[pos + 1:]
+    else:
+        node.kwargs = {**node.kwargs, name: value}
 
 
 def adopt_prepared(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
@@ -34,11 +45,12 @@ def adopt_prepared(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
                 continue
             node.meta[PREPARED] = True
             changed = True
-            pos = arg_index(op, "instance")
-            if len(node.args) > pos:
-                node.args = node.args[:pos] + (next_instance(),) + node.args[pos + 1:]
+            tag = real_value(sub, arg(node, arg_index(op, "tag"), "tag")) if op is torch.ops.twell.ffn_train.default \
+                else None
+            if tag is not None:
+                _set(node, op, "layer", tagged(tag)[1])
             else:
-                node.kwargs = {**node.kwargs, "instance": next_instance()}
+                _set(node, op, "instance", next_instance())
             x = node.args[0]
             xe = example(x)
             tokens = tokens_str(xe.shape) if xe is not None else "?"

@@ -65,6 +65,22 @@ def example(node: Any) -> Optional[torch.Tensor]:
     return ev if isinstance(ev, torch.Tensor) else None
 
 
+def real_value(gm: fx.GraphModule, node: Any) -> Optional[torch.Tensor]:
+    """The real tensor behind a graph input, for values a pass reads rather than traces
+    (ops.tag): a placeholder's GraphArg (Dynamo keeps the example it lifted) or a get_attr's
+    attribute; None for anything else or a fake."""
+    t: Any = None
+    if isinstance(node, fx.Node) and node.op == "placeholder":
+        t = getattr(node.meta.get("grapharg"), "example", None)
+    elif isinstance(node, fx.Node) and node.op == "get_attr":
+        t = gm
+        for part in str(node.target).split("."):
+            t = getattr(t, part, None)
+    if not isinstance(t, torch.Tensor) or isinstance(t, torch._subclasses.FakeTensor):
+        return None
+    return t
+
+
 def shape_key(t: torch.Tensor) -> tuple[str, ...]:
     # Compare symbolic sizes by their expression, without adding guards.
     return tuple(str(d) for d in t.shape)

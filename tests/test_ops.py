@@ -206,5 +206,30 @@ def test_instance_and_path_arguments_default_and_reach_the_runtime(monkeypatch):
     OPS.ffn(*args, "t", False)
     OPS.ffn(*args, "t", False, 9, "torch")
     assert seen == [(0, "auto"), (9, "torch")]
-    for op in (OPS.ffn.default, OPS.ffn_train.default):
-        assert [a.name for a in op._schema.arguments[-2:]] == ["instance", "path"]
+    assert [a.name for a in OPS.ffn.default._schema.arguments[-2:]] == ["instance", "path"]
+    assert [a.name for a in OPS.ffn_train.default._schema.arguments[-3:]] == ["instance", "path", "tag"]
+
+
+def test_tag_names_the_instance_and_layer_of_a_training_call(monkeypatch):
+    """ffn_train's tag (ops.tag: a 0-d int64 CPU tensor) replaces its instance and layer
+    arguments at run time; anything else is refused, by the op and by its fake."""
+    from twell_compile import ops
+    from twell_compile.runtime import execute
+
+    seen = []
+    real = execute.ffn_train_forward
+    monkeypatch.setattr(execute, "ffn_train_forward", lambda *a: seen.append((a[9], a[11])) or real(*a))
+    t = ops.tag("blocks.3.mlp")
+    assert t.dtype == torch.int64 and t.dim() == 0 and ops.tagged(t) == (int(t), "blocks.3.mlp")
+    assert int(ops.tag("other")) != int(t)
+    args = make(5, 8, 12, 7, grad=True)
+    OPS.ffn_train(*args, 4, 8, 0.0, "", True, 0, "auto", t)[0].sum().backward()
+    OPS.ffn_train(*args, 4, 8, 0.0, "named", True, 3)
+    assert seen == [("blocks.3.mlp", int(t)), ("named", 3)]
+    for bad, err in ((torch.tensor(1.0), TypeError), (torch.tensor([int(t)]), TypeError),
+                     (torch.tensor(10 ** 9), ValueError)):
+        with pytest.raises(err, match="tag"):
+            OPS.ffn_train(*args, 4, 8, 0.0, "", True, 0, "auto", bad)
+    with torch._subclasses.FakeTensorMode() as mode, pytest.raises(TypeError, match="tag"):
+        fake = [mode.from_tensor(a) if a is not None else None for a in args]
+        OPS.ffn_train(*fake, 4, 8, 0.0, "", True, 0, "auto", mode.from_tensor(torch.tensor(1.0)))

@@ -248,6 +248,48 @@ def test_each_prepared_ffn_and_each_compile_has_its_own_instance():
     assert len(compiled) == 4 and len(set(compiled + eager)) == 8, (compiled, eager)
 
 
+class Block(nn.Module):          # a transformer block's shape: norm, FFN, residual
+    def __init__(self):
+        super().__init__()
+        self.norm, self.ffn = nn.LayerNorm(16), Gated()
+
+    def forward(self, x):
+        return x + self.ffn(self.norm(x))
+
+
+def test_blocks_compiled_one_by_one_share_one_graph_and_run_as_their_own_layers():
+    """Regional compilation (and FSDP2, whose hooks end a frame at every block) compiles each
+    block's forward on one code object. The training op takes its layer from the module's tag
+    tensor, not from constants, so 10 blocks compile once (constants recompiled every block, 8
+    graphs, and Dynamo's limit of 8 left the rest eager), and each call still runs as its own
+    layer: gradients equal the unprepared model's, statistics are kept per layer."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*(Block() for _ in range(10)))
+    ref = copy.deepcopy(net)
+    twell_compile.prepare(net, options={"twell.l1": 0.05})
+    assert not any("tag" in k for k in net.state_dict())          # the tag is no buffer
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    twell_compile.reset_stats()
+    for block in net:
+        block.compile(backend="twell")
+    x = torch.randn(3, 5, 16, requires_grad=True)    # as every later block's input: no requires_grad recompile
+    net(x).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert sorted(twell_compile.layer_stats()) == sorted(f"{i}.ffn" for i in range(10))
+    hs, h = [], x                                                 # the penalty, as the paper's mean
+    for b in ref:
+        xn = b.norm(h)
+        hs.append(F.relu(b.ffn.gate(xn)) * b.ffn.up(xn))
+        h = h + b.ffn.down(hs[-1])
+    (h.sum() + 0.05 * torch.stack([v.abs().mean() for v in hs]).mean()).backward()
+    for a, p in zip(ref.parameters(), net.parameters()):
+        torch.testing.assert_close(p.grad, a.grad, atol=1e-5, rtol=1e-5)
+    assert twell_compile.unprepare(net) == 10 and not any(hasattr(b.ffn, "_twell_tag") for b in net)
+
+
 def test_bad_arguments_name_the_argument():
     with pytest.raises(TypeError, match="model"):
         twell_compile.prepare(lambda x: x)

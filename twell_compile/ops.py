@@ -13,6 +13,13 @@ layer name. ``path`` (last, default "auto") forces a path (runtime/select.py: "d
 for training); a forced path that cannot run the call raises ``ValueError``. (Not named
 ``kernel``: Inductor's fallback lowering takes that keyword itself.)
 
+``tag`` (twell::ffn_train only, last, default None): a 0-d int64 CPU tensor made by ``tag``,
+holding an instance number; when given it replaces ``instance`` and ``layer`` (the name ``tag``
+recorded) at run time. ``prepare`` gives each prepared module one, so the op's per-layer
+arguments are tensor inputs, not constants: Dynamo compiles one graph for every block that
+shares its code (FSDP2's per-block frames, regional compilation), where constants would
+recompile each block, past Dynamo's limit of 8 (the rest then ran eager).
+
 ``w_up=None`` selects the non-gated FFN down(relu(gate(x))). Weights use nn.Linear's layout:
 w_gate, w_up [N, K]; w_down [K_out, N]. Biases are optional. Every tensor must share x's dtype
 and device. ``runtime/select.py`` chooses the kernel, ``runtime/execute.py`` runs it; this
@@ -86,6 +93,27 @@ def next_instance() -> int:
     return next(_instances)
 
 
+_tag_layers: dict[int, str] = {}       # tag's instance number -> its layer name
+
+
+def tag(layer: str) -> Tensor:
+    """A fresh instance number for ``layer`` as a 0-d int64 CPU tensor (``ffn_train``'s ``tag``)."""
+    number = next_instance()
+    _tag_layers[number] = layer
+    return torch.tensor(number, dtype=torch.int64)
+
+
+def tagged(t: Tensor) -> tuple[int, str]:
+    """(instance, layer) of a tag made by ``tag``; reading a CPU tensor syncs nothing."""
+    if not isinstance(t, Tensor) or t.dim() != 0 or t.dtype != torch.int64 or t.device.type != "cpu":
+        raise TypeError(f"tag must be a 0-d int64 CPU tensor made by twell_compile.ops.tag, got "
+                        f"{type(t).__name__}{'' if not isinstance(t, Tensor) else f' {t.dtype} {tuple(t.shape)} on {t.device}'}")
+    number = int(t)
+    if number not in _tag_layers:
+        raise ValueError(f"tag {number} was not made by twell_compile.ops.tag in this process")
+    return number, _tag_layers[number]
+
+
 def _check_positive(**knobs: int) -> None:
     for name, value in knobs.items():
         if value < 1:
@@ -135,10 +163,12 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, stats, instance=0, p
 def ffn_train(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
               ell_width: int, backup_rows: int, l1_scale: float, layer: str, stats: bool,
-              instance: int = 0, path: str = "auto"
+              instance: int = 0, path: str = "auto", tag: Optional[Tensor] = None
               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u); see formats.Hybrid."""
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
+    if tag is not None:
+        instance, layer = tagged(tag)
     _check_positive(ell_width=ell_width, backup_rows=backup_rows)
     select.check_path(path, select.TRAIN_PATHS, "training")
     if not math.isfinite(l1_scale) or l1_scale < 0:
@@ -168,8 +198,11 @@ def _backup_rows(capacity):
 
 @ffn_train.register_fake
 def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, ell_width, backup_rows, l1_scale, layer, stats, instance=0,
-      path="auto"):
+      path="auto", tag=None):
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
+    if tag is not None and (tag.dim() != 0 or tag.dtype != torch.int64 or tag.device.type != "cpu"):
+        raise TypeError(f"tag must be a 0-d int64 CPU tensor made by twell_compile.ops.tag, got "
+                        f"{tag.dtype} {tuple(tag.shape)} on {tag.device}")
     select.check_path(path, select.TRAIN_PATHS, "training")
     m = math.prod(x.shape[:-1])
     n = w_gate.shape[0]
@@ -238,10 +271,11 @@ def _train_backward(ctx, dy: Optional[Tensor], *_unused: Optional[Tensor]):
     grads = list(torch.ops.twell.ffn_train_bwd(dy, x, w_gate, b_gate, w_up, b_up, w_down, *saved, ctx.l1_scale))
     present = [True, True, b_gate is not None, w_up is not None, b_up is not None, True, ctx.has_b_down]
     out = [g if keep and need else None for g, keep, need in zip(grads, present, ctx.needs_input_grad)]
-    return (*out, None, None, None, None, None, None, None)      # ell_width .. path
+    return (*out, None, None, None, None, None, None, None, None)      # ell_width .. tag
 
 
 ffn_train.register_autograd(_train_backward, setup_context=_train_setup_context)
 
 
-__all__ = ["PATHS", "arg_index", "ffn_train", "ffn_train_bwd", "next_instance", "static_path", "static_reason"]
+__all__ = ["PATHS", "arg_index", "ffn_train", "ffn_train_bwd", "next_instance", "static_path", "static_reason", "tag",
+           "tagged"]

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from twell_compile.config import PREFIX, TwellConfig, did_you_mean, path_for
-from twell_compile.ops import next_instance, static_reason
+from twell_compile.ops import static_reason, tag
 from twell_compile.passes.match_ffn import Match, find_ffns
 from twell_compile.passes.pass_utils import CAST_METHODS, DROPOUT_FNS, arg, chain, example, skip
 from twell_compile.report import RejectionEntry, Report, RewriteEntry
@@ -38,6 +38,9 @@ from twell_compile.report import RejectionEntry, Report, RewriteEntry
 log = logging.getLogger("twell_compile")
 
 _SPEC = "_twell_ffn"                     # instance attribute holding a prepared module's FFNSpec
+# Instance attribute holding its ops.tag (a plain tensor attribute, not a buffer: state_dict,
+# .to() and FSDP2 leave it alone, and Dynamo takes it as a graph input, not a constant).
+_TAG = "_twell_tag"
 _CLASSES: dict[type, type] = {}          # original class -> its prepared subclass (shared code)
 
 
@@ -240,9 +243,11 @@ def run_ffn(module: nn.Module, spec: FFNSpec, x: Tensor) -> Tensor:
     x, wg, bg, wu, bu, wd, bd = (t.to(dtype) if t is not None and t.dtype != dtype else t
                                  for t in (x, wg, bg, wu, bu, wd, bd))
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        # The layer and instance travel in the tag, read at run time: as constants they put a
+        # guard on every block's frame (FSDP2, regional compilation: one compile per block).
         return torch.ops.twell.ffn_train.default(x, wg, bg, wu, bu, wd, bd, spec.ell_width, spec.backup_rows,
-                                                 spec.l1_scale, spec.layer, spec.stats, spec.instance,
-                                                 path_for(spec.path, True))[0]
+                                                 spec.l1_scale, "", spec.stats, 0, path_for(spec.path, True),
+                                                 getattr(module, _TAG))[0]
     if spec.skip_dense and static_reason(x.device, dtype, None, wg.shape[1], wg.shape[0], wd.shape[0],
                                          gated=wu is not None, path=path_for(spec.path, False)) is not None:
         # Our op would run slower than dense here (e.g. fp32 on CUDA): the plain formula, which
@@ -386,8 +391,10 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Re
         return report
     scale = config.l1_scale(len(found))
     for module, spec in reversed(found):
-        spec = dataclasses.replace(spec, l1_scale=float(scale), instance=next_instance())
+        number = tag(spec.layer)
+        spec = dataclasses.replace(spec, l1_scale=float(scale), instance=int(number))
         setattr(module, _SPEC, spec)
+        setattr(module, _TAG, number)
         module.__class__ = _prepared_class(type(module))
         wg = _get(module, spec.gate.weight)
         wd = _get(module, spec.down.weight)
@@ -414,6 +421,7 @@ def unprepare(model: nn.Module) -> int:
         if cls in originals:
             module.__class__ = originals[cls]
             delattr(module, _SPEC)
+            delattr(module, _TAG)
             count += 1
     return count
 
