@@ -26,6 +26,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+if __package__ in (None, ""):                  # run as a file: python3 benchmarks/trace_overlap.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.rows import stamp  # noqa: E402
+
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 # Host calls that block until the GPU catches up (cudaStreamWaitEvent only orders streams).
 _SYNC = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$|^cuMemcpyDtoH")
@@ -83,11 +87,15 @@ def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
     return total
 
 
-def load(path: Path) -> list[dict[str, Any]]:
+def load(path: Path) -> tuple[list[dict[str, Any]], Optional[str]]:
+    """A trace's events and the name of its first GPU (Kineto's deviceProperties), if any."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
         data = json.load(f)
-    return data["traceEvents"] if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+        return data, None
+    props = data.get("deviceProperties") or [{}]
+    return data["traceEvents"], props[0].get("name")
 
 
 def analyze(events: list[dict[str, Any]], steps: int, top: int = 20) -> dict[str, Any]:
@@ -129,24 +137,28 @@ def analyze(events: list[dict[str, Any]], steps: int, top: int = 20) -> dict[str
 
 
 def summarize(traces: Path, steps: int) -> dict[str, Any]:
+    """One stamped object (gpu from the traces): ``steps`` and per config and rank ``analyze``'s."""
     out: dict[str, Any] = {}
+    gpu = None
     for path in sorted(traces.glob("*/rank*.json*")):
-        out.setdefault(path.parent.name, {})[path.name.split(".")[0]] = analyze(load(path), steps)
+        events, name = load(path)
+        gpu = gpu or name
+        out.setdefault(path.parent.name, {})[path.name.split(".")[0]] = analyze(events, steps)
     if not out:
         raise ValueError(f"no <config>/rank<r>.json[.gz] traces under {traces}")
-    return out
+    return stamp({"steps": steps, "configs": out}, gpu=gpu)
 
 
 def report(s: dict[str, Any]) -> str:
     lines = ["| config | rank | window | compute | NCCL | exposed NCCL | idle | syncs | twell | GEMM | Inductor |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for config, ranks in s.items():
+    for config, ranks in s["configs"].items():
         for rank, r in ranks.items():
             c = r["class_ms"]
             lines.append(f"| {config} | {rank} | {r['window_ms']:.2f} | {r['compute_ms']:.2f} | {r['nccl_ms']:.2f} "
                          f"| {r['exposed_ms']:.2f} | {r['idle_ms']:.2f} | {r['sync_calls']:g} ({r['sync_ms']:.2f}) "
                          f"| {c.get('twell', 0):.2f} | {c.get('gemm', 0):.2f} | {c.get('inductor', 0):.2f} |")
-    return "ms per step\n" + "\n".join(lines)
+    return f"ms per step, {s['gpu']}\n" + "\n".join(lines)
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:

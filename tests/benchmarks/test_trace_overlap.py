@@ -57,11 +57,12 @@ def test_summary_reads_gzipped_traces_per_config(tmp_path):
         (tmp_path / config).mkdir()
         for rank in (0, 1):
             with gzip.open(tmp_path / config / f"rank{rank}.json.gz", "wt") as f:
-                json.dump({"traceEvents": EVENTS}, f)
+                json.dump({"traceEvents": EVENTS, "deviceProperties": [{"name": "NVIDIA H200"}]}, f)
     s = TO.summarize(tmp_path, steps=1)
-    assert sorted(s) == ["ddp_inductor", "ddp_twell"] and sorted(s["ddp_twell"]) == ["rank0", "rank1"]
+    assert list(s)[:5] == ["gpu", "torch", "triton", "commit", "time"] and s["gpu"] == "NVIDIA H200"
+    assert sorted(s["configs"]) == ["ddp_inductor", "ddp_twell"] and sorted(s["configs"]["ddp_twell"]) == ["rank0", "rank1"]
     text = TO.report(s)
-    assert "| ddp_twell | rank1 | 0.03 |" in text
+    assert text.startswith("ms per step, NVIDIA H200") and "| ddp_twell | rank1 | 0.03 |" in text
 
 
 def test_trace_without_gpu_activity_is_refused():
