@@ -97,6 +97,11 @@ def device_buffer(layer: str, device: torch.device, tokens: int, hidden: int) ->
     return buf
 
 
+def scratch_buffer(device: torch.device) -> Tensor:
+    """A buffer shaped like a layer's, belonging to none (kernel warm-ups write it)."""
+    return torch.zeros(_FIELDS, dtype=torch.float64, device=device)
+
+
 def reserve(layer: str, device: torch.device) -> Tensor:
     """Allocate a layer's buffer now. The backend calls this at compile time: a buffer first
     allocated inside a CUDA-graph warm-up would live in the graph's private memory pool."""

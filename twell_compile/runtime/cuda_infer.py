@@ -173,15 +173,16 @@ def relu_mul_rows(g: Tensor, u: Optional[Tensor]) -> tuple[Tensor, Tensor, Tenso
     return h, cnt, asum
 
 
-def record_stats(layer: str, cnt: Tensor, hsum: Tensor, n: int, width: int = 0,
+def record_stats(layer: Optional[str], cnt: Tensor, hsum: Tensor, n: int, width: int = 0,
                  lost: Optional[Tensor] = None) -> Tensor:
     """The layer's statistics buffer (stats.py) filled from per-row counts [M] int32 and |h|
     sums [M] fp32 in one launch, for every CUDA path but decode (whose kernel writes it). The
     overflows: ``lost`` (a 0-d int32 on the device: training's rows past the dense backup)
     where given, else the rows with count > ``width`` (inference), none when width is 0.
-    Returns the buffer: its first field is the summed count, which the density probe reads."""
+    Returns the buffer: its first field is the summed count, which the density probe reads.
+    ``layer`` None: a scratch buffer, no layer's (kernel warm-ups)."""
     m = cnt.numel()
-    buf = stats.device_buffer(layer, cnt.device, m, n)
+    buf = stats.device_buffer(layer, cnt.device, m, n) if layer is not None else stats.scratch_buffer(cnt.device)
     if m == 0:
         buf.zero_()
     else:

@@ -85,16 +85,18 @@ _warm: set = set()
 
 
 def warm_paths(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
-               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], l1_scale: float) -> None:
+               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], l1_scale: float,
+               keep_stats: bool) -> None:
     """Before a layer's first call that may switch path (path='auto'), run the other paths'
     forward and backward once on its inputs, outputs discarded, so every kernel it can take is
-    compiled in the call that compiles anyway (the first). Nothing is measured or recorded; not
-    under CUDA-graph capture or inside a backward pass."""
+    compiled in the call that compiles anyway (the first); with ``keep_stats`` the statistics
+    kernel too, into a scratch buffer (each path launches its own variant). Nothing is measured
+    or recorded; not under CUDA-graph capture or inside a backward pass."""
     if torch.cuda.is_current_stream_capturing() or torch._C._current_graph_task_id() != -1:
         return
     key = (x.shape[-1], x.numel() // max(x.shape[-1], 1), x.dtype, x.device, tuple(w_gate.shape), w_up is not None,
            b_gate is not None, b_up is not None, b_down is not None, tuple(w_down.shape), plan.width, plan.cap,
-           bool(l1_scale), arch.launch_policy(x.device).name)
+           bool(l1_scale), keep_stats, arch.launch_policy(x.device).name)
     if key in _warm:
         return
     _warm.add(key)
@@ -104,7 +106,7 @@ def warm_paths(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tens
             if path in ("auto", plan.path):
                 continue
             out = ffn_train_forward(plan._replace(path=path, probe=False, tick=False), x, w_gate, b_gate, w_up,
-                                    b_up, w_down, b_down, "", False)
+                                    b_up, w_down, b_down, None, keep_stats)
             ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *out[1:], l1_scale=l1_scale)
 
 
@@ -173,7 +175,7 @@ def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap, co
     Y=False over g and u): a sparse path's memory at dense speed, its backward
     ``backward_densify``; taken while the layer's last measurement lost no rows."""
     m = x2.shape[0]
-    n, dev, dt = w_gate.shape[0], x2.device, x2.dtype
+    dev, dt = x2.device, x2.dtype
     g = F.linear(x2, w_gate, b_gate)
     u = None if w_up is None else F.linear(x2, w_up, b_up)
     h, cnt, hsum = relu_mul_rows(g, u)
@@ -193,8 +195,9 @@ def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap, co
 
 def ffn_train_forward(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
                       w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
-                      layer: str, keep_stats: bool) -> tuple[Tensor, ...]:
-    """Runs a CUDA training plan (path "twell", "compact" or "dense"; select.plan_train)."""
+                      layer: Optional[str], keep_stats: bool) -> tuple[Tensor, ...]:
+    """Runs a CUDA training plan (path "twell", "compact" or "dense"; select.plan_train).
+    ``layer`` None (warm_paths): statistics, if kept, go to a scratch buffer."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:

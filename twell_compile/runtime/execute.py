@@ -82,7 +82,7 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
             return torch_impl.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
                                                 ell_width, backup_rows, layer, keep_stats)
         if path == "auto" and plan.tick:    # a plan that may switch path: every path's kernels built now
-            _cuda_train().warm_paths(plan, x, w_gate, b_gate, w_up, b_up, w_down, b_down, l1_scale)
+            _cuda_train().warm_paths(plan, x, w_gate, b_gate, w_up, b_up, w_down, b_down, l1_scale, keep_stats)
         out = _cuda_train().ffn_train_forward(plan, x, w_gate, b_gate, w_up, b_up, w_down, b_down,
                                               layer, keep_stats)
         if plan.tick:
