@@ -384,4 +384,9 @@ def test_first_auto_call_compiles_every_paths_kernels(gated):
     assert compiled == [], f"kernels compiled after the first call: {compiled}"
     y_dense, g_dense = _twell_grads(args, dy, 0.5, 64, 16, "dense", calls=1)
     assert torch.equal(y_auto, y_dense)        # the first auto call ran dense, as before the warm-up
-    assert all(torch.equal(a, b) for a, b in zip(g_auto, g_dense))
+    names = [nm for nm, a in zip(NAMES, args) if a is not None]
+    for nm, a, b in zip(names, g_auto, g_dense):
+        if nm in ("b_gate", "b_up"):   # fp32 atomics over row tiles (train_dense_bwd_kernel): order varies
+            assert _rel(a, b) < 1e-2, (nm, _rel(a, b))
+        else:
+            assert torch.equal(a, b), nm
