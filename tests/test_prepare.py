@@ -257,7 +257,7 @@ class Block(nn.Module):          # a transformer block's shape: norm, FFN, resid
         return x + self.ffn(self.norm(x))
 
 
-def test_blocks_compiled_one_by_one_share_one_graph_and_run_as_their_own_layers():
+def test_blocks_compiled_one_by_one_share_one_graph_and_run_as_their_own_layers(caplog):
     """Regional compilation (and FSDP2, whose hooks end a frame at every block) compiles each
     block's forward on one code object. The training op takes its layer from the module's tag
     tensor, not from constants, so 10 blocks compile once (constants recompiled every block, 8
@@ -276,8 +276,11 @@ def test_blocks_compiled_one_by_one_share_one_graph_and_run_as_their_own_layers(
     for block in net:
         block.compile(backend="twell")
     x = torch.randn(3, 5, 16, requires_grad=True)    # as every later block's input: no requires_grad recompile
-    net(x).sum().backward()
+    with caplog.at_level("INFO", logger="twell_compile"):
+        net(x).sum().backward()
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    rewrites = [r.args[0] for r in caplog.records if r.msg.startswith("twell: rewrote")]
+    assert rewrites == ["0.ffn"], rewrites                      # one graph, named after the first block
     assert sorted(twell_compile.layer_stats()) == sorted(f"{i}.ffn" for i in range(10))
     hs, h = [], x                                                 # the penalty, as the paper's mean
     for b in ref:
