@@ -293,6 +293,29 @@ def test_blocks_compiled_one_by_one_share_one_graph_and_run_as_their_own_layers(
     assert twell_compile.unprepare(net) == 10 and not any(hasattr(b.ffn, "_twell_tag") for b in net)
 
 
+def test_prepared_model_saves_loads_and_copies_with_its_own_runtime_state(tmp_path):
+    """torch.save of the whole model and deepcopy rebuild prepared modules from their original
+    class (the prepared subclass is made at run time, pickle cannot find it by name), each with
+    a tag of its own: same layers and results, separate runtime state."""
+    import io
+
+    from twell_compile.ops import tagged
+
+    net, ref = _pair(Gated, Plain)
+    twell_compile.prepare(net)
+    buf = io.BytesIO()
+    torch.save(net, buf)
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    x = torch.randn(5, 16, requires_grad=True)
+    for other in (loaded, copy.deepcopy(net)):
+        for a, b in zip(net.blocks, other.blocks):
+            assert type(a) is type(b) and spec_of(b).layer == spec_of(a).layer
+            assert spec_of(b).instance != spec_of(a).instance
+            assert tagged(b._twell_tag) == (spec_of(b).instance, spec_of(a).layer)
+        torch.testing.assert_close(other(x), ref(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(_grads(other, other(x), x), _grads(ref, ref(x), x), atol=1e-5, rtol=1e-5)
+
+
 def test_bad_arguments_name_the_argument():
     with pytest.raises(TypeError, match="model"):
         twell_compile.prepare(lambda x: x)

@@ -322,9 +322,35 @@ def _prepared_forward(self: nn.Module, x: Tensor) -> Tensor:
 _ORIGINALS: dict[type, type] = {}        # prepared subclass -> original class
 
 
+def _retag(module: nn.Module) -> None:
+    """A fresh tag (and op instance) for a prepared module's layer: its own runtime state."""
+    spec = getattr(module, _SPEC)
+    number = tag(spec.layer)
+    setattr(module, _SPEC, dataclasses.replace(spec, instance=int(number)))
+    setattr(module, _TAG, number)
+
+
+def _rebuild(original: type, state: dict) -> nn.Module:
+    """Unpickling a prepared module: its original class (importable wherever the model's code
+    is), made prepared again, with the pickled state and a tag of this process."""
+    module = original.__new__(original)
+    module.__class__ = _prepared_class(original)
+    nn.Module.__setstate__(module, state)
+    _retag(module)
+    return module
+
+
+def _prepared_reduce_ex(self: nn.Module, protocol: int) -> tuple:
+    # The prepared subclass is made at run time and cannot be found by name; tags are numbers
+    # of one process. So torch.save / pickle / deepcopy rebuild from the original class, and
+    # the copy gets a tag (runtime state) of its own.
+    return _rebuild, (_ORIGINALS[type(self)], self.__getstate__())
+
+
 def _prepared_class(cls: type) -> type:
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Twell{cls.__name__}", (cls,), {"forward": _prepared_forward, "__module__": __name__})
+        _CLASSES[cls] = type(f"Twell{cls.__name__}", (cls,), {"forward": _prepared_forward, "__module__": __name__,
+                                                               "__reduce_ex__": _prepared_reduce_ex})
         _ORIGINALS[_CLASSES[cls]] = cls
     return _CLASSES[cls]
 
@@ -391,10 +417,8 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Re
         return report
     scale = config.l1_scale(len(found))
     for module, spec in reversed(found):
-        number = tag(spec.layer)
-        spec = dataclasses.replace(spec, l1_scale=float(scale), instance=int(number))
-        setattr(module, _SPEC, spec)
-        setattr(module, _TAG, number)
+        setattr(module, _SPEC, dataclasses.replace(spec, l1_scale=float(scale)))
+        _retag(module)
         module.__class__ = _prepared_class(type(module))
         wg = _get(module, spec.gate.weight)
         wd = _get(module, spec.down.weight)
