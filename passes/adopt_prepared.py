@@ -45,10 +45,12 @@ def adopt_prepared(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
                 continue
             node.meta[PREPARED] = True
             changed = True
-            tag = real_value(sub, arg(node, arg_index(op, "tag"), "tag")) if op is torch.ops.twell.ffn_train.default \
-                else None
+            tag_arg = arg(node, arg_index(op, "tag"), "tag") if op is torch.ops.twell.ffn_train.default else None
+            tag = real_value(sub, tag_arg)
             if tag is not None:
                 _set(node, op, "layer", tagged(tag)[1])
+            elif tag_arg is not None:      # a tag whose value the graph does not keep: named at run time
+                _set(node, op, "layer", "prepared FFN (layer named at run time)")
             else:
                 _set(node, op, "instance", next_instance())
             x = node.args[0]
