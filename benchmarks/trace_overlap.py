@@ -104,17 +104,16 @@ def analyze(events: list[dict[str, Any]], steps: int, top: int = 20) -> dict[str
     if not gpu:
         raise ValueError("the trace has no GPU activity (profiled with CUDA activity?)")
     steps = max(steps, 1)
-    nccl = _union((e["ts"], e["ts"] + e["dur"]) for e in gpu
-                  if e["cat"] == "kernel" and kernel_class(e["name"], "kernel") == "nccl")
-    compute = _union((e["ts"], e["ts"] + e["dur"]) for e in gpu
-                     if not (e["cat"] == "kernel" and kernel_class(e["name"], "kernel") == "nccl"))
+    classes = [kernel_class(e["name"], e["cat"]) for e in gpu]
+    nccl = _union((e["ts"], e["ts"] + e["dur"]) for e, c in zip(gpu, classes) if c == "nccl")
+    compute = _union((e["ts"], e["ts"] + e["dur"]) for e, c in zip(gpu, classes) if c != "nccl")
     start = min(e["ts"] for e in gpu)
     end = max(e["ts"] + e["dur"] for e in gpu)
     busy = _union(nccl + compute)
     by_class: dict[str, float] = defaultdict(float)
     by_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for e in gpu:
-        by_class[kernel_class(e["name"], e["cat"])] += e["dur"]
+    for e, c in zip(gpu, classes):
+        by_class[c] += e["dur"]
         k = by_kernel[e["name"][:120]]
         k[0] += e["dur"]
         k[1] += 1
@@ -175,4 +174,4 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    main()

@@ -344,8 +344,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                         "median_step_ms": round(statistics.median(timed) * 1e3, 2),
                         "tokens_per_s": round(global_batch * size["seq"] / statistics.median(timed), 1)})
 
-    def train_step(step: int) -> tuple[float, float]:
-        """One optimizer step on this step's global batch: (seconds, loss as a 0-d tensor)."""
+    def train_step(step: int) -> tuple[float, torch.Tensor]:
+        """One optimizer step on this step's global batch: (seconds, summed loss as a 0-d tensor)."""
         nonlocal glob
         if step == 0 or not args.fixed_batch:
             glob = torch.randint(0, size["vocab"], (global_batch, size["seq"]), generator=data)

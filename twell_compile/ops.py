@@ -103,11 +103,15 @@ def tag(layer: str) -> Tensor:
     return torch.tensor(number, dtype=torch.int64)
 
 
+def _check_tag(t: object) -> None:
+    if not isinstance(t, Tensor) or t.dim() != 0 or t.dtype != torch.int64 or t.device.type != "cpu":
+        got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
+        raise TypeError(f"tag must be a 0-d int64 CPU tensor made by twell_compile.ops.tag, got {got}")
+
+
 def tagged(t: Tensor) -> tuple[int, str]:
     """(instance, layer) of a tag made by ``tag``; reading a CPU tensor syncs nothing."""
-    if not isinstance(t, Tensor) or t.dim() != 0 or t.dtype != torch.int64 or t.device.type != "cpu":
-        raise TypeError(f"tag must be a 0-d int64 CPU tensor made by twell_compile.ops.tag, got "
-                        f"{type(t).__name__}{'' if not isinstance(t, Tensor) else f' {t.dtype} {tuple(t.shape)} on {t.device}'}")
+    _check_tag(t)
     number = int(t)
     if number not in _tag_layers:
         raise ValueError(f"tag {number} was not made by twell_compile.ops.tag in this process")
@@ -200,9 +204,8 @@ def _backup_rows(capacity):
 def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, ell_width, backup_rows, l1_scale, layer, stats, instance=0,
       path="auto", tag=None):
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
-    if tag is not None and (tag.dim() != 0 or tag.dtype != torch.int64 or tag.device.type != "cpu"):
-        raise TypeError(f"tag must be a 0-d int64 CPU tensor made by twell_compile.ops.tag, got "
-                        f"{tag.dtype} {tuple(tag.shape)} on {tag.device}")
+    if tag is not None:
+        _check_tag(tag)
     select.check_path(path, select.TRAIN_PATHS, "training")
     m = math.prod(x.shape[:-1])
     n = w_gate.shape[0]

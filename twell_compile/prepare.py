@@ -335,7 +335,7 @@ def _rebuild(original: type, state: dict) -> nn.Module:
     is), made prepared again, with the pickled state and a tag of this process."""
     module = original.__new__(original)
     module.__class__ = _prepared_class(original)
-    nn.Module.__setstate__(module, state)
+    module.__setstate__(state)              # the original class's, if it has its own
     _retag(module)
     return module
 
