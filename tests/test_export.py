@@ -53,8 +53,9 @@ def test_program_runs_with_grad_enabled_and_leaves_the_model_alone():
     ep, _ = twell_compile.export(m, (x,), options=REWRITE)
     prog = ep.module()
     assert torch.is_grad_enabled()
-    torch.testing.assert_close(prog(x), m(x), atol=1e-5, rtol=1e-5)  # no no_grad needed
-    assert not any(p.requires_grad for p in prog.parameters())
+    y = prog(x)
+    torch.testing.assert_close(y, m(x), atol=1e-5, rtol=1e-5)  # no no_grad needed
+    assert not y.requires_grad                            # the program reads its weights detached
     assert all(p.requires_grad for p in m.parameters())  # the model still trains
     # The program shares the model's storage: an in-place update is seen by the next call.
     with torch.no_grad():
@@ -63,6 +64,35 @@ def test_program_runs_with_grad_enabled_and_leaves_the_model_alone():
     # An input that requires grad cannot get one through the inference op: the error names the fix.
     with pytest.raises(ValueError, match="no_grad"):
         prog(x.clone().requires_grad_())
+
+
+CHANGES = {
+    "in place": lambda w: w.mul_(2),
+    ".data =": lambda w: setattr(w, "data", torch.randn_like(w)),
+    "set_": lambda w: w.set_(torch.randn_like(w)),
+    "load_state_dict": None,       # (the whole model's, below)
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_program_sees_every_weight_change_the_model_sees(change):
+    """``ep.module()`` used the old weights after ``w.data = t`` or ``w.set_(t)`` (max abs diff
+    18.8), where plain torch.export's program sees them: the program now holds the model's own
+    parameters and reads them detached, so every change is seen by its next call."""
+    torch.manual_seed(4)
+    m = Block().eval()
+    x = torch.randn(4, 16)
+    ep, _ = twell_compile.export(m, (x,), options=REWRITE)
+    prog = ep.module()
+    with torch.no_grad():
+        if CHANGES[change] is None:
+            m.load_state_dict({k: torch.randn_like(v) for k, v in m.state_dict().items()})
+        else:
+            for w in (m.up.weight, m.down.weight, m.fc1.bias):
+                CHANGES[change](w)
+    with torch.no_grad():
+        torch.testing.assert_close(prog(x), m(x), atol=1e-5, rtol=1e-5)
+    assert not prog(x).requires_grad
 
 
 def test_dynamic_batch_exports_one_program_for_every_batch():

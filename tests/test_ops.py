@@ -187,6 +187,30 @@ def test_training_with_no_rows_matches_eager(lead, gated):
         assert OPS.ffn(*mine, "t", True).shape == (*lead, 7)
 
 
+@pytest.mark.parametrize("widths", [(8, 0, 7), (0, 12, 7), (8, 12, 0), (0, 0, 0)], ids=lambda w: "K%d-N%d-Kout%d" % w)
+@pytest.mark.parametrize("gated", [True, False])
+def test_a_width_of_zero_matches_eager(widths, gated):
+    """An FFN pruned to N=0 (or K, K_out of 0) raised "cannot reshape tensor of 0 elements into
+    shape [-1, 0]" (inference) and "width must be a positive int, got 0" (training): eager
+    gives b_down (N=0), and its autograd zero or empty gradients."""
+    k, n, k_out = widths
+    ref = make(5, k, n, k_out, gated=gated, grad=True)
+    mine = [t.detach().clone().requires_grad_() if t is not None else None for t in ref]
+    want = ffn_dense(*ref)
+    reset_stats()
+    y = OPS.ffn_train(*mine, 4, 2, 0.0, "t", True)[0]
+    torch.testing.assert_close(y, want)
+    dy = torch.randn(5, k_out)
+    want.backward(dy)
+    y.backward(dy)
+    for a, b in zip(ref, mine):
+        if a is not None:
+            torch.testing.assert_close(b.grad, a.grad)
+    with torch.no_grad():
+        torch.testing.assert_close(OPS.ffn(*mine, "t", True), want)
+    assert layer_stats()["t"].hidden == n
+
+
 @pytest.mark.parametrize("l1", [float("nan"), float("inf"), -1.0])
 def test_training_op_refuses_a_non_finite_or_negative_l1_scale(l1):
     args = make(5, 8, 12, 7, grad=True)

@@ -98,9 +98,10 @@ def _pair(*blocks, seed=0):
     return net, copy.deepcopy(net)
 
 
-def _grads(model, out, x):
+def _grads(model, out, x, allow_unused=False):
     dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
-    return torch.autograd.grad(out, [x, *model.parameters()], dy)
+    return torch.autograd.grad(out, [x, *model.parameters()], dy, allow_unused=allow_unused,
+                               materialize_grads=allow_unused)
 
 
 KINDS = [Gated, Plain, Fused, RawMatmul]
@@ -453,3 +454,135 @@ def test_broadcast_bias_is_prepared_and_trains():
     for name, a, b in zip(["x"] + [n for n, _ in net.named_parameters()], g_got, g_want, strict=True):
         assert a.shape == b.shape, name
         check_close(f"grad {name}", a, b)
+
+
+# ------------------------------------------------------------------------------ what forward reads
+class Switchable(nn.Module):
+    """A forward that reads a Python flag and an activation submodule (the decision rests on both)."""
+
+    def __init__(self, k=16, n=40):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(k, n), nn.Linear(k, n), nn.Linear(n, k)
+        self.gated = True
+        self.act = nn.ReLU()
+
+    def forward(self, hidden_states):
+        h = self.act(self.gate(hidden_states))
+        h = h * self.up(hidden_states) if self.gated else h
+        return self.down(h)
+
+
+def _ran_op(fn, *args, **kwargs):
+    """fn's result and whether a twell op ran in it (the profiler records dispatched ops)."""
+    with torch.profiler.profile() as prof:
+        out = fn(*args, **kwargs)
+    return out, any(e.name.startswith("twell::") for e in prof.events())
+
+
+# (attribute, new value, whether the FFN is still a ReLU FFN after the change)
+CHANGES = [("gated", False, True), ("act", nn.GELU(), False), ("act", nn.ReLU(inplace=True), True),
+           ("act", nn.ReLU(), True), ("gated", True, True)]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_prepared_module_follows_what_its_forward_reads(compiled, grad, caplog):
+    """A prepared module computed the FFN it saw at prepare time after ``m.gated = False`` or
+    ``m.act = nn.GELU()`` (57-125% of max|y| off): each change is seen by the next call, eager
+    (decided again) and compiled (Dynamo guards on the reads; the original forward is traced)."""
+    from tests.passes.rewrite_harness import check_close
+
+    torch.manual_seed(3)
+    m = Switchable()
+    ref = copy.deepcopy(m)
+    twell_compile.prepare(m, options=REWRITE_ALL)
+    run = torch.compile(m, backend="twell", options=REWRITE_ALL) if compiled else m
+    x = torch.randn(3, 5, 16, requires_grad=grad)
+    with torch.set_grad_enabled(grad), caplog.at_level("INFO", logger="twell_compile"):
+        for attr, value, relu_ffn in [(None, None, True)] + CHANGES:
+            if attr is not None:
+                setattr(m, attr, value)
+                setattr(ref, attr, copy.deepcopy(value))
+            got, ran = _ran_op(run, x)
+            want = ref(x)
+            check_close(f"after {attr}={value}", got, want)
+            if grad:
+                for a, b in zip(_grads(m, got, x, True), _grads(ref, want, x, True), strict=True):
+                    check_close(f"grad after {attr}={value}", a, b)
+            # the op runs exactly while the forward is a ReLU FFN (compiled: the backend's rewrite)
+            assert ran == relu_ffn, (attr, value)
+    if not compiled:
+        said = [r.getMessage() for r in caplog.records]
+        assert any("act changed since it was prepared" in s and "GELU" in s for s in said), said
+
+
+def test_prepared_module_that_changed_and_was_changed_back_takes_its_op_again():
+    m = Switchable()
+    twell_compile.prepare(m, options=REWRITE_ALL)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        m.act = nn.SiLU()
+        assert not _ran_op(m, x)[1]
+        assert not _ran_op(m, x)[1]          # the decision is kept: no trace per call
+        m.act = nn.ReLU()
+        assert _ran_op(m, x)[1]
+    assert spec_of(m).up is not None
+
+
+class Keyword(Gated):
+    def forward(self, hidden_states):
+        return super().forward(hidden_states)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_prepared_module_takes_its_forwards_keyword(compiled):
+    """``m(hidden_states=x)`` raised TypeError from the prepared forward."""
+    torch.manual_seed(0)
+    m = Keyword()
+    ref = copy.deepcopy(m)
+    twell_compile.prepare(m, options=REWRITE_ALL)
+    run = torch.compile(m, backend="twell", options=REWRITE_ALL) if compiled else m
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        got, ran = _ran_op(run, hidden_states=x)
+        torch.testing.assert_close(got, ref(x), atol=1e-5, rtol=1e-5)
+        assert ran
+        # a keyword the forward does not take fails as it does unprepared
+        with pytest.raises(TypeError, match="unexpected keyword argument 'x'"):
+            ref(x=x)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'x'"):
+            m(x=x)
+
+
+class Empty(nn.Module):
+    """A gated FFN pruned to N hidden units (0 allowed)."""
+
+    def __init__(self, k=16, n=0, k_out=16):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(k, n), nn.Linear(k, n), nn.Linear(n, k_out)
+
+    def forward(self, x):
+        return self.down(F.relu(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.parametrize("l1", [None, 0.5])
+def test_prepared_ffn_of_width_zero_behaves_as_eager(l1):
+    m = Empty()
+    ref = copy.deepcopy(m)
+    twell_compile.prepare(m, options={**REWRITE_ALL, **({"twell.l1": l1} if l1 else {})})
+    assert spec_of(m) is not None
+    x = torch.randn(3, 16, requires_grad=True)
+    got, want = m(x), ref(x)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(_grads(m, got, x), _grads(ref, want, x), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_prepare_under_a_default_device_keeps_its_tag_on_the_cpu():
+    """The tag was made on the default device: under ``with torch.device("meta")`` (models built
+    without memory) the training op then refused it, a CPU tensor being required."""
+    with torch.device("meta"):
+        m = Gated()
+        twell_compile.prepare(m, options=REWRITE_ALL)
+        y = m(torch.randn(2, 16, requires_grad=True))
+    assert y.shape == (2, 16) and y.device.type == "meta"

@@ -51,3 +51,45 @@ def test_restore_undoes_every_record_since_snapshot():
     stats.restore(saved)
     assert dict(twell_compile.layer_stats()) == before
     assert stats._buffers[("a", torch.device("cpu"))] is buffer   # compiled graphs keep their buffer
+
+
+def test_statistics_made_under_inference_mode_serve_calls_outside_it():
+    """A layer's first call under torch.inference_mode() made its statistics buffer an inference
+    tensor, and every later call outside inference mode failed its in-place update ("Inplace
+    update to inference tensor outside InferenceMode"), other models' layers of the same name too."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class FFN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.up, self.down = nn.Linear(16, 40), nn.Linear(16, 40), nn.Linear(40, 16)
+
+        def forward(self, x):
+            return self.down(F.relu(self.gate(x)) * self.up(x))
+
+    options = {"twell.skip_dense": False, "twell.stats": True}
+    x = torch.randn(3, 16)
+    twell_compile.reset_stats()
+    m = FFN()
+    twell_compile.prepare(m, options=options)
+    with torch.inference_mode():
+        m(x)
+    m(x).sum().backward()                       # a training call outside inference mode
+    assert twell_compile.layer_stats()["ffn"].tokens == 3
+    # compiled: train, eval under inference_mode, reset_stats, eval under inference_mode, train
+    twell_compile.reset_stats()
+    c = torch.compile(FFN(), backend="twell", options={**options, "twell.l1": 0.1})
+    for step in ("train", "eval", "reset", "eval", "train"):
+        if step == "reset":
+            twell_compile.reset_stats()
+        elif step == "eval":
+            with torch.inference_mode():
+                c(x)
+        else:
+            c(x).sum().backward()
+    other = torch.compile(FFN(), backend="twell", options=options)   # same layer name, another model
+    other(x).sum().backward()
+    with torch.inference_mode():
+        other(x)
+    assert all(not buf.is_inference() for buf in stats._buffers.values())

@@ -37,9 +37,9 @@ def export(model: torch.nn.Module, args: tuple, kwargs: Optional[Mapping[str, An
 
     Returns ``(program, report)``: the ``torch.export.ExportedProgram`` and the rewrite report,
     whose token shapes are the program's (concrete sizes for a static export, the ``Dim``'s
-    name for a dynamic one). The program is for inference: its parameters share storage with
-    the model's but do not require grad, so it runs with grad mode on; an input that requires
-    grad raises (run it under ``torch.no_grad()``).
+    name for a dynamic one). The program is for inference: it holds the model's own parameters
+    and reads them detached, so it runs with grad mode on and sees every change to them; an
+    input that requires grad raises (run it under ``torch.no_grad()``).
 
     Shapes are static unless ``dynamic_shapes`` (passed to ``torch.export.export``) or
     ``dynamic_batch=True`` (dim 0 of every tensor input whose dim 0 equals the first one's, as
@@ -105,16 +105,17 @@ def _batch_shapes(names: dict[str, Any]) -> dict[str, Any]:
 
 
 def _detach_parameters(gm: fx.GraphModule) -> None:
-    """Rebind gm's parameters (the model's own objects) to aliases that do not require grad,
-    tied ones to one alias: the program then runs with grad mode on (twell::ffn is inference
-    only and refuses an input that requires grad); the model itself is left as it was."""
-    aliases: dict[int, torch.nn.Parameter] = {}
-    for name, p in list(gm.named_parameters(remove_duplicate=False)):
-        owner_name, _, attr = name.rpartition(".")
-        owner = gm.get_submodule(owner_name) if owner_name else gm
-        if id(p) not in aliases:
-            aliases[id(p)] = torch.nn.Parameter(p.detach(), requires_grad=False)
-        setattr(owner, attr, aliases[id(p)])
+    """Read every parameter through a ``detach`` in the graph: the program then runs with grad
+    mode on (twell::ffn is inference only and refuses an input that requires grad), while it
+    keeps the model's own Parameter objects, so every change to them is seen by the next call
+    (in place, ``.data =``, ``set_``, ``load_state_dict``), as a plain torch.export program's are."""
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and node.target in params and node.users:
+            with gm.graph.inserting_after(node):
+                detached = gm.graph.call_function(torch.ops.aten.detach.default, (node,))
+            node.replace_all_uses_with(detached, delete_user_cb=lambda user: user is not detached)
+    gm.recompile()
 
 
 def _program_report(report: Report, ep: torch.export.ExportedProgram, specs: dict[str, Any]) -> Report:

@@ -175,8 +175,8 @@ def backup_capacity(m: int, backup_rows: int) -> int:
 def pack_hybrid(h: Tensor, width: int = 64, capacity: Optional[int] = None) -> Hybrid:
     """Pack h [M, N]; ``capacity`` bounds the dense backup (None: every busy row fits)."""
     _check_2d(h)
-    if not isinstance(width, int) or width < 1:
-        raise ValueError(f"width must be a positive int, got {width!r}")
+    if not isinstance(width, int) or width < 0:
+        raise ValueError(f"width must be an int >= 0, got {width!r}")
     if capacity is not None and (not isinstance(capacity, int) or capacity < 0):
         raise ValueError(f"capacity must be None or an int >= 0, got {capacity!r}")
     values, cols, counts = _compact(h, nonzero_mask(h), width)

@@ -100,7 +100,7 @@ def tag(layer: str) -> Tensor:
     """A fresh instance number for ``layer`` as a 0-d int64 CPU tensor (``ffn_train``'s ``tag``)."""
     number = next_instance()
     _tag_layers[number] = layer
-    return torch.tensor(number, dtype=torch.int64)
+    return torch.tensor(number, dtype=torch.int64, device="cpu")    # (whatever the default device)
 
 
 def _check_tag(t: object) -> None:

@@ -15,14 +15,26 @@ module's whole forward. Such a module gets a subclass whose forward calls ``twel
 gradient needed) or ``twell::ffn_train`` (our backward) with the module's current parameters;
 its state_dict, parameters and ``isinstance`` checks are unchanged. Eager runs use the same
 ops (exact), and the twell backend reports these nodes as "prepared" rewrites.
+
+What the decision rests on is watched: while the forward is traced, every plain attribute it
+reads of the module or its submodules (``self.gated``, ``nn.ReLU``'s ``inplace``, which module
+``self.act`` is) is recorded, and each call compares them first. When one has changed, the
+call re-decides from the module as it is now (one fx trace) and, under torch.compile, runs
+the original forward (Dynamo guards on the same reads; the backend then matches that graph
+itself). Values are compared by ``==`` (bool, int, float, str, None, dtypes, enums and tuples
+of them), submodules by their class (their own reads are watched too), anything else by
+identity (a config object's fields are not looked into). Weights are read at each call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import enum
+import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -41,6 +53,10 @@ _SPEC = "_twell_ffn"                     # instance attribute holding a prepared
 # Instance attribute holding its ops.tag (a plain tensor attribute, not a buffer: state_dict,
 # .to() and FSDP2 leave it alone, and Dynamo takes it as a graph input, not a constant).
 _TAG = "_twell_tag"
+# Instance attributes of the decision in force: the reads it rests on (Read tuples), and why the
+# original forward runs instead of the op (None while the op runs).
+_READS = "_twell_reads"
+_FALLBACK = "_twell_fallback"
 _CLASSES: dict[type, type] = {}          # original class -> its prepared subclass (shared code)
 
 
@@ -68,6 +84,7 @@ class FFNSpec:
     skip_dense: bool
     path: str = "auto"                    # twell.path
     instance: int = 0                     # the op instance (ops.next_instance): its runtime state
+    arg: str = "x"                        # the name of forward's one input (keyword calls)
 
 
 # ------------------------------------------------------------------------------ tracing
@@ -95,16 +112,80 @@ class _MetaRun(fx.Interpreter):
 _TRACE_ERRORS = (fx.proxy.TraceError, TypeError, RuntimeError, AttributeError, NotImplementedError,
                  ValueError, IndexError)
 
+# A read the decision rests on: (submodule path relative to the prepared module, attribute,
+# how it is compared: "eq" / "forward" / "is", the value at trace time; for "forward", a
+# submodule's, the forward function of its class: torch.func.functional_call swaps a module's
+# class for a subclass of its own while it runs, so the class itself is not compared).
+Read = tuple[str, str, str, Any]
+_MODULE_STATE = (frozenset(vars(nn.Module())) | frozenset(dir(nn.Module))) - {"training"}   # nn.Module's own
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, enum.Enum)
 
-def _trace(module: nn.Module) -> tuple[Optional[fx.GraphModule], str]:
-    """The module's forward as a torch-level graph with meta example values, or a reason."""
+
+def _plain(value: Any) -> bool:
+    return isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(map(_plain, value)))
+
+
+def _how(owner: nn.Module, name: str, value: Any) -> Optional[str]:
+    """How a read of ``owner.name`` is watched, or None when it is not: tensors (read at each
+    call), nn.Module's bookkeeping, the class's own methods and descriptors (fixed code)."""
+    if name.startswith("__") or name in _MODULE_STATE or isinstance(value, (Tensor, fx.Proxy)):
+        return None
+    if name not in owner.__dict__ and hasattr(getattr(type(owner), name, None), "__get__"):
+        return None                       # a method or property of the class (its reads are watched)
+    if isinstance(value, nn.Module):
+        return "forward"
+    return "eq" if _plain(value) else "is"
+
+
+@contextlib.contextmanager
+def _recording(module: nn.Module) -> Iterator[dict[tuple[str, str], Read]]:
+    """Record the attribute reads of ``module`` and its submodules while inside: each module's
+    class is swapped for a subclass whose attribute lookups log (restored on exit)."""
+    reads: dict[tuple[str, str], Read] = {}
+    paths = {id(m): path for path, m in module.named_modules(remove_duplicate=False)}
+
+    def note(owner: nn.Module, name: str, value: Any) -> None:
+        how = _how(owner, name, value)
+        path = paths.get(id(owner))
+        if how is not None and path is not None:
+            reads.setdefault((path, name), (path, name, how, type(value).forward if how == "forward" else value))
+
+    def recording_class(cls: type) -> type:
+        def getattribute(self, name):
+            value = super(sub, self).__getattribute__(name)
+            note(self, name, value)
+            return value
+
+        def getattr_(self, name):                 # submodules, parameters and buffers
+            value = cls.__getattr__(self, name)
+            note(self, name, value)
+            return value
+
+        sub = type(cls.__name__, (cls,), {"__getattribute__": getattribute, "__getattr__": getattr_,
+                                          "__module__": cls.__module__})
+        return sub
+
+    swapped = [(m, type(m)) for m in dict.fromkeys(module.modules())]
     try:
-        graph = _Tracer().trace(module)
+        for m, cls in swapped:
+            m.__class__ = recording_class(cls)
+        yield reads
+    finally:
+        for m, cls in swapped:
+            m.__class__ = cls
+
+
+def _trace(module: nn.Module) -> tuple[Optional[fx.GraphModule], tuple[Read, ...], str]:
+    """The module's forward as a torch-level graph with meta example values and the reads it
+    rests on, or a reason."""
+    try:
+        with _recording(module) as reads:
+            graph = _Tracer().trace(module)
     except _TRACE_ERRORS as e:
-        return None, f"torch.fx cannot trace its forward ({type(e).__name__}: {str(e)[:80]})"
+        return None, (), f"torch.fx cannot trace its forward ({type(e).__name__}: {str(e)[:80]})"
     gm = fx.GraphModule(module, graph)
     if sum(n.op == "placeholder" for n in graph.nodes) != 1:
-        return None, "forward takes more than one input"
+        return None, (), "forward takes more than one input"
     mats = [p for p in module.parameters() if p.dim() == 2]
     for k in dict.fromkeys([p.shape[1] for p in mats] + [p.shape[0] for p in mats]):
         x = torch.empty(2, 3, k, device="meta", dtype=mats[0].dtype)
@@ -113,8 +194,8 @@ def _trace(module: nn.Module) -> tuple[Optional[fx.GraphModule], str]:
         except _TRACE_ERRORS:
             continue
         _fold_sizes(gm)
-        return gm, ""
-    return None, "no input width fits its weights"
+        return gm, tuple(reads.values()), ""
+    return None, (), "no input width fits its weights"
 
 
 def _fold_sizes(gm: fx.GraphModule) -> None:
@@ -142,8 +223,9 @@ def _param_path(module: nn.Module, node: Any, what: str) -> tuple[Optional[str],
     return str(node.target), ""
 
 
-def _spec_of(module: nn.Module, gm: fx.GraphModule, layer: str, config: TwellConfig
-             ) -> tuple[Optional[FFNSpec], str]:
+def _projections(module: nn.Module, gm: fx.GraphModule) -> tuple[Optional[tuple], str]:
+    """(gate, up, down) ProjSpecs when the traced forward is exactly one ReLU FFN, else a reason
+    ("" when it holds no FFN-like block at all)."""
     found = find_ffns(gm.graph)
     if not found:
         return None, ""
@@ -190,9 +272,17 @@ def _spec_of(module: nn.Module, gm: fx.GraphModule, layer: str, config: TwellCon
         return None, "the output's leading shape differs from the input's"
     if len({p.dtype for p in module.parameters()}) != 1:
         return None, "parameters of different dtypes"
-    spec = FFNSpec(layer, projs[0], projs[1], projs[2], config.ell_width, config.backup_rows, 0.0,
-                   config.stats, config.skip_dense, config.path)
-    return spec, ""
+    return tuple(projs), ""
+
+
+def _input_name(module: nn.Module) -> str:
+    """The name of forward's one parameter (after self), for keyword calls."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return ""
+    return params[0].name if params and params[0].kind in (params[0].POSITIONAL_OR_KEYWORD,
+                                                          params[0].KEYWORD_ONLY) else ""
 
 
 def _candidate(module: nn.Module) -> bool:
@@ -234,7 +324,7 @@ def run_ffn(module: nn.Module, spec: FFNSpec, x: Tensor) -> Tensor:
     dev = x.device.type
     # As F.linear does: inside autocast every projection runs in the autocast dtype; outside
     # it, operands of different dtypes are refused.
-    autocast = torch.is_autocast_enabled(dev)
+    autocast = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)   # (none on "meta")
     if not autocast and wg.dtype != x.dtype:
         raise RuntimeError(f"{spec.layer or 'FFN'}: input is {x.dtype} but the weights are {wg.dtype}, "
                            "which F.linear refuses outside autocast: cast the input or the module to one "
@@ -302,10 +392,78 @@ def transform_active(module: nn.Module, spec: FFNSpec, x: Tensor) -> Optional[st
 _FELL_BACK: set[str] = set()       # reasons already logged
 
 
-def _prepared_forward(self: nn.Module, x: Tensor) -> Tensor:
+_MISSING = object()
+
+
+def changed_read(module: nn.Module, reads: tuple[Read, ...]) -> Optional[str]:
+    """The first read of ``reads`` whose value differs now, in words; None when none does."""
+    for path, name, how, value in reads:
+        owner: Any = module
+        for part in path.split(".") if path else ():
+            owner = getattr(owner, part, None)
+        now = getattr(owner, name, _MISSING)
+        if how == "forward":
+            same = getattr(type(now), "forward", None) is value
+        elif how == "eq":
+            same = type(now) is type(value) and now == value
+        else:
+            same = now is value
+        if not same:
+            return f"{path + '.' if path else ''}{name} changed since it was prepared"
+    return None
+
+
+def _redecide(module: nn.Module, changed: str) -> None:
+    """Decide again from the module as it is now (eager calls): the op with the projections its
+    forward now has, or its original forward with the reason."""
+    spec, prepared = getattr(module, _SPEC), type(module)
+    module.__class__ = _ORIGINALS[prepared]          # trace the original forward
+    try:
+        gm, reads, why = _trace(module)
+        projs = None
+        if gm is not None:
+            projs, why = _projections(module, gm)
+    finally:
+        module.__class__ = prepared
+    setattr(module, _READS, reads)
+    if projs is not None:
+        setattr(module, _SPEC, dataclasses.replace(spec, gate=projs[0], up=projs[1], down=projs[2]))
+        setattr(module, _FALLBACK, None)
+        log.info("twell prepare: %s: %s; decided again: it is still one ReLU FFN", spec.layer, changed)
+        return
+    why = f"{changed}, and its forward is no longer one ReLU FFN ({why or 'no FFN-like block'})"
+    setattr(module, _FALLBACK, why)
+    log.warning("twell prepare: %s: %s: it runs its original forward (plain PyTorch; under torch.compile "
+                "the backend decides for its graph)", spec.layer, why)
+
+
+def _the_input(spec: FFNSpec, args: tuple, kwargs: dict) -> Any:
+    """The one input of a call bound as the traced forward takes it, else None."""
+    if len(args) == 1 and not kwargs:
+        return args[0]
+    if not args and len(kwargs) == 1:
+        return kwargs.get(spec.arg)
+    return None
+
+
+def _prepared_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    original = _ORIGINALS[type(self)].forward
     spec = getattr(self, _SPEC)
+    x = _the_input(spec, args, kwargs)
+    if not isinstance(x, Tensor):
+        return original(self, *args, **kwargs)      # (a call that does not bind raises as unprepared)
     why = transform_active(self, spec, x)
     if why is None:
+        changed = changed_read(self, getattr(self, _READS))
+        if changed is not None:
+            if torch.compiler.is_compiling():
+                # Dynamo guards on the same reads: this graph holds the original forward, which
+                # the backend matches itself.
+                return original(self, *args, **kwargs)
+            _redecide(self, changed)
+            spec = getattr(self, _SPEC)
+        if getattr(self, _FALLBACK) is not None:
+            return original(self, *args, **kwargs)
         return run_ffn(self, spec, x)
     # Under a transform the module's own forward runs, as if never prepared (exact).
     if not torch.compiler.is_compiling():
@@ -316,7 +474,7 @@ def _prepared_forward(self: nn.Module, x: Tensor) -> Tensor:
             _FELL_BACK.add(why)
             log.warning("twell prepare: %s: prepared FFNs run their original forward (plain PyTorch) "
                         "meanwhile; the twell ops support neither torch.func transforms nor forward-mode AD", why)
-    return _ORIGINALS[type(self)].forward(self, x)
+    return original(self, *args, **kwargs)
 
 
 _ORIGINALS: dict[type, type] = {}        # prepared subclass -> original class
@@ -393,7 +551,7 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Re
         raise ValueError(f"options: prepare takes only twell.* keys, got {sorted(map(str, rest))}"
                          f"{did_you_mean(PREFIX + key if PREFIX + key in ours else key, ours)}")
     report = Report(by_prepare=True)
-    found: list[tuple[nn.Module, FFNSpec]] = []
+    found: list[tuple[nn.Module, FFNSpec, tuple[Read, ...]]] = []
     taken: list[str] = []                  # prepared module paths: their ancestors are not candidates
     for name, module in reversed(list(model.named_modules())):
         if spec_of(module) is not None:
@@ -401,23 +559,28 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Re
             continue
         if any(t.startswith(name + ".") or not name for t in taken) or not _candidate(module):
             continue
-        gm, why = _trace(module)
-        spec = None
+        gm, reads, why = _trace(module)
+        projs = None
         if gm is not None:
-            spec, why = _spec_of(module, gm, name or "ffn", config)   # "ffn": the model itself is one FFN
-        if spec is None:
+            projs, why = _projections(module, gm)
+        if projs is None:
             if why and gm is not None:
                 report.add_rejection(RejectionEntry(name, why, ""))
             elif why:
                 log.debug("twell prepare: %s not traced: %s", name or "<model>", why)
             continue
-        found.append((module, spec))
+        # "ffn": the model itself is one FFN
+        spec = FFNSpec(name or "ffn", *projs, config.ell_width, config.backup_rows, 0.0, config.stats,
+                       config.skip_dense, config.path, arg=_input_name(module))
+        found.append((module, spec, reads))
         taken.append(name)
     if not found:
         return report
     scale = config.l1_scale(len(found))
-    for module, spec in reversed(found):
+    for module, spec, reads in reversed(found):
         setattr(module, _SPEC, dataclasses.replace(spec, l1_scale=float(scale)))
+        setattr(module, _READS, reads)
+        setattr(module, _FALLBACK, None)
         _retag(module)
         module.__class__ = _prepared_class(type(module))
         wg = _get(module, spec.gate.weight)
@@ -444,8 +607,8 @@ def unprepare(model: nn.Module) -> int:
         cls = type(module)
         if cls in originals:
             module.__class__ = originals[cls]
-            delattr(module, _SPEC)
-            delattr(module, _TAG)
+            for attr in (_SPEC, _TAG, _READS, _FALLBACK):
+                delattr(module, attr)
             count += 1
     return count
 

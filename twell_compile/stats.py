@@ -97,9 +97,16 @@ def device_buffer(layer: str, device: torch.device, tokens: int, hidden: int) ->
     return buf
 
 
+def _new_buffer(device: torch.device) -> Tensor:
+    # Never an inference tensor: a buffer first made under torch.inference_mode() would refuse
+    # every later in-place write outside it (the next training call, another model's layer).
+    with torch.inference_mode(False):
+        return torch.zeros(_FIELDS, dtype=torch.float64, device=device)
+
+
 def scratch_buffer(device: torch.device) -> Tensor:
     """A buffer shaped like a layer's, belonging to none (kernel warm-ups write it)."""
-    return torch.zeros(_FIELDS, dtype=torch.float64, device=device)
+    return _new_buffer(device)
 
 
 def reserve(layer: str, device: torch.device) -> Tensor:
@@ -112,7 +119,7 @@ def reserve(layer: str, device: torch.device) -> Tensor:
     buf = _buffers.get(key)
     if buf is None:
         with _lock:
-            buf = _buffers.setdefault(key, torch.zeros(_FIELDS, dtype=torch.float64, device=device))
+            buf = _buffers.setdefault(key, _new_buffer(device))
     return buf
 
 
@@ -144,7 +151,8 @@ def snapshot() -> tuple[dict, dict[str, int], dict[str, int]]:
     """Copies of every buffer and shape fact, for ``restore`` (explain: a failed call leaves the
     statistics as they were)."""
     with _lock:
-        return {k: b.clone() for k, b in _buffers.items()}, dict(_hidden), dict(_tokens)
+        with torch.inference_mode(False):
+            return {k: b.clone() for k, b in _buffers.items()}, dict(_hidden), dict(_tokens)
 
 
 def restore(saved: tuple[dict, dict[str, int], dict[str, int]]) -> None:

@@ -73,6 +73,23 @@ def test_eager_calls_replay_one_graph_and_never_alias(decode_op, m):
 
 
 @gpu
+def test_graph_captured_under_inference_mode_replays_outside_it(decode_op):
+    """The graph's input buffer is copied into at every replay: made under inference_mode it
+    would be an inference tensor, and a later call outside inference mode would fail."""
+    p = ffn_with_biases(4, 2048, 5632, 2048, 0.005, dtype=torch.bfloat16)
+    assert ds.register(p["w_down"])
+    with torch.inference_mode():
+        for _ in range(2):                   # eager, then captured
+            _decode(_args(p), "graphs_inf")
+    assert decode_graphs.count() == 1
+    args = _args(p)
+    ref, derr = _ref(args)
+    with torch.no_grad():
+        y = _decode(args, "graphs_inf")      # replayed outside inference mode
+    assert _rel(y, ref) <= 2 * derr + 1e-6
+
+
+@gpu
 def test_replays_see_in_place_weight_updates(decode_op):
     p = ffn_with_biases(4, 2048, 5632, 2048, 0.005, dtype=torch.bfloat16)
     assert ds.register(p["w_down"])

@@ -87,7 +87,8 @@ def _capture(key: tuple, x: Tensor, fn: Callable[[Tensor], tuple]) -> tuple:
             # warm-up (a recompile under reduce-overhead) that is Inductor's, which then fails
             # its check "Detected 16 tensor(s) in the cudagraph pool not tracked as outputs"
             # (seen on the H200 in generate() after a cache-length recompile, 2026-11-23)
-            xs = torch.empty(x.shape, dtype=x.dtype, device=dev)
+            with torch.inference_mode(False):   # copied into at every replay, in any mode
+                xs = torch.empty(x.shape, dtype=x.dtype, device=dev)
             out = fn(xs)
         finally:
             graph.capture_end()

@@ -89,7 +89,8 @@ def register(w: Tensor, base: Optional[Tensor] = None) -> bool:
     e = _entries.get(key)
     if e is not None and _live(key, e) is base:
         return True
-    state = torch.zeros(STATE_ROWS * w.shape[0] + STATE_TAIL, dtype=torch.float32, device=w.device)
+    with torch.inference_mode(False):        # kept across calls: never an inference tensor
+        state = torch.zeros(STATE_ROWS * w.shape[0] + STATE_TAIL, dtype=torch.float32, device=w.device)
     entry = _Entry(weakref.ref(base, functools.partial(_drop, key)), base.data_ptr(), state)
     with _lock:
         _entries[key] = entry

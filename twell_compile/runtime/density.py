@@ -128,7 +128,8 @@ def submit(key: tuple, nnz: Tensor, elements: int) -> None:
     """Start the async readback of a 0-d non-zero count covering ``elements`` entries."""
     st = _state(key)
     if st.host is None:
-        st.host = torch.empty(1, dtype=torch.float64, pin_memory=True)
+        with torch.inference_mode(False):    # kept across calls: never an inference tensor
+            st.host = torch.empty(1, dtype=torch.float64, device="cpu", pin_memory=True)
     st.host.copy_(nnz.reshape(1).to(torch.float64), non_blocking=True)
     event = torch.cuda.Event()
     event.record()

@@ -57,6 +57,7 @@ the CPU. A dynamic token count is answered as its current value is, under a guar
 from __future__ import annotations
 
 import functools
+import math
 import importlib.util
 from typing import NamedTuple, Optional, Union
 
@@ -238,9 +239,11 @@ def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
     Reads the layer's lagged density (never syncs)."""
     check_path(path, INFER_PATHS, "inference")
     k = x.shape[-1]
-    m = x.numel() // k if k else 0
-    if path == "torch":
-        return InferPlan("torch")
+    m = math.prod(x.shape[:-1])
+    if path == "torch" or (0 in (k, n, k_out) and path in ("auto", "dense")):
+        return InferPlan("torch")           # a width of 0: eager's calls (y is b_down, or zeros, at N=0)
+    if 0 in (k, n, k_out):
+        raise _refuse(path, f"a width of 0 (K={k}, N={n}, K_out={k_out})")
     if x.device.type == "cpu":
         if path in ("auto", "cpu"):
             p = arch.policy_for(x.device)
@@ -325,7 +328,7 @@ class TrainPlan(NamedTuple):
 
 def cuda_train_supported(x: Tensor, n: int, k_out: int) -> bool:
     """The CUDA training kernels take this call: bf16/fp16 CUDA with Triton, within widths."""
-    return _cuda_kernels(x) and x.shape[-1] <= MAX_WIDTH and k_out <= MAX_WIDTH and 1 <= n <= MAX_N
+    return _cuda_kernels(x) and 1 <= x.shape[-1] <= MAX_WIDTH and 1 <= k_out <= MAX_WIDTH and 1 <= n <= MAX_N
 
 
 def plan_train(x: Tensor, n: int, k_out: int, gated: bool, ell_width: int, backup_rows: int,
@@ -340,7 +343,7 @@ def plan_train(x: Tensor, n: int, k_out: int, gated: bool, ell_width: int, backu
                                   f"K and K_out <= {MAX_WIDTH}, N <= {MAX_N}; this call trains on plain PyTorch")
         return TrainPlan("torch")
     k = x.shape[-1]
-    m = x.numel() // k if k else 0
+    m = math.prod(x.shape[:-1])
     p = arch.policy_for(x.device)
     width = min(ell_width, n)
     cap = int(backup_capacity(m, backup_rows))

@@ -8,6 +8,7 @@ rows the backup could not hold, so the format is exercised on every training ste
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -25,9 +26,9 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     hg, hu = ffn_hidden(x, w_gate, b_gate, w_up, b_up)
     h = hg if hu is None else hg * hu
     if keep_stats:
-        flat = h.reshape(-1, h.shape[-1])
-        counts = nonzero_mask(hg.reshape(-1, hg.shape[-1])).sum(-1)
-        stats.record(layer, counts, flat.abs().float().sum(), counts.new_zeros(()), h.shape[-1])
+        m, n = math.prod(h.shape[:-1]), h.shape[-1]     # (reshape(-1, n) is ambiguous at N = 0)
+        counts = nonzero_mask(hg.reshape(m, n)).sum(-1)
+        stats.record(layer, counts, h.abs().float().sum(), counts.new_zeros(()), n)
     return F.linear(h, w_down, b_down)
 
 
@@ -37,7 +38,7 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
                       ) -> tuple[Tensor, ...]:
     """Returns y and the saved state: counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u."""
     k = x.shape[-1]
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(math.prod(x.shape[:-1]), k)
     m, n = x2.shape[0], w_gate.shape[0]
     hg, hu = ffn_hidden(x2, w_gate, b_gate, w_up, b_up)
     h = hg if hu is None else hg * hu
@@ -76,8 +77,8 @@ def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[T
     hidden units); the backend passes coef / layers.
     """
     k, n = x.shape[-1], w_gate.shape[0]
-    x2 = x.reshape(-1, k)
-    dy2 = dy.reshape(-1, dy.shape[-1])
+    x2 = x.reshape(math.prod(x.shape[:-1]), k)
+    dy2 = dy.reshape(x2.shape[0], dy.shape[-1])
     gated = w_up is not None
 
     def gate_rows(rows: Tensor) -> Tensor:
