@@ -13,10 +13,9 @@
 //      columns of W_down (a forward sweep over each row of the chunk, columns ascending) into
 //      a buffer [active, k1 - k0], then runs the axpys from it. A W_down that is a transposed
 //      view (column stride 1) is read in place.
-//   Weight maxima for the overflow rule (max|W_up|, max|b_up|, max|W_down|) are computed per
-//   call by the caller for the same reason.
-//   Rows whose up projection could overflow (non-finite x, or sum|x| max|W_up| + max|b_up| near
-//   FLT_MAX) go dense: there dense PyTorch makes 0 * Inf = NaN at inactive neurons, and so do we.
+//   Non-finite values (the contract of every path, docs/cpu.md "NaN and Inf"): a gated row whose
+//   x holds NaN/Inf goes dense, where dense PyTorch makes 0 * Inf = NaN at inactive neurons, and
+//   so do we; an inactive neuron of a finite row contributes exactly 0, whatever its weights hold.
 //
 // Accumulation is fp32 for fp32 and bf16 inputs (bf16 rounds once, at the output).
 // SIMD: GCC/Clang vector extensions (16 lanes; the compiler splits them to AVX2/SSE where AVX-512
@@ -45,9 +44,11 @@ constexpr int64_t kLanes = 16;
 // loaded machine each region can wait a scheduler slice (~5 ms measured on the shared 2-core VM:
 // M = 16, d = 0.005 took 44 ms with 2 threads vs 15 ms with 1) for a descheduled thread.
 constexpr int64_t kGrain = int64_t(1) << 22;
-// Up-projection values at or above this are treated as possibly infinite (FLT_MAX = 3.4e38;
-// bf16 shares fp32's exponent range, and a 3x margin covers the bias and rounding).
-constexpr double kUpLimit = 1e38;
+// Phase B's work in element operations: each W_down element it packs is read from a column, a
+// row (a page at N = 5632 fp32) apart, and costs about a cache line's worth of streamed
+// elements: counted as 8, the region opens at M = 16, d = 0.005 (K = 2048, N = 5632: 12.1 ms
+// against 14.0 on one thread, docs/cpu.md).
+constexpr int64_t kLineCost = 8;
 
 inline float to_f32(float v) { return v; }
 inline float to_f32(c10::BFloat16 v) { return static_cast<float>(v); }
@@ -102,52 +103,6 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
 }
 
-// max|t| over a dense tensor (any strides without gaps or overlap: the span is numel elements),
-// NaN if t holds one. One streaming pass, 16 lanes, both cores: read per call, never cached
-// (a cached maximum went stale after updates through .data, which bump no version counter).
-template <typename T>
-double abs_max_dense(const T* p, int64_t n) {
-  const int64_t chunk = int64_t(1) << 16;
-  const int64_t chunks = (n + chunk - 1) / chunk;
-  float best = 0.f;
-  bool nan = false;
-#pragma omp parallel for schedule(static) reduction(max : best) reduction(|| : nan) if (n >= kGrain)
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t i0 = c * chunk, i1 = std::min(n, i0 + chunk);
-    f32x16 m = {};
-    u32x16 bad = {};
-    int64_t i = i0;
-    for (; i + kLanes <= i1; i += kLanes) {
-      f32x16 v = load16(p + i);
-      f32x16 a = v < 0 ? -v : v;
-      m = a > m ? a : m;
-      bad |= (u32x16)(v != v);
-    }
-    float mx = 0.f;
-    bool any_nan = false;
-    for (int l = 0; l < kLanes; ++l) {
-      mx = std::max(mx, m[l]);
-      any_nan = any_nan || bad[l];
-    }
-    for (; i < i1; ++i) {
-      const float v = to_f32(p[i]);
-      any_nan = any_nan || v != v;
-      mx = std::max(mx, std::fabs(v));
-    }
-    best = std::max(best, mx);
-    nan = nan || any_nan;
-  }
-  return nan ? std::numeric_limits<double>::quiet_NaN() : static_cast<double>(best);
-}
-
-double abs_max(const c10::optional<at::Tensor>& t) {
-  if (!t.has_value() || t->numel() == 0) return 0.0;
-  // Dense with non-negative strides: the elements fill [data_ptr, data_ptr + numel).
-  const at::Tensor d = t->is_non_overlapping_and_dense() ? *t : t->contiguous();
-  if (d.scalar_type() == at::kFloat) return abs_max_dense<float>(d.data_ptr<float>(), d.numel());
-  return abs_max_dense<c10::BFloat16>(d.data_ptr<c10::BFloat16>(), d.numel());
-}
-
 // ReLU in place keeping NaN (as torch.relu); returns the row's non-zeros (NaN counts as one).
 template <typename T>
 inline int32_t relu_count(T* g, int64_t n) {
@@ -161,24 +116,28 @@ inline int32_t relu_count(T* g, int64_t n) {
   return c;
 }
 
+// Whether every x[0:k] is finite (x * 0 is 0 for finite x, NaN for NaN and Inf).
 template <typename T>
-double row_abs_sum(const T* x, int64_t k) {
-  double s = 0.0;
-  for (int64_t i = 0; i < k; ++i) s += std::fabs(static_cast<double>(to_f32(x[i])));
-  return s;
+bool row_finite(const T* x, int64_t k) {
+  f32x16 acc = {};
+  int64_t i = 0;
+  for (; i + kLanes <= k; i += kLanes) acc += load16(x + i) * 0.f;
+  float s = hsum(acc);
+  for (; i < k; ++i) s += to_f32(x[i]) * 0.f;
+  return s == 0.f;
 }
 
-// Pass 1, per row: ReLU + count; flag rows whose up projection may overflow (gated only).
+// Pass 1, per row: ReLU + count; flag gated rows whose x holds NaN/Inf (they go dense).
 template <typename T>
-void relu_pass(const at::Tensor& x2, at::Tensor& hg, double wmax, double bmax, bool gated,
-               int32_t* cnt, int32_t* work, uint8_t* dense_row) {
+void relu_pass(const at::Tensor& x2, at::Tensor& hg, bool gated, int32_t* cnt, int32_t* work,
+               uint8_t* dense_row) {
   const int64_t m = x2.size(0), k = x2.size(1), n = hg.size(1);
   T* gp = hg.data_ptr<T>();
   const T* xp = x2.data_ptr<T>();
 #pragma omp parallel for schedule(static) if (m * (n + k) >= kGrain && m > 1)
   for (int64_t r = 0; r < m; ++r) {
     cnt[r] = relu_count(gp + r * n, n);
-    dense_row[r] = gated && !(row_abs_sum(xp + r * k, k) * wmax + bmax < kUpLimit);
+    dense_row[r] = gated && !row_finite(xp + r * k, k);
     work[r] = dense_row[r] ? 0 : cnt[r];
   }
 }
@@ -270,7 +229,7 @@ void sparse_up_down(const at::Tensor& x2, const at::Tensor& hg, const int32_t* w
     }
 
     // B: y[row, k0:k1] += h[p] * W_down[k0:k1, col]; each thread owns a column chunk.
-#pragma omp parallel for schedule(dynamic, 1) if (np * kout >= kGrain && chunks > 1)
+#pragma omp parallel for schedule(dynamic, 1) if (np * kout * kLineCost >= kGrain && chunks > 1)
     for (int64_t t = 0; t < chunks; ++t) {
       const int64_t k0 = t * width, kw = std::min(width, kout - k0);
       std::unique_ptr<T[]> packed;  // uninitialised: every element is written below
@@ -318,12 +277,6 @@ std::vector<at::Tensor> ffn_forward(const at::Tensor& x2, const at::Tensor& w_ga
   TORCH_CHECK(!w_up.has_value() || w_up->stride(1) == 1, "w_up must have unit column stride");
   const int64_t m = x2.size(0), k = x2.size(1), n = w_gate.size(0), kout = w_down.size(0);
   const bool gated = w_up.has_value();
-  // Overflow rule inputs, read from the weights now: a non-finite W_down sends the call dense
-  // (eager's 0 * Inf = NaN at inactive neurons), max|W_up| and max|b_up| bound each row's up
-  // projection (Inf/NaN there sends every row dense).
-  const double up_bound = gated ? abs_max(w_up) : 0.0;
-  const double up_bias_bound = gated ? abs_max(b_up) : 0.0;
-  if (!std::isfinite(abs_max(c10::optional<at::Tensor>(w_down)))) max_density = -1.0;
 
   at::Tensor hg = at::linear(x2, w_gate, b_gate).contiguous();
   at::Tensor counts = at::empty({m}, x2.options().dtype(at::kInt));
@@ -331,9 +284,8 @@ std::vector<at::Tensor> ffn_forward(const at::Tensor& x2, const at::Tensor& w_ga
   std::vector<int32_t> work(m);  // pairs done sparsely: the count, or 0 for a dense row
   std::vector<uint8_t> dense_row(m, 0);
   const bool fp32 = x2.scalar_type() == at::kFloat;
-  const double wmax = gated ? up_bound : 0.0;
-  if (fp32) relu_pass<float>(x2, hg, wmax, up_bias_bound, gated, cnt, work.data(), dense_row.data());
-  else relu_pass<c10::BFloat16>(x2, hg, wmax, up_bias_bound, gated, cnt, work.data(), dense_row.data());
+  if (fp32) relu_pass<float>(x2, hg, gated, cnt, work.data(), dense_row.data());
+  else relu_pass<c10::BFloat16>(x2, hg, gated, cnt, work.data(), dense_row.data());
 
   int64_t nnz = 0;
   for (int64_t r = 0; r < m; ++r) nnz += cnt[r];
@@ -357,7 +309,7 @@ std::vector<at::Tensor> ffn_forward(const at::Tensor& x2, const at::Tensor& w_ga
                                                   std::max<int64_t>(1, block));
   if (!fp32) y.copy_(yacc);
 
-  // Rows whose up projection may be non-finite: dense, exactly as eager.
+  // Gated rows whose x holds NaN/Inf: dense, exactly as eager.
   std::vector<int64_t> rows;
   for (int64_t r = 0; r < m; ++r)
     if (dense_row[r]) rows.push_back(r);

@@ -126,3 +126,25 @@ def run_interpreted(script: str, timeout: int = 120) -> None:
         pytest.skip(f"Triton {triton.__version__} interpreter cannot run the kernels: {r.stderr[-200:]}")
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert r.stdout.startswith("ok"), r.stdout
+
+
+def check_non_finite_contract(y: torch.Tensor, args: tuple) -> None:
+    """y against the non-finite contract every inference path keeps (docs/cpu.md "NaN and Inf"):
+    rows of x holding NaN/Inf give eager's NaN/Inf pattern; where eager's output is finite, so
+    is y; where eager's is non-finite only through an inactive neuron (0 * Inf at a NaN/Inf
+    weight or an overflowing up projection), y is NaN (eager's) or the sum over active neurons
+    (``ffn_active_only``). Values are compared elsewhere (the 2x rule)."""
+    from twell_compile.reference import ffn_active_only, ffn_dense
+
+    x = args[0]
+    eager, sparse = ffn_dense(*args), ffn_active_only(*args)
+    bad_x = ~torch.isfinite(x).all(-1, keepdim=True).expand_as(eager)
+
+    def kind(t):          # 0 finite, 1 NaN, 2 +Inf, 3 -Inf
+        return torch.where(torch.isnan(t), 1, torch.where(t == float("inf"), 2, torch.where(t == float("-inf"), 3, 0)))
+
+    ky, ke, ks = kind(y), kind(eager), kind(sparse)
+    assert torch.equal(ky[bad_x], ke[bad_x]), "rows of x with NaN/Inf: eager's pattern"
+    assert (ky[~bad_x & (ke == 0)] == 0).all(), "finite where eager is finite"
+    rest = ~bad_x & (ke != 0)
+    assert ((ky[rest] == ke[rest]) | (ky[rest] == ks[rest])).all(), "eager's or the active-only sum's"

@@ -1,6 +1,8 @@
 """Plain-PyTorch oracles: what every kernel must compute. Used by tests and benchmarks.
 
 ``ffn_dense`` is the model's own computation (the same calls eager PyTorch makes).
+``ffn_active_only`` is what the sparse paths promise where the two differ: NaN/Inf weights
+or an overflowing up projection at inactive neurons (eager's 0 * Inf = NaN) contribute 0.
 ``ffn_from_twell`` computes the FFN from TwELL-packed gate activations only (the algorithm of
 the fused inference kernels), so tests can check a format and its consumer separately.
 """
@@ -30,6 +32,22 @@ def ffn_dense(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     hg, hu = ffn_hidden(x, w_gate, b_gate, w_up, b_up)
     h = hg if hu is None else hg * hu
     return F.linear(h, w_down, b_down)
+
+
+def ffn_active_only(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+                    b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor]) -> Tensor:
+    """The FFN as the sparse paths define it, NaN and Inf included (the non-finite contract,
+    docs/cpu.md): a row of x holding NaN/Inf gives eager's result; in every other row an
+    inactive neuron (relu(gate) == 0) contributes exactly 0 whatever its up projection or
+    W_down column hold, where eager's 0 * Inf would give NaN. x is [M, K]; small sizes only
+    (an [M, K_out, N] temporary)."""
+    hg, hu = ffn_hidden(x, w_gate, b_gate, w_up, b_up)
+    active = hg != 0                                     # NaN != 0: active
+    h = hg if hu is None else torch.where(active, hg * hu, torch.zeros((), dtype=hg.dtype))
+    terms = torch.where(active.unsqueeze(-2), h.unsqueeze(-2) * w_down, torch.zeros((), dtype=h.dtype))
+    y = terms.sum(-1) if b_down is None else terms.sum(-1) + b_down
+    finite = torch.isfinite(x).all(-1, keepdim=True)
+    return torch.where(finite, y.to(x.dtype), ffn_dense(x, w_gate, b_gate, w_up, b_up, w_down, b_down))
 
 
 def ffn_from_twell(packed: TwELL, x: Tensor, w_up: Optional[Tensor], b_up: Optional[Tensor],

@@ -16,8 +16,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import twell_compile.ops  # noqa: F401
+from tests.helpers import check_non_finite_contract
 from twell_compile import build, stats
-from twell_compile.reference import ffn_dense
+from twell_compile.reference import ffn_active_only, ffn_dense
 from twell_compile.runtime import arch, cpu_ffn, select, torch_impl
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -126,10 +127,22 @@ def test_non_contiguous_weights(path, dtype):
         check_exact({**t, **v})
 
 
-@pytest.mark.parametrize("how", ["in_place", "data", "rebind_max"])
+def promised(t, path):
+    """What the kernel promises on ``path`` (the non-finite contract, docs/cpu.md): the sparse
+    path sums over active neurons only, the dense branch is eager's calls."""
+    return (ffn_active_only if path == "sparse" else ffn_dense)(*args(t))
+
+
+def same_non_finite(y, want):
+    assert torch.equal(torch.isnan(y), torch.isnan(want))
+    assert torch.equal(torch.isinf(y), torch.isinf(want))
+    assert torch.equal(torch.sign(y[torch.isinf(y)]), torch.sign(want[torch.isinf(want)]))
+
+
+@pytest.mark.parametrize("how", ["in_place", "data", "rebind_inf"])
 def test_kernel_reads_weights_as_they_are_now(path, how):
     """No derived copy: updates that bump no version counter (through .data) are seen too,
-    including one that makes W_up's maximum (the overflow rule's bound) non-finite."""
+    including one that puts an Inf into W_up."""
     t = make(9, 48, 100, 48, 0.2, torch.float32, seed=8)
     wide = torch.cat([t["w_down"], t["w_down"]], 1)
     t["w_down"] = wide[:, :100]  # not a transposed view: the kernel packs W_down's columns
@@ -142,9 +155,11 @@ def test_kernel_reads_weights_as_they_are_now(path, how):
         wide.data.mul_(-3.0)
         torch.testing.assert_close(twell(t), -3.0 * y0, rtol=1e-5, atol=1e-5)
     else:
+        twell(t)
         t["w_up"].data[5, 7] = float("inf")
-        dense = ffn_dense(*args(t))
-        assert torch.equal(torch.isnan(twell(t)), torch.isnan(dense))
+        y = twell(t)
+        same_non_finite(y, promised(t, path))
+        assert not torch.isfinite(y).all()            # neuron 5 is active in some row
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -169,15 +184,13 @@ def test_non_finite_x_propagates_like_dense(path, dtype, gated, poison, m):
     row = m // 2
     t["x"][row, 5] = value
     if poison == "huge" and gated:
-        # Finite x whose up projection overflows only at inactive neurons: dense makes
-        # 0 * inf = NaN there (and NaN in the whole output row); skipping them would not.
+        # Finite x whose up projection overflows only at inactive neurons: eager makes
+        # 0 * inf = NaN there (NaN in the whole output row); the sparse path skips them (0).
         t["w_gate"][:, 5] = 0.0
         idle = F.linear(t["x"][row], t["w_gate"], t["b_gate"]) <= 0
         t["w_up"][:, 5] = 4.0 * idle.to(t["w_up"].dtype)
-    y, dense = twell(t), ffn_dense(*args(t))
-    assert torch.equal(torch.isnan(y), torch.isnan(dense))
-    assert torch.equal(torch.isinf(y), torch.isinf(dense))
-    assert torch.equal(torch.sign(y[torch.isinf(y)]), torch.sign(dense[torch.isinf(dense)]))
+    y, dense = twell(t), promised(t, path)
+    same_non_finite(y, dense)
     fin = torch.isfinite(dense)
     diff = (y[fin].double() - dense[fin].double()).norm() / dense[fin].double().norm().clamp_min(1e-30)
     assert diff <= (1e-5 if dtype == torch.float32 else 3e-2)
@@ -185,13 +198,26 @@ def test_non_finite_x_propagates_like_dense(path, dtype, gated, poison, m):
     assert torch.isfinite(y[others]).all()
 
 
-@pytest.mark.parametrize("which", ["w_up", "w_down"])
-def test_non_finite_weights_propagate_like_dense(path, which):
-    t = make(8, 32, 64, 32, 0.05, torch.float32, seed=11)
-    t[which][3, 4] = float("inf")
-    y, dense = twell(t), ffn_dense(*args(t))
-    assert torch.equal(torch.isnan(y), torch.isnan(dense))
-    assert torch.equal(torch.isinf(y), torch.isinf(dense))
+@pytest.mark.parametrize("active", [True, False])
+@pytest.mark.parametrize("which", ["w_up", "b_up", "w_down"])
+def test_non_finite_weights_follow_the_contract(path, which, active):
+    """A non-finite weight of an active neuron propagates as eager's; one of a neuron no row
+    activates contributes 0 on the sparse path (eager, and the dense branch: 0 * Inf = NaN)."""
+    t = make(8, 32, 64, 32, 0.05, torch.float32, bias=True, seed=11)
+    hg = F.relu(F.linear(t["x"], t["w_gate"], t["b_gate"]))
+    on = (hg != 0).any(0)
+    neuron = int(on.nonzero()[0] if active else (~on).nonzero()[0])
+    if which == "w_down":
+        t["w_down"][4, neuron] = float("inf")
+    elif which == "w_up":
+        t["w_up"][neuron, 4] = float("inf")
+    else:
+        t["b_up"][neuron] = float("nan")
+    y, eager = twell(t), ffn_dense(*args(t))
+    same_non_finite(y, promised(t, path))
+    check_non_finite_contract(y, args(t))              # the contract every path keeps, GPU too
+    assert not torch.isfinite(eager).all()
+    assert torch.isfinite(y).all() == (path == "sparse" and not active)
 
 
 def test_stats_match_plain_pytorch(path):
@@ -245,7 +271,15 @@ def test_threshold_is_measured_shape_rule():
     assert all(0.0 < v < 1.0 for v in thr)
     assert thr == sorted(thr, reverse=True)  # more tokens: dense GEMMs amortise, sparse wins less
     assert arch.CPU.max_density(2048) < 0.2 < arch.CPU.max_density(1)  # docs/cpu.md measurements
-    assert 16 <= cpu_ffn.block_tokens(2048, 2048, 4) <= 512
+
+
+@pytest.mark.parametrize("block", [1, 8, 2048])
+def test_token_blocks_give_the_same_answer(path, block):
+    """The sparse part runs per block of tokens (CpuPolicy.block_tokens): several blocks, one
+    token each, and one block for the whole call agree with eager."""
+    t = make(37, 67, 203, 53, 0.05, torch.float32, bias=True, seed=block)
+    with arch.patched(block_tokens=block):
+        check_exact(t)
 
 
 def test_build_failure_warns_once_and_falls_back(monkeypatch):

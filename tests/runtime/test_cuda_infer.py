@@ -121,6 +121,37 @@ def test_nan_inf_propagate_like_eager(gated, bad):
     assert _rel(y[fin], ref) <= 2 * _rel(eager[fin], ref) + 1e-6
 
 
+@pytest.mark.parametrize("path, m", [("twell", 300), ("decode", 12), ("dense", 300)])
+@pytest.mark.parametrize("which, gated", [("w_up", True), ("b_up", True), ("w_down", True), ("w_down", False),
+                                          ("x", True), ("x", False)])
+def test_non_finite_values_follow_the_contract(path, m, which, gated):
+    """The one contract of every path, CPU and GPU (tests/helpers.check_non_finite_contract):
+    NaN/Inf in x as eager; a NaN/Inf weight of an active neuron as eager; one of an inactive
+    neuron gives eager's NaN or contributes 0."""
+    from tests.helpers import check_non_finite_contract
+
+    p = _ffn(m, 256, 1000, 256, 0.02, 0.0, torch.bfloat16, gated=gated)
+    p["w_gate"][10:12] = 0.0                  # neurons 10 and 11 never fire
+    p["b_gate"][10:12] = -1.0
+    off = torch.tensor([10, 11], device="cuda")
+    on = (F.relu(F.linear(p["x"], p["w_gate"], p["b_gate"])) != 0).sum(0).argsort(descending=True)[:2]
+    if which == "x":
+        p["x"][1, 3], p["x"][2, 7] = float("nan"), float("-inf")
+    elif which == "w_down":
+        p["w_down"][5, on[0]] = float("inf")
+        p["w_down"][9, off[0]] = float("inf")
+    elif which == "w_up":
+        p["w_up"][on[0], 3] = float("inf")
+        p["w_up"][off[0], 3] = float("inf")
+    else:
+        p["b_up"][on[1]] = float("nan")
+        p["b_up"][off[1]] = float("nan")
+    args = _args(p)
+    _poison()
+    y = torch.ops.twell.ffn(*args, "contract", False, 0, path)
+    check_non_finite_contract(y, args)
+
+
 def test_fresh_inputs_repeatable():
     """Same inputs twice give the same bits (no race); fresh inputs each give a right answer."""
     for _ in range(3):

@@ -192,6 +192,10 @@ class CpuPolicy:
     max_density_small: float         # the kernel's dense up/down above this density, M <= 4
     max_density_mid: float           # ... M <= 64
     max_density_large: float         # ... M > 64
+    # Tokens per block of the sparse part. A block reads its union of active W_up rows and
+    # W_down columns once, and at d=0.005 the union of 128 tokens is ~47% of N: fewer, larger
+    # blocks read the weights fewer times, which outweighs x and y rows leaving L2 (docs/cpu.md).
+    block_tokens: int
 
     def max_density(self, m: int) -> float:
         return self.max_density_small if m <= 4 else self.max_density_mid if m <= 64 else self.max_density_large
@@ -313,18 +317,16 @@ FALLBACK = dataclasses.replace(
     measured_on="constants of the H200 with narrower margins; never measured on this GPU",
     margin=0.8, decode_margin=0.75, sparse_max_density=0.008)
 
-# The C++ kernel against Inductor's compiled FFN, fp32, 2 threads, d = 0.005 / 0.04 (the op
-# forced to path="cpu", 2-core AMD EPYC with AVX2, 2026-11-25): wins from 512 tokens at K >= 256
-# (K=256: 1.22x at 512 tokens, 1.40x at 2048; K=1024: 1.25x / 1.56x; K=2048: 1.55x / 1.70x at
-# d=0.005), loses below (K=1024, 128 tokens: 0.71x; K=512, 1 token: 0.11x: the per-call reads of
-# max|W_up| and W_down's finiteness cost what the dense GEMVs do) and at K <= 96 (0.53-0.77x at
-# any count). At d=0.04 its sparse part lost up to K=512 (0.63-0.97x) and won from K=1024 at
-# 2048 tokens (1.16-1.18x): above 2% the kernel takes its dense branch. The 2-core Xeon
-# (AVX-512) of docs/cpu.md (2026-11-22, before the per-call maxima) measured more: 2.2-3.7x
-# at 1-2048 tokens up to d=0.05 (benchmarks/results/cpu-intel-xeon-processor/ffn_inference.json).
-CPU = CpuPolicy(name="cpu", measured_on="2-core AMD EPYC (AVX2) and 2-core Intel Xeon (AVX-512), torch 2.13 CPU, "
-                "2026-11-22 and 2026-11-25",
-                min_tokens=512, min_width=256, max_density_small=0.5, max_density_mid=0.12, max_density_large=0.02)
+# The C++ kernel against eager's dense calls (what an FFN costs inside a compiled graph) and
+# Inductor's compiled FFN, fp32, 2 threads, d = 0.005, path="cpu", 2-core AMD EPYC (AVX2): from
+# K = 512 it beats both at every token count (K=512: 2.67x of Inductor at 1 token, 1.98x at
+# 512; K=2048: 2.39x / 2.42x); narrower, eager's calls win at few tokens (K=256, 1 token: 0.133
+# against 0.098 ms; K=128, 16 tokens: 0.121 against 0.086) (results/cpu-amd-epyc/ffn_widths.json).
+# Above 2% counted density at M > 64 the sparse part lost up to K=512 (0.63-0.97x of Inductor,
+# docs/cpu.md): the kernel takes its dense branch there (max_density_large).
+CPU = CpuPolicy(name="cpu", measured_on="2-core AMD EPYC (AVX2), torch 2.13 CPU",
+                min_tokens=1, min_width=512, max_density_small=0.5, max_density_mid=0.12, max_density_large=0.02,
+                block_tokens=2048)
 
 Policy = Union[GpuPolicy, CpuPolicy]
 _by_index: dict[int, GpuPolicy] = {}

@@ -11,10 +11,9 @@ with the reason is issued once and the exact plain-PyTorch implementation runs i
 
 The kernel reads every weight in its own layout at every call and keeps no derived copy, so an
 update made any way (in place through ``.data``, ``set_``, a fused optimizer, a rebinding)
-is seen by the next call. Per call the kernel reads max|W_up|, max|b_up| and max|W_down|
-(the overflow rule: rows whose up projection could overflow go dense, and a non-finite W_down
-sends the call dense, as exact as eager); a W_up whose columns are not unit-stride (a
-transposed view, rare) is made contiguous per call.
+is seen by the next call; a W_up whose columns are not unit-stride (a transposed view, rare) is
+made contiguous per call. NaN/Inf follow the contract of every path (docs/cpu.md): gated rows
+whose x holds NaN/Inf run eager's calls; an inactive neuron contributes 0 whatever its weights.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from torch import Tensor
 
 from twell_compile import stats
 from twell_compile.build import BuildError, load
+from twell_compile.runtime.arch import CpuPolicy
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +58,6 @@ def active_impl() -> str:
     return "cpu_ffn" if extension() is not None else f"torch_impl: {_failure}"
 
 
-def block_tokens(k: int, k_out: int, element_size: int) -> int:
-    """Tokens per block of the sparse part: their x and y rows fill ~2 MB (the L2 of one core)."""
-    row_bytes = k * element_size + k_out * 4  # x row in its dtype, y row accumulated in fp32
-    return max(16, min(512, (2 << 20) // row_bytes))
-
-
 def _unit_cols(w: Tensor) -> Tensor:
     """w with unit column stride: itself for nn.Linear weights and row slices of fused ones."""
     return w if w.stride(1) == 1 else w.contiguous()
@@ -71,19 +65,17 @@ def _unit_cols(w: Tensor) -> Tensor:
 
 def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
-              layer: str, keep_stats: bool, max_density: float) -> Tensor:
+              layer: str, keep_stats: bool, policy: CpuPolicy) -> Tensor:
     """The twell::ffn inference op on CPU through the C++ kernel (the plan chose it).
-    ``max_density``: above this measured density the kernel runs the dense up/down (the
-    record's CpuPolicy.max_density for this call's token count)."""
+    ``policy``: the CPU record (its max_density for this call's token count, above which the
+    kernel runs the dense up/down; block_tokens)."""
     mod = extension()
     k, n, k_out = x.shape[-1], w_gate.shape[0], w_down.shape[0]
     x2 = x.reshape(-1, k).contiguous()
     up = None if w_up is None else _unit_cols(w_up)
-    # The kernel reads max|W_up|, max|b_up| and W_down's finiteness itself, per call (the
-    # overflow rule: non-finite weights make eager put NaN where a sparse kernel skips work).
     y, counts, abs_sum, _dense = mod.ffn_forward(x2, w_gate, b_gate, up, b_up, w_down, b_down,
-                                                 max_density, keep_stats,
-                                                 block_tokens(k, k_out, x.element_size()))
+                                                 policy.max_density(x2.shape[0]), keep_stats,
+                                                 policy.block_tokens)
     if keep_stats:
         stats.record(layer, counts, abs_sum, counts.new_zeros(()), n)
     return y.reshape(*x.shape[:-1], k_out)

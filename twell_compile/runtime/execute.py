@@ -13,7 +13,6 @@ first use (``import twell_compile.ops`` stays light on machines without it).
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from types import ModuleType
 from typing import Optional
@@ -52,8 +51,7 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
         if plan.path == "cpu":
             from twell_compile.runtime import cpu_ffn
 
-            return cpu_ffn.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats,
-                                     plan.policy.max_density(math.prod(x.shape[:-1])))
+            return cpu_ffn.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats, plan.policy)
         y = _cuda_infer().ffn_infer(plan, x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats)
         if plan.tick:
             density.tick(plan.key, plan.path)
