@@ -5,8 +5,10 @@ module (in-process, and on disk, so a second process reuses it). The disk cache 
 directory per extension under torch's extensions root (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``), named by ``build_dir_name``: package version, torch and Python
 versions and a hash of the checkout's ``csrc`` path and flags, so two checkouts or versions
-never rebuild each other's cache. A build (10-35 s for ``cpu_ffn`` on 2-16 cores) prints one
-line to stderr before and one with its time after; loading a cached build prints nothing.
+never rebuild each other's cache. A build prints one line to stderr before and one with its time
+after, and ``built_this_run()`` keeps its time; loading a cached build prints nothing. A build that
+cannot run (no C++ compiler) or fails raises ``BuildError`` with one line: what went wrong and
+what to do; the compiler's full log goes to the ``twell_compile`` logger at DEBUG level.
 ``python -m twell_compile.build --check`` compile-checks every source without linking or
 running (CI does this where nvcc exists; nothing built here needs a GPU to compile), and the
 measurement probes of a checkout's ``benchmarks/probes/`` (not shipped; ``load(name,
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -27,13 +30,15 @@ import sysconfig
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Sequence
+from typing import Optional, Sequence
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 if not CSRC.is_dir():  # installed (non-editable): csrc ships as package data
     CSRC = Path(__file__).resolve().parent / "csrc"
 # benchmark probes (benchmarks/probes/*.cu): in a checkout only, never shipped or used by the ops
 PROBES = Path(__file__).resolve().parent.parent / "benchmarks" / "probes"
+
+log = logging.getLogger(__name__)
 
 # No -std here: torch.utils.cpp_extension passes the one its headers need (C++17 up to torch
 # 2.13, C++20 from 2.14, whose headers refuse C++17); ``check`` adds ``std_flag()`` itself.
@@ -51,7 +56,54 @@ def std_flag() -> str:
 
 
 class BuildError(RuntimeError):
-    """A C++/CUDA extension could not be built (no compiler, or a compile error)."""
+    """A C++/CUDA extension could not be built (no compiler, or a compile error); the message is
+    one line."""
+
+
+# Extensions built (not loaded from the disk cache) by this process: module -> seconds.
+_built: dict[str, float] = {}
+
+
+def built_this_run() -> dict[str, float]:
+    """The extensions this process built, with each build's time in seconds (e.g.
+    ``{"twell_cpu_ffn": 41.3}``); empty when every one came from the disk cache or none loaded."""
+    return dict(_built)
+
+
+def cxx_compiler() -> str:
+    """The C++ compiler torch.utils.cpp_extension builds with: ``$CXX``, else ``c++``."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension.get_cxx_compiler()
+
+
+def missing_compiler() -> Optional[str]:
+    """Why the C++ compiler that a build would run is not there (one line, with the fix), or
+    None when it is on PATH."""
+    cxx = cxx_compiler()
+    program = cxx.split()[0] if cxx.strip() else "c++"
+    if shutil.which(program) is not None:
+        return None
+    chosen = f"$CXX={cxx!r}" if os.environ.get("CXX") else "c++ ($CXX unset)"
+    other = next((c for c in ("g++", "clang++") if c != program and shutil.which(c)), None)
+    fix = (f"{other} is on PATH: set CXX={other}" if other else
+           "install a C++ compiler, e.g. g++ (Debian/Ubuntu: apt-get install g++)")
+    return f"no C++ compiler: torch builds extensions with {chosen}, which is not on PATH; {fix}"
+
+
+# The line of a failed build's log that says what went wrong: a compiler diagnostic, a missing
+# program or file, a link error.
+_CAUSE = re.compile(r"\berror\b:|: not found|No such file|cannot find|undefined reference|command not found",
+                    re.IGNORECASE)
+
+
+def failure_reason(log_text: str) -> str:
+    """The first line of a failed build's log that names the cause (else its last line, ninja's
+    "build stopped"), at most 300 characters."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    cause = next((ln for ln in lines if _CAUSE.search(ln) and not ln.startswith(("[", "FAILED:"))),
+                 lines[-1] if lines else "no output")
+    return cause if len(cause) <= 300 else cause[:297] + "..."
 
 
 def sources(name: str, directory: Path | str = CSRC) -> list[Path]:
@@ -104,8 +156,10 @@ def build(module: str, srcs: Sequence[Path], directory: Path, cflags: Sequence[s
           ldflags: Sequence[str] = ()) -> ModuleType:
     """Build (if not built yet) and import ``module`` from ``srcs`` in ``directory``.
 
-    A build prints "twell: building ..." to stderr before and "twell: built <module> in 12.3 s"
-    after (the user would otherwise wait 10-35 s in silence); a cached one prints nothing.
+    A build prints "twell: building ..." to stderr before and "twell: built <module> in 41.3 s"
+    after (the user would otherwise wait in silence) and records its time (``built_this_run``);
+    a cached one prints nothing. A failure raises ``BuildError`` with the log's cause line; the
+    whole log goes to the logger at DEBUG level.
     """
     from torch.utils import cpp_extension
 
@@ -113,8 +167,8 @@ def build(module: str, srcs: Sequence[Path], directory: Path, cflags: Sequence[s
     building = not is_built(module, directory, srcs)
     if building:
         kind = "CUDA" if any(p.suffix == ".cu" for p in srcs) else "CPU"
-        print(f"twell: building the {kind} kernels {module} (first use, ~30 s) in {directory} ...",
-              file=sys.stderr, flush=True)
+        print(f"twell: building the {kind} kernels {module} (first use only, up to a minute on 2 cores) "
+              f"in {directory} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
         mod = cpp_extension.load(
@@ -122,9 +176,12 @@ def build(module: str, srcs: Sequence[Path], directory: Path, cflags: Sequence[s
             extra_cuda_cflags=CUDA_FLAGS, extra_ldflags=list(ldflags), build_directory=str(directory),
             verbose=False)
     except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
-        raise BuildError(f"building extension {module!r} in {directory} failed: {e}") from e
+        log.debug("twell: building %s in %s failed; its log:\n%s", module, directory, e)
+        raise BuildError(f"building extension {module!r} failed: {failure_reason(str(e))} (the full log: the "
+                         f"'twell_compile' logger at DEBUG level)") from None
     if building:
-        print(f"twell: built {module} in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        _built[module] = time.perf_counter() - start
+        print(f"twell: built {module} in {_built[module]:.1f} s", file=sys.stderr, flush=True)
     return mod
 
 
@@ -138,8 +195,9 @@ def load(name: str, openmp: bool = False, directory: Path | str | None = None) -
     srcs = sources(name, source_dir)
     if any(p.suffix == ".cu" for p in srcs) and shutil.which("nvcc") is None and cpp_extension.CUDA_HOME is None:
         raise BuildError(f"extension {name!r} needs nvcc (CUDA toolkit), which was not found")
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        raise BuildError(f"extension {name!r} needs a C++ compiler (c++ or g++), none was found")
+    missing = missing_compiler()
+    if missing is not None:
+        raise BuildError(f"extension {name!r}: {missing}")
     cflags = CXX_FLAGS + (["-fopenmp", "-march=native"] if openmp else [])
     ldflags = ["-fopenmp"] if openmp else []
     target = build_directory(name, cflags + CUDA_FLAGS + ldflags, source_dir)
