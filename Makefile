@@ -6,12 +6,19 @@ TORCH ?= torch==2.13.0
 CONSTRAINTS ?= constraints.txt
 LATEST ?= .venv-latest
 
-.PHONY: setup demo test test-gpu test-latest
-setup:
+.PHONY: torch install setup demo test test-gpu test-latest
+torch:
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+
+# What the demo needs: torch and the package (with ninja, which builds the C++ CPU kernel).
+install: torch
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e .
+
+# What the test suite needs: the package with its test extras (pytest, hypothesis, transformers, Triton).
+setup: torch
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test]"
 
-demo: setup
+demo: install
 	$(PY) examples/quickstart.py
 
 test: setup
