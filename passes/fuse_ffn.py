@@ -163,11 +163,10 @@ def mixed_dtypes(m: Match, scopes: dict[fx.Node, Scope]) -> Optional[str]:
 
 
 def _unique(name: str, used: set[str]) -> str:
-    base = name or "ffn"
-    out, i = base, 1
+    out, i = name, 1
     while out in used:
         i += 1
-        out = f"{base}#{i}"
+        out = f"{name}#{i}"
     used.add(out)
     return out
 

@@ -31,6 +31,7 @@ from twell_compile.passes.pass_utils import (ACTIVATION_METHODS, ACTIVATIONS, AD
                                              DROPOUT_FNS, LINEAR_FNS, MATMUL_FNS, MATMUL_METHODS, MUL_FNS,
                                              MUL_METHODS, RELU_FNS, RELU_METHODS, arg, chain, example, is_fn,
                                              is_method, shape_key, skip)
+from twell_compile.report import ROOT_LAYER
 
 def is_relu(node: fx.Node) -> bool:
     return is_fn(node, RELU_FNS) or is_method(node, RELU_METHODS)
@@ -442,7 +443,8 @@ def module_path(source: str) -> str:
 
 
 def layer_name(nodes: list[fx.Node]) -> str:
-    """The innermost module path shared by the projections (e.g. 'model.layers.0.mlp')."""
+    """The innermost module path shared by the projections (e.g. 'model.layers.0.mlp'); "root"
+    (report.ROOT_LAYER) when they share none: the compiled model's own forward holds them."""
     stacks = [list((n.meta.get("nn_module_stack") or {}).values()) for n in nodes]
     common: list = []
     for entries in zip(*stacks):
@@ -450,9 +452,7 @@ def layer_name(nodes: list[fx.Node]) -> str:
         if len(paths) != 1:
             break
         common.append(paths.pop())
-    if not common:
-        return ""
-    return module_path(common[-1])
+    return (module_path(common[-1]) if common else "") or ROOT_LAYER
 
 
 def _has_outside_users(internal: list[fx.Node], end: fx.Node) -> Optional[fx.Node]:

@@ -205,3 +205,31 @@ def test_explain_after_torch_compile_warns_and_the_compiled_model_still_runs():
         n = len(compiles)
         torch.testing.assert_close(compiled(ids()), want)
     assert len(compiles) > n   # dropped with explain's entries, compiled again
+
+
+# ------------------------------------------------------------------------------ layer names
+class SiluMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(K, N), nn.Linear(N, K)
+
+    def forward(self, x):
+        return self.down(F.silu(self.up(x)))
+
+
+def test_a_model_that_is_one_ffn_is_named_root_everywhere(caplog):
+    """No module path of its own: "root" in explain's rewrites and rejections, its table and log
+    lines, layer_stats and prepare's report (never "" or a placeholder)."""
+    x = torch.randn(3, K)
+    twell_compile.reset_stats()
+    with torch.no_grad(), caplog.at_level("INFO", logger="twell_compile"):
+        rewritten = twell_compile.explain(MLP(), x, options=FORCE)
+        left = twell_compile.explain(SiluMLP(), x)
+        two = twell_compile.explain(lambda v, a=MLP(), b=MLP(): b(a(v)), x, options=FORCE)
+    assert [r.layer for r in rewritten.rewrites] == ["root"] and [r.layer for r in left.rejections] == ["root"]
+    assert [r.layer for r in two.rewrites] == ["root", "root#2"]     # a function holding two FFNs
+    assert str(rewritten).splitlines()[-1].startswith("root ") and str(left).splitlines()[-1].startswith("root ")
+    assert any(m.startswith("twell: rewrote root (") for m in caplog.messages)
+    assert any(m.startswith("twell: left root to Inductor: ") for m in caplog.messages)
+    assert set(twell_compile.layer_stats()) == {"root", "root#2"}
+    assert [r.layer for r in twell_compile.prepare(MLP()).rewrites] == ["root"]

@@ -356,12 +356,12 @@ def test_hf_llama_family_prepared_end_to_end():
     torch.testing.assert_close(main_output(out), main_output(ref.train()(ids)), atol=1e-5, rtol=1e-5)
 
 
-def test_model_that_is_one_ffn_is_prepared_as_ffn():
+def test_model_that_is_one_ffn_is_prepared_as_root():
     torch.manual_seed(4)
     model = nn.Sequential(nn.Linear(8, 24), nn.ReLU(), nn.Linear(24, 8))
     ref = copy.deepcopy(model)
     report = twell_compile.prepare(model)
-    assert [(r.layer, r.gated) for r in report.rewrites] == [("ffn", False)], str(report)
+    assert [(r.layer, r.gated) for r in report.rewrites] == [("root", False)], str(report)
     x = torch.randn(5, 8)
     torch.testing.assert_close(model(x), ref(x), atol=1e-5, rtol=1e-5)
 

@@ -76,7 +76,7 @@ def test_statistics_made_under_inference_mode_serve_calls_outside_it():
     with torch.inference_mode():
         m(x)
     m(x).sum().backward()                       # a training call outside inference mode
-    assert twell_compile.layer_stats()["ffn"].tokens == 3
+    assert twell_compile.layer_stats()["root"].tokens == 3
     # compiled: train, eval under inference_mode, reset_stats, eval under inference_mode, train
     twell_compile.reset_stats()
     c = torch.compile(FFN(), backend="twell", options={**options, "twell.l1": 0.1})

@@ -45,7 +45,7 @@ from twell_compile.config import PREFIX, TwellConfig, did_you_mean, path_for
 from twell_compile.ops import static_reason, tag
 from twell_compile.passes.match_ffn import Match, find_ffns
 from twell_compile.passes.pass_utils import CAST_METHODS, DROPOUT_FNS, arg, chain, example, skip
-from twell_compile.report import RejectionEntry, Report, RewriteEntry
+from twell_compile.report import ROOT_LAYER, RejectionEntry, Report, RewriteEntry
 
 log = logging.getLogger("twell_compile")
 
@@ -319,14 +319,14 @@ def run_ffn(module: nn.Module, spec: FFNSpec, x: Tensor) -> Tensor:
     wd, bd = _weights(module, spec.down)
     tensors = [t for t in (x, wg, bg, wu, bu, wd, bd) if t is not None]
     if _is_dtensor(wg) or _is_dtensor(wd):
-        raise ValueError(f"{spec.layer or 'FFN'}: its weights are sharded DTensors when it runs; shard "
+        raise ValueError(f"{spec.layer}: its weights are sharded DTensors when it runs; shard "
                          "the FFN module or its transformer block with fully_shard, not each Linear")
     dev = x.device.type
     # As F.linear does: inside autocast every projection runs in the autocast dtype; outside
     # it, operands of different dtypes are refused.
     autocast = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)   # (none on "meta")
     if not autocast and wg.dtype != x.dtype:
-        raise RuntimeError(f"{spec.layer or 'FFN'}: input is {x.dtype} but the weights are {wg.dtype}, "
+        raise RuntimeError(f"{spec.layer}: input is {x.dtype} but the weights are {wg.dtype}, "
                            "which F.linear refuses outside autocast: cast the input or the module to one "
                            "dtype, or run under torch.autocast")
     dtype = torch.get_autocast_dtype(dev) if autocast else x.dtype
@@ -532,7 +532,7 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Re
 
     Returns a ``Report`` with ``by_prepare=True`` (``print`` shows a table; fields in
     ``Report``'s docstring): ``.rewrites`` has one ``RewriteEntry`` per module prepared by this
-    call, with ``layer`` its path in ``model`` ("ffn" when the model itself is one), ``gated``,
+    call, with ``layer`` its path in ``model`` ("root" when the model itself is one), ``gated``,
     ``k``/``n``/``k_out`` its input features, hidden units and output features (elements),
     ``dtype`` its weights' dtype, ``op="prepared"`` (``twell::ffn`` or ``twell::ffn_train`` is
     picked at each call by grad mode), ``tokens_shape="any"`` and ``via="prepare"``;
@@ -565,12 +565,11 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Re
             projs, why = _projections(module, gm)
         if projs is None:
             if why and gm is not None:
-                report.add_rejection(RejectionEntry(name, why, ""))
+                report.add_rejection(RejectionEntry(name or ROOT_LAYER, why, ""))
             elif why:
-                log.debug("twell prepare: %s not traced: %s", name or "<model>", why)
+                log.debug("twell prepare: %s not traced: %s", name or ROOT_LAYER, why)
             continue
-        # "ffn": the model itself is one FFN
-        spec = FFNSpec(name or "ffn", *projs, config.ell_width, config.backup_rows, 0.0, config.stats,
+        spec = FFNSpec(name or ROOT_LAYER, *projs, config.ell_width, config.backup_rows, 0.0, config.stats,
                        config.skip_dense, config.path, arg=_input_name(module))
         found.append((module, spec, reads))
         taken.append(name)

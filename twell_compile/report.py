@@ -8,13 +8,19 @@ from typing import Optional
 
 log = logging.getLogger("twell_compile")
 
+# The layer name of an FFN that has no module path of its own: the model given to explain,
+# prepare, export or torch.compile is itself the FFN (its forward holds the projections), or a
+# plain function holds it. ``layer_stats()`` uses the same name.
+ROOT_LAYER = "root"
+
 
 @dataclass(frozen=True)
 class RewriteEntry:
     """One FFN replaced by a twell op (a row of ``Report.rewrites``).
 
     layer: module path of the FFN relative to the model given to explain/prepare/torch.compile,
-        e.g. "model.layers.0.mlp" (the same name ``layer_stats()`` uses).
+        e.g. "model.layers.0.mlp" (the same name ``layer_stats()`` uses); "root" (``ROOT_LAYER``)
+        when the model itself is the FFN. A second FFN of the same name gets "#2", "#3", ...
     gated: True for ``down(relu(gate(x)) * up(x))``, False for ``down(relu(up(x)))``.
     op: "twell::ffn" (inference: no gradient needed), "twell::ffn_train" (training, with the
         twell backward), or "prepared" (``prepare``: the op is chosen per call by grad mode).
@@ -100,14 +106,14 @@ class Report:
 
     def add_rewrite(self, entry: RewriteEntry) -> None:
         self.rewrites.append(entry)
-        log.info("twell: rewrote %s (%s, %s, N=%d, K=%d, %s) -> %s%s%s", entry.layer or "<ffn>",
+        log.info("twell: rewrote %s (%s, %s, N=%d, K=%d, %s) -> %s%s%s", entry.layer,
                  "gated" if entry.gated else "non-gated", entry.dtype, entry.n, entry.k,
                  entry.tokens_shape, entry.op, " (prepared)" if entry.via == "prepare" else "",
                  f": {entry.runs}" if entry.runs else "")
 
     def add_rejection(self, entry: RejectionEntry) -> None:
         self.rejections.append(entry)
-        log.info("twell: left %s to Inductor: %s", entry.layer or "<ffn-like block>", entry.reason)
+        log.info("twell: left %s to Inductor: %s", entry.layer, entry.reason)
 
     def __str__(self) -> str:
         prepared = sum(r.via == "prepare" for r in self.rewrites)
@@ -125,14 +131,14 @@ class Report:
             runs = any(r.runs for r in self.rewrites)
             rows = [("layer", "kind", "op", "tokens", "K", "N", "K_out", "dtype") + (("graph",) if many else ())
                     + (("runs",) if runs else ())]
-            rows += [(r.layer or "-", ("gated" if r.gated else "non-gated") + (", prepared" if r.via == "prepare" else ""),
+            rows += [(r.layer, ("gated" if r.gated else "non-gated") + (", prepared" if r.via == "prepare" else ""),
                       r.op, r.tokens_shape, str(r.k), str(r.n), str(r.k_out), r.dtype) + ((r.graph,) if many else ())
                      + ((r.runs or "-",) if runs else ()) for r in self.rewrites]
             lines += table(rows)
         if self.rejections:
             lines.append("")
             lines += table([("not prepared" if self.by_prepare else "left to Inductor", "reason") + (("graph",) if many else ())]
-                            + [(r.layer or "-", r.reason) + ((r.graph,) if many else ()) for r in self.rejections])
+                            + [(r.layer, r.reason) + ((r.graph,) if many else ()) for r in self.rejections])
         return "\n".join(lines)
 
     __repr__ = __str__
