@@ -10,9 +10,10 @@ LATEST ?= .venv-latest
 torch:
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
 
-# What the demo needs: torch and the package (with ninja, which builds the C++ CPU kernel).
+# What the demo needs: torch and the package (with ninja, which builds the C++ CPU kernel), and
+# numpy, without which torch warns at its first tensor conversion.
 install: torch
-	$(PY) -m pip install -q -c $(CONSTRAINTS) -e .
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e . numpy
 
 # What the test suite needs: the package with its test extras (pytest, hypothesis, transformers, Triton).
 setup: torch
