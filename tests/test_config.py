@@ -120,7 +120,7 @@ def test_l1_help_states_the_papers_setting_and_the_recipes_value():
 
 
 def test_the_readmes_l1_sparsifies_a_short_run_where_the_papers_value_does_not():
-    """README "How much L1": over 30 steps 2e-5 leaves the density where no penalty does,
+    """README "Getting a sparse model: how much L1": over 30 steps 2e-5 leaves the density where no penalty does,
     3.0 halves it (a 32 -> 128 -> 32 gated FFN, Adam, CPU: ~55% -> ~25% of units active)."""
     import torch
     import torch.nn as nn

@@ -54,7 +54,7 @@ def test_generate_matches_eager_without_per_token_recompiles(device):
 
 
 def test_module_compile_in_place_accelerates_generate():
-    """The README's way: ``model.compile(backend="twell")`` compiles the module's own call, which
+    """docs/usage.md's way: ``model.compile(backend="twell")`` compiles the module's own call, which
     generate() goes through, so prefill and every decode step run the twell op."""
     from torch._dynamo.utils import counters
 
@@ -81,10 +81,10 @@ def test_module_compile_in_place_accelerates_generate():
 
 
 def test_generate_of_torch_compile_result_runs_eager():
-    """The pitfall the README warns about: torch.compile(model) returns a wrapper whose attribute
+    """The pitfall docs/usage.md warns about: torch.compile(model) returns a wrapper whose attribute
     access goes to the original module, so its .generate() calls the uncompiled forward. Nothing
     of twell runs on that path (the backend is not even called), so it cannot warn; if a torch
-    or transformers release changes this, this test fails and the README paragraph is stale."""
+    or transformers release changes this, this test fails and that paragraph is stale."""
     from torch._dynamo.utils import counters
 
     model = tiny_llama()
