@@ -58,7 +58,7 @@ if __package__ in (None, ""):                  # run as a file: python3 benchmar
 from benchmarks.bench_dynamic import FFN, OpCalls  # noqa: E402
 from benchmarks import reference  # noqa: E402
 from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
-from benchmarks.timing import gpu_name, interleaved_ms, rel  # noqa: E402
+from benchmarks.timing import gpu_name, interleaved_ms, policy_changes, rel  # noqa: E402
 
 import twell_compile.ops  # noqa: E402,F401  (registers torch.ops.twell)
 from twell_compile.reference import ffn_dense  # noqa: E402
@@ -114,6 +114,8 @@ def main(argv=None) -> int:
                          "ref_ms / ref_rel_err per point, each in a process of its own (benchmarks/reference.py)")
     ap.add_argument("--ref-timeout", type=float, default=150, help="seconds per reference point")
     ap.add_argument("--out", default=None, help="JSON path (default runs/<gpu>/ffn_inference.json)")
+    ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="run with these fields of the GPU record replaced (arch.patched); rows record them")
     args = ap.parse_args(argv)
     if args.reference:
         print(f"reference {args.reference}: {reference.build(args.reference)}", flush=True)
@@ -147,8 +149,10 @@ def main(argv=None) -> int:
     print(f"activity: {act['label']}")
     print(hdr, flush=True)
     torch.set_grad_enabled(False)       # inference: the backend rewrites to the inference op
-    with OpCalls(cpu_rule=False) as op_calls:
+    with OpCalls(cpu_rule=False) as op_calls, arch.patched(**policy_changes(args.policy)):
         _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_calls, act["bias"])
+    for row in rows:
+        row["policy"] = " ".join(args.policy)
     write_json(out, rows)
     print(f"wrote {out} ({len(rows)} rows)")
     return 0

@@ -81,7 +81,7 @@ def _scenario(rank, wrap, bucket_mb, prepare):
         torch.manual_seed(0)
         net = Net()
         if prepare:
-            assert len(twell_compile.prepare(net).rewrites) == 2
+            assert len(twell_compile.prepare(net, options={"twell.skip_dense": False}).rewrites) == 2
         x = _inputs().chunk(WORLD)[rank]
         if wrap == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP

@@ -190,6 +190,45 @@ def test_op_plan_starts_dense_then_twell_and_stays_dense_when_dense():
         assert abs(st.mean_nnz - float((hg != 0).sum()) / 4096) <= 0.01 * st.mean_nnz + 0.1
 
 
+@pytest.mark.parametrize("keep_stats", [True, False])
+def test_graphed_per_row_calls_are_exact_fresh_and_see_weight_updates(keep_stats):
+    """rows_graph_max_m: the per-row path replays the op's own CUDA graph (first call eager,
+    second captured, then replays): fresh inputs each call, outputs never aliased, statistics
+    and the density probe written, in-place weight updates seen by replays."""
+    from twell_compile.runtime import decode_graphs
+
+    decode_graphs.clear()
+    p = _ffn(2048, 256, 1024, 256, 0.005, 0.0, torch.bfloat16)
+    layer = f"graphed_rows{keep_stats}"
+    twell_compile.reset_stats()
+    with arch.patched(rows_graph_max_m=4096):
+        outs = []
+        for i in range(6):
+            p["x"] = _inputs(2048, 256) * (1 + 0.1 * i)
+            args = _args(p)
+            _poison()
+            y = torch.ops.twell.ffn(*args, layer, keep_stats, 0, "twell")
+            ref = ffn_dense(*(None if a is None else a.float() for a in args))
+            assert _rel(y, ref) <= 2 * _rel(ffn_dense(*args), ref) + 1e-6, i
+            outs.append((y, ref, _rel(ffn_dense(*args), ref)))
+        assert decode_graphs.count() >= 1
+        torch.cuda.synchronize()
+        for y, ref, derr in outs:                 # earlier outputs untouched by later replays
+            assert _rel(y, ref) <= 2 * derr + 1e-6
+        with torch.no_grad():
+            p["w_up"].mul_(-1.5)
+            p["b_down"].add_(1.0)
+        args = _args(p)
+        y = torch.ops.twell.ffn(*args, layer, keep_stats, 0, "twell")
+        ref = ffn_dense(*(None if a is None else a.float() for a in args))
+        assert _rel(y, ref) <= 2 * _rel(ffn_dense(*args), ref) + 1e-6
+    if keep_stats:
+        st = twell_compile.layer_stats()[layer]
+        hg = torch.relu(F.linear(p["x"], p["w_gate"], p["b_gate"]))
+        assert st.tokens == 2048 and abs(st.mean_nnz - float((hg != 0).sum()) / 2048) <= 0.01 * st.mean_nnz + 0.1
+    decode_graphs.clear()
+
+
 def test_dense_paths_bit_identical_to_eager():
     # M between the decode and per-row paths, fp32 (shape rule), and a dense layer (policy):
     # eager's numbers, bit for bit

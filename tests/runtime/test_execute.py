@@ -1,8 +1,10 @@
-"""runtime/execute.py: what a call tells the user (no GPU needed)."""
+"""runtime/execute.py: what a call tells the user, and its cached plans (GPU tests marked)."""
 
 from __future__ import annotations
 
 import logging
+
+import pytest
 
 import torch
 
@@ -26,3 +28,44 @@ def test_l1_in_float16_warns_once_about_loss_scaling(monkeypatch, caplog):
             torch.ops.twell.ffn_train(*_args(torch.float16), 4, 2, 0.5, "fp", False)
     hits = [r for r in caplog.records if "GradScaler" in r.getMessage()]
     assert len(hits) == 1 and "bfloat16" in hits[0].getMessage()
+
+
+def test_cpu_plans_are_cached_per_shape_and_follow_patches():
+    """A call reads its cached plan; a record patch or density.reset makes a new one."""
+    from twell_compile.runtime import arch, density, execute
+
+    x = torch.randn(3, 16)
+    execute.reset()
+    first = execute.infer_plan(x, 40, 16, True, "cache", False, 0, "auto")
+    assert execute.infer_plan(x, 40, 16, True, "cache", False, 0, "auto") is first
+    assert execute.infer_plan(torch.randn(5, 16), 40, 16, True, "cache", False, 0, "auto") is not first
+    with arch.patched(min_width=8):
+        patched = execute.infer_plan(x, 40, 16, True, "cache", False, 0, "auto")
+        assert patched is not first and patched.path in ("cpu", "torch")
+    density.reset()
+    assert execute.infer_plan(x, 40, 16, True, "cache", False, 0, "auto") is not first
+
+
+@pytest.mark.gpu
+def test_cuda_plans_are_reused_until_a_measurement_lands_and_probe_on_their_interval():
+    from twell_compile.runtime import arch, density, execute
+
+    x = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16)
+    execute.reset()
+    with arch.patched(min_tokens=1024, min_width=1, refresh_every=4, probe_every=4):
+        with density.scope(7):
+            plans = []
+            for _ in range(10):
+                plan = execute.infer_plan(x, 1000, 256, True, "cache", False, 7, "auto")
+                plans.append(plan)
+                if plan.probe:                       # as execute does: a measurement in flight
+                    density.submit(plan.key, torch.tensor(5.0, device="cuda"), 4096 * 1000)
+                density.tick(plan.key, plan.path)
+            torch.cuda.synchronize()
+            assert plans[0].probe                    # the first call measures
+            assert not any(p.probe for p in plans[1:4])
+            landed = execute.infer_plan(x, 1000, 256, True, "cache", False, 7, "auto")
+            assert density.measured(plans[0].key) is not None
+            assert landed is not plans[1]            # a landed measurement: a new plan
+            again = execute.infer_plan(x, 1000, 256, True, "cache", False, 7, "auto")
+            assert again is landed or again.probe

@@ -161,13 +161,17 @@ def test_cpu_inference_under_the_kernels_tokens_or_width_is_left_to_inductor():
 
 
 def test_cpu_inference_dynamic_counts_are_guarded():
-    limit = arch.CPU.min_tokens
-    env, m = tokens(8)
-    why = reason(CPU, torch.float32, m, 1024, 2816, 1024)
-    assert why and "8 now" in why and f"< {limit}" in why
-    assert guards(env) == [f"{m.node.expr} < {limit}"]
+    with arch.patched(min_tokens=64):      # a record with a token threshold
+        env, m = tokens(8)
+        why = reason(CPU, torch.float32, m, 1024, 2816, 1024)
+        assert why and "8 now" in why and "< 64" in why
+        assert guards(env) == [f"{m.node.expr} < 64"]
     env, m = tokens(8)                     # decided by the width: no guard
     assert "K=16" in reason(CPU, torch.float32, m, 16, 40, 16) and not env.guards
+    if arch.CPU.min_tokens <= 2:           # the record's own rule: every count of a wide layer, no guard
+        env, m = tokens(8)
+        reason(CPU, torch.float32, m, 1024, 2816, 1024)
+        assert not env.guards
 
 
 @pytest.mark.slow
@@ -219,8 +223,9 @@ def test_list_width_grows_with_the_measured_density_within_bounds():
 @pytest.mark.parametrize("device, dtype, m, k, training, path, want", [
     (CPU, torch.float32, 7, 16, True, "auto", "plain PyTorch (exact"),
     (CPU, torch.float32, 4096, 1024, False, "auto", "C++ CPU kernel"),
-    (CPU, torch.float32, 8, 1024, False, "auto", "plain PyTorch"),
-    (CPU, torch.float32, None, 1024, False, "auto", "C++ CPU kernel from 512 tokens"),
+    (CPU, torch.float32, 1, 1024, False, "auto", "C++ CPU kernel"),
+    (CPU, torch.float32, None, 1024, False, "auto", "C++ CPU kernel"),
+    (CPU, torch.float32, 8, 256, False, "auto", "plain PyTorch"),
     (CUDA, torch.bfloat16, 1, 2048, False, "auto", "CUDA decode or dense"),
     (CUDA, torch.bfloat16, 16384, 2048, False, "auto", "CUDA TwELL or dense"),
     (CUDA, torch.float32, 16384, 2048, False, "auto", "dense (eager's calls)"),

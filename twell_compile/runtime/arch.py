@@ -146,6 +146,7 @@ class GpuPolicy:
     list_min: int = 32               # per-row list width bounds
     list_max: int = 1024
     eager_elementwise_max_m: int = 1024   # dense path without counts: eager's relu/mul up to here
+    rows_graph_max_m: int = 0        # the per-row path replays the op's own CUDA graph up to here
     dense_block: int = 1024          # columns per step of the relu*mul pass
     dense_warps: int = 4             # ... and its warps (1024 columns, 4 warps: 0.97-0.99x of
                                      # Inductor's fused relu*mul; H100, tune_ffn.py --dense, 2026-11-25)
@@ -285,9 +286,14 @@ H100 = dataclasses.replace(
     # layer 3: denser first tokens, hot neurons; 34 non-zeros per row) ran 0.55x (the compiled
     # module, 0.759 ms against 0.421) and the forced kernel 0.86x (bench_ffn.py --M 4096
     # --activity benchmarks/profiles/h100_activity.json:model.layers.3.mlp, H100, 2026-11-26;
-    # the cause, rows of uneven length in one short wave, is a reading, not profiled). At 2048 even i.i.d. is host-bound: 0.374 ms per call
-    # against Inductor's 0.204 (profile_product.py --M 2048 --policy min_tokens=2048, same day).
+    # the cause, rows of uneven length in one short wave, is a reading, not profiled).
     gate_units=1.43, pair_units=174.0,
+    # Per-row calls up to 4096 tokens replay the op's own CUDA graph: their eager launches took
+    # 491 / 381 us of host time per op call at 2048 / 4096 tokens against ~200 / ~320 us of GPU
+    # time, graphed 76 / 91 us; the compiled module 0.37x -> 1.04x and 0.71x -> 1.18x of
+    # Inductor, but 1.36x -> 1.20x at 8192, where the graph's copy of x and clone of y cost more
+    # than the host time saved (results/h100/ffn_prefill_graphs.json, min_tokens patched to 2048).
+    rows_graph_max_m=4096,
     # Row kernel's list loop pipelined by Triton (cp.async, 3 pairs' weight rows in flight, 24 KB
     # of shared memory per program): K=2048 N=5632 d=0.005, M=16384 0.573 ms against 0.593, M=65536
     # 2.212 / 2.370, M=4096 0.169 / 0.169-0.181 (tune_ffn.py --fused 1,1,1024 1,3,1024,4, 2026-11-26).
@@ -333,6 +339,7 @@ _by_index: dict[int, GpuPolicy] = {}
 _patches: list[dict] = []  # patched() blocks open, innermost last: policy_for's fast path when empty
 _patches_lock = threading.Lock()
 _patched_cache: dict[int, Policy] = {}   # id(base record) -> the record with _patches applied
+generation = 0           # bumped whenever a patched() block opens or closes (plans made before are stale)
 
 
 def gpu_policy_for_name(name: str) -> GpuPolicy:
@@ -400,13 +407,16 @@ def patched(**changes) -> Iterator[None]:
     unknown = sorted(set(changes) - known)
     if unknown:
         raise ValueError(f"unknown policy fields {unknown}; known: {sorted(known)}")
+    global generation
     entry = dict(changes)
     with _patches_lock:
         _patches.append(entry)
         _patched_cache.clear()
+        generation += 1
     try:
         yield
     finally:
         with _patches_lock:
             del _patches[next(i for i, e in enumerate(_patches) if e is entry)]
             _patched_cache.clear()
+            generation += 1

@@ -132,6 +132,25 @@ def dense_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
     return F.linear(h, w_down, b_down), cnt, asum
 
 
+def twell_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+                  b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], width: int,
+                  buf: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """The per-row path and its statistics (into ``buf``, the layer's buffer, or a scratch one
+    of the graph's when None) replayed from the op's own CUDA graph, where the calls' host time
+    exceeds their GPU time (the record's rows_graph_max_m). Returns (y, non-zeros summed over
+    the call, a 0-d view the next replay overwrites)."""
+    key = (("rows", x2.shape, x2.dtype, x2.device, width, decode_graphs.math_mode(),
+            id(arch.launch_policy(x2.device)), None if buf is None else buf.data_ptr())
+           + decode_graphs.weights_key(w_gate, b_gate, w_up, b_up, w_down, b_down))
+
+    def run(xs: Tensor) -> tuple[Tensor, Tensor]:
+        y, per_token, hsum = twell_forward(xs, w_gate, b_gate, w_up, b_up, w_down, b_down, width)
+        out = buf if buf is not None else stats.scratch_buffer(xs.device)
+        return y, record_stats(None, per_token, hsum, w_gate.shape[0], width, buf=out)[0]
+
+    return decode_graphs.run(key, x2, run)
+
+
 def dense_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                   b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor]) -> Tensor:
     """dense_forward without statistics at decode sizes, replayed from the op's own CUDA graph
@@ -174,15 +193,17 @@ def relu_mul_rows(g: Tensor, u: Optional[Tensor]) -> tuple[Tensor, Tensor, Tenso
 
 
 def record_stats(layer: Optional[str], cnt: Tensor, hsum: Tensor, n: int, width: int = 0,
-                 lost: Optional[Tensor] = None) -> Tensor:
+                 lost: Optional[Tensor] = None, buf: Optional[Tensor] = None) -> Tensor:
     """The layer's statistics buffer (stats.py) filled from per-row counts [M] int32 and |h|
     sums [M] fp32 in one launch, for every CUDA path but decode (whose kernel writes it). The
     overflows: ``lost`` (a 0-d int32 on the device: training's rows past the dense backup)
     where given, else the rows with count > ``width`` (inference), none when width is 0.
     Returns the buffer: its first field is the summed count, which the density probe reads.
-    ``layer`` None: a scratch buffer, no layer's (kernel warm-ups)."""
+    ``layer`` None: a scratch buffer, no layer's (kernel warm-ups); ``buf``: write this buffer
+    (the caller took the layer's, or made a scratch one, itself)."""
     m = cnt.numel()
-    buf = stats.device_buffer(layer, cnt.device, m, n) if layer is not None else stats.scratch_buffer(cnt.device)
+    if buf is None:
+        buf = stats.device_buffer(layer, cnt.device, m, n) if layer is not None else stats.scratch_buffer(cnt.device)
     if m == 0:
         buf.zero_()
     else:
@@ -209,6 +230,11 @@ def ffn_infer(plan: InferPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tenso
                                                   stats_buf=sbuf, form=plan.form, graphed=True)
         if plan.probe:
             density.submit(plan.key, tok[m], m * n)
+    elif plan.path == "twell" and plan.graphed and decode_graphs.usable(x2):
+        sbuf = stats.device_buffer(layer, x.device, m, n) if keep_stats else None
+        y, total = twell_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, plan.width, sbuf)
+        if plan.probe:
+            density.submit(plan.key, total, m * n)
     elif plan.path == "twell":
         y, per_token, hsum = twell_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, plan.width)
         total = record_stats(layer, per_token, hsum, n, plan.width)[0] if keep_stats else None

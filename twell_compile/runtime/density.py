@@ -31,10 +31,13 @@ class _Layer:
     pending: Optional[tuple[torch.cuda.Event, Tensor, int]] = None  # (event, pinned, elements)
     host: Optional[Tensor] = field(default=None, repr=False)
     path: str = ""                         # the path of the layer's last call (for reports)
+    version: int = 0                       # bumped whenever a measurement lands (plans made from
+                                           # an older one are stale)
 
 
 _lock = threading.Lock()
 _layers: dict[tuple, _Layer] = {}      # by (op instance, key)
+generation = 0                         # bumped by reset: every _Layer before it is forgotten
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,15 +84,31 @@ def _state(key: tuple) -> _Layer:
     return st
 
 
-def poll(key: tuple) -> Optional[float]:
-    """The layer's latest landed density (None before the first lands), taking a landed
-    measurement first. Never syncs; not under capture."""
-    st = _state(key)
+def state(key: tuple) -> _Layer:
+    """The layer's state object in the current op instance (a plan cache holds it)."""
+    return _state(key)
+
+
+def take_landed(st: _Layer) -> None:
+    """Take the state's pending measurement if it has landed (never waits); not under capture."""
     if st.pending is not None and not _capturing():
         event, pinned, elements = st.pending
         if event.query():
             st.density = float(pinned[0]) / max(elements, 1)
             st.pending = None
+            st.version += 1
+
+
+def due(st: _Layer, every: int) -> bool:
+    """``wants_probe`` on a state object."""
+    return st.pending is None and not _capturing() and (st.density is None or st.calls % every == 0)
+
+
+def poll(key: tuple) -> Optional[float]:
+    """The layer's latest landed density (None before the first lands), taking a landed
+    measurement first. Never syncs; not under capture."""
+    st = _state(key)
+    take_landed(st)
     return st.density
 
 
@@ -101,10 +120,7 @@ def measured(key: tuple) -> Optional[float]:
 def wants_probe(key: tuple, every: int) -> bool:
     """Whether this call should measure the layer: every ``every`` calls, and the first; one
     probe in flight at a time; never under capture."""
-    st = _state(key)
-    if _capturing() or st.pending is not None:
-        return False
-    return st.density is None or st.calls % every == 0
+    return due(_state(key), every)
 
 
 def tick(key: tuple, path: str = "") -> None:
@@ -138,7 +154,9 @@ def submit(key: tuple, nnz: Tensor, elements: int) -> None:
 
 def landed(key: tuple, value: float) -> None:
     """Store a measurement as if its readback had landed (tools and tests without a GPU)."""
-    _state(key).density = value
+    st = _state(key)
+    st.density = value
+    st.version += 1
 
 
 def snapshot() -> list[tuple[int, tuple, Optional[float], str]]:
@@ -153,5 +171,7 @@ def layers() -> int:
 
 def reset() -> None:
     """Forget every layer's measurements, of every op instance."""
+    global generation
     with _lock:
         _layers.clear()
+        generation += 1

@@ -1,11 +1,17 @@
-"""Runs an op call: asks ``select`` for the plan, then calls the plan's launcher.
+"""Runs an op call: reads its cached plan (or asks ``select`` for one), then calls the plan's
+launcher.
 
-    ffn_infer            twell::ffn            plan_infer -> cuda_infer / cuda_decode / cpu_ffn / torch_impl
+    ffn_infer            twell::ffn            cached plan -> cuda_infer / cuda_decode / cpu_ffn / torch_impl
     ffn_train_forward    twell::ffn_train      plan_train -> cuda_train / torch_impl
     ffn_train_backward   twell::ffn_train_bwd  the path the saved state's shapes say
 
 Every call runs inside its op instance's scope (density.enter), so the measurements it reads
-and writes are its own op's. No host sync on any path: decisions use shapes, dtypes, devices
+and writes are its own op's. Inference plans are cached per op instance, layer, device, dtype,
+shapes, flags and path: a call reads its plan, takes a landed density measurement if one is
+pending, and decides only whether to probe this call (the plan's interval); a landed
+measurement (the layer state's version), ``density.reset``, ``arch.patched`` or a change of
+deterministic mode makes a new plan. Under CUDA-graph capture plans are made afresh (nothing is
+probed there). No host sync on any path: decisions use shapes, dtypes, devices
 and lagged device-side counts only. The CUDA launchers import Triton, so they are imported on
 first use (``import twell_compile.ops`` stays light on machines without it).
 """
@@ -20,10 +26,42 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from twell_compile.runtime import density, select, torch_impl
+from twell_compile.runtime import arch, density, select, torch_impl
 
 log = logging.getLogger("twell_compile")
 _warned_fp16_l1 = False
+MAX_PLANS = 4096                   # cached inference plans (cleared past this: a token count per call)
+_plans: dict[tuple, tuple] = {}    # cache key -> (plan, its layer state or None, the state's version)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def infer_plan(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stats: bool, instance: int,
+               path: str) -> select.InferPlan:
+    """The call's plan: the cached one while its layer's density state has not moved and this
+    call is not due to probe (the plan's interval); else select.plan_infer's (a probe call's
+    flags are the rules', e.g. a dense probe counts instead of replaying a graph), cached when
+    it probes nothing."""
+    ck = (instance, layer, x.device, x.dtype, x.shape, n, k_out, gated, keep_stats, path,
+          torch.are_deterministic_algorithms_enabled(), arch.generation, density.generation)
+    capturing = x.is_cuda and _capturing()
+    hit = _plans.get(ck)
+    if hit is not None and not capturing:
+        plan, st, version = hit
+        if st is None:
+            return plan
+        density.take_landed(st)
+        if st.version == version and not density.due(st, plan.every):
+            return plan
+    plan = select.plan_infer(x, n, k_out, gated, layer, keep_stats, path)
+    if not capturing and not plan.probe:
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        st = density.state(plan.key) if plan.tick else None
+        _plans[ck] = (plan, st, None if st is None else st.version)
+    return plan
 
 
 def _cuda_infer() -> ModuleType:
@@ -45,7 +83,7 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     n, k_out = w_gate.shape[0], w_down.shape[0]
     prev = density.enter(instance)
     try:
-        plan = select.plan_infer(x, n, k_out, w_up is not None, layer, keep_stats, path)
+        plan = infer_plan(x, n, k_out, w_up is not None, layer, keep_stats, instance, path)
         if plan.path == "torch":
             return torch_impl.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats)
         if plan.path == "cpu":
@@ -107,6 +145,7 @@ def reset() -> None:
     """Forget every op instance's runtime state (density measurements, the training path's
     hints); ``torch._dynamo.reset()`` calls this through the backend."""
     density.reset()
+    _plans.clear()
     train = sys.modules.get("twell_compile.runtime.cuda_train")
     if train is not None:
         train.clear_hints()

@@ -185,8 +185,9 @@ class InferPlan(NamedTuple):
     path: "dense" (eager's calls), "decode", "twell" (per-row TwELL), "cpu" (the C++ kernel)
     or "torch" (plain PyTorch). key: the layer's density-state key ("" paths without state).
     form: the decode form. width: the per-row list width. probe: measure the layer's density
-    this call. graphed: dense call replayed from the op's own CUDA graph. counts: the dense
-    call also counts non-zeros (statistics, probe). tick: count the call in the layer's state.
+    this call. graphed: the dense or per-row call replayed from the op's own CUDA graph.
+    counts: the dense call also counts non-zeros (statistics, probe). tick: count the call in
+    the layer's state. every: the probe interval in calls (plans with a key).
     """
     path: str
     policy: Union[GpuPolicy, CpuPolicy, None] = None
@@ -197,6 +198,7 @@ class InferPlan(NamedTuple):
     graphed: bool = False
     counts: bool = False
     tick: bool = False
+    every: int = 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -231,6 +233,13 @@ def _graph_dense(p: GpuPolicy, x: Tensor, m: int, k: int, n: int, k_out: int, ga
     another kernel inside a capture than eagerly, and the bits would change between calls."""
     return (m <= p.decode_max_m and decode_graphs.usable(x) and not torch.are_deterministic_algorithms_enabled()
             and dense_host_bound(p, k, n, k_out, gated, x.element_size()))
+
+
+def _graph_rows(p: GpuPolicy, x: Tensor, m: int) -> bool:
+    """Whether a per-row call replays the op's own graph: up to the record's rows_graph_max_m
+    tokens (where its calls' host time exceeds their GPU time), graphs usable, not under
+    deterministic algorithms."""
+    return m <= p.rows_graph_max_m and decode_graphs.usable(x) and not torch.are_deterministic_algorithms_enabled()
 
 
 def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stats: bool,
@@ -275,14 +284,16 @@ def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
             p, d, m, k, n, k_out, DETERMINISTIC_FORMS if torch.are_deterministic_algorithms_enabled() else None)
         if form == "rows" and m > p.decode_config(m, k).vec_m:
             raise _refuse(path, f"the rows form takes up to {p.decode_config(m, k).vec_m} tokens, got {m}")
-        return InferPlan("decode", p, key, form=form, probe=density.wants_probe(key, p.refresh_every), tick=True)
+        return InferPlan("decode", p, key, form=form, probe=density.wants_probe(key, p.refresh_every), tick=True,
+                         every=p.refresh_every)
     if path == "twell":
         if not (sparse_ok and k <= MAX_WIDTH and k_out <= MAX_WIDTH and 1 <= n <= MAX_N):
             raise _refuse(path, f"the per-row path takes bf16/fp16, K and K_out <= {MAX_WIDTH}, "
                                   f"N <= {MAX_N} (got {x.dtype}, K={k}, K_out={k_out}, N={n})")
         d = density.poll(key)
         return InferPlan("twell", p, key, width=list_width(p, n, None if d is None else d * n),
-                         probe=density.wants_probe(key, p.refresh_every), tick=True)
+                         probe=density.wants_probe(key, p.refresh_every), tick=True,
+                         graphed=_graph_rows(p, x, m), every=p.refresh_every)
     # auto
     decode = sparse_ok and 1 <= m <= p.decode_max_m and n >= 1
     form = None
@@ -302,13 +313,15 @@ def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
     else:
         d = density.poll(key)
         sparse = d is not None and twell_wins(p, d, gated, k, n, k_out, x.element_size())
-    probe = density.wants_probe(key, p.refresh_every if sparse else p.probe_every)
+    every = p.refresh_every if sparse else p.probe_every
+    probe = density.wants_probe(key, every)
     if sparse and decode:
-        return InferPlan("decode", p, key, form=form, probe=probe, tick=True)
+        return InferPlan("decode", p, key, form=form, probe=probe, tick=True, every=every)
     if sparse:
-        return InferPlan("twell", p, key, width=list_width(p, n, density.measured(key) * n), probe=probe, tick=True)
+        return InferPlan("twell", p, key, width=list_width(p, n, density.measured(key) * n), probe=probe, tick=True,
+                         graphed=_graph_rows(p, x, m), every=every)
     graphed = not keep_stats and not probe and _graph_dense(p, x, m, k, n, k_out, gated)
-    return InferPlan("dense", p, key, probe=probe, graphed=graphed, counts=not graphed, tick=True)
+    return InferPlan("dense", p, key, probe=probe, graphed=graphed, counts=not graphed, tick=True, every=every)
 
 
 class TrainPlan(NamedTuple):
@@ -440,8 +453,8 @@ def _cpu_infer_reason(p: CpuPolicy, dtype: torch.dtype, m, k: int, n: int, k_out
                 f"Inductor's dense code is faster)")
 
     def few(count: int) -> str:
-        return (f"{count} tokens: under the {p.min_tokens} from which the CPU kernel beats Inductor (its "
-                f"per-call weight reads do not pay off; plain PyTorch is slower than Inductor)")
+        return (f"{count} tokens: under the {p.min_tokens} from which the CPU kernel beats Inductor (plain "
+                f"PyTorch is slower than Inductor)")
 
     if isinstance(m, torch.SymInt):
         if m.node.has_hint() and _sym_lt(m, p.min_tokens):
@@ -539,6 +552,8 @@ def static_path(device: torch.device, dtype: torch.dtype, m: Optional[Union[int,
         p = arch.policy_for(device)
         if k < p.min_width:
             return "plain PyTorch"
+        if p.min_tokens <= 1:
+            return "C++ CPU kernel"
         if static_m is None:
             return f"C++ CPU kernel from {p.min_tokens} tokens, else plain PyTorch"
         return "C++ CPU kernel" if static_m >= p.min_tokens else "plain PyTorch"
