@@ -18,7 +18,6 @@ whose x holds NaN/Inf run eager's calls; an inactive neuron contributes 0 whatev
 
 from __future__ import annotations
 
-import logging
 import threading
 import warnings
 from typing import Optional
@@ -29,7 +28,6 @@ from twell_compile import stats
 from twell_compile.build import BuildError, load
 from twell_compile.runtime.arch import CpuPolicy
 
-log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _module = None
@@ -47,7 +45,7 @@ def extension():
                 _module = load("cpu_ffn", openmp=True)
             except BuildError as e:
                 _failure = str(e)
-                log.warning("twell: CPU kernel unavailable, using plain PyTorch: %s", e)
+                # one line, once: a warning (the twell_compile logger keeps the build's log at DEBUG)
                 warnings.warn(f"twell: CPU kernel unavailable, using plain PyTorch: {e}", RuntimeWarning,
                               stacklevel=3)
     return _module
