@@ -1,0 +1,174 @@
+"""Performance check: a short, fixed set of points on the machine at hand, each ratio compared
+with the committed results file of that machine. Run it on the device before a change to
+kernels, launch sizes or records lands; it exits 1 when a point lost speed.
+
+    python3 benchmarks/check_perf.py                      # the points of this machine's kind
+    python3 benchmarks/check_perf.py --suites inference --repeats 3
+
+Suites (each runs its harness ``--repeats`` times, in this process, with the harness's own
+interleaved timing; the rows are the harness's, benchmarks/rows.py's schema):
+  inference  bench_ffn.py  M = 16384, 65536; d = 0.005, tail 0, 2048x5632   inductor_ms / twell_ms
+  decode     bench_ffn.py --decode  M = 1, 16; d = 0.005, 2048x5632            dense_ms / twell_ms
+  training   bench_ffn_train.py  M = 16384; d = 0.005, tail 0, 2048x5632      inductor_ms / twell_ms
+  cpu        bench_ffn_cpu.py  M = 1, 16, 256; d = 0.005, 2 threads           inductor_ms / twell_ms
+(the CUDA suites on a GPU, ``cpu`` without one). The committed file of a suite is
+benchmarks/results/<tag>/<file> with <tag> the GPU's ("h100", "h200") or "cpu-<processor>", the
+row the latest one of the same M, K, N, density and tail (and activity "iid" where rows have one).
+
+A point fails when the median of its new ratios is below the committed ratio x (1 - tolerance)
+minus their spread (max - min over the repeats): a loss over ``--tolerance`` (default 5%) beyond
+the run-to-run spread measured here. Points without a committed row are listed, not judged.
+Writes one row per point (stamped; fields below) to --out (default runs/<tag>/check_perf.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+if __package__ in (None, ""):                  # run as a file
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+KEY = ("M", "K", "N", "density", "tail")
+
+
+def _inference(out: str) -> list[str]:
+    return ["--M", "16384", "65536", "--density", "0.005", "--tail", "0", "--shapes", "2048x5632",
+            "--rounds", "3", "--out", out]
+
+
+def _decode(out: str) -> list[str]:
+    return ["--decode", "--M", "1", "16", "--density", "0.005", "--shapes", "2048x5632", "--out", out]
+
+
+def _training(out: str) -> list[str]:
+    return ["--M", "16384", "--density", "0.005", "--tail", "0", "--out", out]
+
+
+def _cpu(out: str) -> list[str]:
+    return ["--m", "1,16,256", "--density", "0.005", "--threads", "all", "--budget", "2", "--out", out]
+
+
+def _main_of(module: str) -> Callable[[list[str]], int]:
+    import importlib
+
+    return importlib.import_module(f"benchmarks.{module}").main
+
+
+# suite: (harness module, its arguments, the committed file's name, the ratio's numerator, denominator)
+SUITES = {
+    "inference": ("bench_ffn", _inference, "ffn_inference.json", "inductor_ms", "twell_ms"),
+    "decode": ("bench_ffn", _decode, "ffn_decode.json", "dense_ms", "twell_ms"),
+    "training": ("bench_ffn_train", _training, "ffn_training.json", "inductor_ms", "twell_ms"),
+    "cpu": ("bench_ffn_cpu", _cpu, "ffn_inference.json", "inductor_ms", "twell_ms"),
+}
+
+
+def machine_tag() -> str:
+    """The results folder of the machine at hand: the GPU's tag, else cpu-<processor>."""
+    if torch.cuda.is_available():
+        from benchmarks.timing import gpu_name
+
+        return gpu_name()
+    from benchmarks.bench_ffn_cpu import cpu_model
+
+    return f"cpu-{cpu_model()}"
+
+
+def load_rows(path: Path) -> list[dict]:
+    data = json.loads(path.read_text())
+    return data if isinstance(data, list) else data.get("rows") or data.get("runs") or []
+
+
+def key_of(row: dict) -> tuple:
+    return tuple(float(row[k]) for k in KEY)
+
+
+def committed_row(rows: list[dict], key: tuple) -> Optional[dict]:
+    """The latest committed row of a point (i.i.d. activity where rows record one)."""
+    same = [r for r in rows if all(k in r for k in KEY) and key_of(r) == key and r.get("activity", "iid") == "iid"]
+    return max(same, key=lambda r: r.get("time", "")) if same else None
+
+
+def ratio(row: dict, num: str, den: str) -> float:
+    a, b = row.get(num), row.get(den)
+    if a is None or b is None or not b or b != b or a != a:
+        return float("nan")
+    return float(a) / float(b)
+
+
+def judge(committed: Optional[float], new: list[float], tolerance: float) -> tuple[str, float, float]:
+    """(verdict, median of the new ratios, their spread): "ok", "slower" or "no baseline"."""
+    new = [v for v in new if v == v]
+    if not new:
+        return "not measured", float("nan"), float("nan")
+    med, spread = statistics.median(new), max(new) - min(new)
+    if committed is None or committed != committed:
+        return "no baseline", med, spread
+    return ("slower" if med < committed * (1 - tolerance) - spread else "ok"), med, spread
+
+
+def run_suite(name: str, tag: str, repeats: int, tolerance: float, log=print) -> list[dict]:
+    module, argv_of, fname, num, den = SUITES[name]
+    committed_path = RESULTS / tag / fname
+    committed = load_rows(committed_path) if committed_path.exists() else []
+    runs: dict[tuple, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(repeats):
+            out = str(Path(tmp) / f"{name}_{i}.json")
+            rc = _main_of(module)(argv_of(out))
+            if rc:
+                raise RuntimeError(f"{module} exited with {rc}")
+            for row in load_rows(Path(out)):
+                runs.setdefault(key_of(row), []).append(row)
+    rows = []
+    for key, got in runs.items():
+        base = committed_row(committed, key)
+        base_ratio = ratio(base, num, den) if base else None
+        verdict, med, spread = judge(base_ratio, [ratio(r, num, den) for r in got], tolerance)
+        rows.append(stamp({
+            "suite": name, **dict(zip(KEY, key)), "ratio": f"{num} / {den}",
+            "new_ratios": [round(ratio(r, num, den), 4) for r in got], "new_median": round(med, 4),
+            "spread": round(spread, 4), "committed_ratio": None if base_ratio is None else round(base_ratio, 4),
+            "committed_file": str(committed_path.relative_to(RESULTS.parent.parent)) if base else None,
+            "committed_commit": base.get("commit") if base else None, "tolerance": tolerance,
+            "verdict": verdict, "path": got[-1].get("path"),
+        }, "cpu" if name == "cpu" else "cuda"))
+        log(f"{name:9} M={int(key[0]):6d} d={key[3]:<6} tail={key[4]:<4} new {med:6.3f} (spread {spread:.3f}) "
+            f"committed {'-' if base_ratio is None else f'{base_ratio:6.3f}'}  {verdict}")
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suites", nargs="+", choices=list(SUITES), default=None,
+                    help="default: inference, decode and training on a GPU; cpu without one")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each harness (the spread's sample)")
+    ap.add_argument("--tolerance", type=float, default=0.05, help="loss allowed beyond the spread (fraction)")
+    ap.add_argument("--out", default=None, help="JSON path (default runs/<tag>/check_perf.json)")
+    a = ap.parse_args(argv)
+    if a.repeats < 1 or not 0 <= a.tolerance < 1:
+        ap.error("--repeats must be >= 1 and --tolerance in [0, 1)")
+    tag = machine_tag()
+    suites = a.suites or (["inference", "decode", "training"] if torch.cuda.is_available() else ["cpu"])
+    rows = []
+    for name in suites:
+        rows += run_suite(name, tag, a.repeats, a.tolerance)
+    out = out_path(a.out, tag, "check_perf.json")
+    write_json(out, rows)
+    slower = [r for r in rows if r["verdict"] == "slower"]
+    print(f"check_perf on {tag}: {len(rows)} points, {len(slower)} slower than committed; wrote {out}")
+    return 1 if slower else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

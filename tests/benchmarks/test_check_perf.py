@@ -1,0 +1,33 @@
+"""benchmarks/check_perf.py: which committed row a point is judged against, and the verdict."""
+
+import math
+
+from benchmarks import check_perf
+
+
+def _row(m, ratio_, time, **extra):
+    return {"M": m, "K": 2048, "N": 5632, "density": 0.005, "tail": 0.0, "inductor_ms": ratio_, "twell_ms": 1.0,
+            "time": time, **extra}
+
+
+def test_the_latest_iid_row_of_the_same_point_is_the_baseline():
+    rows = [_row(16384, 1.40, "2026-11-20"), _row(16384, 1.50, "2026-11-25"),
+            _row(16384, 9.0, "2026-11-26", activity="profile.json:layer3"), _row(65536, 1.6, "2026-11-26")]
+    base = check_perf.committed_row(rows, check_perf.key_of(_row(16384, 0, "")))
+    assert check_perf.ratio(base, "inductor_ms", "twell_ms") == 1.50
+    assert check_perf.committed_row(rows, check_perf.key_of(_row(4096, 0, ""))) is None
+
+
+def test_a_loss_beyond_tolerance_and_spread_is_slower():
+    assert check_perf.judge(1.50, [1.49, 1.47], 0.05)[0] == "ok"
+    assert check_perf.judge(1.50, [1.40, 1.41], 0.05)[0] == "slower"        # 1.405 < 1.425 - 0.01
+    assert check_perf.judge(1.50, [1.30, 1.50], 0.05)[0] == "ok"            # spread 0.2: not a finding
+    assert check_perf.judge(None, [1.2], 0.05)[0] == "no baseline"
+    verdict, med, _ = check_perf.judge(1.5, [float("nan")], 0.05)
+    assert verdict == "not measured" and math.isnan(med)
+
+
+def test_every_suite_names_a_harness_and_a_committed_file():
+    for name, (module, argv_of, fname, num, den) in check_perf.SUITES.items():
+        assert callable(check_perf._main_of(module)), name
+        assert "--out" in argv_of("x.json") and fname.endswith(".json") and num.endswith("_ms") and den == "twell_ms"
