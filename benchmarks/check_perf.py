@@ -125,7 +125,8 @@ def run_suite(name: str, tag: str, repeats: int, tolerance: float, log=print) ->
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(repeats):
             out = str(Path(tmp) / f"{name}_{i}.json")
-            rc = _main_of(module)(argv_of(out))
+            with torch.enable_grad():       # (a harness may turn grad mode off for the rest of the process)
+                rc = _main_of(module)(argv_of(out))
             if rc:
                 raise RuntimeError(f"{module} exited with {rc}")
             for row in load_rows(Path(out)):
