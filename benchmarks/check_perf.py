@@ -7,7 +7,7 @@ kernels, launch sizes or records lands; it exits 1 when a point lost speed.
 
 Suites (each runs its harness ``--repeats`` times, in this process, with the harness's own
 interleaved timing; the rows are the harness's, benchmarks/rows.py's schema):
-  inference  bench_ffn.py  M = 16384, 65536; d = 0.005, tail 0, 2048x5632   inductor_ms / twell_ms
+  inference  bench_ffn.py  M = 4096, 16384, 65536; d = 0.005, tail 0, 2048x5632   inductor_ms / twell_ms
   decode     bench_ffn.py --decode  M = 1, 16; d = 0.005, 2048x5632            dense_ms / twell_ms
   training   bench_ffn_train.py  M = 16384; d = 0.005, tail 0, 2048x5632      inductor_ms / twell_ms
   cpu        bench_ffn_cpu.py  M = 1, 16, 256; d = 0.005, 2 threads           inductor_ms / twell_ms
@@ -42,7 +42,7 @@ KEY = ("M", "K", "N", "density", "tail")
 
 
 def _inference(out: str) -> list[str]:
-    return ["--M", "16384", "65536", "--density", "0.005", "--tail", "0", "--shapes", "2048x5632",
+    return ["--M", "4096", "16384", "65536", "--density", "0.005", "--tail", "0", "--shapes", "2048x5632",
             "--rounds", "3", "--out", out]
 
 

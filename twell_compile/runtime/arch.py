@@ -281,12 +281,14 @@ H100 = dataclasses.replace(
     # Per-row path: least-relative-error fit of the forced-kernel column at M = 16384 and 65536,
     # tail 0, d 0.005-0.05 (benchmarks/results/h100/ffn_inference.json, 2026-11-25): 1.43 + 174 d
     # (H200: 1.2 + 145); Inductor 3.1-3.3 units. TwELL below d = 0.0082: d=0.01 read 0.97x
-    # (16384) and 1.07x (65536) of Inductor, left dense. min_tokens stays 8192: from 4096 tokens
-    # the i.i.d. inputs ran 1.26x of Inductor, but a trained layer's activity (h100_activity.json
-    # layer 3: denser first tokens, hot neurons; 34 non-zeros per row) ran 0.55x (the compiled
-    # module, 0.759 ms against 0.421) and the forced kernel 0.86x (bench_ffn.py --M 4096
-    # --activity benchmarks/profiles/h100_activity.json:model.layers.3.mlp, H100, 2026-11-26;
-    # the cause, rows of uneven length in one short wave, is a reading, not profiled).
+    # (16384) and 1.07x (65536) of Inductor, left dense.
+    # The per-row path from 4096 tokens, its calls replaying the op's own graph (below): i.i.d.
+    # 1.18x of Inductor at 4096, a trained layer's activity (h100_activity.json layer 3: denser
+    # first tokens, hot neurons; 34 non-zeros per row) 1.03x; at 2048 that layer ran 0.87x and
+    # i.i.d. 1.01x, so 2048 stays dense (results/h100/ffn_prefill_graphs.json). The 16-layer
+    # model at 2 x 2048 tokens without CUDA graphs: 1.081x of Inductor, 1.002x with 4096 left
+    # dense (results/h100/e2e_forward_prefill.json).
+    min_tokens=4096,
     gate_units=1.43, pair_units=174.0,
     # Per-row calls up to 4096 tokens replay the op's own CUDA graph: their eager launches took
     # 491 / 381 us of host time per op call at 2048 / 4096 tokens against ~200 / ~320 us of GPU
