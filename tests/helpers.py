@@ -148,3 +148,17 @@ def check_non_finite_contract(y: torch.Tensor, args: tuple) -> None:
     assert (ky[~bad_x & (ke == 0)] == 0).all(), "finite where eager is finite"
     rest = ~bad_x & (ke != 0)
     assert ((ky[rest] == ke[rest]) | (ky[rest] == ks[rest])).all(), "eager's or the active-only sum's"
+
+
+def load_example(name: str):
+    """examples/<name>.py imported as module ``name`` (the examples are scripts, not a package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -7,7 +7,6 @@ README stays short."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 import twell_compile
+from tests.helpers import load_example
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -74,10 +74,7 @@ def test_the_marked_blocks_are_there():
 
 
 def _quickstart():
-    spec = importlib.util.spec_from_file_location("quickstart_for_readme", ROOT / "examples" / "quickstart.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("quickstart")
 
 
 @needs_compiler

@@ -57,16 +57,10 @@ def test_statistics_made_under_inference_mode_serve_calls_outside_it():
     """A layer's first call under torch.inference_mode() made its statistics buffer an inference
     tensor, and every later call outside inference mode failed its in-place update ("Inplace
     update to inference tensor outside InferenceMode"), other models' layers of the same name too."""
-    import torch.nn as nn
-    import torch.nn.functional as F
+    from tests.passes.ffn_zoo import Spec, build
 
-    class FFN(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate, self.up, self.down = nn.Linear(16, 40), nn.Linear(16, 40), nn.Linear(40, 16)
-
-        def forward(self, x):
-            return self.down(F.relu(self.gate(x)) * self.up(x))
+    def FFN():
+        return build(Spec(k=16, n=40, k_out=16, bias=True)).train()
 
     options = {"twell.skip_dense": False, "twell.stats": True}
     x = torch.randn(3, 16)

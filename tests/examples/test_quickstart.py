@@ -1,28 +1,15 @@
 """examples/quickstart.py: the shapes it runs on a CPU are rewritten to the C++ kernel, and its
 timing line names a C++ build made in this run."""
 
-import importlib.util
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import twell_compile
+from tests.helpers import load_example
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("quickstart", ROOT / "examples" / "quickstart.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["quickstart"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-Q = _load()
+Q = load_example("quickstart")
 
 
 def test_the_timing_line_names_a_build_of_this_run():

@@ -1,30 +1,18 @@
 """examples/train_sparse_lm.py on a tiny model and a small slice of the stdlib corpus (CPU)."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import load_example
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 pytest.importorskip("tqdm")
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("train_sparse_lm", ROOT / "examples" / "train_sparse_lm.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["train_sparse_lm"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-T = _load()
+T = load_example("train_sparse_lm")
 
 TINY = ["--corpus-mb", "0.4", "--vocab", "512", "--d-model", "32", "--layers", "2", "--heads", "2", "--ffn", "128",
         "--seq", "32", "--batch", "8", "--lr", "3e-3", "--warmup", "5", "--eval-every", "1000", "--eval-batches", "2",
