@@ -516,14 +516,26 @@ def test_prepared_module_follows_what_its_forward_reads(compiled, grad, caplog):
         assert any("act changed since it was prepared" in s and "GELU" in s for s in said), said
 
 
-def test_prepared_module_that_changed_and_was_changed_back_takes_its_op_again():
+class DataDependent(nn.Module):
+    """An activation torch.fx cannot trace (control flow on a tensor's value)."""
+
+    def forward(self, x):
+        return F.relu(x) if bool(x.sum() > 0) else x
+
+
+@pytest.mark.parametrize("act", [nn.SiLU, DataDependent])
+def test_prepared_module_that_changed_and_was_changed_back_takes_its_op_again(act, caplog):
     m = Switchable()
+    ref = copy.deepcopy(m)
     twell_compile.prepare(m, options=REWRITE_ALL)
     x = torch.randn(4, 16)
-    with torch.no_grad():
-        m.act = nn.SiLU()
+    with torch.no_grad(), caplog.at_level("INFO", logger="twell_compile"):
+        m.act, ref.act = act(), act()
         assert not _ran_op(m, x)[1]
-        assert not _ran_op(m, x)[1]          # the decision is kept: no trace per call
+        assert not _ran_op(m, x)[1]
+        # the decision is kept: one trace, said once, not one per call
+        assert sum("act changed" in r.getMessage() for r in caplog.records) == 1
+        torch.testing.assert_close(m(x), ref(x))
         m.act = nn.ReLU()
         assert _ran_op(m, x)[1]
     assert spec_of(m).up is not None

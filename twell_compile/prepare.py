@@ -22,8 +22,8 @@ reads of the module or its submodules (``self.gated``, ``nn.ReLU``'s ``inplace``
 call re-decides from the module as it is now (one fx trace) and, under torch.compile, runs
 the original forward (Dynamo guards on the same reads; the backend then matches that graph
 itself). Values are compared by ``==`` (bool, int, float, str, None, dtypes, enums and tuples
-of them), submodules by their class (their own reads are watched too), anything else by
-identity (a config object's fields are not looked into). Weights are read at each call.
+of them), submodules by their class's forward (their own reads are watched too), anything else
+by identity (a config object's fields are not looked into). Weights are read at each call.
 """
 
 from __future__ import annotations
@@ -395,13 +395,17 @@ _FELL_BACK: set[str] = set()       # reasons already logged
 _MISSING = object()
 
 
+def _now(module: nn.Module, path: str, name: str) -> Any:
+    owner: Any = module
+    for part in path.split(".") if path else ():
+        owner = getattr(owner, part, None)
+    return getattr(owner, name, _MISSING)
+
+
 def changed_read(module: nn.Module, reads: tuple[Read, ...]) -> Optional[str]:
     """The first read of ``reads`` whose value differs now, in words; None when none does."""
     for path, name, how, value in reads:
-        owner: Any = module
-        for part in path.split(".") if path else ():
-            owner = getattr(owner, part, None)
-        now = getattr(owner, name, _MISSING)
+        now = _now(module, path, name)
         if how == "forward":
             same = getattr(type(now), "forward", None) is value
         elif how == "eq":
@@ -425,6 +429,12 @@ def _redecide(module: nn.Module, changed: str) -> None:
             projs, why = _projections(module, gm)
     finally:
         module.__class__ = prepared
+    if gm is None:
+        # Not traced: watch the same reads at their values now, so a change back decides again
+        # (and an unchanged module is not traced at every call).
+        old = getattr(module, _READS)
+        reads = tuple((path, name, how, type(now).forward if how == "forward" else now)
+                      for path, name, how, _ in old for now in [_now(module, path, name)])
     setattr(module, _READS, reads)
     if projs is not None:
         setattr(module, _SPEC, dataclasses.replace(spec, gate=projs[0], up=projs[1], down=projs[2]))
