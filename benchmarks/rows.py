@@ -61,15 +61,21 @@ def triton_version() -> str:
 
 @functools.lru_cache(maxsize=None)
 def commit() -> str:
-    """$TWELL_COMMIT, else the checkout's HEAD, or "unknown" (a copy without .git, no git)."""
+    """$TWELL_COMMIT, else the checkout's HEAD with "+dirty" when tracked files differ from it (the
+    device tool's copy of a checkout carries the landed HEAD under the session's code), or
+    "unknown" (a copy without .git, no git)."""
     if os.environ.get("TWELL_COMMIT"):
         return os.environ["TWELL_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     head = out.stdout.strip()
-    return head if out.returncode == 0 and head else "unknown"
+    if out.returncode or not head:
+        return "unknown"
+    return head + ("+dirty" if status.returncode == 0 and status.stdout.strip() else "")
 
 
 def utc_now() -> str:
