@@ -55,7 +55,7 @@ def _training(out: str) -> list[str]:
 
 
 def _cpu(out: str) -> list[str]:
-    return ["--m", "1,16,256", "--density", "0.005", "--threads", "all", "--budget", "2", "--out", out]
+    return ["--m", "1,16,256", "--density", "0.005", "--threads", "all", "--budget", "4", "--out", out]
 
 
 def _main_of(module: str) -> Callable[[list[str]], int]:
