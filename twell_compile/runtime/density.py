@@ -45,7 +45,7 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
     """Whether the current stream is capturing a CUDA graph (False on CPU-only builds)."""
     return _has_cuda() and torch.cuda.is_current_stream_capturing()
 _scope = threading.local()
@@ -91,7 +91,7 @@ def state(key: tuple) -> _Layer:
 
 def take_landed(st: _Layer) -> None:
     """Take the state's pending measurement if it has landed (never waits); not under capture."""
-    if st.pending is not None and not _capturing():
+    if st.pending is not None and not capturing():
         event, pinned, elements = st.pending
         if event.query():
             st.density = float(pinned[0]) / max(elements, 1)
@@ -101,7 +101,7 @@ def take_landed(st: _Layer) -> None:
 
 def due(st: _Layer, every: int) -> bool:
     """``wants_probe`` on a state object."""
-    return st.pending is None and not _capturing() and (st.density is None or st.calls % every == 0)
+    return st.pending is None and not capturing() and (st.density is None or st.calls % every == 0)
 
 
 def poll(key: tuple) -> Optional[float]:

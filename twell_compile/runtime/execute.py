@@ -34,10 +34,6 @@ MAX_PLANS = 4096                   # cached inference plans (cleared past this: 
 _plans: dict[tuple, tuple] = {}    # cache key -> (plan, its layer state or None, the state's version)
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def infer_plan(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stats: bool, instance: int,
                path: str) -> select.InferPlan:
     """The call's plan: the cached one while its layer's density state has not moved and this
@@ -46,7 +42,7 @@ def infer_plan(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
     it probes nothing."""
     ck = (instance, layer, x.device, x.dtype, x.shape, n, k_out, gated, keep_stats, path,
           torch.are_deterministic_algorithms_enabled(), arch.generation, density.generation)
-    capturing = x.is_cuda and _capturing()
+    capturing = x.is_cuda and density.capturing()
     hit = _plans.get(ck)
     if hit is not None and not capturing:
         plan, st, version = hit
