@@ -3,6 +3,7 @@
     python3 benchmarks/bench_ffn.py                      # the full grid
     python3 benchmarks/bench_ffn.py --quick              # K=2048 N=5632, M 16384/65536, 4 densities
     python3 benchmarks/bench_ffn.py --M 16384 --density 0.005 0.02 --tail 0 --shapes 2048x5632
+    python3 benchmarks/bench_ffn.py --non-gated --M 4096 16384   # down(relu(gate(x))): rows' gated false
 
     python3 benchmarks/bench_ffn.py --decode             # decode grid: M 1..64, CUDA graphs
     python3 benchmarks/bench_ffn.py --decode --M 64 128 256 512 2048 8192 --density 0.005 \
@@ -114,6 +115,7 @@ def main(argv=None) -> int:
                          "ref_ms / ref_rel_err per point, each in a process of its own (benchmarks/reference.py)")
     ap.add_argument("--ref-timeout", type=float, default=150, help="seconds per reference point")
     ap.add_argument("--out", default=None, help="JSON path (default runs/<gpu>/ffn_inference.json)")
+    ap.add_argument("--non-gated", action="store_true", help="the non-gated FFN down(relu(gate(x))) (rows: gated false)")
     ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="run with these fields of the GPU record replaced (arch.patched); rows record them")
     args = ap.parse_args(argv)
@@ -183,26 +185,42 @@ def resolve_activity(spec: str) -> dict:
 def reference_point(args, m: int, k: int, n: int, d: float, t: float, seed: int, bias: bool) -> dict:
     """The paper's kernels on this point's inputs (benchmarks/reference.py, the --activity spec
     passed through); skipped where the inputs have biases, which its kernels do not take."""
+    nan = float("nan")
     if bias:
-        nan = float("nan")
         return dict(ref_ms=nan, ref_rel_err=nan, ref_nan=None,
                     ref_status="skipped: the inputs have biases, the reference kernels take none")
+    if args.non_gated:
+        return dict(ref_ms=nan, ref_rel_err=nan, ref_nan=None,
+                    ref_status="skipped: benchmarks/reference.py runs the paper's gated FFN only")
     return reference.run_point(args.reference, m, k, n, d, t, seed, args.reps, args.rounds, args.ref_timeout,
                                activity=args.activity)
 
 
-def ffn_module(k: int, n: int, bias: bool) -> nn.Module:
-    """bench_dynamic's gated FFN; with biases on its three Linears for a checkpoint's FFN."""
-    mod = FFN(k, n)
+def ffn_module(k: int, n: int, bias: bool, gated: bool = True) -> nn.Module:
+    """bench_dynamic's gated FFN; with biases on its three Linears for a checkpoint's FFN; without
+    its up projection when not ``gated`` (down(relu(gate(x))))."""
+    mod = FFN(k, n) if gated else NonGatedFFN(k, n)
     if bias:
-        mod.gate, mod.up, mod.down = nn.Linear(k, n), nn.Linear(k, n), nn.Linear(n, k)
+        mod.gate, mod.down = nn.Linear(k, n), nn.Linear(n, k)
+        if gated:
+            mod.up = nn.Linear(k, n)
     return mod
 
 
-def op_path(x, n: int, k_out: int, layer: str) -> str:
+class NonGatedFFN(nn.Module):
+    def __init__(self, k: int, n: int):
+        super().__init__()
+        self.gate = nn.Linear(k, n, bias=False)
+        self.down = nn.Linear(n, k, bias=False)
+
+    def forward(self, x):
+        return self.down(F.relu(self.gate(x)))
+
+
+def op_path(x, n: int, k_out: int, layer: str, gated: bool = True) -> str:
     """The path the op's next call on x takes for this layer (its rules and lagged density):
     "decode:<form>", "twell" or "dense"."""
-    plan = select.plan_infer(x, n, k_out, True, layer, False)
+    plan = select.plan_infer(x, n, k_out, gated, layer, False)
     return f"decode:{plan.form}" if plan.path == "decode" else plan.path
 
 
@@ -212,8 +230,9 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
         k, n = (int(v) for v in shape.split("x"))
         for m in ms:
             # the product and its baseline: one gated FFN module each, weights copied in per point
-            tw_mod = ffn_module(k, n, bias).to(dev, torch.bfloat16)
-            ind_mod = ffn_module(k, n, bias).to(dev, torch.bfloat16)
+            gated = not args.non_gated
+            tw_mod = ffn_module(k, n, bias, gated).to(dev, torch.bfloat16)
+            ind_mod = ffn_module(k, n, bias, gated).to(dev, torch.bfloat16)
             inductor = None if args.no_inductor else torch.compile(ind_mod, dynamic=False, mode=args.mode)
             tw = torch.compile(tw_mod, backend="twell", dynamic=False, mode=args.mode)
             rewritten = None             # whether the backend rewrote this M's FFN (a compile-time fact)
@@ -221,18 +240,19 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                 for t in ts:
                     seed = hash((m, k, n, d, t)) & 0xFFFF
                     p = (make_ffn_profile(m, k, n, profile, device=dev, seed=seed) if profile is not None
-                         else make_ffn_for(args.activity, m, k, n, d, t, device=dev, seed=seed))
+                         else make_ffn_for(args.activity, m, k, n, d, t, gated=gated, device=dev, seed=seed))
                     x = p["x"]
                     for mod in (tw_mod, ind_mod):
-                        for name in ("gate", "up", "down"):
+                        for name in ("gate", "up", "down") if gated else ("gate", "down"):
                             lin = getattr(mod, name)
                             lin.weight.copy_(p[f"w_{name}"])
                             if bias:
                                 lin.bias.copy_(p[f"b_{name}"])
                     # the op and the kernels read the product's weights (rewritten in place here,
                     # so CUDA graphs captured at the first point read this point's weights)
-                    wg, wu, wd = tw_mod.gate.weight, tw_mod.up.weight, tw_mod.down.weight
-                    bg, bu, bd = tw_mod.gate.bias, tw_mod.up.bias, tw_mod.down.bias
+                    up = tw_mod.up if gated else None
+                    wg, wu, wd = tw_mod.gate.weight, None if up is None else up.weight, tw_mod.down.weight
+                    bg, bu, bd = tw_mod.gate.bias, None if up is None else up.bias, tw_mod.down.bias
                     args7 = (x, wg, bg, wu, bu, wd, bd)
                     layer = f"bench/{m}/{k}/{n}/{d}/{t}"
                     op = lambda: torch.ops.twell.ffn(*args7, layer, False)
@@ -252,7 +272,7 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                     # the forced per-row path reads its list width from the layer's measurement:
                     # this point's, landed up front (the op's rules would measure it the same)
                     klayer = f"{layer}/twell"
-                    density.landed((klayer, x.device, x.dtype, k, n, k, True), nnz / n)
+                    density.landed((klayer, x.device, x.dtype, k, n, k, gated), nnz / n)
                     kern = lambda: torch.ops.twell.ffn(*args7, klayer, False, path="twell")
                     fns = dict(dense=lambda: ffn_dense(*args7), gate=lambda: F.linear(x, wg, bg), op=op,
                                twell=lambda: tw(x))
@@ -278,11 +298,11 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                     derr = rel(ffn_dense(*args7)[:r], ref)
                     counts = (F.linear(xr, wg, bg) > 0).sum(1)
                     ovf = float((counts > width).float().mean()) * 100     # rows over the list width
-                    op_ran = op_path(x, n, k, layer)
+                    op_ran = op_path(x, n, k, layer, gated)
                     paper = (reference_point(args, m, k, n, d, t, seed, bias)
                              if args.reference and profile is None else {})
                     path = ("/".join(tw_paths) or op_ran) if ran_op else "inductor"
-                    row = stamp(dict(M=m, K=k, N=n, density=d, tail=t, dense_ms=dense_ms, inductor_ms=ind_ms,
+                    row = stamp(dict(M=m, K=k, N=n, density=d, tail=t, gated=gated, dense_ms=dense_ms, inductor_ms=ind_ms,
                                      gate_ms=gate_ms, twell_ms=twell_ms, rel_err=err, dense_rel_err=derr,
                                      op_ms=op_ms, op_rel_err=op_err, op_path=op_ran, mode=args.mode,
                                      kernel_ms=kernel_ms, kernel_rel_err=kerr, nnz_per_row=nnz,
