@@ -182,14 +182,15 @@ def resolve_activity(spec: str) -> dict:
                       f"{', biases' if bias else ''})")
 
 
-def reference_point(args, m: int, k: int, n: int, d: float, t: float, seed: int, bias: bool) -> dict:
+def reference_point(args, m: int, k: int, n: int, d: float, t: float, seed: int, bias: bool,
+                    gated: bool = True) -> dict:
     """The paper's kernels on this point's inputs (benchmarks/reference.py, the --activity spec
     passed through); skipped where the inputs have biases, which its kernels do not take."""
     nan = float("nan")
     if bias:
         return dict(ref_ms=nan, ref_rel_err=nan, ref_nan=None,
                     ref_status="skipped: the inputs have biases, the reference kernels take none")
-    if args.non_gated:
+    if not gated:
         return dict(ref_ms=nan, ref_rel_err=nan, ref_nan=None,
                     ref_status="skipped: benchmarks/reference.py runs the paper's gated FFN only")
     return reference.run_point(args.reference, m, k, n, d, t, seed, args.reps, args.rounds, args.ref_timeout,
@@ -299,7 +300,7 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                     counts = (F.linear(xr, wg, bg) > 0).sum(1)
                     ovf = float((counts > width).float().mean()) * 100     # rows over the list width
                     op_ran = op_path(x, n, k, layer, gated)
-                    paper = (reference_point(args, m, k, n, d, t, seed, bias)
+                    paper = (reference_point(args, m, k, n, d, t, seed, bias, gated)
                              if args.reference and profile is None else {})
                     path = ("/".join(tw_paths) or op_ran) if ran_op else "inductor"
                     row = stamp(dict(M=m, K=k, N=n, density=d, tail=t, gated=gated, dense_ms=dense_ms, inductor_ms=ind_ms,
