@@ -46,9 +46,12 @@ constexpr int64_t kLanes = 16;
 constexpr int64_t kGrain = int64_t(1) << 22;
 // Phase B's work in element operations: each W_down element it packs is read from a column, a
 // row (a page at N = 5632 fp32) apart, and costs about a cache line's worth of streamed
-// elements: counted as 8, the region opens at M = 16, d = 0.005 (K = 2048, N = 5632: 12.1 ms
-// against 14.0 on one thread, docs/cpu.md).
-constexpr int64_t kLineCost = 8;
+// elements: counted as 8, its region opens at M = 16, d = 0.005 (14.5 ms against 17.7 counted as
+// 1, on one thread; results/cpu-amd-epyc/kernel_probe.json, benchmarks/probes/cpu_kernel_probe.py).
+#ifndef TWELL_PHASE_B_LINE_COST
+#define TWELL_PHASE_B_LINE_COST 8
+#endif
+constexpr int64_t kLineCost = TWELL_PHASE_B_LINE_COST;
 
 inline float to_f32(float v) { return v; }
 inline float to_f32(c10::BFloat16 v) { return static_cast<float>(v); }
