@@ -293,7 +293,8 @@ H100 = dataclasses.replace(
     gate_units=1.43, pair_units=174.0,
     # Per-row calls up to 4096 tokens replay the op's own CUDA graph: their eager launches took
     # 491 / 381 us of host time per op call at 2048 / 4096 tokens against ~200 / ~320 us of GPU
-    # time, graphed 76 / 91 us; the compiled module 0.37x -> 1.04x and 0.71x -> 1.18x of
+    # time, graphed 76 / 91 us (profile_product.py --M 2048 / 4096 --policy min_tokens=2048
+    # rows_graph_max_m=0 / 8192); the compiled module 0.37x -> 1.04x and 0.71x -> 1.18x of
     # Inductor, but 1.36x -> 1.20x at 8192, where the graph's copy of x and clone of y cost more
     # than the host time saved (results/h100/ffn_prefill_graphs.json, min_tokens patched to 2048).
     rows_graph_max_m=4096,

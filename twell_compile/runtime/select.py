@@ -57,8 +57,8 @@ the CPU. A dynamic token count is answered as its current value is, under a guar
 from __future__ import annotations
 
 import functools
-import math
 import importlib.util
+import math
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -227,19 +227,23 @@ def check_path(path: str, allowed: tuple[str, ...], what: str) -> None:
         raise ValueError(f"path must be one of {allowed} for the {what} op, got {path!r}")
 
 
+def _graphs_usable(x: Tensor) -> bool:
+    """Whether a call may replay the op's own graph at all: decode_graphs usable for x, and not
+    under torch.use_deterministic_algorithms (cuBLAS may pick another kernel inside a capture
+    than eagerly, and the bits would change between calls)."""
+    return decode_graphs.usable(x) and not torch.are_deterministic_algorithms_enabled()
+
+
 def _graph_dense(p: GpuPolicy, x: Tensor, m: int, k: int, n: int, k_out: int, gated: bool) -> bool:
     """Whether a dense call replays the op's own graph: decode sizes where eager's calls are
-    host-bound, graphs usable. Not under torch.use_deterministic_algorithms: cuBLAS may pick
-    another kernel inside a capture than eagerly, and the bits would change between calls."""
-    return (m <= p.decode_max_m and decode_graphs.usable(x) and not torch.are_deterministic_algorithms_enabled()
-            and dense_host_bound(p, k, n, k_out, gated, x.element_size()))
+    host-bound."""
+    return m <= p.decode_max_m and _graphs_usable(x) and dense_host_bound(p, k, n, k_out, gated, x.element_size())
 
 
 def _graph_rows(p: GpuPolicy, x: Tensor, m: int) -> bool:
     """Whether a per-row call replays the op's own graph: up to the record's rows_graph_max_m
-    tokens (where its calls' host time exceeds their GPU time), graphs usable, not under
-    deterministic algorithms."""
-    return m <= p.rows_graph_max_m and decode_graphs.usable(x) and not torch.are_deterministic_algorithms_enabled()
+    tokens, where its calls' host time exceeds their GPU time."""
+    return m <= p.rows_graph_max_m and _graphs_usable(x)
 
 
 def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stats: bool,
