@@ -94,8 +94,9 @@ def key_of(row: dict) -> tuple:
 
 
 def committed_row(rows: list[dict], key: tuple) -> Optional[dict]:
-    """The latest committed row of a point (i.i.d. activity where rows record one)."""
-    same = [r for r in rows if all(k in r for k in KEY) and key_of(r) == key and r.get("activity", "iid") == "iid"]
+    """The latest committed row of a point (i.i.d. activity and the gated FFN where rows record them)."""
+    same = [r for r in rows if all(k in r for k in KEY) and key_of(r) == key and r.get("activity", "iid") == "iid"
+            and r.get("gated", True)]
     return max(same, key=lambda r: r.get("time", "")) if same else None
 
 

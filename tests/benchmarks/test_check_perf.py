@@ -10,9 +10,10 @@ def _row(m, ratio_, time, **extra):
             "time": time, **extra}
 
 
-def test_the_latest_iid_row_of_the_same_point_is_the_baseline():
+def test_the_latest_iid_gated_row_of_the_same_point_is_the_baseline():
     rows = [_row(16384, 1.40, "2026-11-20"), _row(16384, 1.50, "2026-11-25"),
-            _row(16384, 9.0, "2026-11-26", activity="profile.json:layer3"), _row(65536, 1.6, "2026-11-26")]
+            _row(16384, 9.0, "2026-11-26", activity="profile.json:layer3"), _row(16384, 8.0, "2026-11-27", gated=False),
+            _row(65536, 1.6, "2026-11-26")]
     base = check_perf.committed_row(rows, check_perf.key_of(_row(16384, 0, "")))
     assert check_perf.ratio(base, "inductor_ms", "twell_ms") == 1.50
     assert check_perf.committed_row(rows, check_perf.key_of(_row(4096, 0, ""))) is None
