@@ -3,6 +3,7 @@ backend="twell" beside the op called directly and the module under Inductor.
 
     python3 benchmarks/profile_product.py --M 8192 --density 0.005 [--calls 200] [--top 15]
     python3 benchmarks/profile_product.py --M 4096 --policy min_tokens=4096   # a record's field changed
+    python3 benchmarks/profile_product.py --M 2048 --down-layout transposed  # W_down stored transposed
 
 Per variant: the path it ran (the product's from its own op instance's state), host us per call
 (calls issued back to back, no sync), wall us per call (then synchronised), whether a call syncs
@@ -62,6 +63,9 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="run with these fields of the GPU record replaced (arch.patched)")
+    ap.add_argument("--down-layout", choices=("linear", "transposed"), default="linear",
+                    help="W_down's storage: nn.Linear's [K_out, N] rows, or [N, K_out] rows behind the same "
+                         "shape (the per-row kernels then read it without a per-call transpose); both modules")
     a = ap.parse_args(argv)
     with arch.patched(**policy_changes(a.policy)):
         return _run(a)
@@ -76,6 +80,8 @@ def _run(a) -> int:
         m.gate.weight.copy_(p["w_gate"])
         m.up.weight.copy_(p["w_up"])
         m.down.weight.copy_(p["w_down"])
+        if a.down_layout == "transposed":
+            m.down.weight.data = m.down.weight.detach().t().contiguous().t()
     tw = torch.compile(mods[0], backend="twell", dynamic=False)
     ind = torch.compile(mods[1], dynamic=False)
     w = mods[0]
@@ -88,7 +94,8 @@ def _run(a) -> int:
     torch.cuda.synchronize()
     paths = {("op" if inst == 0 else f"product (op instance {inst})"): path
              for inst, key, _, path in density.snapshot()}
-    print(f"M={a.M} K={a.K} N={a.N} d={a.density} tail={a.tail} on {torch.cuda.get_device_name()}")
+    print(f"M={a.M} K={a.K} N={a.N} d={a.density} tail={a.tail} W_down {a.down_layout} "
+          f"policy {a.policy} on {torch.cuda.get_device_name()}")
     print("paths:", paths)
     for name, fn in fns.items():
         host, wall = per_call_us(fn, a.calls)

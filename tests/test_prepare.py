@@ -328,8 +328,45 @@ def test_bad_arguments_name_the_argument():
         twell_compile.prepare(Gated(), options={"max_autotune": True})
     with pytest.raises(ValueError, match="twell.l1"):
         twell_compile.prepare(Gated(), options={"twell.l1": -1.0})
+    with pytest.raises(ValueError, match="down_layout"):
+        twell_compile.prepare(Gated(), down_layout="column")
     with pytest.raises(TypeError, match="model"):
         twell_compile.unprepare("model")
+
+
+def test_down_layout_transposed_keeps_values_parameters_and_state_dict(tmp_path):
+    """prepare(down_layout="transposed") re-stores each prepared FFN's down weight in [N, K_out]
+    rows (the per-row kernels then read it without a per-call transpose): same Parameter
+    objects, values, outputs, gradients, optimizer steps and state_dict as the unprepared model;
+    every other parameter keeps its storage."""
+    from twell_compile.runtime.launch import transposed
+
+    net, ref = _pair(Gated, Plain, Fused, RawMatmul)
+    params = dict(net.named_parameters())
+    report = twell_compile.prepare(net, down_layout="transposed")
+    assert len(report.rewrites) == 4
+    downs = {"blocks.0.down.weight", "blocks.1.fc2.weight", "blocks.2.down.weight", "blocks.3.w2"}
+    for name, p in net.named_parameters():
+        assert p is params[name]
+        assert p.is_contiguous() == (name not in downs), name
+        torch.testing.assert_close(p, dict(ref.named_parameters())[name], atol=0, rtol=0)
+    for name in downs:
+        w = params[name]
+        assert w.stride() == (1, w.shape[0]) and transposed(w).data_ptr() == w.data_ptr()
+    x = torch.randn(5, 16, requires_grad=True)
+    torch.testing.assert_close(net(x), ref(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_grads(net, net(x), x), _grads(ref, ref(x), x), atol=1e-5, rtol=1e-5)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (net, ref)]
+    for model, opt in zip((net, ref), opts):
+        model(x.detach()).square().mean().backward()
+        opt.step()
+    torch.testing.assert_close(net(x), ref(x), atol=1e-5, rtol=1e-5)
+    torch.save(net.state_dict(), tmp_path / "sd.pt")
+    fresh, _ = _pair(Gated, Plain, Fused, RawMatmul, seed=1)
+    twell_compile.prepare(fresh, down_layout="transposed")
+    fresh.load_state_dict(torch.load(tmp_path / "sd.pt"))
+    assert not fresh.blocks[0].down.weight.is_contiguous()
+    torch.testing.assert_close(fresh(x), net(x), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("options, suggestion", [({"l1": 1.0}, "twell.l1"), ({"twell.l1_layer": 2}, "twell.l1_layers"),

@@ -529,7 +529,22 @@ def spec_of(module: nn.Module) -> Optional[FFNSpec]:
 
 
 # ------------------------------------------------------------------------------ entry point
-def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Report:
+DOWN_LAYOUTS = ("linear", "transposed")
+
+
+def _store_transposed(w: Tensor) -> bool:
+    """Give the parameter ``w`` [K_out, N] storage in [N, K_out] rows behind the same shape
+    (``.data``: the same Parameter object, so optimizers and tied modules keep it). Returns
+    whether its storage changed."""
+    if w.dim() != 2 or w.t().is_contiguous() or _is_dtensor(w):
+        return False
+    with torch.no_grad():
+        w.data = w.detach().t().contiguous().t()
+    return True
+
+
+def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None, *,
+            down_layout: str = "linear") -> Report:
     """Make every ReLU FFN module of ``model`` one twell op call, in place; call before DDP/FSDP2.
 
     ``model = MyModel(); twell_compile.prepare(model); model = DDP(model)`` (or ``fully_shard``
@@ -539,6 +554,15 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Re
     the model's FFNs; ``twell.l1_layers`` overrides the count of prepared FFNs). A module is
     prepared only if its whole forward is exactly one ReLU FFN (see the module docstring).
     Preparing twice leaves prepared modules as they are; ``unprepare`` undoes it.
+
+    ``down_layout="transposed"`` also gives each prepared FFN's down weight [K_out, N] storage
+    in [N, K_out] rows, the same shape and values (``weight.data`` is replaced once; the
+    Parameter object stays): the CUDA per-row kernels read W_down's rows by hidden unit, and
+    with nn.Linear's storage each call first transposes it (14 us of a 2048-token call's ~190
+    on the H100, profile_product.py --M 2048 --down-layout transposed). Dense matmuls take
+    either layout at the same speed; state_dict saves and loads the values as always. For
+    inference: in training the weight's gradient takes the same layout (one strided copy per
+    step), and FSDP2 shards a contiguous copy (the layout is then lost, not broken).
 
     Returns a ``Report`` with ``by_prepare=True`` (``print`` shows a table; fields in
     ``Report``'s docstring): ``.rewrites`` has one ``RewriteEntry`` per module prepared by this
@@ -551,6 +575,8 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Re
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if down_layout not in DOWN_LAYOUTS:
+        raise ValueError(f"down_layout must be one of {DOWN_LAYOUTS}, got {down_layout!r}")
     if isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__.startswith("FSDP"):
         raise ValueError(f"model is already wrapped ({type(model).__name__}): call prepare on the plain "
                          "model, then wrap it with DDP or fully_shard")
@@ -594,6 +620,8 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Re
         module.__class__ = _prepared_class(type(module))
         wg = _get(module, spec.gate.weight)
         wd = _get(module, spec.down.weight)
+        if down_layout == "transposed" and not spec.down.transposed and spec.down.rows is None:
+            _store_transposed(wd)
         n = spec.gate.rows[1] - spec.gate.rows[0] if spec.gate.rows else (wg.shape[1] if spec.gate.transposed else wg.shape[0])
         k = wg.shape[0] if spec.gate.transposed else wg.shape[1]
         k_out = wd.shape[1] if spec.down.transposed else wd.shape[0]

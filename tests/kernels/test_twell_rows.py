@@ -40,10 +40,13 @@ SCRIPT = textwrap.dedent("""
     fin_rows = torch.isfinite(x).all(1) & torch.isfinite(want_hsum)
     assert torch.allclose(hsum[fin_rows], want_hsum[fin_rows], rtol=2e-2, atol=1e-2), (hsum, want_hsum)
     assert torch.equal(counts, (hg != 0).sum(1).int()), "counts"
-    o = gate_rows(x, wg, bg, width).order.long()      # the row kernels' order
+    r = gate_rows(x, wg, bg, width)
+    o = r.rows_in_order().long()      # the row kernels' order
     assert torch.equal(o.sort().values, torch.arange(m)), ("order: a permutation", o)
-    over = (counts[o] > width).int()
-    assert torch.equal(over, over.sort(descending=True, stable=True).values), ("order: over W first", over)
+    nb, c = r.ctr.numel(), counts.long()
+    want = torch.where(c > width, 0, 1 + ((nb - 2) - c * (nb - 1) // (width + 1)).clamp(min=0)) if nb > 1 else 0 * c
+    assert torch.equal(want[o], want[o].sort(stable=True).values), ("order: heaviest bucket first", want[o])
+    assert torch.equal(r.ctr.long(), torch.bincount(want, minlength=nb)), ("bucket sizes", r.ctr, want)
     eager = ffn_dense(*args)
     assert torch.equal(torch.isnan(y), torch.isnan(eager)), "nan pattern"
     fin = torch.isfinite(x).all(1)
@@ -78,3 +81,10 @@ def test_kernels_under_interpreter(case):
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]])
 def test_pipelined_list_loop_under_interpreter(case, launch):
     run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 1, case=case, launch=launch), timeout=60)
+
+
+# the row order in one bucket (program p takes the p-th row) and in eight (heaviest first)
+@pytest.mark.parametrize("launch", [dict(row_buckets=1), dict(row_buckets=8)])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[5]])
+def test_row_buckets_under_interpreter(case, launch):
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 2, case=case, launch=launch), timeout=60)

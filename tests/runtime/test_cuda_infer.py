@@ -60,6 +60,23 @@ def test_exact_grid(dtype, density, tail):
         assert (counts > 32).any()          # the exact tail over g ran
 
 
+def _check_order(r, width, buckets):
+    """The row kernels' order: every row once, by bucket (rows over W, then the rest by count in
+    buckets - 1 bins), heaviest first."""
+    o = r.rows_in_order().long()
+    assert torch.equal(o.sort().values, torch.arange(r.cnt.numel(), device=o.device))
+    c = r.cnt.long()
+    lite = (buckets - 2) - c * (buckets - 1) // (width + 1)
+    want = torch.where(c > width, 0, 1 + lite.clamp(min=0)) if buckets > 1 else torch.zeros_like(c)
+    b = want[o]
+    assert torch.equal(b, b.sort(stable=True).values), b
+    assert torch.equal(r.ctr.long(), torch.bincount(want, minlength=buckets)), (r.ctr, want)
+    heavy = c[o]
+    if buckets > 2:    # bins by count: a row of the next bin never holds more than this one's
+        firsts = heavy[b > 0]
+        assert firsts.numel() == 0 or bool((firsts[:-1] + (width + 1) // (buckets - 1) + 1 >= firsts[1:]).all())
+
+
 @pytest.mark.parametrize("width", [1, 8, 64, 1024])
 def test_rows_lists_match_relu_g_and_overflow_rows_exact(width):
     """vals/cols hold the first W non-zeros of relu(g) in column order, cnt all of them, order
@@ -75,10 +92,9 @@ def test_rows_lists_match_relu_g_and_overflow_rows_exact(width):
         assert torch.equal(r.vals[i, :c], hg[i, nz])
     if width in (8, 64):
         assert ((r.cnt > width).any() and (r.cnt <= width).any())
-    o = r.order.long()                  # the row kernels' order: a permutation, rows over W first
-    assert torch.equal(o.sort().values, torch.arange(len(o), device=o.device))
-    over = (r.cnt[o] > width).int()
-    assert torch.equal(over, over.sort(descending=True, stable=True).values)
+    for buckets in (1, 2, 5, 8):
+        _check_order(cuda_infer.compact_rows(r.g, width, buckets=buckets), width, buckets)
+    _check_order(r, width, r.ctr.numel())
     _check_exact(p, width=width)
 
 

@@ -7,11 +7,14 @@ registers with a running prefix count:
     cnt[m]        non-zeros of the row (NaN counts; may exceed W)
     list[m, :W]   its first W non-zeros in column order, int32 (column << 16) | bits(value)
                   (N <= 65536; slots >= cnt left unwritten)
-    order         the rows, those with cnt > W first (two atomic counters, no sort): the
-                  row kernels take rows in this order, so the long chains of the exact tail
-                  start first instead of finishing after everything else
+    order         the rows by cost, longest first (no sort): NB buckets, rows with cnt > W
+                  in bucket 0, the others by cnt / (W + 1) in NB - 1 equal bins, heaviest
+                  first; bucket b's rows at order[b * M : b * M + ctr[b]] (NB atomic counters).
+                  The row kernels take rows in this order (``row_at``): the long chains of the
+                  exact tail and the longest lists start first, and the last wave holds the
+                  shortest rows instead of waiting on a long one
 
-``twell_rows_kernel``: one program per token row (in ``order``), x row and y row in registers, h never in
+``twell_rows_kernel``: one program per token row (the p-th in ``order``), x row and y row in registers, h never in
 global memory:
   1. list loop: pairs list[m, p] for p < min(cnt, W), PAIRS per iteration, the
      next pairs' (col, value) loaded one iteration ahead (PF=1) or also their weight rows
@@ -47,10 +50,25 @@ def _store_b32(addr, val, mask, ASM: tl.constexpr):
 
 
 @triton.jit
+def row_at(order_ptr, ctr_ptr, p, M, NB: tl.constexpr):
+    """The p-th row in the compaction's order: bucket by bucket, heaviest first."""
+    idx = p * 0
+    rem = p
+    found = p < 0
+    for b in tl.static_range(NB):
+        c = tl.load(ctr_ptr + b)
+        take = (rem < c) & (~found)
+        idx = tl.where(take, b * M + rem, idx)
+        rem = tl.where(found | take, rem, rem - c)
+        found = found | take
+    return tl.load(order_ptr + idx).to(tl.int64)
+
+
+@triton.jit
 def compact_rows_kernel(g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N, W,
-                        BM: tl.constexpr, CH: tl.constexpr, ASM: tl.constexpr):
+                        BM: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
     """list[m, r] = (column << 16) | bits(relu(g)[m, column]) for the r-th non-zero, r < W;
-    order: a permutation of the rows, rows over W first (ctr: two zeroed int32 counters)."""
+    order [NB * M]: the rows by bucket, heaviest first (ctr: NB zeroed int32 counters)."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     m_ok = rm < M
     ci = tl.arange(0, CH)
@@ -70,15 +88,19 @@ def compact_rows_kernel(g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N
         _store_b32(lbase + rank.to(tl.int64) * 4, (cn[None, :] << 16) | bits, keep, ASM)
         run += tl.sum(nzi, axis=1)
     tl.store(cnt_ptr + rm, run, mask=m_ok)
-    # rows over W (their tail scans g: a chain of ~N / CH + cnt - W steps) from the front of
-    # order, the others from the back, so the row kernels start the long chains first
-    over = (run > W) & m_ok
-    quiet = (run <= W) & m_ok
-    oi, qi = over.to(tl.int32), quiet.to(tl.int32)
-    f0 = tl.atomic_add(ctr_ptr, tl.sum(oi, axis=0))
-    b0 = tl.atomic_add(ctr_ptr + 1, tl.sum(qi, axis=0))
-    pos = tl.where(over, f0 + tl.cumsum(oi, axis=0) - oi, M - 1 - (b0 + tl.cumsum(qi, axis=0) - qi))
-    tl.store(order_ptr + pos, rm, mask=m_ok)
+    # bucket 0: rows over W (their tail scans g: a chain of ~N / CH + cnt - W steps); then the
+    # rest by count, heaviest first, so the row kernels start the longest rows first
+    if NB == 1:
+        bkt = tl.zeros((BM,), dtype=tl.int32)
+    else:
+        lite = (NB - 2) - (run.to(tl.int64) * (NB - 1) // (W + 1)).to(tl.int32)
+        bkt = tl.where(run > W, 0, 1 + tl.maximum(lite, 0))
+    for b in tl.static_range(NB):
+        inb = (bkt == b) & m_ok
+        ib = inb.to(tl.int32)
+        base = tl.atomic_add(ctr_ptr + b, tl.sum(ib, axis=0))
+        pos = b * M + base + tl.cumsum(ib, axis=0) - ib
+        tl.store(order_ptr + pos, rm, mask=inb)
 
 
 @triton.jit
@@ -118,16 +140,16 @@ def _pair(acc, hs, xr, g, n, live, wu, wd, bu_ptr, k_ok,
 @triton.jit
 def twell_rows_kernel(
     x_ptr, sx_m, sx_k, g_ptr, sg_m,
-    list_ptr, cnt_ptr, order_ptr,
+    list_ptr, cnt_ptr, order_ptr, ctr_ptr,
     wu_ptr, swu_n, swu_k, bu_ptr,
     wdt_ptr, swd_n, swd_k, bd_ptr,
     y_ptr, sy_m, sy_k, hsum_ptr,
-    K, N, KO, W,
+    M, K, N, KO, W,
     GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
-    PF: tl.constexpr, STAGES: tl.constexpr,
+    PF: tl.constexpr, STAGES: tl.constexpr, NB: tl.constexpr,
 ):
-    m = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)     # rows over W first
+    m = row_at(order_ptr, ctr_ptr, tl.program_id(0), M, NB)
     ks = tl.arange(0, K_P)
     k_ok = ks < K
     ko = tl.arange(0, KO_P)

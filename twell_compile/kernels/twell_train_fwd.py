@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from twell_compile.kernels.pairs import pick, scan, select
+from twell_compile.kernels.twell_rows import row_at
 
 
 @triton.jit
@@ -46,11 +47,11 @@ def train_fwd_kernel(
     wu_ptr, swu_n, bu_ptr, wdt_ptr, swd_n, bd_ptr,
     y_ptr, sy_m, hsum_ptr,
     cols_ptr, ellg_ptr, ellu_ptr, bidx_ptr, bg_ptr, bu2_ptr, ctr_ptr,
-    K, N, KO, W, C,
+    M, K, N, KO, W, C,
     GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr, Y: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
 ):
-    m = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)     # rows over W first
+    m = row_at(order_ptr, ctr_ptr + 1, tl.program_id(0), M, 2)     # rows over W first
     ks = tl.arange(0, K_P)
     k_ok = ks < K
     ko = tl.arange(0, KO_P)

@@ -143,6 +143,8 @@ class GpuPolicy:
                                      # 3 Triton's pipeliner: row_stages - 1 pairs in flight via cp.async
     row_stages: int = 1              # pipeline stages when row_prefetch == 3
     row_cols_per_warp: int = 1024    # warps = pow2(max(K, K_out)) / this
+    row_buckets: int = 2             # the row kernel's order: rows over W, then the rest in
+                                     # row_buckets - 1 bins by count, heaviest first
     list_min: int = 32               # per-row list width bounds
     list_max: int = 1024
     eager_elementwise_max_m: int = 1024   # dense path without counts: eager's relu/mul up to here

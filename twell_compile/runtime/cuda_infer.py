@@ -38,7 +38,13 @@ class Rows(NamedTuple):
     g: Tensor        # [M, N] pre-activation (cuBLAS), read again only by the exact tail
     lst: Tensor      # [M, W] int32: first W non-zeros of relu(g) per row, (col << 16) | bits
     cnt: Tensor      # [M] int32 non-zeros per row (may exceed W); slots >= cnt unwritten
-    order: Tensor    # [M] int32 permutation of the rows, those with cnt > W first
+    order: Tensor    # [NB * M] int32: the rows by bucket, heaviest first (cnt > W in bucket 0)
+    ctr: Tensor      # [NB] int32 rows per bucket
+
+    def rows_in_order(self) -> Tensor:
+        """The row kernels' order as one permutation [M] (tests; syncs)."""
+        m = self.cnt.numel()
+        return torch.cat([self.order[b * m: b * m + int(c)] for b, c in enumerate(self.ctr.tolist())])
 
     @property
     def cols(self) -> Tensor:
@@ -51,27 +57,29 @@ class Rows(NamedTuple):
 
 def gate_rows(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], width: int) -> Rows:
     """g = x2 W_g^T + b_g by cuBLAS, then one compaction pass over g."""
-    return compact_rows(F.linear(x2, w_gate, b_gate), width)
+    return compact_rows(F.linear(x2, w_gate, b_gate), width,
+                        buckets=arch.launch_policy(x2.device).row_buckets)
 
 
-def compact_rows(g: Tensor, width: int, ctr: Optional[Tensor] = None) -> Rows:
-    """The per-row lists of relu(g) for g [M, N] (unit column stride; any row stride). ``ctr``:
-    the order's two counters, zeroed int32 (a caller that zeroes other counters with them saves
-    a memset); allocated here when None. Inference and training both compact through this."""
+def compact_rows(g: Tensor, width: int, ctr: Optional[Tensor] = None, buckets: int = 2) -> Rows:
+    """The per-row lists of relu(g) for g [M, N] (unit column stride; any row stride), and the
+    rows' order in ``buckets`` buckets by cost. ``ctr``: the order's counters, ``buckets``
+    zeroed int32 (a caller that zeroes other counters with them saves a memset); allocated
+    here when None. Inference and training both compact through this."""
     p = arch.launch_policy(g.device)
     m, n = g.shape
     lst = torch.empty((m, width), dtype=torch.int32, device=g.device)
     cnt = torch.empty((m,), dtype=torch.int32, device=g.device)
-    order = torch.empty((m,), dtype=torch.int32, device=g.device)
+    order = torch.empty((buckets * m,), dtype=torch.int32, device=g.device)
+    if ctr is None:
+        ctr = torch.zeros((buckets,), dtype=torch.int32, device=g.device)
     if m:
-        if ctr is None:
-            ctr = torch.zeros((2,), dtype=torch.int32, device=g.device)
         bm = p.compact_rows_per_program(m)
         launch(compact_rows_kernel, (-(-m // bm),),
                (g, g.stride(0), lst, cnt, order, ctr, m, n, width),
-               dict(BM=bm, CH=min(p.compact_ch, pow2(n)), ASM=not INTERPRET),
+               dict(BM=bm, CH=min(p.compact_ch, pow2(n)), NB=buckets, ASM=not INTERPRET),
                num_warps=p.compact_warps)
-    return Rows(g, lst, cnt, order)
+    return Rows(g, lst, cnt, order, ctr)
 
 
 def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tensor],
@@ -87,13 +95,13 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
     if m == 0:
         return y, hsum
     launch(twell_rows_kernel, (m,),
-           (x2, x2.stride(0), x2.stride(1), r.g, r.g.stride(0), r.lst, r.cnt, r.order,
+           (x2, x2.stride(0), x2.stride(1), r.g, r.g.stride(0), r.lst, r.cnt, r.order, r.ctr,
             wu, wu.stride(0), wu.stride(1), b_up if b_up is not None else x2,
             wdt, wdt.stride(0), wdt.stride(1), b_down if b_down is not None else x2,
-            y, y.stride(0), y.stride(1), hsum, k, n, k_out, r.lst.shape[1]),
+            y, y.stride(0), y.stride(1), hsum, m, k, n, k_out, r.lst.shape[1]),
            dict(GATED=w_up is not None, HAS_BU=b_up is not None, HAS_BD=b_down is not None,
                 K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.row_pairs, CH=min(TAIL_CH, pow2(n)), PF=p.row_prefetch,
-                STAGES=p.row_stages),
+                STAGES=p.row_stages, NB=r.ctr.numel()),
            num_warps=warps_by_width(max(k, k_out), p.row_cols_per_warp))
     return y, hsum
 
@@ -134,21 +142,26 @@ def dense_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
 
 def twell_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                   b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], width: int,
-                  buf: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """The per-row path and its statistics (into ``buf``, the layer's buffer, or a scratch one
-    of the graph's when None) replayed from the op's own CUDA graph, where the calls' host time
-    exceeds their GPU time (the record's rows_graph_max_m). Returns (y, non-zeros summed over
-    the call, a 0-d view the next replay overwrites)."""
-    key = (("rows", x2.shape, x2.dtype, x2.device, width, decode_graphs.math_mode(),
+                  buf: Optional[Tensor], probe: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """The per-row path replayed from the op's own CUDA graph, where the calls' host time
+    exceeds their GPU time (the record's rows_graph_max_m). Statistics go into ``buf`` (the
+    layer's buffer), or, for a ``probe`` without one, into a scratch buffer of the graph's;
+    neither: no statistics launch. Returns (y, non-zeros summed over the call as a 0-d view
+    the next replay overwrites, or None without statistics)."""
+    totals = buf is not None or probe
+    key = (("rows", x2.shape, x2.dtype, x2.device, width, totals, decode_graphs.math_mode(),
             id(arch.launch_policy(x2.device)), None if buf is None else buf.data_ptr())
            + decode_graphs.weights_key(w_gate, b_gate, w_up, b_up, w_down, b_down))
 
-    def run(xs: Tensor) -> tuple[Tensor, Tensor]:
+    def run(xs: Tensor) -> tuple[Tensor, ...]:
         y, per_token, hsum = twell_forward(xs, w_gate, b_gate, w_up, b_up, w_down, b_down, width)
+        if not totals:
+            return (y,)
         out = buf if buf is not None else stats.scratch_buffer(xs.device)
         return y, record_stats(None, per_token, hsum, w_gate.shape[0], width, buf=out)[0]
 
-    return decode_graphs.run(key, x2, run)
+    out = decode_graphs.run(key, x2, run)
+    return out[0], (out[1] if totals else None)
 
 
 def dense_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
@@ -232,7 +245,7 @@ def ffn_infer(plan: InferPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tenso
             density.submit(plan.key, tok[m], m * n)
     elif plan.path == "twell" and plan.graphed and decode_graphs.usable(x2):
         sbuf = stats.device_buffer(layer, x.device, m, n) if keep_stats else None
-        y, total = twell_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, plan.width, sbuf)
+        y, total = twell_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, plan.width, sbuf, plan.probe)
         if plan.probe:
             density.submit(plan.key, total, m * n)
     elif plan.path == "twell":

@@ -130,7 +130,8 @@ def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b
     bg = torch.zeros((cap, n), dtype=dt, device=dev)
     bu = torch.zeros((cap, n if gated else 0), dtype=dt, device=dev)
     ctr = torch.zeros((3,), dtype=torch.int32, device=dev)     # backup slots; the order's two
-    _, lst, cnt, order = compact_rows(g, width, ctr[1:])
+    rows = compact_rows(g, width, ctr[1:])
+    lst, cnt, order = rows.lst, rows.cnt, rows.order
     y = torch.empty((m, k_out), dtype=dt, device=dev) if compute_y else None
     hsum = torch.empty((m,), dtype=torch.float32, device=dev) if compute_y else None
     if m:
@@ -145,7 +146,7 @@ def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b
             y if y is not None else g, y.stride(0) if y is not None else 0,
             hsum if hsum is not None else cnt,
             cols, ell_g, ell_u, bidx, bg, bu, ctr,
-            k, n, k_out, width, cap,
+            m, k, n, k_out, width, cap,
             GATED=gated, HAS_BU=b_up is not None, HAS_BD=b_down is not None, Y=compute_y,
             K_P=pow2(k), KO_P=pow2(k_out), PAIRS=pairs, CH=min(CH, pow2(n)),
             num_warps=warps_by_width(max(k, k_out), cpw))
