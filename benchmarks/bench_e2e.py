@@ -105,6 +105,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--compile-mode", choices=("reduce-overhead", "default"), default="reduce-overhead",
                     help="--generate: torch.compile mode of the decode step (default: no CUDA graphs, "
                          "each op call issued from the host)")
+    ap.add_argument("--down-layout", choices=("linear", "transposed"), default="linear",
+                    help="--forward: the twell model's down weights as nn.Linear stores them, or re-stored in "
+                         "[N, K_out] rows by twell_compile.prepare(down_layout='transposed') before compiling "
+                         "(the Inductor and eager models keep nn.Linear's storage)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the results as JSON here (default runs/<gpu>/e2e_<mode>.json)")
     a = ap.parse_args(argv)
@@ -526,6 +530,11 @@ def run_forward(a: argparse.Namespace, result: dict[str, Any]) -> None:
     tokens = a.batch * a.seq
     energy = None if a.no_energy else Energy(dev)
     copies = {b: copy.deepcopy(model) for b in a.backends}
+    if a.down_layout == "transposed" and "twell" in copies:
+        import twell_compile
+
+        twell_compile.prepare(copies["twell"], down_layout="transposed")
+    result["down_layout"] = a.down_layout
     compiled = {b: torch.compile(copies[b], dynamic=False, **compile_kwargs(b, a, None)) for b in a.backends}
     for d in a.density:
         achieved = calibrate(model, calib, d, amp, a.batch)
