@@ -176,6 +176,47 @@ def test_prepared_model_compiles_as_one_graph():
         torch.compile(net, backend="twell", fullgraph=True)(x)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+def test_prepared_model_compiles_as_one_graph_on_cuda_in_a_fresh_process():
+    """On CUDA the prepared forward asks the device's record (whose first lookup queries the
+    driver) and autocast's availability: under torch 2.11 each broke the graph in every
+    prepared FFN (0.71x of Inductor for a 16-layer Llama, bench_e2e.py --forward after prepare).
+    A fresh process: no record cached yet."""
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent("""
+        import copy
+        import torch, torch.nn as nn, torch.nn.functional as F
+        import twell_compile
+
+        class Gated(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gate, self.up, self.down = nn.Linear(64, 160), nn.Linear(64, 160), nn.Linear(160, 64)
+
+            def forward(self, x):
+                return self.down(F.relu(self.gate(x)) * self.up(x))
+
+        torch.manual_seed(0)
+        net = nn.Sequential(Gated(), Gated()).cuda().to(torch.bfloat16)
+        ref = copy.deepcopy(net)
+        twell_compile.prepare(net, down_layout="transposed")
+        x = torch.randn(4096, 64, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            want = ref(x).float()
+            torch.testing.assert_close(torch.compile(net, backend="twell", fullgraph=True)(x).float(),
+                                       want, atol=3e-2, rtol=3e-2)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                got = torch.compile(net, backend="twell", fullgraph=True)(x.float())
+            torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr[-3000:]
+
+
 def test_l1_is_given_to_prepare_not_to_compile():
     net, ref = _pair(Gated, Gated, Gated, seed=1)
     coef = 0.05

@@ -312,6 +312,22 @@ def _weights(module: nn.Module, p: ProjSpec) -> tuple[Tensor, Optional[Tensor]]:
     return w, b
 
 
+@torch.compiler.assume_constant_result
+def _autocast_available(dev: str) -> bool:
+    """Whether ``dev`` has autocast ("meta" has none). A constant to Dynamo: torch 2.11 graph-
+    broke on the query in every prepared FFN."""
+    return torch.amp.is_autocast_available(dev)
+
+
+@torch.compiler.assume_constant_result
+def _dense_reason(device: torch.device, dtype: torch.dtype, k: int, n: int, k_out: int, gated: bool,
+                  path: str) -> Optional[str]:
+    """select.static_reason for any token count, a constant to Dynamo (it reads the device's
+    record, whose first lookup asks the driver for the GPU's name: a graph break per prepared
+    FFN under torch 2.11, 16 in a 16-layer Llama)."""
+    return static_reason(device, dtype, None, k, n, k_out, gated=gated, path=path)
+
+
 def run_ffn(module: nn.Module, spec: FFNSpec, x: Tensor) -> Tensor:
     """The prepared forward: one twell op with the module's current parameters."""
     wg, bg = _weights(module, spec.gate)
@@ -324,7 +340,7 @@ def run_ffn(module: nn.Module, spec: FFNSpec, x: Tensor) -> Tensor:
     dev = x.device.type
     # As F.linear does: inside autocast every projection runs in the autocast dtype; outside
     # it, operands of different dtypes are refused.
-    autocast = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)   # (none on "meta")
+    autocast = _autocast_available(dev) and torch.is_autocast_enabled(dev)
     if not autocast and wg.dtype != x.dtype:
         raise RuntimeError(f"{spec.layer}: input is {x.dtype} but the weights are {wg.dtype}, "
                            "which F.linear refuses outside autocast: cast the input or the module to one "
@@ -338,8 +354,8 @@ def run_ffn(module: nn.Module, spec: FFNSpec, x: Tensor) -> Tensor:
         return torch.ops.twell.ffn_train.default(x, wg, bg, wu, bu, wd, bd, spec.ell_width, spec.backup_rows,
                                                  spec.l1_scale, "", spec.stats, 0, path_for(spec.path, True),
                                                  getattr(module, _TAG))[0]
-    if spec.skip_dense and static_reason(x.device, dtype, None, wg.shape[1], wg.shape[0], wd.shape[0],
-                                         gated=wu is not None, path=path_for(spec.path, False)) is not None:
+    if spec.skip_dense and _dense_reason(x.device, dtype, wg.shape[1], wg.shape[0], wd.shape[0],
+                                         wu is not None, path_for(spec.path, False)) is not None:
         # Our op would run slower than dense here (e.g. fp32 on CUDA): the plain formula, which
         # the backend then leaves to Inductor as it does for unprepared FFNs (twell.skip_dense).
         # (The token count is not asked: it would put a guard on every prepared FFN's input.)
