@@ -5,8 +5,8 @@ record's compaction, row-kernel and dense relu*mul launch fields (runtime/arch.p
     python3 benchmarks/tune_ffn.py --compact 16,256,4 8,256,4 --fused 1,1,1024 4,1,512
     python3 benchmarks/tune_ffn.py --dense 1024,4 2048,8 --no-twell --M 16384 65536 --tail 0
 
-Per point: cuBLAS's gate GEMM, the compaction pass per variant (compact_bm, compact_ch,
-compact_warps; its time less the gate's), the fused row kernel per variant (row_pairs,
+Per point: cuBLAS's gate GEMM, the compaction pass over its output per variant (compact_bm,
+compact_ch, compact_warps and optionally compact_stages), the fused row kernel per variant (row_pairs,
 row_prefetch, row_cols_per_warp) with the weight-row bytes it moves per ms, the whole
 twell_forward and eager's dense FFN at the record's fields, and the kernel's error against
 fp32 next to eager bf16's. --dense: the dense path's relu*mul pass (with its counts) per variant
@@ -72,10 +72,11 @@ def rows(a, compact: list[dict[str, int]], fused: list[dict[str, int]]) -> None:
         nnz = float((F.linear(x, wg) > 0).sum()) / m
         width = select.list_width(record, a.N, nnz) if a.width == 0 else a.width
         line = f"M={m} d={d} t={t} nnz/row {nnz:.1f} W={width}: F.linear {lin:.3f} dense {dense:.3f}"
+        g = F.linear(x, wg)
         for c in compact:
             with arch.patched(**c, compact_programs=1):     # exactly compact_bm rows per program
                 try:
-                    ms = bench(lambda: cuda_infer.gate_rows(x, wg, None, width)) - lin
+                    ms = bench(lambda: cuda_infer.compact_rows(g, width, buckets=record.row_buckets))
                 except LAUNCH_ERRORS as ex:
                     print("   ", c, type(ex).__name__, str(ex)[:200])
                     continue
@@ -132,7 +133,7 @@ def dense_variants(a, dense: list[dict[str, int]]) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--compact", nargs="+", default=["16,256,4", "8,256,4", "4,512,4"],
-                    help="compact_bm,compact_ch,compact_warps of the compaction pass")
+                    help="compact_bm,compact_ch,compact_warps[,compact_stages] of the compaction pass")
     ap.add_argument("--fused", nargs="+", default=["1,1,1024", "4,1,512", "2,1,512", "1,1,512"],
                     help="row_pairs,row_prefetch,row_cols_per_warp[,row_stages] of the fused row kernel")
     ap.add_argument("--dense", nargs="*", default=[],
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
     ap.add_argument("--density", type=float, nargs="+", default=[0.005, 0.02])
     ap.add_argument("--tail", type=float, nargs="+", default=[0.0, 0.2])
     a = ap.parse_args(argv)
-    compact = variants(a.compact, ("compact_bm", "compact_ch", "compact_warps"), "--compact")
+    compact = variants(a.compact, ("compact_bm", "compact_ch", "compact_warps", "compact_stages"), "--compact", optional=1)
     fused = variants(a.fused, ("row_pairs", "row_prefetch", "row_cols_per_warp", "row_stages"), "--fused", optional=1)
     dense = variants(a.dense, ("dense_block", "dense_warps"), "--dense")
     if not torch.cuda.is_available():

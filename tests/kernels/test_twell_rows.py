@@ -83,8 +83,9 @@ def test_pipelined_list_loop_under_interpreter(case, launch):
     run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 1, case=case, launch=launch), timeout=60)
 
 
-# the row order in one bucket (program p takes the p-th row) and in eight (heaviest first)
-@pytest.mark.parametrize("launch", [dict(row_buckets=1), dict(row_buckets=8)])
+# the row order in one bucket (program p takes the p-th row) and in eight (heaviest first; with
+# the compaction's column loop pipelined)
+@pytest.mark.parametrize("launch", [dict(row_buckets=1), dict(row_buckets=8, compact_stages=3)])
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[5]])
 def test_row_buckets_under_interpreter(case, launch):
     run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 2, case=case, launch=launch), timeout=60)

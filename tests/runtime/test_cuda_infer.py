@@ -94,6 +94,12 @@ def test_rows_lists_match_relu_g_and_overflow_rows_exact(width):
         assert ((r.cnt > width).any() and (r.cnt <= width).any())
     for buckets in (1, 2, 5, 8):
         _check_order(cuda_infer.compact_rows(r.g, width, buckets=buckets), width, buckets)
+    with arch.patched(compact_stages=3):     # the column loop pipelined: the same lists
+        r3 = cuda_infer.compact_rows(r.g, width, buckets=8)
+    assert torch.equal(r3.cnt, r.cnt)
+    live = torch.arange(width, device=r.cnt.device)[None, :] < r.cnt[:, None]
+    assert torch.equal(torch.where(live, r3.lst, 0), torch.where(live, r.lst, 0))
+    _check_order(r3, width, 8)
     _check_order(r, width, r.ctr.numel())
     _check_exact(p, width=width)
 

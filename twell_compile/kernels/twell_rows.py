@@ -66,7 +66,8 @@ def row_at(order_ptr, ctr_ptr, p, M, NB: tl.constexpr):
 
 @triton.jit
 def compact_rows_kernel(g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N, W,
-                        BM: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
+                        BM: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, STAGES: tl.constexpr,
+                        ASM: tl.constexpr):
     """list[m, r] = (column << 16) | bits(relu(g)[m, column]) for the r-th non-zero, r < W;
     order [NB * M]: the rows by bucket, heaviest first (ctr: NB zeroed int32 counters)."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -75,7 +76,7 @@ def compact_rows_kernel(g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N
     gbase = g_ptr + rm.to(tl.int64)[:, None] * sg_m
     lbase = list_ptr.to(tl.int64) + rm.to(tl.int64)[:, None] * (W * 4)
     run = tl.zeros((BM,), dtype=tl.int32)
-    for c0 in range(0, N, CH):
+    for c0 in tl.range(0, N, CH, num_stages=STAGES):     # STAGES > 1: later chunks' loads in flight
         cn = c0 + ci
         ok = m_ok[:, None] & (cn < N)[None, :]
         gv = tl.load(gbase + cn[None, :], mask=ok, other=0.0)

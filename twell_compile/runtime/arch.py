@@ -138,6 +138,7 @@ class GpuPolicy:
     compact_programs: int = 2048     # ... fewer rows per program (down to 4) below this many programs
     compact_ch: int = 256            # columns per compaction step
     compact_warps: int = 4
+    compact_stages: int = 1          # > 1: Triton pipelines the column loop's loads this deep
     row_pairs: int = 1               # listed pairs per iteration of the fused row kernel
     row_prefetch: int = 1            # 0 none, 1 next (col, value), 2 next weight rows too,
                                      # 3 Triton's pipeliner: row_stages - 1 pairs in flight via cp.async

@@ -77,7 +77,7 @@ def compact_rows(g: Tensor, width: int, ctr: Optional[Tensor] = None, buckets: i
         bm = p.compact_rows_per_program(m)
         launch(compact_rows_kernel, (-(-m // bm),),
                (g, g.stride(0), lst, cnt, order, ctr, m, n, width),
-               dict(BM=bm, CH=min(p.compact_ch, pow2(n)), NB=buckets, ASM=not INTERPRET),
+               dict(BM=bm, CH=min(p.compact_ch, pow2(n)), NB=buckets, STAGES=p.compact_stages, ASM=not INTERPRET),
                num_warps=p.compact_warps)
     return Rows(g, lst, cnt, order, ctr)
 
