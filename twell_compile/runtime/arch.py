@@ -306,6 +306,10 @@ H100 = dataclasses.replace(
     # 2.212 / 2.370, M=4096 0.169 / 0.169-0.181 (tune_ffn.py --fused 1,1,1024 1,3,1024,4, 2026-11-26).
     # Every variant ran at 6.2-6.9 TB/s of weight rows: the gathers' floor is 7.6 (h100/floor.json).
     row_prefetch=3, row_stages=4,
+    # Rows heaviest first, in 8 buckets by count: the activity profile's layer (34 non-zeros per
+    # row, 6-137) at 2048 / 4096 tokens 0.91x / 1.09x of Inductor with rows over W first, 0.95x /
+    # 1.14x in buckets (results/h100/ffn_prefill_buckets.json).
+    row_buckets=8,
     # Decode cost model: benchmarks/fit_policy.py --fit-decode on benchmarks/results/h100/
     # ffn_decode.json (56 points, 2026-11-25): HBM 2.6 TB/s for eager's dense FFN (H200: 3.8).
     decode_forms=_frozen({
