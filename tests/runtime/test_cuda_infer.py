@@ -251,6 +251,46 @@ def test_graphed_per_row_calls_are_exact_fresh_and_see_weight_updates(keep_stats
     decode_graphs.clear()
 
 
+def test_graphed_per_row_calls_read_x_where_it_lies_when_its_address_repeats():
+    """A per-row call whose x comes at the previous call's address replays a graph that reads
+    x in place (no copy into the graph's input): values written into that same tensor between
+    calls are seen, other addresses take the copying graph, at most MAX_BOUND graphs read in
+    place per key, every result within the 2x rule and never aliased."""
+    from twell_compile.runtime import decode_graphs
+
+    decode_graphs.clear()
+    p = _ffn(2048, 256, 1024, 256, 0.005, 0.0, torch.bfloat16)
+    x = p["x"]
+    others = [_inputs(2048, 256) for _ in range(4)]
+
+    def call(xx):
+        args = (xx,) + _args(p)[1:]
+        y = torch.ops.twell.ffn(*args, "graphed_bound", False, 0, "twell")
+        ref = ffn_dense(*(None if a is None else a.float() for a in args))
+        derr = _rel(ffn_dense(*args), ref)
+        assert _rel(y, ref) <= 2 * derr + 1e-6
+        return y, ref, derr
+
+    with arch.patched(rows_graph_max_m=4096):
+        outs = [call(x)]                                   # eager
+        assert decode_graphs.count() == 0
+        for i in range(4):
+            x.copy_(_inputs(2048, 256) * (1 + 0.2 * i))    # same tensor, new values
+            outs.append(call(x))
+        assert decode_graphs.count() == 1                  # one graph, reading x in place
+        for i, o in enumerate(others):                     # new addresses: the copying graph
+            outs.append(call(o))
+        assert decode_graphs.count() == 2
+        for o in others[:2]:                               # repeated: a second in-place graph
+            outs.append(call(o))
+            outs.append(call(o))
+        assert decode_graphs.count() == 2 + decode_graphs.MAX_BOUND - 1
+        torch.cuda.synchronize()
+        for y, ref, derr in outs:                          # earlier outputs untouched
+            assert _rel(y, ref) <= 2 * derr + 1e-6
+    decode_graphs.clear()
+
+
 def test_dense_paths_bit_identical_to_eager():
     # M between the decode and per-row paths, fp32 (shape rule), and a dense layer (policy):
     # eager's numbers, bit for bit

@@ -160,7 +160,7 @@ def twell_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
         out = buf if buf is not None else stats.scratch_buffer(xs.device)
         return y, record_stats(None, per_token, hsum, w_gate.shape[0], width, buf=out)[0]
 
-    out = decode_graphs.run(key, x2, run)
+    out = decode_graphs.run(key, x2, run, bind=True)
     return out[0], (out[1] if totals else None)
 
 
