@@ -20,7 +20,7 @@ from torch import fx
 
 from twell_compile.config import TwellConfig
 from twell_compile.ops import next_instance, static_path, static_reason
-from twell_compile.passes.match_ffn import Match, Projection, Rejection, find_ffns, transform_reason
+from twell_compile.passes.match_ffn import Match, Projection, Rejection, find_ffns, module_roots, transform_reason
 from twell_compile.passes.pass_utils import example, graph_modules, report_of, tokens_str
 from twell_compile.report import RejectionEntry, RewriteEntry
 
@@ -187,10 +187,11 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
     # Subgraphs (higher-order ops) of a graph running a torch.func transform, or taking
     # forward-mode dual inputs, are left alone as a whole (match_ffn.transform_reason).
     outer = transform_reason(gm.graph)
+    roots = module_roots(gm)            # layer names as the whole model's frame gives them
     for sub_name, sub in graph_modules(gm):
         changed = False
         replaced: dict[fx.Node, fx.Node] = {}   # down projection -> the op output replacing it
-        for found in find_ffns(sub.graph, outer if sub is not gm else None):
+        for found in find_ffns(sub.graph, outer if sub is not gm else None, roots):
             if isinstance(found, Match):
                 # One FFN may feed the next directly (x = previous down projection): that node
                 # is gone once the previous FFN is rewritten.

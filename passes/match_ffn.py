@@ -19,18 +19,19 @@ from __future__ import annotations
 import inspect
 import operator
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
-from torch import fx
+from torch import fx, nn
 
 from twell_compile.passes.pass_utils import (ACTIVATION_METHODS, ACTIVATIONS, ADD_FNS, ADD_METHODS, CHUNK_FNS,
                                              DROPOUT_FNS, LINEAR_FNS, MATMUL_FNS, MATMUL_METHODS, MUL_FNS,
                                              MUL_METHODS, RELU_FNS, RELU_METHODS, arg, chain, example, is_fn,
-                                             is_method, shape_key, skip)
+                                             is_method, real_value, shape_key, skip)
 from twell_compile.report import ROOT_LAYER
 
 def is_relu(node: fx.Node) -> bool:
@@ -429,7 +430,15 @@ def _describe(node: Any) -> str:
 # Dynamo names a module by the source it was reached through: the compiled callable's own
 # argument (L['self'], L['mod'], or L['args'][0] where a decorator wraps forward, as in
 # transformers 5.24), or a global (G['model']), then the attribute path from there.
+SELF_ROOT = "L['self']"          # the source root of a module frame's own module
 _ROOT_SOURCE = re.compile(r"""^[LG]\[(?:'[^']*'|"[^"]*")\](?:\[[^\]]*\])*""")
+
+
+def source_root(source: str) -> str:
+    """The root of a Dynamo source (``L['self']`` of ``L['self'].model.layers[0]``); "" for
+    an fx / export path, which has none."""
+    m = _ROOT_SOURCE.match(source)
+    return m.group(0) if m else ""
 
 
 def module_path(source: str) -> str:
@@ -437,22 +446,100 @@ def module_path(source: str) -> str:
     ``L['self'].model.layers[0].mlp``, ``L['args'][0]._modules['model'].layers.0.mlp`` and
     ``G['net'].model.layers.0.mlp`` all give ``model.layers.0.mlp``."""
     rest = _ROOT_SOURCE.sub("", source, count=1)
-    rest = re.sub(r"""\._modules\[(?:'([^']*)'|"([^"]*)")\]""", lambda m: "." + (m.group(1) or m.group(2)), rest)
+    rest = re.sub(r"""\._(?:modules|parameters|buffers)\[(?:'([^']*)'|"([^"]*)")\]""", lambda m: "." + (m.group(1) or m.group(2)), rest)
     rest = re.sub(r"""\[(?:'([^']*)'|"([^"]*)"|(-?\d+))\]""", lambda m: "." + next(g for g in m.groups() if g is not None), rest)
     return rest.lstrip(".")
 
 
-def layer_name(nodes: list[fx.Node]) -> str:
+def layer_name(nodes: list[fx.Node], roots: Optional[dict[str, str]] = None) -> str:
     """The innermost module path shared by the projections (e.g. 'model.layers.0.mlp'); "root"
-    (report.ROOT_LAYER) when they share none: the compiled model's own forward holds them."""
+    (report.ROOT_LAYER) when they share none: the compiled model's own forward holds them.
+
+    Paths are compared as module paths, whatever spelling Dynamo gave each source
+    (``layers[0]``, ``layers._modules['0']``, ``layers.0``). ``roots`` maps a source root
+    (``L['self']``) to that module's own path in the model (``pass_utils.module_roots``): a
+    frame Dynamo compiles on its own after a graph break (an inner block's forward) names its
+    FFNs as the whole model's frame does."""
     stacks = [list((n.meta.get("nn_module_stack") or {}).values()) for n in nodes]
-    common: list = []
+    common: Optional[str] = None
     for entries in zip(*stacks):
-        paths = {e[0] if isinstance(e, tuple) else str(e) for e in entries}
-        if len(paths) != 1:
+        sources = [e[0] if isinstance(e, tuple) else str(e) for e in entries]
+        keys = {(source_root(s), module_path(s)) for s in sources}
+        if len(keys) != 1:
             break
-        common.append(paths.pop())
-    return (module_path(common[-1]) if common else "") or ROOT_LAYER
+        common = sources[0]
+    if common is None:       # the frame's own forward: its module's path, when it is a module's
+        return (roots or {}).get(SELF_ROOT) or ROOT_LAYER
+    prefix = (roots or {}).get(source_root(common), "")
+    return ".".join(p for p in (prefix, module_path(common)) if p) or ROOT_LAYER
+
+
+# Modules that wrap the user's model and add their own prefix to its parameters' names.
+def _unwrap(module: nn.Module) -> nn.Module:
+    while True:
+        inner = getattr(module, "_orig_mod", None)        # torch.compile's OptimizedModule
+        if not isinstance(inner, nn.Module) and isinstance(module, (nn.parallel.DistributedDataParallel,
+                                                                    nn.DataParallel)):
+            inner = module.module
+        if not isinstance(inner, nn.Module):
+            return module
+        module = inner
+
+
+def _caller_modules() -> list[nn.Module]:
+    """The modules whose methods are running on this thread's Python stack (their ``self``),
+    outermost first, wrappers unwrapped. A backend runs while Dynamo compiles a frame, inside
+    the calls that reached it: the model's own call is among them."""
+    out: dict[int, nn.Module] = {}
+    frame = sys._getframe(1)
+    while frame is not None:
+        me = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if isinstance(me, nn.Module):
+            me = _unwrap(me)
+            out.setdefault(id(me), me)
+        frame = frame.f_back
+    return list(reversed(out.values()))
+
+
+def module_roots(gm: fx.GraphModule) -> dict[str, str]:
+    """For each source root of a Dynamo graph (``L['self']``, ``L['args'][0]``) whose
+    parameters it lifts as inputs: that root module's path in the outermost module on the
+    call stack that holds those parameters ("" for the model itself). A frame Dynamo compiles
+    on its own (a block's forward after a graph break in its caller, gradient checkpointing)
+    roots its sources at that block; with this map its FFNs keep the names the whole model's
+    frame gives them. Empty where nothing can be told (no lifted parameters, a plain
+    function's frame). Computed once per graph (kept in ``gm.meta``)."""
+    if "twell_module_roots" in gm.meta:
+        return gm.meta["twell_module_roots"]
+    params: dict[str, list[tuple[torch.Tensor, str]]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        t = real_value(gm, node)
+        source = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
+        if t is None or not isinstance(source, str) or not callable(getattr(t, "data_ptr", None)):
+            continue
+        root = source_root(source)
+        if root and "_parameters[" in source:
+            params.setdefault(root, []).append((t, module_path(source)))
+    roots: dict[str, str] = {}
+    if params:
+        for model in _caller_modules():
+            names = {}
+            for name, p in model.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), []).append(name)
+            for root, items in params.items():
+                if root in roots:
+                    continue
+                for t, rel in items:
+                    found = [n for n in names.get(id(t), ()) if n == rel or n.endswith("." + rel)]
+                    if found:
+                        roots[root] = found[0][:len(found[0]) - len(rel)].rstrip(".")
+                        break
+            if len(roots) == len(params):
+                break
+    gm.meta["twell_module_roots"] = roots
+    return roots
 
 
 def _has_outside_users(internal: list[fx.Node], end: fx.Node) -> Optional[fx.Node]:
@@ -695,7 +782,7 @@ def check_block(down_node: fx.Node, down: Projection, blk: _Block) -> Optional[s
     return None
 
 
-def match_at(down_node: fx.Node) -> Optional[Match | Rejection]:
+def match_at(down_node: fx.Node, roots: Optional[dict[str, str]] = None) -> Optional[Match | Rejection]:
     """Try to read ``down_node`` as the down projection of a ReLU FFN: the gated or the plain
     matcher on its input, then the block checks."""
     down = as_projection(down_node)
@@ -706,7 +793,7 @@ def match_at(down_node: fx.Node) -> Optional[Match | Rejection]:
     h = skip(down.x)
     if not isinstance(h, fx.Node):
         return None
-    where = layer_name([down_node, h])
+    where = layer_name([down_node, h], roots)
 
     def reject(node: fx.Node, reason: str) -> Rejection:
         return Rejection(node, reason, where)
@@ -716,14 +803,14 @@ def match_at(down_node: fx.Node) -> Optional[Match | Rejection]:
     if not isinstance(found, _Block):
         return found
     found.internal = list(down.nodes) + chain(down.x, h) + found.internal
-    name = layer_name([n.out for n in (found.gate, found.up, down) if n is not None])
+    name = layer_name([n.out for n in (found.gate, found.up, down) if n is not None], roots)
     why = check_block(down_node, down, found)
     if why is not None:
         return Rejection(down_node, why, name)
     return Match(down, found.gate, found.up, found.gate.x, found.internal, name)
 
 
-def _fused_encoder_layer(node: fx.Node) -> Optional[Rejection]:
+def _fused_encoder_layer(node: fx.Node, roots: Optional[dict[str, str]] = None) -> Optional[Rejection]:
     """nn.TransformerEncoderLayer's inference fast path: the whole layer, FFN included, is one
     ATen op (taken under no_grad in eval mode); nothing in it can be replaced."""
     if not (node.op == "call_function" and node.target is getattr(torch, "_transformer_encoder_layer_fwd", None)):
@@ -732,7 +819,7 @@ def _fused_encoder_layer(node: fx.Node) -> Optional[Rejection]:
     act = "GELU" if use_gelu else "ReLU"
     return Rejection(node, f"nn.TransformerEncoderLayer fast path: the {act} FFN is fused into "
                             "torch._transformer_encoder_layer_fwd (runs when no gradient is needed); "
-                            "nothing to rewrite", layer_name([node]))
+                            "nothing to rewrite", layer_name([node], roots))
 
 
 # ------------------------------------------------------------------------------ torch.func transforms
@@ -821,9 +908,11 @@ def transform_reason(graph: fx.Graph) -> Optional[str]:
     return dual_inputs(graph)
 
 
-def find_ffns(graph: fx.Graph, outer: Optional[str] = None) -> list[Match | Rejection]:
+def find_ffns(graph: fx.Graph, outer: Optional[str] = None,
+              roots: Optional[dict[str, str]] = None) -> list[Match | Rejection]:
     """Every match or rejection in a graph (not its subgraphs), in graph order. ``outer``: a
-    reason that holds for the whole graph (a subgraph inside a torch.func transform)."""
+    reason that holds for the whole graph (a subgraph inside a torch.func transform);
+    ``roots``: the model paths of the graph's source roots (``module_roots``)."""
     found: list[Match | Rejection] = []
     claimed: set[fx.Node] = set()
     regions = transform_regions(graph)
@@ -831,7 +920,7 @@ def find_ffns(graph: fx.Graph, outer: Optional[str] = None) -> list[Match | Reje
     for node in graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
-        result = _fused_encoder_layer(node) or match_at(node)
+        result = _fused_encoder_layer(node, roots) or match_at(node, roots)
         if result is None:
             continue
         if isinstance(result, Match):

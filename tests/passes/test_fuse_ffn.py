@@ -8,6 +8,7 @@ Tolerances: fp32/fp64 tight against eager; bf16 error vs fp64 at most 2x eager b
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -472,3 +473,49 @@ def test_add_of_another_dtype_after_down_is_not_its_bias(zshape):
         want = model(x, z)
     assert got.dtype == want.dtype
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+# ------------------------------------------------------------------------------ layer names
+class BreakingBlock(nn.Module):
+    """A residual block whose forward graph-breaks first: Dynamo compiles it as a frame of its
+    own (rooted at the block, not the model), as a block under gradient checkpointing or after
+    a graph break in its caller is."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(16), GatedMLP()
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return x + self.mlp(self.norm(x))
+
+
+class BrokenModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.block = nn.Linear(16, 16), BreakingBlock()
+
+    def forward(self, x):
+        return self.block(self.embed(x))
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["infer", "train"])
+@pytest.mark.parametrize("wrap", ["compile", "compiled-module"])
+def test_layer_names_are_model_paths_in_a_frame_of_their_own(grad: bool, wrap: str) -> None:
+    """The block's frame roots its sources at the block (``L['self'].mlp``); the FFN is still
+    named by its path in the model, as prepare and an unbroken graph name it."""
+    torch.manual_seed(0)
+    model = BrokenModel()
+    x = torch.randn(2, 5, 16, requires_grad=grad)
+    backend = PassBackend()
+    with torch.set_grad_enabled(grad):
+        if wrap == "compile":
+            got = torch.compile(model, backend=backend)(x)
+        else:
+            model.compile(backend=backend)
+            got = model(x)
+        want = BrokenModel.forward(model, x)
+    assert len(backend.graphs) >= 2                  # the break gave the block a frame of its own
+    assert [r.layer for r in backend.report.rewrites] == ["block.mlp"], str(backend.report)
+    check_close("output", got, want)
+    assert [r.layer for r in twell_compile.prepare(copy.deepcopy(model)).rewrites] == ["block.mlp"]

@@ -17,9 +17,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from torch import fx
 
 import twell_compile
-from twell_compile.passes.match_ffn import Match, Rejection, find_ffns, module_path, skip, transform_regions
+from twell_compile.passes.match_ffn import (Match, Rejection, find_ffns, layer_name, module_path, skip,
+                                           transform_regions)
 
 from tests.helpers import REWRITE_ALL
 from tests.passes.ffn_zoo import Spec, build, eager_allows, specs
@@ -318,9 +320,31 @@ def test_transformer_encoder_layer(grad: bool) -> None:
     ("L['kwargs']['model'].encoder.layer.0", "encoder.layer.0"),
     ("layers.0.mlp", "layers.0.mlp"),                                   # an fx / export path
     ("L['self']", ""),
+    ("L['self']._modules['mlp']._modules['gate']._parameters['weight']", "mlp.gate.weight"),   # a lifted parameter
 ])
 def test_module_path_drops_any_source_prefix(source: str, path: str) -> None:
     assert module_path(source) == path
+
+
+def test_layer_name_compares_module_paths_not_source_spellings() -> None:
+    """Projections whose module stacks spell the same modules differently (``layers[0]`` and
+    ``layers._modules['0']``) share the FFN's module, not just the layer; a map of source
+    roots puts the frame's root at its path in the model."""
+    graph = fx.Graph()
+    spellings = ["L['self'].layers[0].mlp", "L['self']._modules['layers']._modules['0'].mlp", "L['self'].layers.0.mlp"]
+    nodes = []
+    for i, mlp in enumerate(spellings):
+        n = graph.placeholder(f"p{i}")
+        n.meta["nn_module_stack"] = {"a": (mlp.rsplit(".", 1)[0], nn.Module), "b": (mlp, nn.Module),
+                                     "c": (f"{mlp}.proj{i}", nn.Linear)}
+        nodes.append(n)
+    assert layer_name(nodes) == "layers.0.mlp"
+    assert layer_name(nodes, {"L['self']": "model"}) == "model.layers.0.mlp"
+    assert layer_name(nodes, {"L['other']": "model"}) == "layers.0.mlp"
+    nodes[2].meta["nn_module_stack"] = {"a": ("L['self'].layers.0", nn.Module), "b": ("L['self'].layers.0.attn", nn.Module)}
+    assert layer_name(nodes) == "layers.0"
+    bare = graph.placeholder("bare")       # a frame's own forward: no module entered
+    assert layer_name([bare]) == "root" and layer_name([bare], {"L['self']": "model.layers.1.mlp"}) == "model.layers.1.mlp"
 
 
 # ------------------------------------------------------------------------------ in-place writes
