@@ -1,4 +1,5 @@
 """Rewrites every matched ReLU FFN into one ``twell`` op, in the graph and all its subgraphs.
+A squared-ReLU or dReLU match passes its activation as the op's ``act``.
 
 The op is ``twell::ffn`` where the block's output needs no gradient (grad mode off at trace
 time or nothing requiring grad), else ``twell::ffn_train``, whose backward is ours. Inputs
@@ -68,6 +69,7 @@ def _rewrite(graph: fx.Graph, m: Match, config: TwellConfig, layer: str) -> tupl
     out = example(down_node)
     dtype = out.dtype
     training = out.requires_grad
+    act = {"act": m.act} if m.act != "relu" else {}        # (ReLU graphs keep the schema's default)
     with graph.inserting_before(down_node):
         x = _cast(graph, m.x, dtype)
         wg, bg = _weight(graph, m.gate, dtype)
@@ -77,12 +79,12 @@ def _rewrite(graph: fx.Graph, m: Match, config: TwellConfig, layer: str) -> tupl
             op = torch.ops.twell.ffn_train.default
             # l1_scale (0.0 here) is filled in by the scale_l1 pass once all FFNs are known.
             call = graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, config.ell_width, config.backup_rows,
-                                            0.0, layer, config.stats, next_instance(), config.path_for(True)))
+                                            0.0, layer, config.stats, next_instance(), config.path_for(True)), act)
             y = graph.call_function(operator.getitem, (call, 0))
         else:
             op = torch.ops.twell.ffn.default
             y = graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, layer, config.stats, next_instance(),
-                                         config.path_for(False)))
+                                         config.path_for(False)), act)
         if example(m.x).dim() != example(m.down.x).dim():
             y = graph.call_method("reshape", (y, -1, out.shape[-1]))
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
@@ -235,7 +237,7 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
                                path=config.path_for(out.requires_grad))
             report.add_rewrite(RewriteEntry(layer, found.gated, op_name, tokens_str(xe.shape), int(xe.shape[-1]),
                                             n, int(out.shape[-1]), str(out.dtype).replace("torch.", ""), sub_name,
-                                            runs=runs))
+                                            runs=runs, act=found.act))
         if changed:
             sub.graph.lint()
             sub.recompile()

@@ -1,6 +1,8 @@
 """Finds ReLU feed-forward blocks in a Dynamo (torch-level) FX graph. Analysis only.
 
-A match is ``down(relu(gate(x)) * up(x))`` or ``down(relu(up(x)))`` where each projection is
+A match is ``down(relu(gate(x)) * up(x))`` or ``down(relu(up(x)))``, or the same with squared
+ReLU (``relu(.) ** 2`` in any spelling: ``squared_relu``) in place of ReLU, or dReLU
+``down(relu(gate(x)) * relu(up(x)))``; ``Match.act`` says which. Each projection is
 any spelling of a linear map (``F.linear``, ``x @ w.t()``, ``torch.matmul``, ``addmm``, matmul
 plus bias add), the gate and up may come from one fused projection split by ``chunk``,
 ``split`` or slicing, and identity-like nodes (eval-mode dropout, ``contiguous``, same-dtype
@@ -410,6 +412,7 @@ class Match:
     x: fx.Node
     internal: list[fx.Node] = field(default_factory=list)   # nodes the rewrite removes
     layer: str = ""
+    act: str = "relu"        # the op's ``act``: "relu", "relu2" (squared ReLU), "drelu" (reference.ACTS)
 
     @property
     def gated(self) -> bool:
@@ -592,10 +595,12 @@ def composite_activation(node: Any, depth: int = 10) -> Optional[str]:
 
 
 def _relu_block(node: Any) -> bool:
-    """Whether ``node`` is relu(projection), or a product with such a factor."""
+    """Whether ``node`` is relu(projection) or its square, or a product with such a factor."""
     node = skip(node)
     if not isinstance(node, fx.Node):
         return False
+    if squared_relu(node) is not None:
+        return True
     if is_relu(node):
         return bool(node.args) and resolve_projection(node.args[0]) is not None
     if (is_fn(node, MUL_FNS) or is_method(node, MUL_METHODS)) and len(node.args) == 2:
@@ -661,6 +666,75 @@ class _Block:
     up: Optional[Projection]
     relu: fx.Node
     internal: list[fx.Node]
+    act: str = "relu"
+
+
+_POW_FNS = {operator.pow, torch.pow}
+_POW_METHODS = {"pow", "__pow__"}
+_SQUARE_FNS = {torch.square}
+_SQUARE_METHODS = {"square"}
+
+
+def _exponent(node: fx.Node) -> Any:
+    """The exponent of ``x ** e`` / ``torch.pow(x, e)`` / ``x.pow(e)`` when ``node`` is one with a
+    tensor base, else None."""
+    if not (is_fn(node, _POW_FNS) or is_method(node, _POW_METHODS)) or not node.args:
+        return None
+    if not isinstance(node.args[0], fx.Node):
+        return None
+    return arg(node, 1, "exponent")
+
+
+def squared_relu(node: Any) -> Optional[tuple[fx.Node, list[fx.Node]]]:
+    """If ``node`` is relu(p)^2 of a linear projection p, in any spelling (``relu(p) ** 2``,
+    ``torch.pow(relu(p), 2)``, ``relu(p).pow(2)``, ``torch.square(relu(p))``, ``relu(p) *
+    relu(p)`` with one ReLU or two of the same value; transformers' ACT2FN["relu2"] traces to
+    the square): (the ReLU node, the nodes from ``node`` down to the ReLU(s), ReLUs included).
+    Else None."""
+    node = skip(node)
+    if not isinstance(node, fx.Node):
+        return None
+    base = None
+    e = _exponent(node)
+    if e is not None:
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or e != 2:
+            return None
+        base = node.args[0]
+    elif (is_fn(node, _SQUARE_FNS) or is_method(node, _SQUARE_METHODS)) and node.args:
+        base = node.args[0]
+    elif (is_fn(node, MUL_FNS) or is_method(node, MUL_METHODS)) and len(node.args) == 2 and not node.kwargs:
+        a, b = (skip(v) for v in node.args)
+        if not (isinstance(a, fx.Node) and isinstance(b, fx.Node) and is_relu(a) and is_relu(b)):
+            return None
+        if a is not b and (mutates_first_arg(a) or mutates_first_arg(b) or not a.args or not b.args
+                           or skip(a.args[0]) is not skip(b.args[0])):
+            return None
+        if resolve_projection(a.args[0]) is None:
+            return None
+        nodes = [node] + chain(node.args[0], a) + [a]
+        if b is not a:
+            nodes += chain(node.args[1], b) + [b]
+        else:
+            nodes += chain(node.args[1], b)
+        return a, nodes
+    if not isinstance(base, fx.Node):
+        return None
+    r = skip(base)
+    if not (isinstance(r, fx.Node) and is_relu(r) and r.args and resolve_projection(r.args[0]) is not None):
+        return None
+    return r, [node] + chain(base, r) + [r]
+
+
+def _power_of_relu(node: Any) -> Optional[str]:
+    """A plain reason when ``node`` raises relu(projection) to a power other than 2."""
+    node = skip(node)
+    e = _exponent(node) if isinstance(node, fx.Node) else None
+    if e is None or e == 2:
+        return None
+    r = skip(node.args[0])
+    if isinstance(r, fx.Node) and is_relu(r) and r.args and resolve_projection(r.args[0]) is not None:
+        return f"the ReLU output is raised to the power {e!r}: only squared ReLU (power 2) is rewritten"
+    return None
 
 
 def match_gated(down_node: fx.Node, h: fx.Node, reject: Any) -> Optional[_Block | Rejection]:
@@ -668,6 +742,33 @@ def match_gated(down_node: fx.Node, h: fx.Node, reject: Any) -> Optional[_Block 
     if len(h.args) != 2 or not all(isinstance(a, fx.Node) for a in h.args):
         return _transformed(down_node, h, reject)
     a, b = h.args
+    # squared ReLU gate: relu(gate(x)) ** 2 * up(x)
+    for g_side, u_side in ((a, b), (b, a)):
+        sq = squared_relu(g_side)
+        if sq is None:
+            continue
+        g, sq_nodes = sq
+        gp, up = resolve_projection(g.args[0]), resolve_projection(u_side)
+        if up is None:
+            u = skip(u_side)
+            what = "ReLU" if isinstance(u, fx.Node) and is_relu(u) else _describe(u)
+            return reject(down_node, f"relu(gate)**2 times {what} of the up branch: squared ReLU takes the up "
+                                     "projection as it is (dReLU: relu(gate) * relu(up), unsquared)")
+        internal = ([h] + chain(g_side, skip(g_side)) + sq_nodes + chain(g.args[0], skip(g.args[0])) + gp.nodes
+                    + chain(u_side, skip(u_side)) + up.nodes)
+        return _Block(gp, up, g, internal, "relu2")
+    # dReLU: relu(gate(x)) * relu(up(x))
+    ga, gb = skip(a), skip(b)
+    if (isinstance(ga, fx.Node) and isinstance(gb, fx.Node) and ga is not gb and is_relu(ga) and is_relu(gb)
+            and ga.args and gb.args):
+        gp, up = resolve_projection(ga.args[0]), resolve_projection(gb.args[0])
+        if gp is not None and up is not None:
+            order = {n: i for i, n in enumerate(h.graph.nodes)}
+            if order[up.out] < order[gp.out]:      # the gate: the factor computed first (symmetric)
+                a, b, ga, gb, gp, up = b, a, gb, ga, up, gp
+            internal = ([h] + chain(a, ga) + [ga] + chain(ga.args[0], skip(ga.args[0])) + gp.nodes
+                        + chain(b, gb) + [gb] + chain(gb.args[0], skip(gb.args[0])) + up.nodes)
+            return _Block(gp, up, ga, internal, "drelu")
     for g_side, u_side in ((a, b), (b, a)):
         g = skip(g_side)
         if isinstance(g, fx.Node) and is_relu(g):
@@ -678,10 +779,15 @@ def match_gated(down_node: fx.Node, h: fx.Node, reject: Any) -> Optional[_Block 
             if gp is None:
                 return reject(down_node, f"the ReLU's input is {_describe(skip(g.args[0]))}, not a linear projection")
             if up is None:
-                return reject(down_node, f"the up branch is {_describe(skip(u_side))}, not a linear projection")
+                why = _power_of_relu(u_side)
+                return reject(down_node, why or f"the up branch is {_describe(skip(u_side))}, not a linear projection")
             internal = ([h] + chain(g_side, g) + [g] + chain(g.args[0], skip(g.args[0])) + gp.nodes
                         + chain(u_side, skip(u_side)) + up.nodes)
             return _Block(gp, up, g, internal)
+    for side in (a, b):
+        why = _power_of_relu(side)
+        if why is not None and any(resolve_projection(o) is not None for o in (a, b) if o is not side):
+            return reject(down_node, why)
     for side in (a, b):
         s = skip(side)
         act = activation_name(s) if isinstance(s, fx.Node) else None
@@ -700,8 +806,16 @@ def match_gated(down_node: fx.Node, h: fx.Node, reject: Any) -> Optional[_Block 
 
 
 def match_plain(down_node: fx.Node, h: fx.Node, reject: Any) -> Optional[_Block | Rejection]:
-    """``relu(up(x))`` at the down projection's input ``h``; other activations are rejected
-    with their name."""
+    """``relu(up(x))`` or its square at the down projection's input ``h``; other activations
+    are rejected with their name."""
+    sq = squared_relu(h)
+    if sq is not None:
+        r, nodes = sq
+        gate = resolve_projection(r.args[0])
+        return _Block(gate, None, r, nodes + chain(r.args[0], skip(r.args[0])) + gate.nodes, "relu2")
+    why = _power_of_relu(h)
+    if why is not None:
+        return reject(down_node, why)
     if is_relu(h):
         gate = resolve_projection(h.args[0])
         if gate is None:
@@ -798,7 +912,8 @@ def match_at(down_node: fx.Node, roots: Optional[dict[str, str]] = None) -> Opti
     def reject(node: fx.Node, reason: str) -> Rejection:
         return Rejection(node, reason, where)
 
-    matcher = match_gated if is_fn(h, MUL_FNS) or is_method(h, MUL_METHODS) else match_plain
+    product = (is_fn(h, MUL_FNS) or is_method(h, MUL_METHODS)) and squared_relu(h) is None   # relu(p) * relu(p)
+    matcher = match_gated if product else match_plain
     found = matcher(down_node, h, reject)
     if not isinstance(found, _Block):
         return found
@@ -807,7 +922,7 @@ def match_at(down_node: fx.Node, roots: Optional[dict[str, str]] = None) -> Opti
     why = check_block(down_node, down, found)
     if why is not None:
         return Rejection(down_node, why, name)
-    return Match(down, found.gate, found.up, found.gate.x, found.internal, name)
+    return Match(down, found.gate, found.up, found.gate.x, found.internal, name, found.act)
 
 
 def _fused_encoder_layer(node: fx.Node, roots: Optional[dict[str, str]] = None) -> Optional[Rejection]:

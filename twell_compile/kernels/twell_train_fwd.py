@@ -20,6 +20,7 @@ are complete in ``cnt`` and recomputed, never truncated.
 import triton
 import triton.language as tl
 
+from twell_compile.kernels.act import hidden
 from twell_compile.kernels.pairs import pick, scan, select
 
 
@@ -49,6 +50,7 @@ def train_fwd_kernel(
     K, N, KO, W, C,
     GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr, Y: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
+    ACT: tl.constexpr = 0,
 ):
     m = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)     # rows over W first
     ks = tl.arange(0, K_P)
@@ -88,7 +90,7 @@ def train_fwd_kernel(
             tl.store(ellu_ptr + lrow + p, u.to(dt), mask=live)
             tl.store(bu2_ptr + brow + n, u.to(dt), mask=tl.where(ins, live, False))
         if Y:
-            h = gv * u if GATED else gv
+            h = hidden(gv, u, GATED, ACT)
             h = tl.where(live & (~bad), h, 0.0)
             wd = tl.load(wdt_ptr + n[:, None] * swd_n + ko[None, :], mask=live[:, None] & ko_ok[None, :], other=0.0)
             acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
@@ -121,7 +123,7 @@ def train_fwd_kernel(
             if GATED:
                 tl.store(bu2_ptr + brow + tn, u.to(dt), mask=tl.where(ins, take, False))
             if Y:
-                h = tg * u if GATED else tg
+                h = hidden(tg, u, GATED, ACT)
                 h = tl.where(take, h, 0.0)
                 wd = tl.load(wdt_ptr + tn[:, None] * swd_n + ko[None, :], mask=take[:, None] & ko_ok[None, :], other=0.0)
                 acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
