@@ -342,5 +342,7 @@ std::vector<at::Tensor> ffn_forward(const at::Tensor& x2, const at::Tensor& w_ga
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("ffn_forward", &ffn_forward, "sparse ReLU-family FFN inference on CPU (see cpu_ffn.cpp)");
+  m.def("ffn_forward", &ffn_forward, "sparse ReLU-family FFN inference on CPU (see cpu_ffn.cpp)", py::arg("x2"),
+        py::arg("w_gate"), py::arg("b_gate"), py::arg("w_up"), py::arg("b_up"), py::arg("w_down"), py::arg("b_down"),
+        py::arg("max_density"), py::arg("want_abs_sum"), py::arg("block"), py::arg("act") = kRelu);
 }

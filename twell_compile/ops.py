@@ -8,12 +8,12 @@
 ``instance`` (default 0) names the op instance whose runtime state (the CUDA path's density
 measurements) a call reads and writes: the passes and ``prepare`` give each op they insert a
 number unique in the process (``next_instance``); 0, for direct calls, shares the state by
-layer name. ``path`` (last, default "auto") forces a path (runtime/select.py: "dense",
+layer name. ``path`` (after ``instance``, default "auto") forces a path (runtime/select.py: "dense",
 "twell", "decode", "decode-<form>", "cpu", "torch" for inference; "dense", "compact", "twell"
 for training); a forced path that cannot run the call raises ``ValueError``. (Not named
 ``kernel``: Inductor's fallback lowering takes that keyword itself.)
 
-``tag`` (twell::ffn_train only, last, default None): a 0-d int64 CPU tensor made by ``tag``,
+``tag`` (twell::ffn_train only, after ``path``, default None): a 0-d int64 CPU tensor made by ``tag``,
 holding an instance number; when given it replaces ``instance`` and ``layer`` (the name ``tag``
 recorded) at run time. ``prepare`` gives each prepared module one, so the op's per-layer
 arguments are tensor inputs, not constants: Dynamo compiles one graph for every block that
