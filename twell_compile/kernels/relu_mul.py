@@ -17,7 +17,7 @@ from twell_compile.kernels.act import gate_part, up_part
 @triton.jit
 def relu_mul_rows_kernel(g_ptr, u_ptr, h_ptr, cnt_ptr, asum_ptr, n, span, stride_g, stride_u, stride_h,
                          GATED: tl.constexpr, ATOMIC: tl.constexpr, BLOCK: tl.constexpr,
-                         ACT: tl.constexpr = 0):
+                         ACT: tl.constexpr):
     """Grid (rows, column spans): h = relu(g) * u (GATED) or relu(g) over columns
     [pid1 * span, pid1 * span + span) of one row, plus that span's count of relu(g) != 0 (NaN
     included) and sum of |h| in fp32: stored (one span per row) or atomically added (ATOMIC,

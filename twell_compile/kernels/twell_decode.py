@@ -267,7 +267,7 @@ def decode_fused_kernel(
     FINISH: tl.constexpr, CLEAN: tl.constexpr, HAS_ST: tl.constexpr,
     MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKU: tl.constexpr, BKO: tl.constexpr,
     MS: tl.constexpr, KP: tl.constexpr, KOP: tl.constexpr, FB: tl.constexpr, CB: tl.constexpr,
-    GEMV: tl.constexpr, PDL: tl.constexpr, ACT: tl.constexpr = 0,
+    GEMV: tl.constexpr, PDL: tl.constexpr, ACT: tl.constexpr,
 ):
     pdl_enter(PDL)
     pid_n = tl.program_id(0)

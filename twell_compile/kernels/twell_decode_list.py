@@ -79,7 +79,7 @@ def decode_pairs_kernel(
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
     MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PB: tl.constexpr, KC: tl.constexpr,
     UDOT: tl.constexpr, BKU: tl.constexpr, ADOWN: tl.constexpr, KOC: tl.constexpr,
-    PDL: tl.constexpr, ACT: tl.constexpr = 0,
+    PDL: tl.constexpr, ACT: tl.constexpr,
 ):
     pdl_enter(PDL)
     pid_n = tl.program_id(0)

@@ -128,7 +128,7 @@ def twell_rows_kernel(
     K, N, KO, W,
     GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
-    PF: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr = 0,
+    PF: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr,
 ):
     m = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)     # rows over W first
     ks = tl.arange(0, K_P)

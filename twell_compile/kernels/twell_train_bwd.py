@@ -121,7 +121,7 @@ def train_bwd_kernel(
     K, N, KO, l1c,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, L1: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
-    BK: tl.constexpr, ACT: tl.constexpr = 0,
+    BK: tl.constexpr, ACT: tl.constexpr,
 ):
     ks = tl.arange(0, K_P)
     k_ok = ks < K

@@ -23,7 +23,7 @@ from twell_compile.kernels.act import gate_part, grads, up_part
 @triton.jit
 def train_dense_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, db_ptr, M, N, l1c,
                            GATED: tl.constexpr, L1: tl.constexpr, BIAS: tl.constexpr,
-                           BM: tl.constexpr, BN: tl.constexpr, ACT: tl.constexpr = 0):
+                           BM: tl.constexpr, BN: tl.constexpr, ACT: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     cn = tl.program_id(1) * BN + tl.arange(0, BN)
     ok = (rm < M)[:, None] & (cn < N)[None, :]

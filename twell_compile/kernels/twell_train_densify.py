@@ -56,7 +56,7 @@ def train_densify_kernel(dh_ptr, dg_ptr, du_ptr, cnt_ptr, cols_ptr, eg_ptr, eu_p
                          wu_ptr, swu_n, bup_ptr, N, K, l1c,
                          GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
                          L1: tl.constexpr, W_P: tl.constexpr, K_P: tl.constexpr,
-                         CH: tl.constexpr, BK: tl.constexpr, DCH: tl.constexpr, ACT: tl.constexpr = 0):
+                         CH: tl.constexpr, BK: tl.constexpr, DCH: tl.constexpr, ACT: tl.constexpr):
     """CH columns per step where g and u are recomputed ([CH, BK] weight tiles), DCH where the
     row is only streamed (256 there too, 1-2 elements per thread between barriers,
     made the compact dense path 0.95-0.97x of eager against 1.02-1.03x for the g-and-u one;

@@ -50,7 +50,7 @@ def train_fwd_kernel(
     K, N, KO, W, C,
     GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr, Y: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
-    ACT: tl.constexpr = 0,
+    ACT: tl.constexpr,
 ):
     m = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)     # rows over W first
     ks = tl.arange(0, K_P)

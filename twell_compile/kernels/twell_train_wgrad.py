@@ -142,7 +142,7 @@ def wgrad_kernel(
     dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr,   # fp32 [N, K], [N, K], [N, KO] (backup part in), [N], [N]
     K, KO,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, L1: tl.constexpr,
-    DY: tl.constexpr, BKW: tl.constexpr, E: tl.constexpr, ACT: tl.constexpr = 0,
+    DY: tl.constexpr, BKW: tl.constexpr, E: tl.constexpr, ACT: tl.constexpr,
 ):
     jk = tl.program_id(1)
     ks = jk * BKW + tl.arange(0, BKW)
