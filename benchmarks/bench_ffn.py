@@ -4,6 +4,8 @@
     python3 benchmarks/bench_ffn.py --quick              # K=2048 N=5632, M 16384/65536, 4 densities
     python3 benchmarks/bench_ffn.py --M 16384 --density 0.005 0.02 --tail 0 --shapes 2048x5632
     python3 benchmarks/bench_ffn.py --non-gated --M 4096 16384   # down(relu(gate(x))): rows' gated false
+    python3 benchmarks/bench_ffn.py --act relu2 --M 16384 --density 0.005 --tail 0   # squared ReLU (rows' act)
+    python3 benchmarks/bench_ffn.py --act drelu --M 16384 --density 0.005 --tail 0   # relu(gate) * relu(up)
 
     python3 benchmarks/bench_ffn.py --decode             # decode grid: M 1..64, CUDA graphs
     python3 benchmarks/bench_ffn.py --decode --M 64 128 256 512 2048 8192 --density 0.005 \
@@ -62,7 +64,7 @@ from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
 from benchmarks.timing import gpu_name, interleaved_ms, policy_changes, rel  # noqa: E402
 
 import twell_compile.ops  # noqa: E402,F401  (registers torch.ops.twell)
-from twell_compile.reference import ffn_dense  # noqa: E402
+from twell_compile.reference import ACTS, ffn_dense  # noqa: E402
 from twell_compile.runtime import arch, decode_state, density, select  # noqa: E402
 from twell_compile.testing import (load_activity_profile, load_checkpoint_ffn, load_profile,  # noqa: E402
                                    make_ffn_for, make_ffn_profile, parse_activity)
@@ -116,6 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ref-timeout", type=float, default=150, help="seconds per reference point")
     ap.add_argument("--out", default=None, help="JSON path (default runs/<gpu>/ffn_inference.json)")
     ap.add_argument("--non-gated", action="store_true", help="the non-gated FFN down(relu(gate(x))) (rows: gated false)")
+    ap.add_argument("--act", choices=ACTS, default="relu",
+                    help="the activation (rows: act): relu2 = relu(.)**2 in place of relu, drelu = relu(gate) * relu(up)")
     ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="run with these fields of the GPU record replaced (arch.patched); rows record them")
     args = ap.parse_args(argv)
@@ -197,10 +201,11 @@ def reference_point(args, m: int, k: int, n: int, d: float, t: float, seed: int,
                                activity=args.activity)
 
 
-def ffn_module(k: int, n: int, bias: bool, gated: bool = True) -> nn.Module:
+def ffn_module(k: int, n: int, bias: bool, gated: bool = True, act: str = "relu") -> nn.Module:
     """bench_dynamic's gated FFN; with biases on its three Linears for a checkpoint's FFN; without
-    its up projection when not ``gated`` (down(relu(gate(x))))."""
-    mod = FFN(k, n) if gated else NonGatedFFN(k, n)
+    its up projection when not ``gated`` (down(relu(gate(x)))); ``act`` other than relu: the
+    same Linears in ActFFN."""
+    mod = (FFN(k, n) if gated else NonGatedFFN(k, n)) if act == "relu" else ActFFN(k, n, gated, act)
     if bias:
         mod.gate, mod.down = nn.Linear(k, n), nn.Linear(n, k)
         if gated:
@@ -218,6 +223,24 @@ class NonGatedFFN(nn.Module):
         return self.down(F.relu(self.gate(x)))
 
 
+class ActFFN(nn.Module):
+    """down(relu(gate(x))**2 [* up(x)]) (relu2) or down(relu(gate(x)) * relu(up(x))) (drelu)."""
+
+    def __init__(self, k: int, n: int, gated: bool, act: str):
+        super().__init__()
+        self.act = act
+        self.gate = nn.Linear(k, n, bias=False)
+        self.up = nn.Linear(k, n, bias=False) if gated else None
+        self.down = nn.Linear(n, k, bias=False)
+
+    def forward(self, x):
+        hg = F.relu(self.gate(x))
+        if self.act == "drelu":
+            return self.down(hg * F.relu(self.up(x)))
+        h = torch.square(hg)
+        return self.down(h if self.up is None else h * self.up(x))
+
+
 def op_path(x, n: int, k_out: int, layer: str, gated: bool = True) -> str:
     """The path the op's next call on x takes for this layer (its rules and lagged density):
     "decode:<form>", "twell" or "dense"."""
@@ -232,8 +255,9 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
         for m in ms:
             # the product and its baseline: one gated FFN module each, weights copied in per point
             gated = not args.non_gated
-            tw_mod = ffn_module(k, n, bias, gated).to(dev, torch.bfloat16)
-            ind_mod = ffn_module(k, n, bias, gated).to(dev, torch.bfloat16)
+            act = args.act
+            tw_mod = ffn_module(k, n, bias, gated, act).to(dev, torch.bfloat16)
+            ind_mod = ffn_module(k, n, bias, gated, act).to(dev, torch.bfloat16)
             inductor = None if args.no_inductor else torch.compile(ind_mod, dynamic=False, mode=args.mode)
             tw = torch.compile(tw_mod, backend="twell", dynamic=False, mode=args.mode)
             rewritten = None             # whether the backend rewrote this M's FFN (a compile-time fact)
@@ -256,7 +280,7 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                     bg, bu, bd = tw_mod.gate.bias, None if up is None else up.bias, tw_mod.down.bias
                     args7 = (x, wg, bg, wu, bu, wd, bd)
                     layer = f"bench/{m}/{k}/{n}/{d}/{t}"
-                    op = lambda: torch.ops.twell.ffn(*args7, layer, False)
+                    op = lambda: torch.ops.twell.ffn(*args7, layer, False, act=act)
                     density.reset()              # no density measured on the previous point's weights
                     before = op_calls.n
                     tw(x)                        # compiles on the first point of this M
@@ -274,8 +298,8 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                     # this point's, landed up front (the op's rules would measure it the same)
                     klayer = f"{layer}/twell"
                     density.landed((klayer, x.device, x.dtype, k, n, k, gated), nnz / n)
-                    kern = lambda: torch.ops.twell.ffn(*args7, klayer, False, path="twell")
-                    fns = dict(dense=lambda: ffn_dense(*args7), gate=lambda: F.linear(x, wg, bg), op=op,
+                    kern = lambda: torch.ops.twell.ffn(*args7, klayer, False, path="twell", act=act)
+                    fns = dict(dense=lambda: ffn_dense(*args7, act), gate=lambda: F.linear(x, wg, bg), op=op,
                                twell=lambda: tw(x))
                     if inductor is not None:
                         fns["inductor"] = lambda: inductor(x)
@@ -290,20 +314,20 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                     y_op = op()[:r]
                     y_tw = tw(x)[:r]
                     xr = x[:r]
-                    y_k = torch.ops.twell.ffn(xr, *args7[1:], klayer, False, path="twell")
+                    y_k = torch.ops.twell.ffn(xr, *args7[1:], klayer, False, path="twell", act=act)
                     ref = ffn_dense(*(a[:r].float() if i == 0 else (None if a is None else a.float())
-                                      for i, a in enumerate(args7)))
+                                      for i, a in enumerate(args7)), act)
                     err = rel(y_tw, ref)
                     op_err = rel(y_op, ref)
                     kerr = rel(y_k, ref)
-                    derr = rel(ffn_dense(*args7)[:r], ref)
+                    derr = rel(ffn_dense(*args7, act)[:r], ref)
                     counts = (F.linear(xr, wg, bg) > 0).sum(1)
                     ovf = float((counts > width).float().mean()) * 100     # rows over the list width
                     op_ran = op_path(x, n, k, layer, gated)
                     paper = (reference_point(args, m, k, n, d, t, seed, bias, gated)
-                             if args.reference and profile is None else {})
+                             if args.reference and profile is None and act == "relu" else {})
                     path = ("/".join(tw_paths) or op_ran) if ran_op else "inductor"
-                    row = stamp(dict(M=m, K=k, N=n, density=d, tail=t, gated=gated, dense_ms=dense_ms, inductor_ms=ind_ms,
+                    row = stamp(dict(M=m, K=k, N=n, density=d, tail=t, gated=gated, act=act, dense_ms=dense_ms, inductor_ms=ind_ms,
                                      gate_ms=gate_ms, twell_ms=twell_ms, rel_err=err, dense_rel_err=derr,
                                      op_ms=op_ms, op_rel_err=op_err, op_path=op_ran, mode=args.mode,
                                      kernel_ms=kernel_ms, kernel_rel_err=kerr, nnz_per_row=nnz,

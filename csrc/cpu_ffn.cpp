@@ -1,4 +1,5 @@
-// CPU inference FFN: y = down(relu(gate(x)) [* up(x)]), sparse in the hidden dimension.
+// CPU inference FFN: y = down(relu(gate(x)) [* up(x)]), sparse in the hidden dimension; squared
+// ReLU and dReLU (act) share relu(gate(x))'s zero pattern and differ only where h is formed.
 //
 //   1. gate GEMM through ATen (MKL / oneDNN), then one pass per row: ReLU in place (NaN kept, as
 //      torch.relu keeps it), count non-zeros.
@@ -106,6 +107,13 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
 }
 
+// Activations (the act argument; twell_compile/reference.py): h = a(relu(g)) [* b(u)] with
+// a = relu(g)^2 for relu2 (rounded to the dtype, as eager's square), b = relu(u) for drelu.
+constexpr int64_t kRelu = 0, kRelu2 = 1, kDRelu = 2;
+
+// b(u) of a dense up projection (the dense calls and the non-finite rows).
+inline at::Tensor up_act(at::Tensor u, int64_t act) { return act == kDRelu ? u.relu_() : u; }
+
 // ReLU in place keeping NaN (as torch.relu); returns the row's non-zeros (NaN counts as one).
 template <typename T>
 inline int32_t relu_count(T* g, int64_t n) {
@@ -153,7 +161,7 @@ void relu_pass(const at::Tensor& x2, at::Tensor& hg, bool gated, int32_t* cnt, i
 template <typename T>
 void sparse_up_down(const at::Tensor& x2, const at::Tensor& hg, const int32_t* work,
                     const c10::optional<at::Tensor>& w_up, const c10::optional<at::Tensor>& b_up,
-                    const at::Tensor& w_down, float* yacc, float* abs_sum_out, int64_t block) {
+                    const at::Tensor& w_down, float* yacc, float* abs_sum_out, int64_t block, int64_t act) {
   const int64_t m = x2.size(0), k = x2.size(1), n = hg.size(1), kout = w_down.size(0);
   const T* xp = x2.data_ptr<T>();
   const T* gp = hg.data_ptr<T>();
@@ -180,7 +188,7 @@ void sparse_up_down(const at::Tensor& x2, const at::Tensor& hg, const int32_t* w
       if (v != 0.f || v != v) {
         row_of[p] = static_cast<int32_t>(r);
         col[p] = static_cast<int32_t>(c);
-        h[p] = v;
+        h[p] = act == kRelu2 ? to_f32(T(v * v)) : v;  // the square rounded as eager's
         ++p;
       }
     }
@@ -223,7 +231,8 @@ void sparse_up_down(const at::Tensor& x2, const at::Tensor& hg, const int32_t* w
         const float bias = bup ? to_f32(bup[c]) : 0.f;
         for (int64_t q = start[c]; q < start[c + 1]; ++q) {
           const int64_t p = order[q];
-          h[p] *= dot(xp + static_cast<int64_t>(row_of[p]) * k, w, k) + bias;
+          const float u = dot(xp + static_cast<int64_t>(row_of[p]) * k, w, k) + bias;
+          h[p] *= act == kDRelu ? (u < 0.f ? 0.f : u) : u;  // dReLU: relu(u), NaN kept
         }
       }
     }
@@ -273,7 +282,9 @@ std::vector<at::Tensor> ffn_forward(const at::Tensor& x2, const at::Tensor& w_ga
                                     const c10::optional<at::Tensor>& w_up,
                                     const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down,
                                     const c10::optional<at::Tensor>& b_down,
-                                    double max_density, bool want_abs_sum, int64_t block) {
+                                    double max_density, bool want_abs_sum, int64_t block, int64_t act) {
+  TORCH_CHECK(act == kRelu || act == kRelu2 || act == kDRelu, "act must be 0 (relu), 1 (relu2) or 2 (drelu)");
+  TORCH_CHECK(act != kDRelu || w_up.has_value(), "act 2 (drelu) needs w_up");
   TORCH_CHECK(x2.dim() == 2 && x2.is_contiguous(), "x2 must be a contiguous [M, K] tensor");
   TORCH_CHECK(x2.scalar_type() == at::kFloat || x2.scalar_type() == at::kBFloat16,
               "cpu_ffn supports float32 and bfloat16, got ", x2.scalar_type());
@@ -295,7 +306,8 @@ std::vector<at::Tensor> ffn_forward(const at::Tensor& x2, const at::Tensor& w_ga
   const bool go_dense = m > 0 && n > 0 && static_cast<double>(nnz) > max_density * static_cast<double>(m * n);
   at::Tensor abs_sum = at::zeros({}, x2.options().dtype(at::kFloat));
   if (go_dense) {
-    at::Tensor h = gated ? hg.mul_(at::linear(x2, *w_up, b_up)) : hg;
+    if (act == kRelu2) hg.mul_(hg);
+    at::Tensor h = gated ? hg.mul_(up_act(at::linear(x2, *w_up, b_up), act)) : hg;
     if (want_abs_sum) abs_sum = h.abs().sum(at::kFloat);
     return {at::linear(h, w_down, b_down), counts, abs_sum, at::ones({}, x2.options().dtype(at::kBool))};
   }
@@ -307,9 +319,9 @@ std::vector<at::Tensor> ffn_forward(const at::Tensor& x2, const at::Tensor& w_ga
   float abs_acc = 0.f;
   float* abs_ptr = want_abs_sum ? &abs_acc : nullptr;
   if (fp32) sparse_up_down<float>(x2, hg, work.data(), w_up, b_up, w_down, yacc.data_ptr<float>(), abs_ptr,
-                                                  std::max<int64_t>(1, block));
+                                                  std::max<int64_t>(1, block), act);
   else sparse_up_down<c10::BFloat16>(x2, hg, work.data(), w_up, b_up, w_down, yacc.data_ptr<float>(), abs_ptr,
-                                                  std::max<int64_t>(1, block));
+                                                  std::max<int64_t>(1, block), act);
   if (!fp32) y.copy_(yacc);
 
   // Gated rows whose x holds NaN/Inf: dense, exactly as eager.
@@ -319,7 +331,9 @@ std::vector<at::Tensor> ffn_forward(const at::Tensor& x2, const at::Tensor& w_ga
   if (!rows.empty()) {
     at::Tensor idx = at::tensor(rows, x2.options().dtype(at::kLong));
     at::Tensor xr = x2.index_select(0, idx);
-    at::Tensor h = hg.index_select(0, idx).mul_(at::linear(xr, *w_up, b_up));
+    at::Tensor a = hg.index_select(0, idx);
+    if (act == kRelu2) a.mul_(a);
+    at::Tensor h = a.mul_(up_act(at::linear(xr, *w_up, b_up), act));
     if (want_abs_sum) abs_acc += h.abs().sum(at::kFloat).item<float>();
     y.index_copy_(0, idx, at::linear(h, w_down, b_down));
   }
@@ -328,5 +342,7 @@ std::vector<at::Tensor> ffn_forward(const at::Tensor& x2, const at::Tensor& w_ga
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("ffn_forward", &ffn_forward, "sparse ReLU FFN inference on CPU (see cpu_ffn.cpp)");
+  m.def("ffn_forward", &ffn_forward, "sparse ReLU-family FFN inference on CPU (see cpu_ffn.cpp)", py::arg("x2"),
+        py::arg("w_gate"), py::arg("b_gate"), py::arg("w_up"), py::arg("b_up"), py::arg("w_down"), py::arg("b_down"),
+        py::arg("max_density"), py::arg("want_abs_sum"), py::arg("block"), py::arg("act") = kRelu);
 }

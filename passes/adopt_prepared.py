@@ -60,7 +60,8 @@ def adopt_prepared(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
                 str(node.args[arg_index(op, "layer")]), node.args[arg_index(op, "w_up")] is not None,
                 str(op.name()), tokens, _size(node.args[arg_index(op, "w_gate")], 1),
                 _size(node.args[arg_index(op, "w_gate")], 0), _size(node.args[arg_index(op, "w_down")], 0),
-                str(xe.dtype).replace("torch.", "") if xe is not None else "?", sub_name, via="prepare"))
+                str(xe.dtype).replace("torch.", "") if xe is not None else "?", sub_name, via="prepare",
+                act=str(arg(node, arg_index(op, "act"), "act", "relu"))))
         if changed:
             sub.recompile()
     return gm

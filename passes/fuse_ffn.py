@@ -1,4 +1,5 @@
 """Rewrites every matched ReLU FFN into one ``twell`` op, in the graph and all its subgraphs.
+A squared-ReLU or dReLU match passes its activation as the op's ``act``.
 
 The op is ``twell::ffn`` where the block's output needs no gradient (grad mode off at trace
 time or nothing requiring grad), else ``twell::ffn_train``, whose backward is ours. Inputs
@@ -20,7 +21,7 @@ from torch import fx
 
 from twell_compile.config import TwellConfig
 from twell_compile.ops import next_instance, static_path, static_reason
-from twell_compile.passes.match_ffn import Match, Projection, Rejection, find_ffns, transform_reason
+from twell_compile.passes.match_ffn import Match, Projection, Rejection, find_ffns, module_roots, transform_reason
 from twell_compile.passes.pass_utils import example, graph_modules, report_of, tokens_str
 from twell_compile.report import RejectionEntry, RewriteEntry
 
@@ -68,6 +69,7 @@ def _rewrite(graph: fx.Graph, m: Match, config: TwellConfig, layer: str) -> tupl
     out = example(down_node)
     dtype = out.dtype
     training = out.requires_grad
+    act = {"act": m.act} if m.act != "relu" else {}        # (ReLU graphs keep the schema's default)
     with graph.inserting_before(down_node):
         x = _cast(graph, m.x, dtype)
         wg, bg = _weight(graph, m.gate, dtype)
@@ -77,12 +79,12 @@ def _rewrite(graph: fx.Graph, m: Match, config: TwellConfig, layer: str) -> tupl
             op = torch.ops.twell.ffn_train.default
             # l1_scale (0.0 here) is filled in by the scale_l1 pass once all FFNs are known.
             call = graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, config.ell_width, config.backup_rows,
-                                            0.0, layer, config.stats, next_instance(), config.path_for(True)))
+                                            0.0, layer, config.stats, next_instance(), config.path_for(True)), act)
             y = graph.call_function(operator.getitem, (call, 0))
         else:
             op = torch.ops.twell.ffn.default
             y = graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, layer, config.stats, next_instance(),
-                                         config.path_for(False)))
+                                         config.path_for(False)), act)
         if example(m.x).dim() != example(m.down.x).dim():
             y = graph.call_method("reshape", (y, -1, out.shape[-1]))
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
@@ -187,10 +189,11 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
     # Subgraphs (higher-order ops) of a graph running a torch.func transform, or taking
     # forward-mode dual inputs, are left alone as a whole (match_ffn.transform_reason).
     outer = transform_reason(gm.graph)
+    roots = module_roots(gm)            # layer names as the whole model's frame gives them
     for sub_name, sub in graph_modules(gm):
         changed = False
         replaced: dict[fx.Node, fx.Node] = {}   # down projection -> the op output replacing it
-        for found in find_ffns(sub.graph, outer if sub is not gm else None):
+        for found in find_ffns(sub.graph, outer if sub is not gm else None, roots):
             if isinstance(found, Match):
                 # One FFN may feed the next directly (x = previous down projection): that node
                 # is gone once the previous FFN is rewritten.
@@ -234,7 +237,7 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
                                path=config.path_for(out.requires_grad))
             report.add_rewrite(RewriteEntry(layer, found.gated, op_name, tokens_str(xe.shape), int(xe.shape[-1]),
                                             n, int(out.shape[-1]), str(out.dtype).replace("torch.", ""), sub_name,
-                                            runs=runs))
+                                            runs=runs, act=found.act))
         if changed:
             sub.graph.lint()
             sub.recompile()

@@ -1,6 +1,8 @@
 """Finds ReLU feed-forward blocks in a Dynamo (torch-level) FX graph. Analysis only.
 
-A match is ``down(relu(gate(x)) * up(x))`` or ``down(relu(up(x)))`` where each projection is
+A match is ``down(relu(gate(x)) * up(x))`` or ``down(relu(up(x)))``, or the same with squared
+ReLU (``relu(.) ** 2`` in any spelling: ``squared_relu``) in place of ReLU, or dReLU
+``down(relu(gate(x)) * relu(up(x)))``; ``Match.act`` says which. Each projection is
 any spelling of a linear map (``F.linear``, ``x @ w.t()``, ``torch.matmul``, ``addmm``, matmul
 plus bias add), the gate and up may come from one fused projection split by ``chunk``,
 ``split`` or slicing, and identity-like nodes (eval-mode dropout, ``contiguous``, same-dtype
@@ -19,18 +21,19 @@ from __future__ import annotations
 import inspect
 import operator
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
-from torch import fx
+from torch import fx, nn
 
 from twell_compile.passes.pass_utils import (ACTIVATION_METHODS, ACTIVATIONS, ADD_FNS, ADD_METHODS, CHUNK_FNS,
                                              DROPOUT_FNS, LINEAR_FNS, MATMUL_FNS, MATMUL_METHODS, MUL_FNS,
                                              MUL_METHODS, RELU_FNS, RELU_METHODS, arg, chain, example, is_fn,
-                                             is_method, shape_key, skip)
+                                             is_method, real_value, shape_key, skip)
 from twell_compile.report import ROOT_LAYER
 
 def is_relu(node: fx.Node) -> bool:
@@ -409,6 +412,7 @@ class Match:
     x: fx.Node
     internal: list[fx.Node] = field(default_factory=list)   # nodes the rewrite removes
     layer: str = ""
+    act: str = "relu"        # the op's ``act``: "relu", "relu2" (squared ReLU), "drelu" (reference.ACTS)
 
     @property
     def gated(self) -> bool:
@@ -429,7 +433,15 @@ def _describe(node: Any) -> str:
 # Dynamo names a module by the source it was reached through: the compiled callable's own
 # argument (L['self'], L['mod'], or L['args'][0] where a decorator wraps forward, as in
 # transformers 5.24), or a global (G['model']), then the attribute path from there.
+SELF_ROOT = "L['self']"          # the source root of a module frame's own module
 _ROOT_SOURCE = re.compile(r"""^[LG]\[(?:'[^']*'|"[^"]*")\](?:\[[^\]]*\])*""")
+
+
+def source_root(source: str) -> str:
+    """The root of a Dynamo source (``L['self']`` of ``L['self'].model.layers[0]``); "" for
+    an fx / export path, which has none."""
+    m = _ROOT_SOURCE.match(source)
+    return m.group(0) if m else ""
 
 
 def module_path(source: str) -> str:
@@ -437,22 +449,100 @@ def module_path(source: str) -> str:
     ``L['self'].model.layers[0].mlp``, ``L['args'][0]._modules['model'].layers.0.mlp`` and
     ``G['net'].model.layers.0.mlp`` all give ``model.layers.0.mlp``."""
     rest = _ROOT_SOURCE.sub("", source, count=1)
-    rest = re.sub(r"""\._modules\[(?:'([^']*)'|"([^"]*)")\]""", lambda m: "." + (m.group(1) or m.group(2)), rest)
+    rest = re.sub(r"""\._(?:modules|parameters|buffers)\[(?:'([^']*)'|"([^"]*)")\]""", lambda m: "." + (m.group(1) or m.group(2)), rest)
     rest = re.sub(r"""\[(?:'([^']*)'|"([^"]*)"|(-?\d+))\]""", lambda m: "." + next(g for g in m.groups() if g is not None), rest)
     return rest.lstrip(".")
 
 
-def layer_name(nodes: list[fx.Node]) -> str:
+def layer_name(nodes: list[fx.Node], roots: Optional[dict[str, str]] = None) -> str:
     """The innermost module path shared by the projections (e.g. 'model.layers.0.mlp'); "root"
-    (report.ROOT_LAYER) when they share none: the compiled model's own forward holds them."""
+    (report.ROOT_LAYER) when they share none: the compiled model's own forward holds them.
+
+    Paths are compared as module paths, whatever spelling Dynamo gave each source
+    (``layers[0]``, ``layers._modules['0']``, ``layers.0``). ``roots`` maps a source root
+    (``L['self']``) to that module's own path in the model (``pass_utils.module_roots``): a
+    frame Dynamo compiles on its own after a graph break (an inner block's forward) names its
+    FFNs as the whole model's frame does."""
     stacks = [list((n.meta.get("nn_module_stack") or {}).values()) for n in nodes]
-    common: list = []
+    common: Optional[str] = None
     for entries in zip(*stacks):
-        paths = {e[0] if isinstance(e, tuple) else str(e) for e in entries}
-        if len(paths) != 1:
+        sources = [e[0] if isinstance(e, tuple) else str(e) for e in entries]
+        keys = {(source_root(s), module_path(s)) for s in sources}
+        if len(keys) != 1:
             break
-        common.append(paths.pop())
-    return (module_path(common[-1]) if common else "") or ROOT_LAYER
+        common = sources[0]
+    if common is None:       # the frame's own forward: its module's path, when it is a module's
+        return (roots or {}).get(SELF_ROOT) or ROOT_LAYER
+    prefix = (roots or {}).get(source_root(common), "")
+    return ".".join(p for p in (prefix, module_path(common)) if p) or ROOT_LAYER
+
+
+# Modules that wrap the user's model and add their own prefix to its parameters' names.
+def _unwrap(module: nn.Module) -> nn.Module:
+    while True:
+        inner = getattr(module, "_orig_mod", None)        # torch.compile's OptimizedModule
+        if not isinstance(inner, nn.Module) and isinstance(module, (nn.parallel.DistributedDataParallel,
+                                                                    nn.DataParallel)):
+            inner = module.module
+        if not isinstance(inner, nn.Module):
+            return module
+        module = inner
+
+
+def _caller_modules() -> list[nn.Module]:
+    """The modules whose methods are running on this thread's Python stack (their ``self``),
+    outermost first, wrappers unwrapped. A backend runs while Dynamo compiles a frame, inside
+    the calls that reached it: the model's own call is among them."""
+    out: dict[int, nn.Module] = {}
+    frame = sys._getframe(1)
+    while frame is not None:
+        me = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if isinstance(me, nn.Module):
+            me = _unwrap(me)
+            out.setdefault(id(me), me)
+        frame = frame.f_back
+    return list(reversed(out.values()))
+
+
+def module_roots(gm: fx.GraphModule) -> dict[str, str]:
+    """For each source root of a Dynamo graph (``L['self']``, ``L['args'][0]``) whose
+    parameters it lifts as inputs: that root module's path in the outermost module on the
+    call stack that holds those parameters ("" for the model itself). A frame Dynamo compiles
+    on its own (a block's forward after a graph break in its caller, gradient checkpointing)
+    roots its sources at that block; with this map its FFNs keep the names the whole model's
+    frame gives them. Empty where nothing can be told (no lifted parameters, a plain
+    function's frame). Computed once per graph (kept in ``gm.meta``)."""
+    if "twell_module_roots" in gm.meta:
+        return gm.meta["twell_module_roots"]
+    params: dict[str, list[tuple[torch.Tensor, str]]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        t = real_value(gm, node)
+        source = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
+        if t is None or not isinstance(source, str) or not callable(getattr(t, "data_ptr", None)):
+            continue
+        root = source_root(source)
+        if root and "_parameters[" in source:
+            params.setdefault(root, []).append((t, module_path(source)))
+    roots: dict[str, str] = {}
+    if params:
+        for model in _caller_modules():
+            names = {}
+            for name, p in model.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), []).append(name)
+            for root, items in params.items():
+                if root in roots:
+                    continue
+                for t, rel in items:
+                    found = [n for n in names.get(id(t), ()) if n == rel or n.endswith("." + rel)]
+                    if found:
+                        roots[root] = found[0][:len(found[0]) - len(rel)].rstrip(".")
+                        break
+            if len(roots) == len(params):
+                break
+    gm.meta["twell_module_roots"] = roots
+    return roots
 
 
 def _has_outside_users(internal: list[fx.Node], end: fx.Node) -> Optional[fx.Node]:
@@ -505,10 +595,12 @@ def composite_activation(node: Any, depth: int = 10) -> Optional[str]:
 
 
 def _relu_block(node: Any) -> bool:
-    """Whether ``node`` is relu(projection), or a product with such a factor."""
+    """Whether ``node`` is relu(projection) or its square, or a product with such a factor."""
     node = skip(node)
     if not isinstance(node, fx.Node):
         return False
+    if squared_relu(node) is not None:
+        return True
     if is_relu(node):
         return bool(node.args) and resolve_projection(node.args[0]) is not None
     if (is_fn(node, MUL_FNS) or is_method(node, MUL_METHODS)) and len(node.args) == 2:
@@ -574,6 +666,75 @@ class _Block:
     up: Optional[Projection]
     relu: fx.Node
     internal: list[fx.Node]
+    act: str = "relu"
+
+
+_POW_FNS = {operator.pow, torch.pow}
+_POW_METHODS = {"pow", "__pow__"}
+_SQUARE_FNS = {torch.square}
+_SQUARE_METHODS = {"square"}
+
+
+def _exponent(node: fx.Node) -> Any:
+    """The exponent of ``x ** e`` / ``torch.pow(x, e)`` / ``x.pow(e)`` when ``node`` is one with a
+    tensor base, else None."""
+    if not (is_fn(node, _POW_FNS) or is_method(node, _POW_METHODS)) or not node.args:
+        return None
+    if not isinstance(node.args[0], fx.Node):
+        return None
+    return arg(node, 1, "exponent")
+
+
+def squared_relu(node: Any) -> Optional[tuple[fx.Node, list[fx.Node]]]:
+    """If ``node`` is relu(p)^2 of a linear projection p, in any spelling (``relu(p) ** 2``,
+    ``torch.pow(relu(p), 2)``, ``relu(p).pow(2)``, ``torch.square(relu(p))``, ``relu(p) *
+    relu(p)`` with one ReLU or two of the same value; transformers' ACT2FN["relu2"] traces to
+    the square): (the ReLU node, the nodes from ``node`` down to the ReLU(s), ReLUs included).
+    Else None."""
+    node = skip(node)
+    if not isinstance(node, fx.Node):
+        return None
+    base = None
+    e = _exponent(node)
+    if e is not None:
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or e != 2:
+            return None
+        base = node.args[0]
+    elif (is_fn(node, _SQUARE_FNS) or is_method(node, _SQUARE_METHODS)) and node.args:
+        base = node.args[0]
+    elif (is_fn(node, MUL_FNS) or is_method(node, MUL_METHODS)) and len(node.args) == 2 and not node.kwargs:
+        a, b = (skip(v) for v in node.args)
+        if not (isinstance(a, fx.Node) and isinstance(b, fx.Node) and is_relu(a) and is_relu(b)):
+            return None
+        if a is not b and (mutates_first_arg(a) or mutates_first_arg(b) or not a.args or not b.args
+                           or skip(a.args[0]) is not skip(b.args[0])):
+            return None
+        if resolve_projection(a.args[0]) is None:
+            return None
+        nodes = [node] + chain(node.args[0], a) + [a]
+        if b is not a:
+            nodes += chain(node.args[1], b) + [b]
+        else:
+            nodes += chain(node.args[1], b)
+        return a, nodes
+    if not isinstance(base, fx.Node):
+        return None
+    r = skip(base)
+    if not (isinstance(r, fx.Node) and is_relu(r) and r.args and resolve_projection(r.args[0]) is not None):
+        return None
+    return r, [node] + chain(base, r) + [r]
+
+
+def _power_of_relu(node: Any) -> Optional[str]:
+    """A plain reason when ``node`` raises relu(projection) to a power other than 2."""
+    node = skip(node)
+    e = _exponent(node) if isinstance(node, fx.Node) else None
+    if e is None or e == 2:
+        return None
+    r = skip(node.args[0])
+    if isinstance(r, fx.Node) and is_relu(r) and r.args and resolve_projection(r.args[0]) is not None:
+        return f"the ReLU output is raised to the power {e!r}: only squared ReLU (power 2) is rewritten"
+    return None
 
 
 def match_gated(down_node: fx.Node, h: fx.Node, reject: Any) -> Optional[_Block | Rejection]:
@@ -581,6 +742,33 @@ def match_gated(down_node: fx.Node, h: fx.Node, reject: Any) -> Optional[_Block 
     if len(h.args) != 2 or not all(isinstance(a, fx.Node) for a in h.args):
         return _transformed(down_node, h, reject)
     a, b = h.args
+    # squared ReLU gate: relu(gate(x)) ** 2 * up(x)
+    for g_side, u_side in ((a, b), (b, a)):
+        sq = squared_relu(g_side)
+        if sq is None:
+            continue
+        g, sq_nodes = sq
+        gp, up = resolve_projection(g.args[0]), resolve_projection(u_side)
+        if up is None:
+            u = skip(u_side)
+            what = "ReLU" if isinstance(u, fx.Node) and is_relu(u) else _describe(u)
+            return reject(down_node, f"relu(gate)**2 times {what} of the up branch: squared ReLU takes the up "
+                                     "projection as it is (dReLU: relu(gate) * relu(up), unsquared)")
+        internal = ([h] + chain(g_side, skip(g_side)) + sq_nodes + chain(g.args[0], skip(g.args[0])) + gp.nodes
+                    + chain(u_side, skip(u_side)) + up.nodes)
+        return _Block(gp, up, g, internal, "relu2")
+    # dReLU: relu(gate(x)) * relu(up(x))
+    ga, gb = skip(a), skip(b)
+    if (isinstance(ga, fx.Node) and isinstance(gb, fx.Node) and ga is not gb and is_relu(ga) and is_relu(gb)
+            and ga.args and gb.args):
+        gp, up = resolve_projection(ga.args[0]), resolve_projection(gb.args[0])
+        if gp is not None and up is not None:
+            order = {n: i for i, n in enumerate(h.graph.nodes)}
+            if order[up.out] < order[gp.out]:      # the gate: the factor computed first (symmetric)
+                a, b, ga, gb, gp, up = b, a, gb, ga, up, gp
+            internal = ([h] + chain(a, ga) + [ga] + chain(ga.args[0], skip(ga.args[0])) + gp.nodes
+                        + chain(b, gb) + [gb] + chain(gb.args[0], skip(gb.args[0])) + up.nodes)
+            return _Block(gp, up, ga, internal, "drelu")
     for g_side, u_side in ((a, b), (b, a)):
         g = skip(g_side)
         if isinstance(g, fx.Node) and is_relu(g):
@@ -591,10 +779,15 @@ def match_gated(down_node: fx.Node, h: fx.Node, reject: Any) -> Optional[_Block 
             if gp is None:
                 return reject(down_node, f"the ReLU's input is {_describe(skip(g.args[0]))}, not a linear projection")
             if up is None:
-                return reject(down_node, f"the up branch is {_describe(skip(u_side))}, not a linear projection")
+                why = _power_of_relu(u_side)
+                return reject(down_node, why or f"the up branch is {_describe(skip(u_side))}, not a linear projection")
             internal = ([h] + chain(g_side, g) + [g] + chain(g.args[0], skip(g.args[0])) + gp.nodes
                         + chain(u_side, skip(u_side)) + up.nodes)
             return _Block(gp, up, g, internal)
+    for side in (a, b):
+        why = _power_of_relu(side)
+        if why is not None and any(resolve_projection(o) is not None for o in (a, b) if o is not side):
+            return reject(down_node, why)
     for side in (a, b):
         s = skip(side)
         act = activation_name(s) if isinstance(s, fx.Node) else None
@@ -613,8 +806,16 @@ def match_gated(down_node: fx.Node, h: fx.Node, reject: Any) -> Optional[_Block 
 
 
 def match_plain(down_node: fx.Node, h: fx.Node, reject: Any) -> Optional[_Block | Rejection]:
-    """``relu(up(x))`` at the down projection's input ``h``; other activations are rejected
-    with their name."""
+    """``relu(up(x))`` or its square at the down projection's input ``h``; other activations
+    are rejected with their name."""
+    sq = squared_relu(h)
+    if sq is not None:
+        r, nodes = sq
+        gate = resolve_projection(r.args[0])
+        return _Block(gate, None, r, nodes + chain(r.args[0], skip(r.args[0])) + gate.nodes, "relu2")
+    why = _power_of_relu(h)
+    if why is not None:
+        return reject(down_node, why)
     if is_relu(h):
         gate = resolve_projection(h.args[0])
         if gate is None:
@@ -695,7 +896,7 @@ def check_block(down_node: fx.Node, down: Projection, blk: _Block) -> Optional[s
     return None
 
 
-def match_at(down_node: fx.Node) -> Optional[Match | Rejection]:
+def match_at(down_node: fx.Node, roots: Optional[dict[str, str]] = None) -> Optional[Match | Rejection]:
     """Try to read ``down_node`` as the down projection of a ReLU FFN: the gated or the plain
     matcher on its input, then the block checks."""
     down = as_projection(down_node)
@@ -706,24 +907,25 @@ def match_at(down_node: fx.Node) -> Optional[Match | Rejection]:
     h = skip(down.x)
     if not isinstance(h, fx.Node):
         return None
-    where = layer_name([down_node, h])
+    where = layer_name([down_node, h], roots)
 
     def reject(node: fx.Node, reason: str) -> Rejection:
         return Rejection(node, reason, where)
 
-    matcher = match_gated if is_fn(h, MUL_FNS) or is_method(h, MUL_METHODS) else match_plain
+    product = (is_fn(h, MUL_FNS) or is_method(h, MUL_METHODS)) and squared_relu(h) is None   # relu(p) * relu(p)
+    matcher = match_gated if product else match_plain
     found = matcher(down_node, h, reject)
     if not isinstance(found, _Block):
         return found
     found.internal = list(down.nodes) + chain(down.x, h) + found.internal
-    name = layer_name([n.out for n in (found.gate, found.up, down) if n is not None])
+    name = layer_name([n.out for n in (found.gate, found.up, down) if n is not None], roots)
     why = check_block(down_node, down, found)
     if why is not None:
         return Rejection(down_node, why, name)
-    return Match(down, found.gate, found.up, found.gate.x, found.internal, name)
+    return Match(down, found.gate, found.up, found.gate.x, found.internal, name, found.act)
 
 
-def _fused_encoder_layer(node: fx.Node) -> Optional[Rejection]:
+def _fused_encoder_layer(node: fx.Node, roots: Optional[dict[str, str]] = None) -> Optional[Rejection]:
     """nn.TransformerEncoderLayer's inference fast path: the whole layer, FFN included, is one
     ATen op (taken under no_grad in eval mode); nothing in it can be replaced."""
     if not (node.op == "call_function" and node.target is getattr(torch, "_transformer_encoder_layer_fwd", None)):
@@ -732,7 +934,7 @@ def _fused_encoder_layer(node: fx.Node) -> Optional[Rejection]:
     act = "GELU" if use_gelu else "ReLU"
     return Rejection(node, f"nn.TransformerEncoderLayer fast path: the {act} FFN is fused into "
                             "torch._transformer_encoder_layer_fwd (runs when no gradient is needed); "
-                            "nothing to rewrite", layer_name([node]))
+                            "nothing to rewrite", layer_name([node], roots))
 
 
 # ------------------------------------------------------------------------------ torch.func transforms
@@ -821,9 +1023,11 @@ def transform_reason(graph: fx.Graph) -> Optional[str]:
     return dual_inputs(graph)
 
 
-def find_ffns(graph: fx.Graph, outer: Optional[str] = None) -> list[Match | Rejection]:
+def find_ffns(graph: fx.Graph, outer: Optional[str] = None,
+              roots: Optional[dict[str, str]] = None) -> list[Match | Rejection]:
     """Every match or rejection in a graph (not its subgraphs), in graph order. ``outer``: a
-    reason that holds for the whole graph (a subgraph inside a torch.func transform)."""
+    reason that holds for the whole graph (a subgraph inside a torch.func transform);
+    ``roots``: the model paths of the graph's source roots (``module_roots``)."""
     found: list[Match | Rejection] = []
     claimed: set[fx.Node] = set()
     regions = transform_regions(graph)
@@ -831,7 +1035,7 @@ def find_ffns(graph: fx.Graph, outer: Optional[str] = None) -> list[Match | Reje
     for node in graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
-        result = _fused_encoder_layer(node) or match_at(node)
+        result = _fused_encoder_layer(node, roots) or match_at(node, roots)
         if result is None:
             continue
         if isinstance(result, Match):

@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from twell_compile.config import TwellConfig
-from twell_compile.passes.match_ffn import as_projection, is_relu, layer_name, resolve_projection
+from twell_compile.passes.match_ffn import as_projection, is_relu, layer_name, module_roots, resolve_projection
 from twell_compile.passes.pass_utils import MUL_FNS, MUL_METHODS, graph_modules, is_fn, is_method, is_transparent, report_of
 from twell_compile.report import RejectionEntry
 
@@ -74,5 +74,5 @@ def report_cuts(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
                 continue
             outs = _reaches_output(node)
             if outs is not None:
-                report.add_rejection(RejectionEntry(layer_name(outs + [node]), why, sub_name))
+                report.add_rejection(RejectionEntry(layer_name(outs + [node], module_roots(gm)), why, sub_name))
     return gm

@@ -95,3 +95,37 @@ def test_generate_of_torch_compile_result_runs_eager():
     with torch.no_grad():
         compiled.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
     assert counters["stats"]["unique_graphs"] == 0 and not twell_compile.layer_stats()
+
+
+def test_one_layer_name_per_ffn_across_prefill_decode_training_and_prepare():
+    """layer_stats() and the reports key each FFN by one name, its module path in the model:
+    the prefill graph, the decode graph, a training step under gradient checkpointing (Dynamo
+    compiles the inner model's frame on its own there, its sources rooted at ``model``) and
+    ``prepare`` all say ``model.layers.<i>.mlp``."""
+    import copy
+
+    expected = ["model.layers.0.mlp", "model.layers.1.mlp"]
+    model = tiny_llama()
+    ids = torch.randint(1, 128, (2, 7))
+    mask = torch.ones_like(ids)
+    twell_compile.reset_stats()
+    model.compile(backend="twell", options={"twell.skip_dense": False, "twell.stats": True})
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)     # prefill only
+        stats = twell_compile.layer_stats()
+        assert sorted(stats) == expected and all(s.tokens == 14 for s in stats.values())
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        stats = twell_compile.layer_stats()
+        assert sorted(stats) == expected and all(s.tokens == 2 for s in stats.values())   # a decode step
+    fresh = tiny_llama().train()
+    fresh.gradient_checkpointing_enable()
+    report = twell_compile.explain(fresh, ids, labels=ids, options={"twell.skip_dense": False})
+    assert sorted(r.layer for r in report.rewrites) == expected, str(report)
+    assert all(r.op == "twell::ffn_train" and r.graph for r in report.rewrites), str(report)  # checkpointed
+    model.train()
+    model.gradient_checkpointing_enable()
+    model(ids, labels=ids).loss.backward()
+    stats = twell_compile.layer_stats()
+    assert sorted(stats) == expected and all(s.tokens == 14 for s in stats.values())
+    prepared = twell_compile.prepare(copy.deepcopy(tiny_llama()))
+    assert sorted(r.layer for r in prepared.rewrites) == expected

@@ -43,6 +43,16 @@ def test_opcheck_training(gated, bias):
     torch.library.opcheck(OPS.ffn_train.default, (*args, 3, 6, 0.0, "t", True))
 
 
+@pytest.mark.parametrize("act", ["relu2", "drelu"])
+def test_opcheck_activations(act):
+    args = make(6, 8, 12, 7, density=0.5)
+    torch.library.opcheck(OPS.ffn.default, (*args, "t", True, 0, "auto", act))
+    leaves = [t.detach().clone().requires_grad_() for t in args]
+    torch.library.opcheck(OPS.ffn_train.default, (*leaves, 3, 6, 0.1, "t", True, 0, "auto", None, act))
+    _, *saved = OPS.ffn_train(*args, 3, 2, 0.0, "t", False, 0, "auto", None, act)
+    torch.library.opcheck(OPS.ffn_train_bwd.default, (torch.randn(6, 7), *args[:6], *saved, 1e-3, act))
+
+
 def test_opcheck_backward_op():
     x, wg, bg, wu, bu, wd, bd = make(6, 8, 12, 7)
     _, *saved = OPS.ffn_train(x, wg, bg, wu, bu, wd, bd, 3, 2, 0.0, "t", False)
@@ -219,19 +229,56 @@ def test_training_op_refuses_a_non_finite_or_negative_l1_scale(l1):
 
 
 def test_instance_and_path_arguments_default_and_reach_the_runtime(monkeypatch):
-    """The op's last two arguments name its instance (per-op runtime state; direct calls: 0)
-    and the path it must take ("auto": the plan's choice)."""
+    """The op's last three arguments name its instance (per-op runtime state; direct calls: 0),
+    the path it must take ("auto": the plan's choice) and the activation ("relu")."""
     from twell_compile.runtime import execute
 
     seen = []
     real = execute.ffn_infer
-    monkeypatch.setattr(execute, "ffn_infer", lambda *a: seen.append(a[-2:]) or real(*a))
+    monkeypatch.setattr(execute, "ffn_infer", lambda *a: seen.append(a[-3:]) or real(*a))
     args = make(5, 8, 12, 7)
     OPS.ffn(*args, "t", False)
     OPS.ffn(*args, "t", False, 9, "torch")
-    assert seen == [(0, "auto"), (9, "torch")]
-    assert [a.name for a in OPS.ffn.default._schema.arguments[-2:]] == ["instance", "path"]
-    assert [a.name for a in OPS.ffn_train.default._schema.arguments[-3:]] == ["instance", "path", "tag"]
+    OPS.ffn(*args, "t", False, 9, "torch", act="relu2")
+    assert seen == [(0, "auto", "relu"), (9, "torch", "relu"), (9, "torch", "relu2")]
+    assert [a.name for a in OPS.ffn.default._schema.arguments[-3:]] == ["instance", "path", "act"]
+    assert [a.name for a in OPS.ffn_train.default._schema.arguments[-4:]] == ["instance", "path", "tag", "act"]
+    assert OPS.ffn_train_bwd.default._schema.arguments[-1].name == "act"
+
+
+@pytest.mark.parametrize("act", ["relu2", "drelu"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_activations_match_the_oracle_with_gradients(act, gated):
+    """act="relu2" (squared ReLU) and "drelu" (relu(gate) * relu(up)): the inference op and the
+    training op's forward and backward (the L1 term on the h fed to down included) as autograd
+    of reference.ffn_dense computes them."""
+    from twell_compile.reference import ffn_dense, ffn_hidden, activate
+
+    if act == "drelu" and not gated:
+        with pytest.raises(ValueError, match="act='drelu'.*needs w_up"):
+            OPS.ffn(*make(5, 8, 12, 7, gated=False), "t", False, 0, "auto", act)
+        return
+    args = make(9, 8, 12, 7, gated=gated)
+    with torch.no_grad():
+        torch.testing.assert_close(OPS.ffn(*args, "t", False, 0, "auto", act), ffn_dense(*args, act))
+    leaves = [None if a is None else a.detach().clone().requires_grad_() for a in args]
+    y = OPS.ffn_train(*leaves, 4, 2, 0.3, "t", False, 0, "auto", None, act)[0]
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, [a for a in leaves if a is not None], dy)
+    ref = [None if a is None else a.detach().double().requires_grad_() for a in args]
+    h = activate(*ffn_hidden(*ref[:5]), act)
+    loss = (F.linear(h, ref[5], ref[6]) * dy.double()).sum() + 0.3 * h.abs().mean()
+    want = torch.autograd.grad(loss, [a for a in ref if a is not None])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_activation_is_refused_with_its_name():
+    args = make(5, 8, 12, 7)
+    for op_call in (lambda: OPS.ffn(*args, "t", False, 0, "auto", "gelu"),
+                    lambda: OPS.ffn_train(*args, 4, 2, 0.0, "t", False, 0, "auto", None, "silu")):
+        with pytest.raises(ValueError, match="act must be one of 'relu', 'relu2', 'drelu'"):
+            op_call()
 
 
 def test_tag_names_the_instance_and_layer_of_a_training_call(monkeypatch):

@@ -8,17 +8,22 @@
 ``instance`` (default 0) names the op instance whose runtime state (the CUDA path's density
 measurements) a call reads and writes: the passes and ``prepare`` give each op they insert a
 number unique in the process (``next_instance``); 0, for direct calls, shares the state by
-layer name. ``path`` (last, default "auto") forces a path (runtime/select.py: "dense",
+layer name. ``path`` (after ``instance``, default "auto") forces a path (runtime/select.py: "dense",
 "twell", "decode", "decode-<form>", "cpu", "torch" for inference; "dense", "compact", "twell"
 for training); a forced path that cannot run the call raises ``ValueError``. (Not named
 ``kernel``: Inductor's fallback lowering takes that keyword itself.)
 
-``tag`` (twell::ffn_train only, last, default None): a 0-d int64 CPU tensor made by ``tag``,
+``tag`` (twell::ffn_train only, after ``path``, default None): a 0-d int64 CPU tensor made by ``tag``,
 holding an instance number; when given it replaces ``instance`` and ``layer`` (the name ``tag``
 recorded) at run time. ``prepare`` gives each prepared module one, so the op's per-layer
 arguments are tensor inputs, not constants: Dynamo compiles one graph for every block that
 shares its code (FSDP2's per-block frames, regional compilation), where constants would
 recompile each block, past Dynamo's limit of 8 (the rest then ran eager).
+
+``act`` (last, default "relu"; reference.ACTS): the activation. "relu2" is squared ReLU,
+h = relu(g)^2 [* u]; "drelu" (gated only) h = relu(g) * relu(u). All share relu(g)'s zero
+pattern, which every path skips; the training state saves relu(g) and u at its non-zeros and
+the backward forms the activation's derivative from them. Anything else raises ``ValueError``.
 
 ``w_up=None`` selects the non-gated FFN down(relu(gate(x))). Weights use nn.Linear's layout:
 w_gate, w_up [N, K]; w_down [K_out, N]. Biases are optional. Every tensor must share x's dtype
@@ -41,6 +46,7 @@ from torch import Tensor
 
 from twell_compile.config import PATHS
 from twell_compile.formats import backup_capacity
+from twell_compile.reference import check_act
 from twell_compile.runtime import execute, select
 from twell_compile.runtime.select import static_path, static_reason
 
@@ -132,14 +138,15 @@ def _check_positive(**knobs: int) -> None:
 # need a gradient is refused up front (the backend rewrites to ffn_train when one is needed).
 _lib = torch.library.Library("twell", "FRAGMENT")
 _lib.define("ffn(Tensor x, Tensor w_gate, Tensor? b_gate, Tensor? w_up, Tensor? b_up, Tensor w_down, "
-            "Tensor? b_down, str layer, bool stats, int instance=0, str path='auto') -> Tensor",
+            "Tensor? b_down, str layer, bool stats, int instance=0, str path='auto', str act='relu') -> Tensor",
             tags=(torch.Tag.pt2_compliant_tag,))
 
 
 def _ffn(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
          b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
-         layer: str, stats: bool, instance: int = 0, path: str = "auto") -> Tensor:
+         layer: str, stats: bool, instance: int = 0, path: str = "auto", act: str = "relu") -> Tensor:
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
+    check_act(act, w_up is not None)
     select.check_path(path, select.INFER_PATHS, "inference")
     if torch.is_grad_enabled():
         for name, t in (("x", x), ("w_gate", w_gate), ("b_gate", b_gate), ("w_up", w_up),
@@ -148,7 +155,7 @@ def _ffn(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Ten
                 raise ValueError(f"{name} requires grad, and twell::ffn is inference only: call it "
                                  f"under torch.no_grad() / torch.inference_mode(), or use "
                                  f"twell::ffn_train, whose backward is ours")
-    return execute.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, stats, instance, path)
+    return execute.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, stats, instance, path, act)
 
 
 _lib.impl("ffn", _ffn, "CompositeExplicitAutograd")
@@ -156,8 +163,9 @@ _lib.impl("ffn", torch.library.fallthrough_kernel, "Autograd")
 
 
 @torch.library.register_fake("twell::ffn", lib=_lib)
-def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, stats, instance=0, path="auto"):
+def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, stats, instance=0, path="auto", act="relu"):
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
+    check_act(act, w_up is not None)
     select.check_path(path, select.INFER_PATHS, "inference")
     return x.new_empty((*x.shape[:-1], w_down.shape[0]))
 
@@ -167,10 +175,11 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, stats, instance=0, p
 def ffn_train(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
               ell_width: int, backup_rows: int, l1_scale: float, layer: str, stats: bool,
-              instance: int = 0, path: str = "auto", tag: Optional[Tensor] = None
+              instance: int = 0, path: str = "auto", tag: Optional[Tensor] = None, act: str = "relu"
               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u); see formats.Hybrid."""
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
+    check_act(act, w_up is not None)
     if tag is not None:
         instance, layer = tagged(tag)
     _check_positive(ell_width=ell_width, backup_rows=backup_rows)
@@ -178,7 +187,7 @@ def ffn_train(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     if not math.isfinite(l1_scale) or l1_scale < 0:
         raise ValueError(f"l1_scale must be a finite number >= 0, got {l1_scale}")
     return execute.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
-                                     ell_width, backup_rows, layer, stats, instance, path, l1_scale)
+                                     ell_width, backup_rows, layer, stats, instance, path, l1_scale, act)
 
 
 def _backup_rows(capacity):
@@ -202,8 +211,9 @@ def _backup_rows(capacity):
 
 @ffn_train.register_fake
 def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, ell_width, backup_rows, l1_scale, layer, stats, instance=0,
-      path="auto", tag=None):
+      path="auto", tag=None, act="relu"):
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
+    check_act(act, w_up is not None)
     if tag is not None:
         _check_tag(tag)
     select.check_path(path, select.TRAIN_PATHS, "training")
@@ -228,17 +238,19 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, ell_width, backup_rows, l1_
 def ffn_train_bwd(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
                   w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor,
                   counts: Tensor, cols: Tensor, ell_g: Tensor, ell_u: Tensor,
-                  backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, l1_scale: float
+                  backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, l1_scale: float, act: str = "relu"
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down); absent ones are empty tensors."""
+    check_act(act, w_up is not None)
     grads = execute.ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, counts, cols,
-                                       ell_g, ell_u, backup_idx, backup_g, backup_u, l1_scale=l1_scale)
+                                       ell_g, ell_u, backup_idx, backup_g, backup_u, l1_scale=l1_scale, act=act)
     return tuple(g if g is not None else x.new_empty(0) for g in grads)
 
 
 @ffn_train_bwd.register_fake
 def _(dy, x, w_gate, b_gate, w_up, b_up, w_down, counts, cols, ell_g, ell_u, backup_idx,
-      backup_g, backup_u, l1_scale):
+      backup_g, backup_u, l1_scale, act="relu"):
+    check_act(act, w_up is not None)
     def like(t: Optional[Tensor]) -> Tensor:
         return x.new_empty(0) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
 
@@ -264,6 +276,7 @@ def _train_setup_context(ctx, inputs: Sequence, output: Sequence) -> None:
     ctx.set_materialize_grads(False)
     ctx.y_shape = output[0].shape
     ctx.l1_scale = l1_scale
+    ctx.act = inputs[15] if len(inputs) > 15 else "relu"
     ctx.has_b_down = b_down is not None
 
 
@@ -271,10 +284,11 @@ def _train_backward(ctx, dy: Optional[Tensor], *_unused: Optional[Tensor]):
     x, w_gate, b_gate, w_up, b_up, w_down, *saved = ctx.saved_tensors
     if dy is None:              # grads are not materialised (setup_context)
         dy = x.new_zeros(ctx.y_shape)
-    grads = list(torch.ops.twell.ffn_train_bwd(dy, x, w_gate, b_gate, w_up, b_up, w_down, *saved, ctx.l1_scale))
+    grads = list(torch.ops.twell.ffn_train_bwd(dy, x, w_gate, b_gate, w_up, b_up, w_down, *saved, ctx.l1_scale,
+                                               ctx.act))
     present = [True, True, b_gate is not None, w_up is not None, b_up is not None, True, ctx.has_b_down]
     out = [g if keep and need else None for g, keep, need in zip(grads, present, ctx.needs_input_grad)]
-    return (*out, None, None, None, None, None, None, None, None)      # ell_width .. tag
+    return (*out, None, None, None, None, None, None, None, None, None)      # ell_width .. act
 
 
 ffn_train.register_autograd(_train_backward, setup_context=_train_setup_context)

@@ -45,6 +45,7 @@ from twell_compile.config import PREFIX, TwellConfig, did_you_mean, path_for
 from twell_compile.ops import static_reason, tag
 from twell_compile.passes.match_ffn import Match, find_ffns
 from twell_compile.passes.pass_utils import CAST_METHODS, DROPOUT_FNS, arg, chain, example, skip
+from twell_compile.reference import activate
 from twell_compile.report import ROOT_LAYER, RejectionEntry, Report, RewriteEntry
 
 log = logging.getLogger("twell_compile")
@@ -85,6 +86,7 @@ class FFNSpec:
     path: str = "auto"                    # twell.path
     instance: int = 0                     # the op instance (ops.next_instance): its runtime state
     arg: str = "x"                        # the name of forward's one input (keyword calls)
+    act: str = "relu"                     # the activation (the ops' act: relu, relu2, drelu)
 
 
 # ------------------------------------------------------------------------------ tracing
@@ -224,8 +226,8 @@ def _param_path(module: nn.Module, node: Any, what: str) -> tuple[Optional[str],
 
 
 def _projections(module: nn.Module, gm: fx.GraphModule) -> tuple[Optional[tuple], str]:
-    """(gate, up, down) ProjSpecs when the traced forward is exactly one ReLU FFN, else a reason
-    ("" when it holds no FFN-like block at all)."""
+    """(gate, up, down) ProjSpecs and the activation when the traced forward is exactly one
+    ReLU-family FFN, else a reason ("" when it holds no FFN-like block at all)."""
     found = find_ffns(gm.graph)
     if not found:
         return None, ""
@@ -272,7 +274,7 @@ def _projections(module: nn.Module, gm: fx.GraphModule) -> tuple[Optional[tuple]
         return None, "the output's leading shape differs from the input's"
     if len({p.dtype for p in module.parameters()}) != 1:
         return None, "parameters of different dtypes"
-    return tuple(projs), ""
+    return (*projs, m.act), ""
 
 
 def _input_name(module: nn.Module) -> str:
@@ -353,18 +355,21 @@ def run_ffn(module: nn.Module, spec: FFNSpec, x: Tensor) -> Tensor:
         # guard on every block's frame (FSDP2, regional compilation: one compile per block).
         return torch.ops.twell.ffn_train.default(x, wg, bg, wu, bu, wd, bd, spec.ell_width, spec.backup_rows,
                                                  spec.l1_scale, "", spec.stats, 0, path_for(spec.path, True),
-                                                 getattr(module, _TAG))[0]
+                                                 getattr(module, _TAG), **_act(spec))[0]
     if spec.skip_dense and _dense_reason(x.device, dtype, wg.shape[1], wg.shape[0], wd.shape[0],
                                          wu is not None, path_for(spec.path, False)) is not None:
         # Our op would run slower than dense here (e.g. fp32 on CUDA): the plain formula, which
         # the backend then leaves to Inductor as it does for unprepared FFNs (twell.skip_dense).
         # (The token count is not asked: it would put a guard on every prepared FFN's input.)
-        h = F.relu(F.linear(x, wg, bg))
-        if wu is not None:
-            h = h * F.linear(x, wu, bu)
+        h = activate(F.relu(F.linear(x, wg, bg)), None if wu is None else F.linear(x, wu, bu), spec.act)
         return F.linear(h, wd, bd)
     return torch.ops.twell.ffn.default(x, wg, bg, wu, bu, wd, bd, spec.layer, spec.stats, spec.instance,
-                                       path_for(spec.path, False))
+                                       path_for(spec.path, False), **_act(spec))
+
+
+def _act(spec: FFNSpec) -> dict[str, str]:
+    """The op's ``act`` keyword (ReLU calls keep the schema's default, as the backend's do)."""
+    return {"act": spec.act} if spec.act != "relu" else {}
 
 
 def _is_dtensor(t: Tensor) -> bool:
@@ -453,7 +458,7 @@ def _redecide(module: nn.Module, changed: str) -> None:
                       for path, name, how, _ in old for now in [_now(module, path, name)])
     setattr(module, _READS, reads)
     if projs is not None:
-        setattr(module, _SPEC, dataclasses.replace(spec, gate=projs[0], up=projs[1], down=projs[2]))
+        setattr(module, _SPEC, dataclasses.replace(spec, gate=projs[0], up=projs[1], down=projs[2], act=projs[3]))
         setattr(module, _FALLBACK, None)
         log.info("twell prepare: %s: %s; decided again: it is still one ReLU FFN", spec.layer, changed)
         return
@@ -621,8 +626,8 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None, *,
             elif why:
                 log.debug("twell prepare: %s not traced: %s", name or ROOT_LAYER, why)
             continue
-        spec = FFNSpec(name or ROOT_LAYER, *projs, config.ell_width, config.backup_rows, 0.0, config.stats,
-                       config.skip_dense, config.path, arg=_input_name(module))
+        spec = FFNSpec(name or ROOT_LAYER, *projs[:3], config.ell_width, config.backup_rows, 0.0, config.stats,
+                       config.skip_dense, config.path, arg=_input_name(module), act=projs[3])
         found.append((module, spec, reads))
         taken.append(name)
     if not found:
@@ -642,7 +647,8 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None, *,
         k = wg.shape[0] if spec.gate.transposed else wg.shape[1]
         k_out = wd.shape[1] if spec.down.transposed else wd.shape[0]
         report.add_rewrite(RewriteEntry(spec.layer, spec.up is not None, "prepared", "any", int(k), int(n),
-                                        int(k_out), str(wg.dtype).replace("torch.", ""), "", via="prepare"))
+                                        int(k_out), str(wg.dtype).replace("torch.", ""), "", via="prepare",
+                                        act=spec.act))
     return report
 
 

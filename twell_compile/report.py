@@ -36,6 +36,8 @@ class RewriteEntry:
         ``twell_compile.prepare``).
     runs: what the op will run, from the compile-time facts (e.g. "C++ CPU kernel", "plain
         PyTorch", "CUDA TwELL or dense, by measured density"); "" where not known (prepare).
+    act: the activation, the op's ``act``: "relu", "relu2" (squared ReLU: relu(.)^2 in place of
+        relu), "drelu" (relu(gate(x)) * relu(up(x))). The table's kind names it unless "relu".
     """
 
     layer: str
@@ -49,6 +51,7 @@ class RewriteEntry:
     graph: str
     via: str = "graph"
     runs: str = ""
+    act: str = "relu"
 
 
 @dataclass(frozen=True)
@@ -106,8 +109,7 @@ class Report:
 
     def add_rewrite(self, entry: RewriteEntry) -> None:
         self.rewrites.append(entry)
-        log.info("twell: rewrote %s (%s, %s, N=%d, K=%d, %s) -> %s%s%s", entry.layer,
-                 "gated" if entry.gated else "non-gated", entry.dtype, entry.n, entry.k,
+        log.info("twell: rewrote %s (%s, %s, N=%d, K=%d, %s) -> %s%s%s", entry.layer, _kind(entry), entry.dtype, entry.n, entry.k,
                  entry.tokens_shape, entry.op, " (prepared)" if entry.via == "prepare" else "",
                  f": {entry.runs}" if entry.runs else "")
 
@@ -131,7 +133,7 @@ class Report:
             runs = any(r.runs for r in self.rewrites)
             rows = [("layer", "kind", "op", "tokens", "K", "N", "K_out", "dtype") + (("graph",) if many else ())
                     + (("runs",) if runs else ())]
-            rows += [(r.layer, ("gated" if r.gated else "non-gated") + (", prepared" if r.via == "prepare" else ""),
+            rows += [(r.layer, _kind(r) + (", prepared" if r.via == "prepare" else ""),
                       r.op, r.tokens_shape, str(r.k), str(r.n), str(r.k_out), r.dtype) + ((r.graph,) if many else ())
                      + ((r.runs or "-",) if runs else ()) for r in self.rewrites]
             lines += table(rows)
@@ -142,6 +144,10 @@ class Report:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _kind(r: RewriteEntry) -> str:
+    return ("gated" if r.gated else "non-gated") + ("" if r.act == "relu" else f" {r.act}")
 
 
 def table(rows: list[tuple[str, ...]]) -> list[str]:

@@ -1,5 +1,6 @@
 """relu_mul_rows (the CUDA dense path's elementwise pass + statistics) under TRITON_INTERPRET=1:
-h bit-identical to eager, exact non-zero counts (NaN counted), |h| sums, odd and strided shapes."""
+h bit-identical to eager, exact non-zero counts (NaN counted), |h| sums, odd and strided shapes;
+squared ReLU and dReLU too."""
 
 from __future__ import annotations
 
@@ -18,14 +19,16 @@ SCRIPT = textwrap.dedent("""
     arch.patched(dense_block=64, dense_programs={programs}).__enter__()
     torch.manual_seed({seed})
     m, n, gated, strided, bad = {case}
+    act = {act!r}
     dt = torch.float16
     big = torch.randn(m, n + 7).to(dt)
     g = big[:, 3:n + 3] if strided else big[:, :n].contiguous()
     u = torch.randn(m, n).to(dt) if gated else None
     if bad and m > 2:
         g[0, 1] = float("nan"); g[1, 2] = float("inf"); g[2, 0] = -float("inf")
-    h, cnt, asum = cuda_infer.relu_mul_rows(g, u)
-    eager = torch.relu(g) * u if gated else torch.relu(g)
+    h, cnt, asum = cuda_infer.relu_mul_rows(g, u, act)
+    a = torch.relu(g) ** 2 if act == "relu2" else torch.relu(g)         # eager's spelling
+    eager = a * (torch.relu(u) if act == "drelu" else u) if gated else a
     assert torch.equal(h.isnan(), eager.isnan()), "nan pattern"
     ok = ~eager.isnan()
     assert torch.equal(h[ok], eager[ok]), "h not bit-identical to eager"
@@ -51,4 +54,10 @@ CASES = [
 @pytest.mark.parametrize("programs", [1, 64])
 @pytest.mark.parametrize("case", CASES)
 def test_relu_mul_rows_under_interpreter(case, programs):
-    run_interpreted(SCRIPT.format(seed=sum(case[:2]), case=case, programs=programs))
+    run_interpreted(SCRIPT.format(seed=sum(case[:2]), case=case, programs=programs, act="relu"))
+
+
+@pytest.mark.parametrize("act, case", [("relu2", CASES[0]), ("relu2", CASES[1]), ("relu2", CASES[2]),
+                                       ("drelu", CASES[0]), ("drelu", CASES[2])])
+def test_activations_under_interpreter(act, case):
+    run_interpreted(SCRIPT.format(seed=sum(case[:2]) + 1, case=case, programs=64, act=act))

@@ -16,11 +16,12 @@ pytest.importorskip("triton")
 SCRIPT = textwrap.dedent("""
     import torch, torch.nn.functional as F
     from twell_compile.runtime.cuda_infer import gate_rows, twell_forward
-    from twell_compile.reference import ffn_dense
+    from twell_compile.reference import activate, ffn_dense
     from twell_compile.runtime import arch
     arch.patched(**{launch}).__enter__()      # the row kernel's launch variant, for this process
     torch.manual_seed({seed})
     m, k, n, ko, gated, bias, width, bad = {case}
+    act = {act!r}
     dt = torch.float16
     x = torch.randn(m, k).to(dt)
     wg = (torch.randn(n, k) / k ** .5).to(dt)
@@ -35,8 +36,8 @@ SCRIPT = textwrap.dedent("""
     hg = torch.relu(F.linear(x, wg, bg))
     # list width ``width``: rows over it take the exact tail over g
     torch.empty(4 * m * (n + ko)).to(dt).fill_(float("nan"))    # poison freed memory
-    y, counts, hsum = twell_forward(*args, width)
-    want_hsum = (hg * (F.linear(x, wu, bu) if gated else 1)).float().abs().sum(1)
+    y, counts, hsum = twell_forward(*args, width, act)
+    want_hsum = activate(hg.float(), F.linear(x, wu, bu).float() if gated else None, act).abs().sum(1)
     fin_rows = torch.isfinite(x).all(1) & torch.isfinite(want_hsum)
     assert torch.allclose(hsum[fin_rows], want_hsum[fin_rows], rtol=2e-2, atol=1e-2), (hsum, want_hsum)
     assert torch.equal(counts, (hg != 0).sum(1).int()), "counts"
@@ -47,11 +48,11 @@ SCRIPT = textwrap.dedent("""
     want = torch.where(c > width, 0, 1 + ((nb - 2) - c * (nb - 1) // (width + 1)).clamp(min=0)) if nb > 1 else 0 * c
     assert torch.equal(want[o], want[o].sort(stable=True).values), ("order: heaviest bucket first", want[o])
     assert torch.equal(r.ctr.long(), torch.bincount(want, minlength=nb)), ("bucket sizes", r.ctr, want)
-    eager = ffn_dense(*args)
+    eager = ffn_dense(*args, act)
     assert torch.equal(torch.isnan(y), torch.isnan(eager)), "nan pattern"
     fin = torch.isfinite(x).all(1)
     ref = ffn_dense(*(None if a is None else a[fin].double() if i == 0 else a.double()
-                      for i, a in enumerate(args)))
+                      for i, a in enumerate(args)), act)
     err = ((y[fin].double() - ref).norm() / ref.norm()).item()
     derr = ((eager[fin].double() - ref).norm() / ref.norm()).item()
     assert err <= 2 * derr + 1e-6, (err, derr)
@@ -71,7 +72,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES)
 def test_kernels_under_interpreter(case):
-    run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case, launch={}), timeout=60)
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case, launch={}, act="relu"), timeout=60)
 
 
 # the software-pipelined list loop (row_prefetch 3: Triton's pipeliner keeps row_stages - 1 pairs'
@@ -80,7 +81,7 @@ def test_kernels_under_interpreter(case):
                                     dict(row_prefetch=3, row_stages=2, row_pairs=2)])
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]])
 def test_pipelined_list_loop_under_interpreter(case, launch):
-    run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 1, case=case, launch=launch), timeout=60)
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 1, case=case, launch=launch, act="relu"), timeout=60)
 
 
 # the row order in one bucket (program p takes the p-th row) and in eight (heaviest first; with
@@ -88,4 +89,12 @@ def test_pipelined_list_loop_under_interpreter(case, launch):
 @pytest.mark.parametrize("launch", [dict(row_buckets=1), dict(row_buckets=8, compact_stages=3)])
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[5]])
 def test_row_buckets_under_interpreter(case, launch):
-    run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 2, case=case, launch=launch), timeout=60)
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 2, case=case, launch=launch, act="relu"), timeout=60)
+
+
+# squared ReLU (gated and not) and dReLU: h formed from the listed relu(g) and u, in the list
+# loop and the exact tail, NaN/Inf rows included; counts stay relu(g)'s
+@pytest.mark.parametrize("act, case", [("relu2", CASES[0]), ("relu2", CASES[1]), ("relu2", CASES[2]),
+                                       ("drelu", CASES[0]), ("drelu", CASES[2]), ("drelu", CASES[5])])
+def test_activations_under_interpreter(act, case):
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 2, case=case, launch={}, act=act), timeout=60)

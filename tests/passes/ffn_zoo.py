@@ -1,7 +1,8 @@
 """FFN modules built from a variant spec: every spelling of linear, ReLU, mul, split and dropout.
 
 ``build(spec)`` returns an ``nn.Module`` computing ``down(relu(gate(x)) * up(x))`` (gated) or
-``down(relu(up(x)))`` written the way ``spec`` says. Used by the hypothesis tests of the
+``down(relu(up(x)))`` written the way ``spec`` says, with squared ReLU (``act="relu2"``, the
+square spelled as ``spec.square`` says) or dReLU (``act="drelu"``: relu(gate) * relu(up)). Used by the hypothesis tests of the
 matcher and the rewrite; ``specs()`` is the strategy over the whole variant space.
 """
 
@@ -21,6 +22,8 @@ RELUS = ("F.relu", "torch.relu", "Tensor.relu", "relu_", "F.relu(inplace)", "nn.
 MULS = ("*", "torch.mul", "Tensor.mul")
 SPLITS = (None, "chunk", "split", "slice")
 DROPOUTS = (None, "eval", "p0")
+ACTS = ("relu", "relu2", "drelu")
+SQUARES = ("**2", "**2.0", "torch.pow", "Tensor.pow", "torch.square", "Tensor.square", "relu*relu", "ReLUSquared")
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,8 @@ class Spec:
     n: int = 12
     k_out: int = 8
     batch: tuple[int, ...] = (5,)  # token dims: (M,) -> 2-D input, (B, T) -> 3-D input
+    act: str = "relu"              # "relu2": squared ReLU; "drelu": relu(gate) * relu(up) (gated)
+    square: str = "**2"            # act="relu2": how the square is spelled
 
     def describe(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items())
@@ -106,6 +111,29 @@ def mul(kind: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     raise ValueError(kind)
 
 
+class ReLUSquared(nn.Module):
+    """transformers' ACT2FN["relu2"] (ReLUSquaredActivation), copied: F.relu then torch.square."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.square(F.relu(h))
+
+
+def square(kind: str, h: torch.Tensor) -> torch.Tensor:
+    if kind == "**2":
+        return h ** 2
+    if kind == "**2.0":
+        return h ** 2.0
+    if kind == "torch.pow":
+        return torch.pow(h, 2)
+    if kind == "Tensor.pow":
+        return h.pow(2)
+    if kind == "torch.square":
+        return torch.square(h)
+    if kind == "Tensor.square":
+        return h.square()
+    raise ValueError(kind)
+
+
 class FFN(nn.Module):
     def __init__(self, spec: Spec):
         super().__init__()
@@ -119,6 +147,7 @@ class FFN(nn.Module):
                 self.up = Proj(s.linear, s.k, s.n, s.bias)
         self.down = Proj(s.linear, s.n, s.k_out, s.bias)
         self.act = nn.ReLU() if s.relu == "nn.ReLU" else None
+        self.squared = ReLUSquared() if s.act == "relu2" and s.square == "ReLUSquared" else None
         self.drop = nn.Dropout(0.0 if s.dropout == "p0" else 0.3) if s.dropout else None
 
     def _relu(self, h: torch.Tensor) -> torch.Tensor:
@@ -137,7 +166,16 @@ class FFN(nn.Module):
         else:
             g = self.gate(x)
             u = self.up(x) if s.gated else None
-        h = self._relu(g)
+        if s.act == "relu2" and self.squared is not None:
+            h = self.squared(g)
+        elif s.act == "relu2" and s.square == "relu*relu":
+            h = self._relu(g) * self._relu(g)
+        elif s.act == "relu2":
+            h = square(s.square, self._relu(g))
+        else:
+            h = self._relu(g)
+        if u is not None and s.act == "drelu":
+            u = self._relu(u)
         if u is not None:
             h = mul(s.mul, h, u) if s.relu_first else mul(s.mul, u, h)
         if self.drop is not None:
@@ -149,6 +187,10 @@ def eager_allows(spec: Spec, needs_grad: bool) -> bool:
     """Eager autograd refuses an in-place ReLU on an output of ``chunk``/``split`` (multi-output
     views) when a gradient is recorded: such a module is invalid code, not a variant."""
     inplace = spec.relu in ("relu_", "F.relu(inplace)")
+    if spec.act == "relu2" and spec.square == "relu*relu" and inplace:
+        return False      # relu_(g) * relu_(g): eager squares, but the matcher leaves two writes of g alone
+    if needs_grad and inplace and spec.act == "drelu" and spec.split:
+        return False      # relu_ on both slices of one tensor: autograd refuses the second write
     return not (needs_grad and inplace and spec.gated and spec.split in ("chunk", "split"))
 
 
@@ -171,6 +213,8 @@ def specs(draw, linears=LINEARS) -> Spec:
         gated=gated,
         split=draw(st.sampled_from(SPLITS)) if gated else None,
         dropout=draw(st.sampled_from(DROPOUTS)),
+        act=(act := draw(st.sampled_from(ACTS if gated else ACTS[:2]))),
+        square=draw(st.sampled_from(SQUARES)) if act == "relu2" else "**2",
         k=draw(st.integers(1, 19)),
         n=draw(st.integers(1, 23)),
         k_out=draw(st.integers(1, 17)),
@@ -178,4 +222,5 @@ def specs(draw, linears=LINEARS) -> Spec:
     )
 
 
-__all__ = ["Spec", "FFN", "Proj", "build", "eager_allows", "specs", "LINEARS", "RELUS", "MULS", "SPLITS", "DROPOUTS", "replace"]
+__all__ = ["Spec", "FFN", "Proj", "build", "eager_allows", "specs", "LINEARS", "RELUS", "MULS", "SPLITS", "DROPOUTS",
+           "ACTS", "SQUARES", "replace"]

@@ -24,8 +24,8 @@ TWELL_OPS = {"twell.ffn.default": "twell::ffn", "twell.ffn_train.default": "twel
 
 # Targets the rewrite must have removed from a graph holding only FFNs.
 REPLACED_FNS = {torch._C._nn.linear, F.linear, operator.matmul, torch.matmul, torch.mm, torch.addmm,
-                F.relu, torch.relu, torch.relu_, operator.mul, torch.mul}
-REPLACED_METHODS = {"relu", "relu_", "mul", "matmul", "__matmul__"}
+                F.relu, torch.relu, torch.relu_, operator.mul, torch.mul, operator.pow, torch.pow, torch.square}
+REPLACED_METHODS = {"relu", "relu_", "mul", "matmul", "__matmul__", "pow", "square"}
 
 
 class PassBackend:

@@ -8,6 +8,8 @@ Tolerances: fp32/fp64 tight against eager; bf16 error vs fp64 at most 2x eager b
 
 from __future__ import annotations
 
+import copy
+import operator
 from typing import Any
 
 import pytest
@@ -472,3 +474,146 @@ def test_add_of_another_dtype_after_down_is_not_its_bias(zshape):
         want = model(x, z)
     assert got.dtype == want.dtype
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+# ------------------------------------------------------------------------------ layer names
+class BreakingBlock(nn.Module):
+    """A residual block whose forward graph-breaks first: Dynamo compiles it as a frame of its
+    own (rooted at the block, not the model), as a block under gradient checkpointing or after
+    a graph break in its caller is."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(16), GatedMLP()
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return x + self.mlp(self.norm(x))
+
+
+class BrokenModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.block = nn.Linear(16, 16), BreakingBlock()
+
+    def forward(self, x):
+        return self.block(self.embed(x))
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["infer", "train"])
+@pytest.mark.parametrize("wrap", ["compile", "compiled-module"])
+def test_layer_names_are_model_paths_in_a_frame_of_their_own(grad: bool, wrap: str) -> None:
+    """The block's frame roots its sources at the block (``L['self'].mlp``); the FFN is still
+    named by its path in the model, as prepare and an unbroken graph name it."""
+    torch.manual_seed(0)
+    model = BrokenModel()
+    x = torch.randn(2, 5, 16, requires_grad=grad)
+    backend = PassBackend()
+    with torch.set_grad_enabled(grad):
+        if wrap == "compile":
+            got = torch.compile(model, backend=backend)(x)
+        else:
+            model.compile(backend=backend)
+            got = model(x)
+        want = BrokenModel.forward(model, x)
+    assert len(backend.graphs) >= 2                  # the break gave the block a frame of its own
+    assert [r.layer for r in backend.report.rewrites] == ["block.mlp"], str(backend.report)
+    check_close("output", got, want)
+    assert [r.layer for r in twell_compile.prepare(copy.deepcopy(model)).rewrites] == ["block.mlp"]
+
+
+# ------------------------------------------------------------------------------ squared ReLU, dReLU
+def _act_of(backend: PassBackend) -> list[str]:
+    """The ``act`` of every twell op node ("relu" where the schema's default is left)."""
+    from twell_compile.ops import arg_index
+
+    out = []
+    for n in backend.nodes():
+        if n.op == "call_function" and str(n.target) in TWELL_OPS:
+            pos = arg_index(n.target, "act")
+            out.append(str(n.args[pos] if len(n.args) > pos else n.kwargs.get("act", "relu")))
+    return out
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["infer", "train"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "non-gated"])
+@pytest.mark.parametrize("square", ["**2", "**2.0", "torch.pow", "Tensor.pow", "torch.square", "Tensor.square",
+                                    "relu*relu", "ReLUSquared"])
+def test_squared_relu_every_spelling(square: str, gated: bool, grad: bool) -> None:
+    """relu(g)^2 [* u] in each spelling: one op with act="relu2", no pow/square/relu/mul left,
+    output and every gradient as eager's (fp64 and bf16 against fp64 under the 2x rule)."""
+    for dtype in (torch.float64, torch.bfloat16):
+        spec = Spec(act="relu2", square=square, gated=gated, bias=True, k=12, n=37, k_out=9, batch=(3, 5))
+        torch._dynamo.reset()
+        model = build(spec, dtype, seed=7)
+        backend = PassBackend()
+        _compare(spec, dtype, 7, model, torch.compile(model, backend=backend), grad, True, True)
+        assert backend.twell_ops() == [_expected_op(grad, True, True)], spec.describe()
+        assert _act_of(backend) == ["relu2"] and not backend.leftovers(), backend.leftovers()
+        assert [r.act for r in backend.report.rewrites] == ["relu2"] and not backend.report.rejections
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["infer", "train"])
+@pytest.mark.parametrize("split, relu", [(None, "F.relu"), ("chunk", "F.relu"), ("slice", "relu_"), (None, "nn.ReLU")])
+def test_drelu_is_rewritten(split, relu: str, grad: bool) -> None:
+    """relu(gate(x)) * relu(up(x)) (TurboSparse's dReLU): one op with act="drelu", exact."""
+    for dtype in (torch.float64, torch.bfloat16):
+        spec = Spec(act="drelu", split=split, relu=relu, bias=True, relu_first=False, k=12, n=37, k_out=9,
+                    batch=(3, 5))
+        if not eager_allows(spec, grad):
+            continue
+        torch._dynamo.reset()
+        model = build(spec, dtype, seed=3)
+        backend = PassBackend()
+        _compare(spec, dtype, 3, model, torch.compile(model, backend=backend), grad, True, True)
+        assert backend.twell_ops() == [_expected_op(grad, True, True)] and _act_of(backend) == ["drelu"]
+        assert not backend.leftovers(), backend.leftovers()
+
+
+class SquareAfterDown(nn.Module):
+    """A square applied after the down projection: the ReLU FFN is rewritten, the square stays."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = GatedMLP()
+
+    def forward(self, x):
+        return self.mlp(x) ** 2
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["infer", "train"])
+def test_square_after_down_stays_outside_the_op(grad: bool) -> None:
+    torch.manual_seed(0)
+    model = SquareAfterDown()
+    x = torch.randn(2, 5, 16, requires_grad=grad)
+    backend = PassBackend()
+    with torch.set_grad_enabled(grad):
+        got = torch.compile(model, backend=backend)(x)
+        want = model(x)
+    assert _act_of(backend) == ["relu"]
+    pows = [n for n in backend.nodes() if n.op == "call_function" and n.target is operator.pow]
+    assert len(pows) == 1                                  # the square, after the op
+    check_close("output", got, want)
+    if grad:
+        dy = torch.randn_like(want)
+        for a, b in zip(_grads(got, [x, *model.parameters()], dy), _grads(want, [x, *model.parameters()], dy)):
+            check_close("grad", a, b)
+
+
+def test_squared_relu_and_drelu_through_inductor(monkeypatch) -> None:
+    """The real backend: the ops (with act) reach compile_fx, Inductor compiles around them."""
+    spy = CompileFxSpy(monkeypatch)
+    for spec in (Spec(act="relu2", square="torch.square", gated=False, k=16, n=40, k_out=16, batch=(2, 7)),
+                 Spec(act="drelu", split="chunk", bias=True, k=16, n=40, k_out=16, batch=(2, 7))):
+        torch._dynamo.reset()
+        model = build(spec, torch.float32, seed=1)
+        x = torch.randn(*spec.batch, spec.k, requires_grad=True)
+        got = torch.compile(model, backend="twell", options=REWRITE_ALL)(x)
+        want = model(x)
+        check_close("output", got, want)
+        dy = torch.randn_like(want)
+        params = list(model.parameters())
+        for a, b in zip(_grads(got, [x] + params, dy), _grads(want, [x] + params, dy)):
+            check_close("grad", a, b)
+    ops, replaced = spy.node_kinds()
+    assert ops == ["twell::ffn_train"] * 2 and not replaced, (ops, replaced)

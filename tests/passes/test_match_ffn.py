@@ -17,9 +17,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from torch import fx
 
 import twell_compile
-from twell_compile.passes.match_ffn import Match, Rejection, find_ffns, module_path, skip, transform_regions
+from twell_compile.passes.match_ffn import (Match, Rejection, find_ffns, layer_name, module_path, skip,
+                                           transform_regions)
 
 from tests.helpers import REWRITE_ALL
 from tests.passes.ffn_zoo import Spec, build, eager_allows, specs
@@ -46,7 +48,7 @@ def test_matcher_finds_every_spelling(spec: Spec, grad: bool) -> None:
     found = find_ffns(gm.graph)
     assert len(found) == 1 and isinstance(found[0], Match), f"{spec.describe()}: {found}"
     m = found[0]
-    assert m.gated == spec.gated
+    assert m.gated == spec.gated and m.act == spec.act
     gate_w, up_w, down_w = _names(spec)
     assert param_name(m.gate.weight) == gate_w
     assert param_name(m.down.weight) == down_w
@@ -70,7 +72,7 @@ def test_matcher_finds_every_spelling(spec: Spec, grad: bool) -> None:
     r = report.rewrites[0]
     needs_grad = grad  # parameters require grad by default
     assert r.op == ("twell::ffn_train" if needs_grad else "twell::ffn")
-    assert (r.gated, r.k, r.n, r.k_out) == (spec.gated, spec.k, spec.n, spec.k_out)
+    assert (r.gated, r.k, r.n, r.k_out, r.act) == (spec.gated, spec.k, spec.n, spec.k_out, spec.act)
 
 
 # ------------------------------------------------------------------------------ near-misses
@@ -120,7 +122,18 @@ NEAR_MISSES = {
     "quick_gelu_non_gated": (lambda s, x, x2: (lambda g: s.down(g * torch.sigmoid(1.702 * g)))(s.gate(x)),
                              "elementwise expression"),
     "bilinear": (lambda s, x, x2: s.down(s.gate(x) * s.up(x)), "no activation"),
-    "relu_on_up_too": (lambda s, x, x2: s.down(F.relu(s.gate(x)) * F.relu(s.up(x))), "up branch is relu"),
+    # the ReLU family's neighbours: only relu(.)^2 (squared ReLU: relu(g)^2 [* up]) and
+    # relu(g) * relu(u) (dReLU) are rewritten (test_fuse_ffn.py), these not
+    "relu_cubed": (lambda s, x, x2: s.down(F.relu(s.gate(x)) ** 3), "raised to the power 3"),
+    "relu_cubed_gated": (lambda s, x, x2: s.down(F.relu(s.gate(x)) ** 3 * s.up(x)), "raised to the power 3"),
+    "relu_pow_half_gated": (lambda s, x, x2: s.down(s.up(x) * torch.pow(F.relu(s.gate(x)), 0.5)), "power 0.5"),
+    "squared_gate_relu_up": (lambda s, x, x2: s.down(F.relu(s.gate(x)) ** 2 * F.relu(s.up(x))),
+                             "squared ReLU takes the up projection as it is"),
+    "relu_of_product": (lambda s, x, x2: s.down(F.relu(s.gate(x) * s.up(x))), None),
+    "square_of_product": (lambda s, x, x2: s.down(torch.square(F.relu(s.gate(x)) * s.up(x))), "goes through square"),
+    "relu_times_relu_of_two_projections": (lambda s, x, x2: s.down(F.relu(s.gate(x)) * F.relu(s.gate(x2))),
+                                           "read different inputs"),
+    "relu_squared_then_scaled": (lambda s, x, x2: s.down(F.relu(s.gate(x)) ** 2 * 0.5), "goes through mul"),
     "relu_returned": (lambda s, x, x2: (lambda h: (s.down(h * s.up(x)), h))(F.relu(s.gate(x))),
                       "has other users"),
     "relu_into_residual": (lambda s, x, x2: (lambda h: s.down(h) + h.sum(-1, keepdim=True))(F.relu(s.gate(x))),
@@ -136,7 +149,6 @@ NEAR_MISSES = {
     "train_dropout_non_gated": (lambda s, x, x2: s.down(F.dropout(F.relu(s.gate(x)), 0.3, True)),
                                 "dropout in training mode"),
     "different_inputs": (lambda s, x, x2: s.down(F.relu(s.gate(x)) * s.up(x2)), "read different inputs"),
-    "relu_squared": (lambda s, x, x2: s.down(F.relu(s.gate(x)) ** 2), "goes through pow"),
     "scaled_product": (lambda s, x, x2: s.down(F.relu(s.gate(x)) * s.up(x) * 0.5), "goes through mul"),
     "inplace_relu_reused": (lambda s, x, x2: (lambda g: s.down(F.relu(g, inplace=True) * g))(s.gate(x)),
                             "in-place ReLU"),
@@ -318,9 +330,31 @@ def test_transformer_encoder_layer(grad: bool) -> None:
     ("L['kwargs']['model'].encoder.layer.0", "encoder.layer.0"),
     ("layers.0.mlp", "layers.0.mlp"),                                   # an fx / export path
     ("L['self']", ""),
+    ("L['self']._modules['mlp']._modules['gate']._parameters['weight']", "mlp.gate.weight"),   # a lifted parameter
 ])
 def test_module_path_drops_any_source_prefix(source: str, path: str) -> None:
     assert module_path(source) == path
+
+
+def test_layer_name_compares_module_paths_not_source_spellings() -> None:
+    """Projections whose module stacks spell the same modules differently (``layers[0]`` and
+    ``layers._modules['0']``) share the FFN's module, not just the layer; a map of source
+    roots puts the frame's root at its path in the model."""
+    graph = fx.Graph()
+    spellings = ["L['self'].layers[0].mlp", "L['self']._modules['layers']._modules['0'].mlp", "L['self'].layers.0.mlp"]
+    nodes = []
+    for i, mlp in enumerate(spellings):
+        n = graph.placeholder(f"p{i}")
+        n.meta["nn_module_stack"] = {"a": (mlp.rsplit(".", 1)[0], nn.Module), "b": (mlp, nn.Module),
+                                     "c": (f"{mlp}.proj{i}", nn.Linear)}
+        nodes.append(n)
+    assert layer_name(nodes) == "layers.0.mlp"
+    assert layer_name(nodes, {"L['self']": "model"}) == "model.layers.0.mlp"
+    assert layer_name(nodes, {"L['other']": "model"}) == "layers.0.mlp"
+    nodes[2].meta["nn_module_stack"] = {"a": ("L['self'].layers.0", nn.Module), "b": ("L['self'].layers.0.attn", nn.Module)}
+    assert layer_name(nodes) == "layers.0"
+    bare = graph.placeholder("bare")       # a frame's own forward: no module entered
+    assert layer_name([bare]) == "root" and layer_name([bare], {"L['self']": "model.layers.1.mlp"}) == "model.layers.1.mlp"
 
 
 # ------------------------------------------------------------------------------ in-place writes

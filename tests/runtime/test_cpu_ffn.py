@@ -60,19 +60,19 @@ def args(t):
     return t["x"], t["w_gate"], t["b_gate"], t["w_up"], t["b_up"], t["w_down"], t["b_down"]
 
 
-def twell(t, layer="t", keep_stats=False, force="cpu"):
+def twell(t, layer="t", keep_stats=False, force="cpu", act="relu"):
     """The op on the C++ kernel at any size (small shapes keep these tests fast)."""
-    return torch.ops.twell.ffn(*args(t), layer, keep_stats, 0, force)
+    return torch.ops.twell.ffn(*args(t), layer, keep_stats, 0, force, act)
 
 
 def rel_err(y, ref):
     return ((y.double() - ref).norm() / ref.norm()).item()
 
 
-def check_exact(t):
-    y = twell(t)
-    dense = ffn_dense(*args(t))
-    ref = ffn_dense(*(None if a is None else a.double() for a in args(t)))
+def check_exact(t, act="relu"):
+    y = twell(t, act=act)
+    dense = ffn_dense(*args(t), act)
+    ref = ffn_dense(*(None if a is None else a.double() for a in args(t)), act)
     assert y.shape == dense.shape and y.dtype == dense.dtype
     assert torch.isfinite(y).all()
     if ref.norm() == 0:
@@ -94,6 +94,27 @@ def test_exact_grid(path, dtype, density, m):
 @pytest.mark.parametrize("gated,bias", [(True, False), (False, False), (False, True)])
 def test_exact_variants(path, dtype, gated, bias):
     check_exact(make(29, 130, 300, 130, 0.05, dtype, gated=gated, bias=bias, seed=3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act, gated", [("relu2", True), ("relu2", False), ("drelu", True)])
+@pytest.mark.parametrize("density", [0.0, 0.05, 1.0])
+def test_activations(path, dtype, act, gated, density):
+    """Squared ReLU (rounded as eager's square) and dReLU in the sparse pairs and the in-kernel
+    dense branch; NaN/Inf rows of x as dense; counts stay relu(g)'s, |h| the activation's."""
+    t = make(23, 67, 203, 53, density, dtype, gated=gated, bias=True, seed=9)
+    check_exact(t, act)
+    t["x"][4, 3] = float("nan")
+    t["x"][7, 1] = float("inf")
+    stats.reset_stats()
+    y = twell(t, layer="act", keep_stats=True, act=act)
+    eager = ffn_dense(*args(t), act)
+    assert torch.equal(y[[4, 7]].isnan(), eager[[4, 7]].isnan())
+    fin = [r for r in range(23) if r not in (4, 7)]
+    assert torch.isfinite(y[fin]).all()
+    s = stats.layer_stats()["act"]
+    hg = torch.relu(F.linear(t["x"], t["w_gate"], t["b_gate"]))
+    assert s.mean_nnz * 23 == pytest.approx(float(((hg > 0) | hg.isnan()).sum()))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

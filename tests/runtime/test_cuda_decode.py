@@ -26,9 +26,10 @@ SCRIPT = textwrap.dedent("""
     import torch, torch.nn.functional as F
     from twell_compile.runtime.cuda_decode import decode_forward
     from twell_compile.runtime.arch import DecodeConfig as Config
-    from twell_compile.reference import ffn_dense
+    from twell_compile.reference import activate, ffn_dense
     torch.manual_seed({seed})
     m, k, n, ko, gated, bias, density, bad, cfg, form = {case}
+    act = {act!r}
     dt = torch.float16
     x = torch.randn(m, k)
     x[:, 0] = 1.0
@@ -52,14 +53,14 @@ SCRIPT = textwrap.dedent("""
         assert decode_state.register(wd)
     cfg = None if cfg is None else Config(*cfg)
     st = torch.full((4,), float("nan"), dtype=torch.float64)
-    y, tok, hsum = decode_forward(*args, cfg=cfg, stats_buf=st, form=form)
+    y, tok, hsum = decode_forward(*args, cfg=cfg, stats_buf=st, form=form, act=act)
     if m % 2:    # the persistent state is zero again, and a second call agrees
         assert not decode_state.decode_state(wd, m)[0].any() and not decode_state.decode_state(wd, m)[1].any()
-        y2 = decode_forward(*args, cfg=cfg, form=form).y
+        y2 = decode_forward(*args, cfg=cfg, form=form, act=act).y
         assert torch.allclose(y2.float(), y.float(), rtol=1e-2, atol=1e-2, equal_nan=True), "second call"
         if form == "list":     # no atomics: the same bits
             assert torch.equal(y2, y) or bad, "list form not repeatable"
-    eager = ffn_dense(*args)
+    eager = ffn_dense(*args, act)
     assert torch.equal(torch.isnan(y), torch.isnan(eager)), "nan pattern"
     hg = torch.relu(F.linear(x, wg, bg))
     cnt = (hg != 0).sum(1).int()
@@ -69,14 +70,14 @@ SCRIPT = textwrap.dedent("""
     assert abs(float(st[2]) - float(hsum)) <= 1e-3 * abs(float(hsum)) or (bad and not torch.isfinite(st[2]))
     fin = torch.isfinite(x).all(1)
     ref = ffn_dense(*(None if a is None else a[fin].double() if i == 0 else a.double()
-                      for i, a in enumerate(args)))
+                      for i, a in enumerate(args)), act)
     err = ((y[fin].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     derr = ((eager[fin].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     assert err <= 2 * derr + 1e-6, (err, derr)
     if density == 0 and not bias:
         assert (y == 0).all()
     if not bad:
-        h = hg * F.linear(x, wu, bu) if gated else hg
+        h = activate(hg.float(), F.linear(x, wu, bu).float() if gated else None, act)
         assert abs(float(hsum) - float(h.double().abs().sum())) <= 1e-2 * float(h.double().abs().sum()) + 1e-3
     print("ok", err, derr)
 """)
@@ -173,7 +174,15 @@ def test_state_tail_holds_tickets_counters_and_sum():
 
 @pytest.mark.parametrize("case", CASES)
 def test_decode_kernels_under_interpreter(case):
-    run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case))
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case, act="relu"))
+
+
+# squared ReLU and dReLU in every form (rows, GEMV gate, tiles, list, list + udot, pairs),
+# gated and non-gated, NaN/Inf rows
+@pytest.mark.parametrize("act, case", [("relu2", CASES[i]) for i in (0, 1, 2, 3, 12, 13, 18, 22, 23)]
+                         + [("drelu", CASES[i]) for i in (0, 2, 4, 12, 18, 22)])
+def test_decode_activations_under_interpreter(act, case):
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 3, case=case, act=act))
 
 
 # ----------------------------------------------------------------------------- CPU: state, rule

@@ -34,13 +34,13 @@ def _ffn(m, k, n, k_out, density, tail, dtype, gated=True, bias=True, seed=None)
     return ffn_with_biases(m, k, n, k_out, density, tail, dtype=dtype, gated=gated, bias=bias, seed=seed)
 
 
-def _check_exact(p, width=32):
+def _check_exact(p, width=32, act="relu"):
     """Per-row path with list width ``width``, vs fp32 and eager."""
     args = _args(p)
     _poison()
-    y, counts, hsum = cuda_infer.twell_forward(*args, width)
-    ref = ffn_dense(*(None if a is None else a.float() for a in args))
-    eager = ffn_dense(*args)
+    y, counts, hsum = cuda_infer.twell_forward(*args, width, act)
+    ref = ffn_dense(*(None if a is None else a.float() for a in args), act)
+    eager = ffn_dense(*args, act)
     assert torch.isfinite(y).all(), "unwritten or non-finite output"
     if ref.norm() == 0:
         assert (y == 0).all()
@@ -75,6 +75,32 @@ def _check_order(r, width, buckets):
     if buckets > 2:    # bins by count: a row of the next bin never holds more than this one's
         firsts = heavy[b > 0]
         assert firsts.numel() == 0 or bool((firsts[:-1] + (width + 1) // (buckets - 1) + 1 >= firsts[1:]).all())
+
+
+@pytest.mark.parametrize("dtype", DT)
+@pytest.mark.parametrize("act, gated", [("relu2", True), ("relu2", False), ("drelu", True)])
+@pytest.mark.parametrize("density,tail", [(0.0, 0.0), (0.005, 0.0), (0.005, 0.5), (0.2, 0.0), (1.0, 0.0)])
+def test_activation_grid(dtype, act, gated, density, tail):
+    """Squared ReLU and dReLU on the per-row path (list loop and exact tail), the dense path
+    bit-identical to eager's spelling, and the op's every inference path under the 2x rule."""
+    p = _ffn(3000, 256, 1000, 256, density, tail, dtype, gated=gated)
+    counts = _check_exact(p, width=32, act=act)
+    hg = torch.relu(F.linear(p["x"], p["w_gate"], p["b_gate"]))
+    assert torch.equal(counts, (hg != 0).sum(1).int())       # relu(g)'s non-zeros, whatever the activation
+    args = _args(p)
+    y, cnt, _ = cuda_infer.dense_forward(*args, act=act)
+    a = hg ** 2 if act == "relu2" else hg
+    u = F.linear(p["x"], p["w_up"], p["b_up"]) if gated else None
+    h = a * (torch.relu(u) if act == "drelu" else u) if gated else a
+    assert torch.equal(y, F.linear(h, p["w_down"], p["b_down"])) and torch.equal(cnt, counts)
+    ref = ffn_dense(*(None if t is None else t.float() for t in args), act)
+    derr = _rel(ffn_dense(*args, act), ref)
+    with torch.no_grad():
+        for path, m in (("twell", 3000), ("dense", 3000), ("decode", 12)):
+            sub = [t[:m] if i == 0 else t for i, t in enumerate(args)]
+            got = torch.ops.twell.ffn(*sub, "act", True, 0, path, act)
+            r = ffn_dense(*(None if t is None else t.float() for t in sub), act)
+            assert _rel(got, r) <= 2 * _rel(ffn_dense(*sub, act), r) + 1e-6, (path, derr)
 
 
 @pytest.mark.parametrize("width", [1, 8, 64, 1024])

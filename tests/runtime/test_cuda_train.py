@@ -16,6 +16,7 @@ import twell_compile  # noqa: F401
 import twell_compile.ops  # noqa: F401
 from tests.helpers import ARG_NAMES as NAMES, ffn_with_biases, poison, rel as _plain_rel
 from twell_compile.formats import backup_capacity
+from twell_compile.reference import activate
 from twell_compile.runtime import arch, cuda_train, density
 
 pytestmark = pytest.mark.gpu
@@ -56,35 +57,34 @@ def _rel(a, b):
     return _plain_rel(a, b, finite_only=True)
 
 
-def _dense_grads(args, dy, l1, dtype):
+def _dense_grads(args, dy, l1, dtype, act="relu"):
     leaves = [None if a is None else a.detach().to(dtype).requires_grad_() for a in args]
     x, wg, bg, wu, bu, wd, bd = leaves
-    hg = torch.relu(F.linear(x, wg, bg))
-    h = hg * F.linear(x, wu, bu) if wu is not None else hg
+    h = activate(torch.relu(F.linear(x, wg, bg)), F.linear(x, wu, bu) if wu is not None else None, act)
     y = F.linear(h, wd, bd)
     loss = (y.float() * dy.float()).sum() + l1 * h.float().abs().mean()
     params = [a for a in leaves if a is not None]
     return y.detach(), torch.autograd.grad(loss, params)
 
 
-def _twell_grads(args, dy, l1, width, backup_rows, path="auto", calls=2):
+def _twell_grads(args, dy, l1, width, backup_rows, path="auto", calls=2, act="relu"):
     for _ in range(calls):        # auto: the first call probes the density (dense path)
         leaves = [None if a is None else a.detach().requires_grad_() for a in args]
-        y = torch.ops.twell.ffn_train(*leaves, width, backup_rows, l1, "t", True, 0, path)[0]
+        y = torch.ops.twell.ffn_train(*leaves, width, backup_rows, l1, "t", True, 0, path, act=act)[0]
         params = [a for a in leaves if a is not None]
         grads = torch.autograd.grad((y.float() * dy.float()).sum(), params)
         torch.cuda.synchronize()
     return y.detach(), grads
 
 
-def _check(args, l1=0.0, width=256, backup_rows=16, seed=0, path="twell"):
+def _check(args, l1=0.0, width=256, backup_rows=16, seed=0, path="twell", act="relu"):
     m, k_out = args[0].shape[0], args[5].shape[0]
     dy = torch.randn(m, k_out, device="cuda", generator=torch.Generator("cuda").manual_seed(seed + 7)).to(args[0].dtype)
     with _no_tf32():
-        yref, gref = _dense_grads(args, dy, l1, torch.float32)
-    yeag, geag = _dense_grads(args, dy, l1, args[0].dtype)
+        yref, gref = _dense_grads(args, dy, l1, torch.float32, act)
+    yeag, geag = _dense_grads(args, dy, l1, args[0].dtype, act)
     poison(1024)
-    y, grads = _twell_grads(args, dy, l1, width, backup_rows, path)
+    y, grads = _twell_grads(args, dy, l1, width, backup_rows, path, act=act)
     assert torch.equal(torch.isnan(y), torch.isnan(yeag))
     e, d = _rel(y, yref), _rel(yeag, yref)
     assert e <= 2 * d + 1e-6, ("y", e, d)
@@ -102,6 +102,19 @@ def _check(args, l1=0.0, width=256, backup_rows=16, seed=0, path="twell"):
 def test_gradient_grid(path, d, tail, gated, bias):
     args = _ffn(1500, 520, 1100, 264, d, tail, gated, bias, seed=int(d * 1000) + gated)
     _check(args, width=64, backup_rows=8, path=path)
+
+
+@pytest.mark.parametrize("path", ["twell", "dense", "compact"])
+@pytest.mark.parametrize("act, gated", [("relu2", True), ("relu2", False), ("drelu", True)])
+@pytest.mark.parametrize("d,tail", [(0.005, 0.0), (0.05, 0.2), (1.0, 0.0)])
+def test_activation_gradient_grid(path, act, gated, d, tail):
+    """Squared ReLU and dReLU on every training path: the activation's derivative from the
+    saved relu(g) and u, rows over the ELL width and past the backup, the L1 penalty on the h
+    fed to down (fp16 too: the square's range)."""
+    args = _ffn(1500, 520, 1100, 264, d, tail, gated, True, seed=int(d * 1000) + 11)
+    _check(args, width=64, backup_rows=8, path=path, act=act)
+    _check(_ffn(777, 256, 700, 256, 0.03, 0.2, gated, True, seed=5, dtype=torch.float16), l1=3.0, width=32,
+           backup_rows=16, path=path, act=act)
 
 
 @pytest.mark.parametrize("path", ["twell", "dense", "compact"])

@@ -47,7 +47,7 @@ def _relu_mul(g, u, block=64):
     cnt = torch.full((m,), -7, dtype=torch.int32, device=g.device)
     asum = torch.full((m,), float("nan"), dtype=torch.float32, device=g.device)
     L.launch(relu_mul_rows_kernel, (m, 1), (g, u, h, cnt, asum, n, n, g.stride(0), u.stride(0), h.stride(0)),
-             dict(GATED=True, ATOMIC=False, BLOCK=block), num_warps=4)
+             dict(GATED=True, ATOMIC=False, BLOCK=block, ACT=0), num_warps=4)
     return h, cnt, asum
 
 

@@ -10,7 +10,8 @@ padded to MB >= 16 (tl.dot's minimum) and split in row blocks of MB <= 32.
   when some row has v != 0 or a non-finite g: a row of x holding NaN/Inf makes every g of that
   row NaN/Inf (0 * Inf = NaN in the dot), so such rows activate every neuron and the result
   propagates as dense's 0 * Inf does, with no separate check of x. A block with an active
-  neuron then computes u = x W_u[active]^T (+ b_u), h = v * u rounded to x's dtype (as eager
+  neuron then computes u = x W_u[active]^T (+ b_u), h = v * u (ACT: kernels/act.py's a(v) *
+  b(u), v squared right after the gate for squared ReLU) rounded to x's dtype (as eager
   rounds h for the down GEMM), and adds h W_d^T[active] into the fp32 accumulator with relaxed
   atomics (`red`), in one of two forms: ``_up_down_rows`` (M <= MS rows: one active neuron at
   a time, its whole W_u and W_d^T rows in one round trip of loads) or ``_up_down_tiles``
@@ -32,6 +33,8 @@ programmatic dependent launch the next kernel's launch overlaps this one instead
 
 import triton
 import triton.language as tl
+
+from twell_compile.kernels.act import gate_part, up_part
 
 
 @triton.jit
@@ -196,11 +199,12 @@ def _gate_rows(x_ptr, sx_m, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, rm, m_
 def _up_down_tiles(x_ptr, sx_k, xbase, wu_ptr, swu_n, swu_k, bu_ptr, wdt_ptr, swd_n, swd_k, acc_ptr,
                    v, col, valid, rn, rm, m_ok, K, KO,
                    GATED: tl.constexpr, HAS_BU: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr,
-                   BKU: tl.constexpr, BKO: tl.constexpr):
+                   BKU: tl.constexpr, BKO: tl.constexpr, ACT: tl.constexpr):
     """Up and down for the block's active neurons as tl.dot tiles over K and K_out (masked
     rows: inactive neurons' weights are not read). Returns sum |h|."""
     if GATED:
-        h = v * rows_dot(xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, col, rn, m_ok, K, HAS_BU, MB, BN, BKU)
+        h = v * up_part(rows_dot(xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, col, rn, m_ok, K, HAS_BU, MB, BN, BKU),
+                        ACT)
     else:
         h = v
     hb = tl.where(valid & col[None, :], h, 0.0).to(x_ptr.dtype.element_ty)
@@ -218,7 +222,7 @@ def _up_down_tiles(x_ptr, sx_k, xbase, wu_ptr, swu_n, swu_k, bu_ptr, wdt_ptr, sw
 def _up_down_rows(x_ptr, sx_m, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, wdt_ptr, swd_n, swd_k, acc_ptr,
                   v, col, ncol, rn, rm, M, K, KO,
                   GATED: tl.constexpr, HAS_BU: tl.constexpr, MB: tl.constexpr, MS: tl.constexpr,
-                  KP: tl.constexpr, KOP: tl.constexpr):
+                  KP: tl.constexpr, KOP: tl.constexpr, ACT: tl.constexpr):
     """Up and down for M <= MS rows, one active neuron at a time with whole-row loads (its W_up
     row, W_d^T row and the x rows at once: one memory round trip per neuron instead of a loop
     over K and K_out). Returns sum |h|."""
@@ -243,7 +247,7 @@ def _up_down_rows(x_ptr, sx_m, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, wdt_ptr, swd_
             u = tl.sum(xs.to(tl.float32) * wu.to(tl.float32)[None, :], axis=1)
             if HAS_BU:
                 u += tl.load(bu_ptr + nj).to(tl.float32)
-            h = vj * u
+            h = vj * up_part(u, ACT)
         else:
             h = vj
         h = tl.where(s_ok, h, 0.0).to(x_ptr.dtype.element_ty).to(tl.float32)   # eager's rounding
@@ -263,7 +267,7 @@ def decode_fused_kernel(
     FINISH: tl.constexpr, CLEAN: tl.constexpr, HAS_ST: tl.constexpr,
     MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKU: tl.constexpr, BKO: tl.constexpr,
     MS: tl.constexpr, KP: tl.constexpr, KOP: tl.constexpr, FB: tl.constexpr, CB: tl.constexpr,
-    GEMV: tl.constexpr, PDL: tl.constexpr,
+    GEMV: tl.constexpr, PDL: tl.constexpr, ACT: tl.constexpr,
 ):
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
@@ -281,16 +285,17 @@ def decode_fused_kernel(
     else:
         v, nz, act = gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
                                  HAS_BG, MB, BN, BK)
+    v = gate_part(v, ACT)                                    # a(relu(g)); nz, act: relu(g)'s
     col = tl.max(act.to(tl.int32), axis=0) > 0             # [BN]: active in some row
     hsum = tl.sum(tl.zeros((BN,), dtype=tl.float32), axis=0)
     ncol = tl.sum(col.to(tl.int32), axis=0)
     if ncol > 0:
         if MS > 0:
             hsum = _up_down_rows(x_ptr, sx_m, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, wdt_ptr, swd_n, swd_k,
-                                 acc_ptr, v, col, ncol, rn, rm, M, K, KO, GATED, HAS_BU, MB, MS, KP, KOP)
+                                 acc_ptr, v, col, ncol, rn, rm, M, K, KO, GATED, HAS_BU, MB, MS, KP, KOP, ACT)
         else:
             hsum = _up_down_tiles(x_ptr, sx_k, xbase, wu_ptr, swu_n, swu_k, bu_ptr, wdt_ptr, swd_n, swd_k,
-                                  acc_ptr, v, col, valid, rn, rm, m_ok, K, KO, GATED, HAS_BU, MB, BN, BKU, BKO)
+                                  acc_ptr, v, col, valid, rn, rm, m_ok, K, KO, GATED, HAS_BU, MB, BN, BKU, BKO, ACT)
     add_stats(cnt_ptr, hsa_ptr, nz, hsum, rm, m_ok)
     if FINISH:
         # the row block's last program finishes it (split-K "serial fixup" pattern): the CTA

@@ -36,19 +36,21 @@ torch.use_deterministic_algorithms).
 import triton
 import triton.language as tl
 
+from twell_compile.kernels.act import gate_part, up_part
 from twell_compile.kernels.twell_decode import add_stats, finish_stats, gate_block, pdl_enter, rows_dot
 
 
 @triton.jit
 def _up_dot(x_ptr, xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, v, act, rn, m_ok, K,
             GATED: tl.constexpr, HAS_BU: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr,
-            BKU: tl.constexpr):
+            BKU: tl.constexpr, ACT: tl.constexpr):
     """h [MB, BN] (fp32, rounded to x's dtype as eager rounds h; 0 off the active pairs) with u
     for every row of the block's active neurons from one tl.dot over K (inactive W_up rows are
     masked, so never read)."""
     if GATED:
         col = tl.max(act.to(tl.int32), axis=0) > 0
-        h = v * rows_dot(xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, col, rn, m_ok, K, HAS_BU, MB, BN, BKU)
+        h = v * up_part(rows_dot(xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, col, rn, m_ok, K, HAS_BU, MB, BN, BKU),
+                        ACT)
     else:
         h = v
     return tl.where(act, h, 0.0).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -77,7 +79,7 @@ def decode_pairs_kernel(
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
     MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PB: tl.constexpr, KC: tl.constexpr,
     UDOT: tl.constexpr, BKU: tl.constexpr, ADOWN: tl.constexpr, KOC: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, ACT: tl.constexpr,
 ):
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
@@ -89,6 +91,7 @@ def decode_pairs_kernel(
     xbase = x_ptr + rm.to(tl.int64)[:, None] * sx_m
     v, nz, act = gate_block(xbase, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, m_ok, K,
                              HAS_BG, MB, BN, BK)
+    v = gate_part(v, ACT)                                    # a(relu(g)); nz, act: relu(g)'s
     blk = pid_r * tl.num_programs(0) + pid_n
     ai = act.to(tl.int32)
     if not ADOWN:     # the list form: counts, and each pair's list slot (block's base + rank in its row)
@@ -101,7 +104,7 @@ def decode_pairs_kernel(
     if UDOT and not ADOWN:
         if npair > 0:
             h = _up_dot(x_ptr, xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, v, act, rn, m_ok,
-                        K, GATED, HAS_BU, MB, BN, BKU)
+                        K, GATED, HAS_BU, MB, BN, BKU, ACT)
             tl.store(lh_ptr + pos, h, mask=act)
             hsum = tl.sum(tl.sum(tl.abs(h), axis=1), axis=0)
     elif npair > 0:
@@ -110,7 +113,7 @@ def decode_pairs_kernel(
         fi = tl.arange(0, MB * BN)
         if UDOT:      # h of every pair from one tl.dot; the loop below only adds them to acc
             fv = tl.reshape(_up_dot(x_ptr, xbase, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, v, act, rn, m_ok,
-                                    K, GATED, HAS_BU, MB, BN, BKU), (MB * BN,))
+                                    K, GATED, HAS_BU, MB, BN, BKU, ACT), (MB * BN,))
         else:
             fv = tl.reshape(v, (MB * BN,))
         if not ADOWN:
@@ -138,7 +141,7 @@ def decode_pairs_kernel(
                     u += tl.sum(xr.to(tl.float32) * wr.to(tl.float32), axis=1)
                 if HAS_BU:
                     u += tl.load(bu_ptr + ng, mask=p_ok, other=0.0).to(tl.float32)
-                h = (vp * u).to(x_ptr.dtype.element_ty).to(tl.float32)         # eager's rounding
+                h = (vp * up_part(u, ACT)).to(x_ptr.dtype.element_ty).to(tl.float32)   # eager's rounding
             elif UDOT:
                 h = vp                                                          # rounded already
             else:

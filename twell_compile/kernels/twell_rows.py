@@ -20,7 +20,8 @@ global memory:
      next pairs' (col, value) loaded one iteration ahead (PF=1) or also their weight rows
      (PF=2), or the loop software-pipelined by Triton (PF=3: list entries and weight rows of
      the next STAGES - 1 steps copied to shared memory with cp.async while this one computes);
-     per pair u = x . W_u[n] (+ b_u), h = g * u, y += h * W_d^T[n].
+     per pair u = x . W_u[n] (+ b_u), h = g * u (or the activation ACT's h from relu(g) and
+     u: kernels/act.py), y += h * W_d^T[n].
   2. exact tail: rows with cnt > W continue over g itself after the W-th listed column
      (chunks of CH, non-zeros found with a prefix count); rows whose x holds NaN/Inf take
      every column (0 * Inf = NaN as in eager). Nothing is dropped, no capacity to exhaust.
@@ -30,6 +31,7 @@ Also writes sum |h| per row (stats), in fp32.
 import triton
 import triton.language as tl
 
+from twell_compile.kernels.act import hidden
 from twell_compile.kernels.pairs import pick, scan, select
 
 
@@ -123,15 +125,16 @@ def _wrows(ptr, n, s_n, ks, s_k, live, k_mask, dummy, LOAD: tl.constexpr):
 
 @triton.jit
 def _pair(acc, hs, xr, g, n, live, wu, wd, bu_ptr, k_ok,
-          GATED: tl.constexpr, HAS_BU: tl.constexpr):
-    """y += h * W_d^T[n] for PAIRS pairs whose weight rows wu, wd are loaded."""
+          GATED: tl.constexpr, HAS_BU: tl.constexpr, ACT: tl.constexpr):
+    """y += h * W_d^T[n] for PAIRS pairs whose weight rows wu, wd are loaded (g: relu(g); h
+    formed by the activation ACT, kernels/act.py)."""
     if GATED:
         u = tl.sum(wu.to(tl.float32) * xr[None, :], axis=1)
         if HAS_BU:
             u += tl.load(bu_ptr + n, mask=live, other=0.0).to(tl.float32)
-        h = g * u
+        h = hidden(g, u, GATED, ACT)
     else:
-        h = g
+        h = hidden(g, g, GATED, ACT)
     h = tl.where(live, h, 0.0)
     acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
     hs += tl.abs(h)
@@ -148,7 +151,7 @@ def twell_rows_kernel(
     M, K, N, KO, W,
     GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
-    PF: tl.constexpr, STAGES: tl.constexpr, NB: tl.constexpr,
+    PF: tl.constexpr, STAGES: tl.constexpr, NB: tl.constexpr, ACT: tl.constexpr,
 ):
     m = row_at(order_ptr, ctr_ptr, tl.program_id(0), M, NB)
     ks = tl.arange(0, K_P)
@@ -182,7 +185,7 @@ def twell_rows_kernel(
             p2 = p0 + 2 * PAIRS + pa
             live2 = p2 < nl
             n2, g2 = _unpack(tl.load(list_ptr + lrow + p2, mask=live2, other=0), dt)
-            acc, hs = _pair(acc, hs, xr, g, n, live, wu, wd, bu_ptr, k_ok, GATED, HAS_BU)
+            acc, hs = _pair(acc, hs, xr, g, n, live, wu, wd, bu_ptr, k_ok, GATED, HAS_BU, ACT)
             wu, wd, g, n, live = wu1, wd1, g1, n1, live1
             g1, n1, live1 = g2, n2, live2
     elif PF == 3:
@@ -193,7 +196,7 @@ def twell_rows_kernel(
             n, g = _unpack(tl.load(list_ptr + lrow + pl, mask=lv, other=0), dt)
             wu = _wrows(wu_ptr, n, swu_n, ks, swu_k, lv, wu_m, g, GATED)
             wd = _wrows(wdt_ptr, n, swd_n, ko, swd_k, lv, wd_m, g, True)
-            acc, hs = _pair(acc, hs, xr, g, n, lv, wu, wd, bu_ptr, k_ok, GATED, HAS_BU)
+            acc, hs = _pair(acc, hs, xr, g, n, lv, wu, wd, bu_ptr, k_ok, GATED, HAS_BU, ACT)
     else:
         for p0 in range(0, nl, PAIRS):
             wu = _wrows(wu_ptr, n, swu_n, ks, swu_k, live, wu_m, g, GATED)
@@ -202,10 +205,10 @@ def twell_rows_kernel(
                 p1 = p0 + PAIRS + pa
                 live1 = p1 < nl
                 n1, g1 = _unpack(tl.load(list_ptr + lrow + p1, mask=live1, other=0), dt)
-                acc, hs = _pair(acc, hs, xr, g, n, live, wu, wd, bu_ptr, k_ok, GATED, HAS_BU)
+                acc, hs = _pair(acc, hs, xr, g, n, live, wu, wd, bu_ptr, k_ok, GATED, HAS_BU, ACT)
                 g, n, live = g1, n1, live1
             else:
-                acc, hs = _pair(acc, hs, xr, g, n, live, wu, wd, bu_ptr, k_ok, GATED, HAS_BU)
+                acc, hs = _pair(acc, hs, xr, g, n, live, wu, wd, bu_ptr, k_ok, GATED, HAS_BU, ACT)
                 p1 = p0 + PAIRS + pa
                 live = p1 < nl
                 n, g = _unpack(tl.load(list_ptr + lrow + p1, mask=live, other=0), dt)
@@ -227,7 +230,7 @@ def twell_rows_kernel(
             tg = pick(sel, v)
             twu = _wrows(wu_ptr, tn, swu_n, ks, swu_k, tl_live, wu_m, tg, GATED)
             twd = _wrows(wdt_ptr, tn, swd_n, ko, swd_k, tl_live, wd_m, tg, True)
-            acc, hs = _pair(acc, hs, xr, tg, tn, tl_live, twu, twd, bu_ptr, k_ok, GATED, HAS_BU)
+            acc, hs = _pair(acc, hs, xr, tg, tn, tl_live, twu, twd, bu_ptr, k_ok, GATED, HAS_BU, ACT)
     if HAS_BD:
         acc += tl.load(bd_ptr + ko, mask=ko_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * sy_m + ko * sy_k, acc.to(y_ptr.dtype.element_ty), mask=ko_ok)

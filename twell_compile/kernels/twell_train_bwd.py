@@ -35,23 +35,25 @@ single row kernel gathered W_d^T rows too (69 MB) and took ~1.5 ms (H200, M=1638
 import triton
 import triton.language as tl
 
+from twell_compile.kernels.act import grads, hidden
 from twell_compile.kernels.pairs import pick, scan, select
 
 
 @triton.jit
 def _pairs(dxa, n, hg, u, live, dyr, wg_ptr, swg_n, wu_ptr, swu_n, wdt_ptr, swd_n,
-           l1c, ks, k_ok, ko, ko_ok, GATED: tl.constexpr, L1: tl.constexpr):
-    """dx += d_g W_g[n] + d_u W_u[n] for PAIRS pairs; returns (dx, d_g, d_u, h) in fp32."""
+           l1c, ks, k_ok, ko, ko_ok, GATED: tl.constexpr, L1: tl.constexpr, ACT: tl.constexpr):
+    """dx += d_g W_g[n] + d_u W_u[n] for PAIRS pairs; returns (dx, d_g, d_u, h) in fp32 (h and
+    the derivatives of the activation ACT: kernels/act.py)."""
     wd = tl.load(wdt_ptr + n[:, None] * swd_n + ko[None, :], mask=live[:, None] & ko_ok[None, :], other=0.0)
     dh = tl.sum(wd.to(tl.float32) * dyr[None, :], axis=1)
-    h = hg * u if GATED else hg
+    h = hidden(hg, u, GATED, ACT)
     if L1:
         dh += l1c * (tl.where(h > 0.0, 1.0, 0.0) - tl.where(h < 0.0, 1.0, 0.0))
-    dg = tl.where(hg <= 0.0, 0.0, dh * u if GATED else dh)
+    dg, du = grads(dh, hg, u, GATED, ACT)
     dg = tl.where(live, dg, 0.0)
     wg = tl.load(wg_ptr + n[:, None] * swg_n + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
     dxa += tl.sum(dg[:, None] * wg.to(tl.float32), axis=0)
-    du = tl.where(live, dh * hg, 0.0)
+    du = tl.where(live, du, 0.0)
     if GATED:
         wu = tl.load(wu_ptr + n[:, None] * swu_n + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
         dxa += tl.sum(du[:, None] * wu.to(tl.float32), axis=0)
@@ -119,7 +121,7 @@ def train_bwd_kernel(
     K, N, KO, l1c,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, L1: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
-    BK: tl.constexpr,
+    BK: tl.constexpr, ACT: tl.constexpr,
 ):
     ks = tl.arange(0, K_P)
     k_ok = ks < K
@@ -132,7 +134,7 @@ def train_bwd_kernel(
         _busy_row(m, dy_ptr, sdy_m, x_ptr, sx_m, slot_ptr, bg_ptr, bu_ptr,
                   wg_ptr, swg_n, bgate_ptr, wu_ptr, swu_n, bup_ptr, wdt_ptr, swd_n, dx_ptr, sdx_m,
                   sg_ptr, su_ptr, sh_ptr, mlist_ptr, mctr_ptr, K, N, KO, l1c, ks, k_ok, ko, ko_ok, dt, pa,
-                  GATED, HAS_BG, HAS_BU, L1, PAIRS, CH, BK)
+                  GATED, HAS_BG, HAS_BU, L1, PAIRS, CH, BK, ACT)
 
 
 @triton.jit
@@ -140,7 +142,7 @@ def _busy_row(m, dy_ptr, sdy_m, x_ptr, sx_m, slot_ptr, bg_ptr, bu_ptr,
               wg_ptr, swg_n, bgate_ptr, wu_ptr, swu_n, bup_ptr, wdt_ptr, swd_n, dx_ptr, sdx_m,
               sg_ptr, su_ptr, sh_ptr, mlist_ptr, mctr_ptr, K, N, KO, l1c, ks, k_ok, ko, ko_ok, dt, pa,
               GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, L1: tl.constexpr,
-              PAIRS: tl.constexpr, CH: tl.constexpr, BK: tl.constexpr):
+              PAIRS: tl.constexpr, CH: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr):
     """A busy row whole: its dense backup row, or g and u recomputed from x; dx written."""
     xr = tl.load(x_ptr + m * sx_m + ks, mask=k_ok, other=0.0).to(tl.float32)
     dyr = tl.load(dy_ptr + m * sdy_m + ko, mask=ko_ok, other=0.0).to(tl.float32)
@@ -180,7 +182,7 @@ def _busy_row(m, dy_ptr, sdy_m, x_ptr, sx_m, slot_ptr, bg_ptr, bu_ptr,
             tg = pick(sel, hgv)
             tu = pick(sel, uv)
             dxa, dg, du, h = _pairs(dxa, tn, tg, tu, t_live, dyr, wg_ptr, swg_n, wu_ptr, swu_n,
-                                    wdt_ptr, swd_n, l1c, ks, k_ok, ko, ko_ok, GATED, L1)
+                                    wdt_ptr, swd_n, l1c, ks, k_ok, ko, ko_ok, GATED, L1, ACT)
             if ins:
                 tl.store(sg_ptr + brow + tn, dg.to(dt), mask=t_live)
                 tl.store(sh_ptr + brow + tn, h.to(dt), mask=t_live)

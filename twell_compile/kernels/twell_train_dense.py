@@ -17,11 +17,13 @@ the 4-layer model, 8 x [16384, 5632] bf16; H100, 2026-11-26).
 import triton
 import triton.language as tl
 
+from twell_compile.kernels.act import gate_part, grads, up_part
+
 
 @triton.jit
 def train_dense_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, db_ptr, M, N, l1c,
                            GATED: tl.constexpr, L1: tl.constexpr, BIAS: tl.constexpr,
-                           BM: tl.constexpr, BN: tl.constexpr):
+                           BM: tl.constexpr, BN: tl.constexpr, ACT: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     cn = tl.program_id(1) * BN + tl.arange(0, BN)
     ok = (rm < M)[:, None] & (cn < N)[None, :]
@@ -30,17 +32,17 @@ def train_dense_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, db_ptr, M, N, l
     g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     dh = tl.load(dh_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     hg = tl.where(g < 0.0, 0.0, g)
+    a = gate_part(hg, ACT).to(dt).to(tl.float32)              # eager rounds the square
     if GATED:
         u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        h = (hg * u).to(dt).to(tl.float32)
+        h = (a * up_part(u, ACT)).to(dt).to(tl.float32)
     else:
         u = hg
-        h = hg
+        h = a
     if L1:
         dh += l1c * (tl.where(h > 0.0, 1.0, 0.0) - tl.where(h < 0.0, 1.0, 0.0))
-    dg = tl.where(hg <= 0.0, 0.0, dh * u if GATED else dh)   # threshold_backward: NaN passes
+    dg, du = grads(dh, hg, u, GATED, ACT)                     # threshold_backward: NaN passes
     tl.store(dg_ptr + offs, dg.to(dt), mask=ok)
-    du = dh * hg
     if GATED:
         tl.store(du_ptr + offs, du.to(dt), mask=ok)
     tl.store(dh_ptr + offs, h.to(dt), mask=ok)

@@ -5,6 +5,9 @@ With dh = dy W_d^T already in ``dh`` ([M, N]), h_g = relu(g) and u from the hybr
 
     dh' = dh (+ l1c * sgn(h)),  d_g = dh' * u * [not h_g <= 0],  d_u = dh' * h_g,  h = h_g * u
 
+(ReLU; ACT forms h and the derivatives of squared ReLU or dReLU from the same h_g and u:
+kernels/act.py, whose rule for dReLU's d_u off the active pairs, dh * 0, is the one here.)
+
 written whole into dg, du ([M, N]) and h (into dh's buffer), one program per row. Off the
 active pairs h_g = 0: d_g = 0, h = 0 and d_u = dh * 0 (NaN where dh is not finite, as eager's
 mul backward gives), so a quiet row (count <= W, finite x) reads u and h_g only at its ELL
@@ -19,25 +22,27 @@ twell_train_dense.py.
 import triton
 import triton.language as tl
 
+from twell_compile.kernels.act import grads, hidden
 from twell_compile.kernels.twell_train_bwd import recompute
 
 
 @triton.jit
-def _terms(dh, hg, u, l1c, dt, GATED: tl.constexpr, L1: tl.constexpr):
-    """(d_g, d_u, h) in fp32 from fp32 dh, h_g, u (u = h_g when non-gated)."""
-    h = (hg * u).to(dt).to(tl.float32) if GATED else hg
+def _terms(dh, hg, u, l1c, dt, GATED: tl.constexpr, L1: tl.constexpr, ACT: tl.constexpr):
+    """(d_g, d_u, h) in fp32 from fp32 dh, h_g, u (u = h_g when non-gated); h and the
+    derivatives of the activation ACT (kernels/act.py)."""
+    h = hidden(hg, u, GATED, ACT).to(dt).to(tl.float32)
     if L1:
         dh += l1c * (tl.where(h > 0.0, 1.0, 0.0) - tl.where(h < 0.0, 1.0, 0.0))
-    dg = tl.where(hg <= 0.0, 0.0, dh * u if GATED else dh)          # NaN passes
-    return dg, dh * hg, h
+    dg, du = grads(dh, hg, u, GATED, ACT)                            # NaN passes
+    return dg, du, h
 
 
 @triton.jit
 def _write_chunk(dh_ptr, dg_ptr, du_ptr, at, c_ok, hg, u, l1c, dt,
-                 GATED: tl.constexpr, L1: tl.constexpr):
+                 GATED: tl.constexpr, L1: tl.constexpr, ACT: tl.constexpr):
     """A busy row's columns ``at``: d_g, d_u stored; h over the chunk's dh once it is read."""
     dh = tl.load(dh_ptr + at, mask=c_ok, other=0.0).to(tl.float32)
-    dg, du, h = _terms(dh, hg, u, l1c, dt, GATED, L1)
+    dg, du, h = _terms(dh, hg, u, l1c, dt, GATED, L1, ACT)
     tl.store(dg_ptr + at, dg.to(dt), mask=c_ok)
     if GATED:
         tl.store(du_ptr + at, du.to(dt), mask=c_ok)
@@ -51,7 +56,7 @@ def train_densify_kernel(dh_ptr, dg_ptr, du_ptr, cnt_ptr, cols_ptr, eg_ptr, eu_p
                          wu_ptr, swu_n, bup_ptr, N, K, l1c,
                          GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
                          L1: tl.constexpr, W_P: tl.constexpr, K_P: tl.constexpr,
-                         CH: tl.constexpr, BK: tl.constexpr, DCH: tl.constexpr):
+                         CH: tl.constexpr, BK: tl.constexpr, DCH: tl.constexpr, ACT: tl.constexpr):
     """CH columns per step where g and u are recomputed ([CH, BK] weight tiles), DCH where the
     row is only streamed (256 there too, 1-2 elements per thread between barriers,
     made the compact dense path 0.95-0.97x of eager against 1.02-1.03x for the g-and-u one;
@@ -77,7 +82,7 @@ def train_densify_kernel(dh_ptr, dg_ptr, du_ptr, cnt_ptr, cols_ptr, eg_ptr, eu_p
                     u = tl.load(bu_ptr + brow + cn, mask=c_ok, other=0.0).to(tl.float32)
                 else:
                     u = hg
-                _write_chunk(dh_ptr, dg_ptr, du_ptr, row + cn, c_ok, hg, u, l1c, dt, GATED, L1)
+                _write_chunk(dh_ptr, dg_ptr, du_ptr, row + cn, c_ok, hg, u, l1c, dt, GATED, L1, ACT)
         else:
             for c0 in range(0, N, CH):
                 cn = c0 + cc
@@ -90,7 +95,7 @@ def train_densify_kernel(dh_ptr, dg_ptr, du_ptr, cnt_ptr, cols_ptr, eg_ptr, eu_p
                                    HAS_BU, CH, BK).to(tl.float32)
                 else:
                     u = hg
-                _write_chunk(dh_ptr, dg_ptr, du_ptr, row + cn, c_ok, hg, u, l1c, dt, GATED, L1)
+                _write_chunk(dh_ptr, dg_ptr, du_ptr, row + cn, c_ok, hg, u, l1c, dt, GATED, L1, ACT)
     else:
         js = tl.arange(0, W_P)
         live = js < cnt
@@ -101,7 +106,7 @@ def train_densify_kernel(dh_ptr, dg_ptr, du_ptr, cnt_ptr, cols_ptr, eg_ptr, eu_p
         else:
             u = hg
         dhs = tl.load(dh_ptr + row + n, mask=live, other=0.0).to(tl.float32)
-        dgs, dus, hs = _terms(dhs, hg, u, l1c, dt, GATED, L1)
+        dgs, dus, hs = _terms(dhs, hg, u, l1c, dt, GATED, L1, ACT)
         tl.debug_barrier()                      # the slots' dh read before the row is cleared
         dc = tl.arange(0, DCH)
         for c0 in range(0, N, DCH):

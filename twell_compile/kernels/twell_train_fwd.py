@@ -20,6 +20,7 @@ are complete in ``cnt`` and recomputed, never truncated.
 import triton
 import triton.language as tl
 
+from twell_compile.kernels.act import hidden
 from twell_compile.kernels.pairs import pick, scan, select
 from twell_compile.kernels.twell_rows import row_at
 
@@ -50,6 +51,7 @@ def train_fwd_kernel(
     M, K, N, KO, W, C,
     GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr, Y: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
+    ACT: tl.constexpr,
 ):
     m = row_at(order_ptr, ctr_ptr + 1, tl.program_id(0), M, 2)     # rows over W first
     ks = tl.arange(0, K_P)
@@ -89,7 +91,7 @@ def train_fwd_kernel(
             tl.store(ellu_ptr + lrow + p, u.to(dt), mask=live)
             tl.store(bu2_ptr + brow + n, u.to(dt), mask=tl.where(ins, live, False))
         if Y:
-            h = gv * u if GATED else gv
+            h = hidden(gv, u, GATED, ACT)
             h = tl.where(live & (~bad), h, 0.0)
             wd = tl.load(wdt_ptr + n[:, None] * swd_n + ko[None, :], mask=live[:, None] & ko_ok[None, :], other=0.0)
             acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
@@ -122,7 +124,7 @@ def train_fwd_kernel(
             if GATED:
                 tl.store(bu2_ptr + brow + tn, u.to(dt), mask=tl.where(ins, take, False))
             if Y:
-                h = tg * u if GATED else tg
+                h = hidden(tg, u, GATED, ACT)
                 h = tl.where(take, h, 0.0)
                 wd = tl.load(wdt_ptr + tn[:, None] * swd_n + ko[None, :], mask=take[:, None] & ko_ok[None, :], other=0.0)
                 acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)

@@ -57,6 +57,8 @@ dx_stages=3]`, 2026-11-26, on code whose knobs were removed again)."""
 import triton
 import triton.language as tl
 
+from twell_compile.kernels.act import grads, hidden
+
 
 @triton.jit
 def scatter_kernel(cols_ptr, rk_ptr, q_ptr, off_ptr, order_ptr, W, WP: tl.constexpr):
@@ -99,7 +101,7 @@ def _dot(a_ptr, b_ptr, L, BKW: tl.constexpr):
 def _listed(m, n, x_ptr, sx_m, dy_ptr, sdy_m, wg_ptr, swg_n, bgate_ptr, wu_ptr, swu_n, bup_ptr,
             wdt_ptr, swd_n, l1c, K, KO, dt,
             GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, L1: tl.constexpr,
-            BKW: tl.constexpr):
+            BKW: tl.constexpr, ACT: tl.constexpr):
     """(d_g, d_u, h) at (m, n) recomputed from x, dy and the weight rows, fp32 (g, u rounded
     to dt as cuBLAS rounds them)."""
     g = _dot(wg_ptr + n * swg_n, x_ptr + m * sx_m, K, BKW)
@@ -112,15 +114,14 @@ def _listed(m, n, x_ptr, sx_m, dy_ptr, sdy_m, wg_ptr, swg_n, bgate_ptr, wu_ptr, 
         if HAS_BU:
             u += tl.load(bup_ptr + n).to(tl.float32)
         u = u.to(dt).to(tl.float32)
-        h = hg * u
     else:
         u = hg
-        h = hg
+    h = hidden(hg, u, GATED, ACT)
     dh = _dot(wdt_ptr + n * swd_n, dy_ptr + m * sdy_m, KO, BKW)
     if L1:
         dh += l1c * (tl.where(h > 0.0, 1.0, 0.0) - tl.where(h < 0.0, 1.0, 0.0))
-    dg = tl.where(hg <= 0.0, 0.0, dh * u if GATED else dh)
-    return dg, dh * hg, h
+    dg, du = grads(dh, hg, u, GATED, ACT)
+    return dg, du, h
 
 
 @triton.jit
@@ -141,7 +142,7 @@ def wgrad_kernel(
     dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr,   # fp32 [N, K], [N, K], [N, KO] (backup part in), [N], [N]
     K, KO,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, L1: tl.constexpr,
-    DY: tl.constexpr, BKW: tl.constexpr, E: tl.constexpr,
+    DY: tl.constexpr, BKW: tl.constexpr, E: tl.constexpr, ACT: tl.constexpr,
 ):
     jk = tl.program_id(1)
     ks = jk * BKW + tl.arange(0, BKW)
@@ -177,12 +178,12 @@ def wgrad_kernel(
                 dh = tl.sum(dyt * wd[None, :], axis=1)
                 hg = tl.load(ellg_ptr + idx, mask=live, other=0.0).to(tl.float32)
                 u = tl.load(ellu_ptr + idx, mask=live, other=0.0).to(tl.float32) if GATED else hg
-                h = hg * u if GATED else hg
+                h = hidden(hg, u, GATED, ACT)
                 if L1:
                     dh += l1c * (tl.where(h > 0.0, 1.0, 0.0) - tl.where(h < 0.0, 1.0, 0.0))
-                dg = tl.where(hg <= 0.0, 0.0, dh * u if GATED else dh)     # NaN passes, as threshold_backward
+                dg, du = grads(dh, hg, u, GATED, ACT)                     # NaN passes, as threshold_backward
                 dg = tl.where(live, dg, 0.0)
-                du = tl.where(live, dh * hg, 0.0)
+                du = tl.where(live, du, 0.0)
                 tl.store(eg_ptr + idx, dg, mask=live)
                 if GATED:
                     tl.store(eu_ptr + idx, du, mask=live)
@@ -201,7 +202,7 @@ def wgrad_kernel(
         for i in range(0, tl.where(j == 0, nlisted, 0)):
             m = tl.load(mlist_ptr + i).to(tl.int64)
             dgm, dum, h = _listed(m, n, x_ptr, sx_m, dy_ptr, sdy_m, wg_ptr, swg_n, bgate_ptr, wu_ptr, swu_n,
-                                  bup_ptr, wdt_ptr, swd_n, l1c, K, KO, dt, GATED, HAS_BG, HAS_BU, L1, BKW)
+                                  bup_ptr, wdt_ptr, swd_n, l1c, K, KO, dt, GATED, HAS_BG, HAS_BU, L1, BKW, ACT)
             if DY:
                 acc1 += h.to(dt).to(tl.float32) * tl.load(dy_ptr + m * sdy_m + ks, mask=ok, other=0.0).to(tl.float32)
                 sg += tl.where(ea == 0, dgm, 0.0)

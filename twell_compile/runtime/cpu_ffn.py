@@ -26,6 +26,7 @@ from torch import Tensor
 
 from twell_compile import stats
 from twell_compile.build import BuildError, load
+from twell_compile.reference import ACTS
 from twell_compile.runtime.arch import CpuPolicy
 
 
@@ -63,17 +64,17 @@ def _unit_cols(w: Tensor) -> Tensor:
 
 def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
-              layer: str, keep_stats: bool, policy: CpuPolicy) -> Tensor:
+              layer: str, keep_stats: bool, policy: CpuPolicy, act: str = "relu") -> Tensor:
     """The twell::ffn inference op on CPU through the C++ kernel (the plan chose it).
     ``policy``: the CPU record (its max_density for this call's token count, above which the
-    kernel runs the dense up/down; block_tokens)."""
+    kernel runs the dense up/down; block_tokens); ``act``: the activation (reference.ACTS)."""
     mod = extension()
     k, n, k_out = x.shape[-1], w_gate.shape[0], w_down.shape[0]
     x2 = x.reshape(-1, k).contiguous()
     up = None if w_up is None else _unit_cols(w_up)
     y, counts, abs_sum, _dense = mod.ffn_forward(x2, w_gate, b_gate, up, b_up, w_down, b_down,
                                                  policy.max_density(x2.shape[0]), keep_stats,
-                                                 policy.block_tokens)
+                                                 policy.block_tokens, ACTS.index(act))
     if keep_stats:
         stats.record(layer, counts, abs_sum, counts.new_zeros(()), n)
     return y.reshape(*x.shape[:-1], k_out)

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from twell_compile.kernels.twell_decode import decode_finish_kernel, decode_fused_kernel
 from twell_compile.kernels.twell_decode_list import decode_gather_kernel, decode_pairs_kernel
+from twell_compile.reference import ACTS
 from twell_compile.runtime import arch, decode_graphs, decode_state
 from twell_compile.runtime.arch import MAX_M, MAX_MB, DecodeConfig, m_pad, m_pad_rows, pairs_bn, pairs_pb, rows_bn, rows_gemv
 from twell_compile.runtime.launch import INTERPRET, launch, pow2
@@ -80,7 +81,7 @@ FORMS = ("rows", "tiles", "list", "pairs")
 def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                    b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
                    cfg: Optional[DecodeConfig] = None, stats_buf: Optional[Tensor] = None,
-                   form: Optional[str] = None, graphed: bool = False) -> Decoded:
+                   form: Optional[str] = None, graphed: bool = False, act: str = "relu") -> Decoded:
     """The FFN for x2 [M, K], M <= MAX_M. ``stats_buf``: a layer's float64 [4] statistics buffer
     (stats.py) that the kernels fill in place (sum and max of non-zeros per token, sum |h|, 0).
     ``form``: how up/down run: "rows" (one active neuron at a time, only for M <= cfg.vec_m),
@@ -88,7 +89,8 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
     "pairs" (per active pair, atomics); None: rows where M <= cfg.vec_m, else tiles (the
     plan decides by density, select.decode_form). ``cfg``: default config_for(M, K, device).
     ``graphed``: eager calls replay the op's own CUDA graph (``decode_graphs``; the op passes
-    it); tok and hsum are then the graph's buffers, overwritten by the layer's next call."""
+    it); tok and hsum are then the graph's buffers, overwritten by the layer's next call.
+    ``act``: the activation (reference.ACTS), formed where h is (kernels/act.py)."""
     m, k = x2.shape
     if m > MAX_M:
         raise ValueError(f"decode path takes M <= {MAX_M} rows, got x with {m}")
@@ -103,7 +105,7 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
         form = "rows" if m <= c.vec_m else "tiles"
     elif form == "rows" and m > c.vec_m:
         raise ValueError(f"form='rows' takes M <= cfg.vec_m = {c.vec_m} rows, got {m}")
-    return execute(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, form, stats_buf, c, graphed)
+    return execute(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, form, stats_buf, c, graphed, act)
 
 
 class Prepared(NamedTuple):
@@ -119,7 +121,8 @@ class Prepared(NamedTuple):
 
 
 def prepare(m: int, k: int, n: int, k_out: int, form: str, c: DecodeConfig, gated: bool, has_bg: bool,
-            has_bu: bool, has_bd: bool, has_stats: bool, clean: bool, pdl: bool = False) -> Prepared:
+            has_bu: bool, has_bd: bool, has_stats: bool, clean: bool, pdl: bool = False,
+            act: str = "relu") -> Prepared:
     """``clean``: the accumulator is a registered weight's persistent one (zero between calls).
     ``pdl``: launch with programmatic dependent launch (``pdl_ok``)."""
     mb = min(m_pad(m), MAX_MB)
@@ -144,7 +147,7 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: DecodeConfig, gate
             GATED=gated, HAS_BG=has_bg, HAS_BU=has_bu, MB=mb, BN=bn, BK=p2(c.lbk or c.bk),
             PB=pairs_pb(c) if pairs else c.pb,
             KC=p2(c.kc), UDOT=c.udot, BKU=p2(c.bku), ADOWN=form == "pairs",
-            KOC=min(c.koc, max(16, pow2(k_out))), PDL=pdl),
+            KOC=min(c.koc, max(16, pow2(k_out))), PDL=pdl, ACT=ACTS.index(act)),
             (c.pwarps or c.warps) if pairs else c.warps, c.lstages or c.stages)
         if form == "pairs":
             launch2 = finish
@@ -161,7 +164,8 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: DecodeConfig, gate
             GATED=gated, HAS_BG=has_bg, HAS_BU=has_bu, HAS_BD=has_bd, FINISH=fin, CLEAN=clean,
             HAS_ST=has_stats, MB=mb, BN=bn, BK=p2(c.bk), BKU=p2(c.bku),
             BKO=min(c.bko, max(16, pow2(k_out))), MS=ms, KP=pow2(k) if ms else 1,
-            KOP=pow2(k_out) if ms else 1, FB=FINISH_BLOCK, CB=pow2(m), GEMV=gemv, PDL=pdl), c.warps, c.stages)
+            KOP=pow2(k_out) if ms else 1, FB=FINISH_BLOCK, CB=pow2(m), GEMV=gemv, PDL=pdl, ACT=ACTS.index(act)),
+            c.warps, c.stages)
         launch2 = None if fin else finish
     return Prepared(int_sizes, sum(int_sizes), float_sizes, sum(float_sizes), launch1, launch2)
 
@@ -172,7 +176,7 @@ MAX_PREPARED = 4096
 
 def execute(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
             b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], form: str,
-            stats_buf: Optional[Tensor], c: DecodeConfig, graphed: bool = False) -> Decoded:
+            stats_buf: Optional[Tensor], c: DecodeConfig, graphed: bool = False, act: str = "relu") -> Decoded:
     """One decode call in a given form and config (decode_forward checks them). The shape-fixed
     arithmetic comes from ``prepare``, cached by shapes, form, flags and config (an eager call
     at decode sizes is host-bound: docs/inference.md "Host time"). ``graphed``: replay the
@@ -189,7 +193,7 @@ def execute(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional
     if form == "list":
         state = None                    # no accumulator: the gather writes y
     key = (m, k, n, k_out, form, c, w_up is not None, b_gate is not None, b_up is not None,
-           b_down is not None, stats_buf is not None, state is not None, pdl_ok(dev))
+           b_down is not None, stats_buf is not None, state is not None, pdl_ok(dev), act)
     p = _prepared.get(key)
     if p is None:
         if len(_prepared) >= MAX_PREPARED:

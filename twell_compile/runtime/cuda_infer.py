@@ -26,6 +26,7 @@ from twell_compile import stats
 from twell_compile.kernels.relu_mul import relu_mul_rows_kernel
 from twell_compile.kernels.row_stats import row_stats_kernel
 from twell_compile.kernels.twell_rows import compact_rows_kernel, twell_rows_kernel
+from twell_compile.reference import ACTS, activate
 from twell_compile.runtime import arch, cuda_decode, decode_graphs, density
 from twell_compile.runtime.launch import INTERPRET, launch, pow2, transposed, unit_rows, warps_by_width
 from twell_compile.runtime.select import InferPlan
@@ -83,8 +84,9 @@ def compact_rows(g: Tensor, width: int, ctr: Optional[Tensor] = None, buckets: i
 
 
 def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tensor],
-               w_down: Tensor, b_down: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """(y [M, K_out], sum |h| per row [M] fp32) from the per-row lists."""
+               w_down: Tensor, b_down: Optional[Tensor], act: str = "relu") -> tuple[Tensor, Tensor]:
+    """(y [M, K_out], sum |h| per row [M] fp32) from the per-row lists (of relu(g); ``act``
+    forms h from them)."""
     p = arch.launch_policy(x2.device)
     m, k = x2.shape
     n, k_out = r.g.shape[1], w_down.shape[0]
@@ -101,28 +103,28 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
             y, y.stride(0), y.stride(1), hsum, m, k, n, k_out, r.lst.shape[1]),
            dict(GATED=w_up is not None, HAS_BU=b_up is not None, HAS_BD=b_down is not None,
                 K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.row_pairs, CH=min(TAIL_CH, pow2(n)), PF=p.row_prefetch,
-                STAGES=p.row_stages, NB=r.ctr.numel()),
+                STAGES=p.row_stages, NB=r.ctr.numel(), ACT=ACTS.index(act)),
            num_warps=warps_by_width(max(k, k_out), p.row_cols_per_warp))
     return y, hsum
 
 
 def twell_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
-                  b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], width: int
-                  ) -> tuple[Tensor, Tensor, Tensor]:
-    """(y [M, K_out], non-zeros per row [M] int32, sum|h| per row [M] fp32). x2 is [M, K];
-    ``width``: the per-row list width W (select.list_width)."""
+                  b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], width: int,
+                  act: str = "relu") -> tuple[Tensor, Tensor, Tensor]:
+    """(y [M, K_out], non-zeros of relu(g) per row [M] int32, sum|h| per row [M] fp32). x2 is
+    [M, K]; ``width``: the per-row list width W (select.list_width)."""
     n = w_gate.shape[0]
     if n > 65536:
         raise ValueError(f"per-row TwELL path packs columns in 16 bits: N={n} > 65536")
     w_up = None if w_up is None else unit_rows(w_up)
     r = gate_rows(x2, w_gate, b_gate, width)
-    y, hsum = fused_rows(x2, r, w_up, b_up, w_down, b_down)
+    y, hsum = fused_rows(x2, r, w_up, b_up, w_down, b_down, act)
     return y, r.cnt, hsum
 
 
 def dense_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
-                  b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], counts: bool = True
-                  ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+                  b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], counts: bool = True,
+                  act: str = "relu") -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """Eager's GEMMs, bit-identical to eager. Returns (y, non-zeros of relu(g) per row [M] int32
     (NaN counted), sum of |h| per row [M] fp32).
 
@@ -134,27 +136,27 @@ def dense_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
     """
     g = F.linear(x2, w_gate, b_gate)
     if not counts and x2.shape[0] <= arch.launch_policy(x2.device).eager_elementwise_max_m:
-        h = torch.relu(g) if w_up is None else torch.relu(g) * F.linear(x2, w_up, b_up)
+        h = activate(torch.relu(g), None if w_up is None else F.linear(x2, w_up, b_up), act)
         return F.linear(h, w_down, b_down), None, None
-    h, cnt, asum = relu_mul_rows(g, None if w_up is None else F.linear(x2, w_up, b_up))
+    h, cnt, asum = relu_mul_rows(g, None if w_up is None else F.linear(x2, w_up, b_up), act)
     return F.linear(h, w_down, b_down), cnt, asum
 
 
 def twell_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                   b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], width: int,
-                  buf: Optional[Tensor], probe: bool) -> tuple[Tensor, Optional[Tensor]]:
+                  buf: Optional[Tensor], probe: bool, act: str = "relu") -> tuple[Tensor, Optional[Tensor]]:
     """The per-row path replayed from the op's own CUDA graph, where the calls' host time
     exceeds their GPU time (the record's rows_graph_max_m). Statistics go into ``buf`` (the
     layer's buffer), or, for a ``probe`` without one, into a scratch buffer of the graph's;
     neither: no statistics launch. Returns (y, non-zeros summed over the call as a 0-d view
     the next replay overwrites, or None without statistics)."""
     totals = buf is not None or probe
-    key = (("rows", x2.shape, x2.dtype, x2.device, width, totals, decode_graphs.math_mode(),
+    key = (("rows", x2.shape, x2.dtype, x2.device, width, act, totals, decode_graphs.math_mode(),
             id(arch.launch_policy(x2.device)), None if buf is None else buf.data_ptr())
            + decode_graphs.weights_key(w_gate, b_gate, w_up, b_up, w_down, b_down))
 
     def run(xs: Tensor) -> tuple[Tensor, ...]:
-        y, per_token, hsum = twell_forward(xs, w_gate, b_gate, w_up, b_up, w_down, b_down, width)
+        y, per_token, hsum = twell_forward(xs, w_gate, b_gate, w_up, b_up, w_down, b_down, width, act)
         if not totals:
             return (y,)
         out = buf if buf is not None else stats.scratch_buffer(xs.device)
@@ -165,18 +167,18 @@ def twell_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
 
 
 def dense_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
-                  b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor]) -> Tensor:
+                  b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], act: str = "relu") -> Tensor:
     """dense_forward without statistics at decode sizes, replayed from the op's own CUDA graph
     (decode_graphs: eager's five calls cost more host time than the GEMMs' GPU time there)."""
-    key = (("dense", x2.shape, x2.dtype, x2.device, decode_graphs.math_mode())
+    key = (("dense", x2.shape, x2.dtype, x2.device, act, decode_graphs.math_mode())
            + decode_graphs.weights_key(w_gate, b_gate, w_up, b_up, w_down, b_down))
     return decode_graphs.run(key, x2, lambda xs: dense_forward(
-        xs, w_gate, b_gate, w_up, b_up, w_down, b_down, counts=False)[:1])[0]
+        xs, w_gate, b_gate, w_up, b_up, w_down, b_down, counts=False, act=act)[:1])[0]
 
 
-def relu_mul_rows(g: Tensor, u: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """(relu(g) * u, or relu(g) when u is None; its non-zero count per row [M] int32; sum |h|
-    per row [M] fp32) for 2-D g, u.
+def relu_mul_rows(g: Tensor, u: Optional[Tensor], act: str = "relu") -> tuple[Tensor, Tensor, Tensor]:
+    """(relu(g) * u, or relu(g) when u is None, or the activation ``act``'s h; relu(g)'s
+    non-zero count per row [M] int32; sum |h| per row [M] fp32) for 2-D g, u.
 
     One program per (row, span of columns); a row is split into spans while there are fewer
     than the record's dense_programs rows, and the spans' counts and sums are then added
@@ -201,7 +203,7 @@ def relu_mul_rows(g: Tensor, u: Optional[Tensor]) -> tuple[Tensor, Tensor, Tenso
         uu = u if u is not None else g
         launch(relu_mul_rows_kernel, (m, split),
                (g, uu, h, cnt, asum, n, span, g.stride(0), uu.stride(0), h.stride(0)),
-               dict(GATED=u is not None, ATOMIC=split > 1, BLOCK=block), num_warps=p.dense_warps)
+               dict(GATED=u is not None, ATOMIC=split > 1, BLOCK=block, ACT=ACTS.index(act)), num_warps=p.dense_warps)
     return h, cnt, asum
 
 
@@ -231,8 +233,9 @@ def record_stats(layer: Optional[str], cnt: Tensor, hsum: Tensor, n: int, width:
 
 def ffn_infer(plan: InferPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], layer: str,
-              keep_stats: bool) -> Tensor:
-    """Runs a CUDA inference plan (path "dense", "decode" or "twell"; select.plan_infer)."""
+              keep_stats: bool, act: str = "relu") -> Tensor:
+    """Runs a CUDA inference plan (path "dense", "decode" or "twell"; select.plan_infer) of the
+    activation ``act``."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m, n, k_out = x2.shape[0], w_gate.shape[0], w_down.shape[0]
@@ -240,23 +243,24 @@ def ffn_infer(plan: InferPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tenso
         # the kernel fills the layer's statistics buffer itself: no extra launches
         sbuf = stats.device_buffer(layer, x.device, m, n) if keep_stats else None
         y, tok, hsum = cuda_decode.decode_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down,
-                                                  stats_buf=sbuf, form=plan.form, graphed=True)
+                                                  stats_buf=sbuf, form=plan.form, graphed=True, act=act)
         if plan.probe:
             density.submit(plan.key, tok[m], m * n)
     elif plan.path == "twell" and plan.graphed and decode_graphs.usable(x2):
         sbuf = stats.device_buffer(layer, x.device, m, n) if keep_stats else None
-        y, total = twell_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, plan.width, sbuf, plan.probe)
+        y, total = twell_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, plan.width, sbuf, plan.probe, act)
         if plan.probe:
             density.submit(plan.key, total, m * n)
     elif plan.path == "twell":
-        y, per_token, hsum = twell_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, plan.width)
+        y, per_token, hsum = twell_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, plan.width, act)
         total = record_stats(layer, per_token, hsum, n, plan.width)[0] if keep_stats else None
         if plan.probe:
             density.submit(plan.key, per_token.sum() if total is None else total, m * n)
     elif plan.graphed:
-        y = dense_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
+        y = dense_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, act)
     else:
-        y, per_token, hsum = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, counts=plan.counts)
+        y, per_token, hsum = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, counts=plan.counts,
+                                           act=act)
         total = record_stats(layer, per_token, hsum, n)[0] if keep_stats else None
         if plan.probe:
             density.submit(plan.key, per_token.sum() if total is None else total, m * n)

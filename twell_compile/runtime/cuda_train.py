@@ -46,6 +46,7 @@ from twell_compile.kernels.twell_train_dense import train_dense_bwd_kernel
 from twell_compile.kernels.twell_train_densify import train_densify_kernel
 from twell_compile.kernels.twell_train_fwd import train_fwd_kernel
 from twell_compile.kernels.twell_train_wgrad import chunk_map_kernel, scatter_kernel, wgrad_kernel
+from twell_compile.reference import ACTS
 from twell_compile.runtime import arch, density
 from twell_compile.runtime.cuda_infer import compact_rows, record_stats, relu_mul_rows
 from twell_compile.runtime.launch import pow2, sm_count, transposed, unit_rows, warps_by_width
@@ -86,7 +87,7 @@ _warm: set = set()
 
 def warm_paths(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], l1_scale: float,
-               keep_stats: bool) -> None:
+               keep_stats: bool, act: str = "relu") -> None:
     """Before a layer's first call that may switch path (path='auto'), run the other paths'
     forward and backward once on its inputs, outputs discarded, so every kernel it can take is
     compiled in the call that compiles anyway (the first); with ``keep_stats`` the statistics
@@ -96,7 +97,7 @@ def warm_paths(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tens
         return
     key = (x.shape[-1], x.numel() // max(x.shape[-1], 1), x.dtype, x.device, tuple(w_gate.shape), w_up is not None,
            b_gate is not None, b_up is not None, b_down is not None, tuple(w_down.shape), plan.width, plan.cap,
-           bool(l1_scale), keep_stats, arch.launch_policy(x.device).name)
+           bool(l1_scale), keep_stats, act, arch.launch_policy(x.device).name)
     if key in _warm:
         return
     _warm.add(key)
@@ -106,8 +107,8 @@ def warm_paths(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tens
             if path in ("auto", plan.path):
                 continue
             out = ffn_train_forward(plan._replace(path=path, probe=False, tick=False), x, w_gate, b_gate, w_up,
-                                    b_up, w_down, b_down, None, keep_stats)
-            ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *out[1:], l1_scale=l1_scale)
+                                    b_up, w_down, b_down, None, keep_stats, act)
+            ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *out[1:], l1_scale=l1_scale, act=act)
 
 
 def _warps(k: int, k_out: int) -> int:
@@ -115,7 +116,7 @@ def _warps(k: int, k_out: int) -> int:
 
 
 def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b_up: Optional[Tensor],
-           w_down: Tensor, b_down: Optional[Tensor], width: int, cap: int, compute_y: bool):
+           w_down: Tensor, b_down: Optional[Tensor], width: int, cap: int, compute_y: bool, act: str = "relu"):
     """Compaction + train_fwd_kernel. Returns (y or None, hsum or None, counts, cols, ell_g,
     ell_u, backup_idx, backup_g, backup_u, missing rows [0-d])."""
     p = arch.launch_policy(x2.device)
@@ -148,20 +149,20 @@ def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b
             cols, ell_g, ell_u, bidx, bg, bu, ctr,
             m, k, n, k_out, width, cap,
             GATED=gated, HAS_BU=b_up is not None, HAS_BD=b_down is not None, Y=compute_y,
-            K_P=pow2(k), KO_P=pow2(k_out), PAIRS=pairs, CH=min(CH, pow2(n)),
+            K_P=pow2(k), KO_P=pow2(k_out), PAIRS=pairs, CH=min(CH, pow2(n)), ACT=ACTS.index(act),
             num_warps=warps_by_width(max(k, k_out), cpw))
     missing = (ctr[0] - cap).clamp(min=0)
     return y, hsum, cnt, cols, ell_g, ell_u, bidx, bg, bu, missing
 
 
-def forward_sparse(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap):
+def forward_sparse(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap, act="relu"):
     w_up = None if w_up is None else unit_rows(w_up)
     g = F.linear(x2, w_gate, b_gate)
-    return _state(x2, g, None, w_up, b_up, w_down, b_down, width, cap, True)
+    return _state(x2, g, None, w_up, b_up, w_down, b_down, width, cap, True, act)
 
 
 def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap, compact=False,
-                  count_lost=True):
+                  count_lost=True, act="relu"):
     """cuBLAS forward, bit-identical to eager: (y, sum |h| per row [M] fp32, state). The state
     is (counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u, missing [0-d]) with g and u
     as a backup of all M rows; cols and the ELL values are left unwritten (the dense backward
@@ -179,11 +180,11 @@ def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap, co
     dev, dt = x2.device, x2.dtype
     g = F.linear(x2, w_gate, b_gate)
     u = None if w_up is None else F.linear(x2, w_up, b_up)
-    h, cnt, hsum = relu_mul_rows(g, u)
+    h, cnt, hsum = relu_mul_rows(g, u, act)
     y = F.linear(h, w_down, b_down)
     del h
     if compact:
-        _, _, *state = _state(x2, g, u, w_up, b_up, w_down, b_down, width, cap, False)
+        _, _, *state = _state(x2, g, u, w_up, b_up, w_down, b_down, width, cap, False, act)
         return y, hsum, tuple(state)
     cols = torch.empty((m, width), dtype=torch.int32, device=dev)
     ell_g = torch.empty((m, width), dtype=dt, device=dev)
@@ -196,8 +197,9 @@ def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap, co
 
 def ffn_train_forward(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
                       w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
-                      layer: Optional[str], keep_stats: bool) -> tuple[Tensor, ...]:
-    """Runs a CUDA training plan (path "twell", "compact" or "dense"; select.plan_train).
+                      layer: Optional[str], keep_stats: bool, act: str = "relu") -> tuple[Tensor, ...]:
+    """Runs a CUDA training plan (path "twell", "compact" or "dense"; select.plan_train) of the
+    activation ``act`` (the state holds relu(g) and u whatever it is).
     ``layer`` None (warm_paths): statistics, if kept, go to a scratch buffer."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -207,13 +209,13 @@ def ffn_train_forward(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Option
     width, cap = plan.width, plan.cap
     sparse, compact = plan.path == "twell", plan.path == "compact"
     if sparse:
-        y, hsum, cnt, *rest = forward_sparse(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap)
+        y, hsum, cnt, *rest = forward_sparse(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap, act)
         missing = rest[-1]
         if keep_stats:
             record_stats(layer, cnt, hsum, n, lost=missing)
     else:
         y, hsum, (cnt, *rest) = forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down,
-                                              width, cap, compact, count_lost=plan.probe)
+                                              width, cap, compact, count_lost=plan.probe, act=act)
         missing = rest[-1]                 # lost rows (compact) or what sparse would lose
         if keep_stats:
             record_stats(layer, cnt, hsum, n, lost=missing if compact else None)
@@ -226,7 +228,7 @@ def ffn_train_forward(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Option
 
 
 def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_g, ell_u,
-                    bidx, bg, bu, l1c):
+                    bidx, bg, bu, l1c, act="relu"):
     """(dx, dW_g, db_g, dW_u, db_u, dW_d): ranks and the busy rows, counting sort, the
     per-neuron DY pass (dh, d_g, d_u, dW_d, bias grads), the per-neuron X pass (dW_g, dW_u),
     then dx of the quiet rows. Each gathering pass reads rows of one tensor only (dy; x;
@@ -271,7 +273,7 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
             k, n, k_out, float(l1c),
             GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
             K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.train_pairs, CH=min(CH, pow2(n)),
-            BK=RBK, num_warps=_warps(k, k_out))
+            BK=RBK, ACT=ACTS.index(act), num_warps=_warps(k, k_out))
     csum = torch.cumsum(hist, 0, dtype=i32)
     off = csum - hist
     order = torch.empty((max(m * width, 1),), dtype=i32, device=dev)
@@ -309,7 +311,8 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
         programs = min(bound, sm_count(dev) * p.wg_programs_per_sm)
         bkw = min(p.wg_bk, pow2(k))
         tickets = torch.zeros((1 + -(-k // bkw),), dtype=i32, device=dev)   # DY pass, X pass per K chunk
-        common = dict(GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c))
+        common = dict(GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
+                      ACT=ACTS.index(act))
 
         def args(ticket):
             return (order, off, hist, nid, coff, cend[n - 1:], ticket, chunk, width,
@@ -336,7 +339,7 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
     return dx, dwg, db_gate, dwu, db_up, transposed(dwdt)
 
 
-def backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, g, u, l1c):
+def backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, g, u, l1c, act="relu"):
     """Eager's backward from the saved g [M, N] and u (None when non-gated). Three [M, N]
     buffers (dh, later h; dg; du) beside the saved two; h goes once dW_d has it, before dx and
     the other weight grads are allocated (1106 MiB extra peak at M=16384 d=0.02 with h kept
@@ -353,7 +356,7 @@ def backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, g, u, l1c):
     if g.numel():
         train_dense_bwd_kernel[(-(-m // EW_BM), -(-n // EW_BN))](
             g, u if gated else g, h, dg, du if gated else dg, db if bias else g, m, n, float(l1c),
-            GATED=gated, L1=bool(l1c), BIAS=bias, BM=EW_BM, BN=EW_BN, num_warps=4)
+            GATED=gated, L1=bool(l1c), BIAS=bias, BM=EW_BM, BN=EW_BN, ACT=ACTS.index(act), num_warps=4)
     dw_down = dy2.t().mm(h)
     del h
     dx, dw_gate, db_gate, dw_up, db_up = _products(x2, w_gate, None, w_up, None, dg, du)
@@ -393,7 +396,7 @@ def _slot_of(bidx: Tensor, m: int) -> Tensor:
 
 
 def backward_densify(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_g, ell_u,
-                     bidx, bg, bu, l1c):
+                     bidx, bg, bu, l1c, act="relu"):
     """Eager's GEMMs from the compact state: dh = dy W_d, then ``train_densify_kernel`` writes
     d_g, d_u and h whole from the ELL slots and backup rows (rows past the backup recomputed),
     then the five products as ``backward_densify``."""
@@ -416,7 +419,7 @@ def backward_densify(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
             b_up if b_up is not None else wg, n, k, float(l1c),
             GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
             W_P=pow2(max(width, 1)), K_P=pow2(k), CH=min(CH, pow2(n)), BK=RBK,
-            DCH=min(DENSIFY_CH, pow2(n)), num_warps=4)
+            DCH=min(DENSIFY_CH, pow2(n)), ACT=ACTS.index(act), num_warps=4)
     dw_down = dy2.t().mm(h)
     del h
     return (*_products(x2, w_gate, b_gate, w_up, b_up, dg, du), dw_down)
@@ -425,7 +428,8 @@ def backward_densify(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
 def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
                        w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor,
                        counts: Tensor, cols: Tensor, ell_g: Tensor, ell_u: Tensor,
-                       backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, l1_scale: float):
+                       backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, l1_scale: float,
+                       act: str = "relu"):
     k, n, k_out = x.shape[-1], w_gate.shape[0], w_down.shape[0]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -439,12 +443,12 @@ def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[T
         densify = backup_idx.numel() and _densify.pop(backup_idx.data_ptr(), False)
         out = (backward_densify if densify else backward_sparse)(
             dy2, x2, w_gate, b_gate, w_up, b_up, w_down, counts, cols, ell_g, ell_u,
-            backup_idx, backup_g, backup_u, l1c)
+            backup_idx, backup_g, backup_u, l1c, act)
     else:
         if backup_idx.shape[0] != m:
             raise ValueError(f"backup_idx: {backup_idx.shape[0]} rows saved for {m} tokens; the "
                              "CUDA dense forward saves exactly M, the sparse one fewer")
         out = backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, backup_g,
-                             backup_u if w_up is not None else None, l1c)
+                             backup_u if w_up is not None else None, l1c, act)
     dx, dw_gate, db_gate, dw_up, db_up, dw_down = out
     return dx.reshape(x.shape), dw_gate, db_gate, dw_up, db_up, dw_down, dy2.sum(0)

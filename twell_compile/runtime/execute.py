@@ -74,19 +74,21 @@ def _cuda_train() -> ModuleType:
 
 def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], layer: str,
-              keep_stats: bool, instance: int = 0, path: str = "auto") -> Tensor:
-    """The inference FFN y [..., K_out] for x [..., K]; weights in nn.Linear's layout."""
+              keep_stats: bool, instance: int = 0, path: str = "auto", act: str = "relu") -> Tensor:
+    """The inference FFN y [..., K_out] for x [..., K]; weights in nn.Linear's layout; ``act``:
+    the activation (reference.ACTS), which every launcher takes."""
     n, k_out = w_gate.shape[0], w_down.shape[0]
     prev = density.enter(instance)
     try:
         plan = infer_plan(x, n, k_out, w_up is not None, layer, keep_stats, instance, path)
         if plan.path == "torch":
-            return torch_impl.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats)
+            return torch_impl.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats, act)
         if plan.path == "cpu":
             from twell_compile.runtime import cpu_ffn
 
-            return cpu_ffn.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats, plan.policy)
-        y = _cuda_infer().ffn_infer(plan, x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats)
+            return cpu_ffn.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats, plan.policy,
+                                     act)
+        y = _cuda_infer().ffn_infer(plan, x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats, act)
         if plan.tick:
             density.tick(plan.key, plan.path)
         return y
@@ -97,7 +99,8 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
 def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                       b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
                       ell_width: int, backup_rows: int, layer: str, keep_stats: bool,
-                      instance: int = 0, path: str = "auto", l1_scale: float = 0.0) -> tuple[Tensor, ...]:
+                      instance: int = 0, path: str = "auto", l1_scale: float = 0.0, act: str = "relu"
+                      ) -> tuple[Tensor, ...]:
     """(y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u): formats.Hybrid's state.
     ``l1_scale``: the backward's (the first call of a layer that may switch path runs every
     path's kernels once with it: cuda_train.warm_paths)."""
@@ -113,11 +116,11 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
         plan = select.plan_train(x, n, k_out, w_up is not None, ell_width, backup_rows, layer, path)
         if plan.path == "torch":
             return torch_impl.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
-                                                ell_width, backup_rows, layer, keep_stats)
+                                                ell_width, backup_rows, layer, keep_stats, act)
         if path == "auto" and plan.tick:    # a plan that may switch path: every path's kernels built now
-            _cuda_train().warm_paths(plan, x, w_gate, b_gate, w_up, b_up, w_down, b_down, l1_scale, keep_stats)
+            _cuda_train().warm_paths(plan, x, w_gate, b_gate, w_up, b_up, w_down, b_down, l1_scale, keep_stats, act)
         out = _cuda_train().ffn_train_forward(plan, x, w_gate, b_gate, w_up, b_up, w_down, b_down,
-                                              layer, keep_stats)
+                                              layer, keep_stats, act)
         if plan.tick:
             density.tick(plan.key)
         density.record_path(plan.key, plan.path)
@@ -128,13 +131,13 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
 
 def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
                        w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor, *state: Tensor,
-                       l1_scale: float) -> tuple[Optional[Tensor], ...]:
+                       l1_scale: float, act: str = "relu") -> tuple[Optional[Tensor], ...]:
     """Gradients (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down) from the saved state:
     the CUDA backward where the CUDA training kernels take the call (its path follows the
     state's shapes), plain PyTorch otherwise."""
     if select.cuda_train_supported(x, w_gate.shape[0], w_down.shape[0]):
-        return _cuda_train().ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *state, l1_scale)
-    return torch_impl.ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *state, l1_scale)
+        return _cuda_train().ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *state, l1_scale, act)
+    return torch_impl.ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *state, l1_scale, act)
 
 
 def reset() -> None:

@@ -17,14 +17,14 @@ from torch import Tensor
 
 from twell_compile import stats
 from twell_compile.formats import Hybrid, backup_capacity, nonzero_mask, pack_hybrid, unpack_hybrid
-from twell_compile.reference import ffn_hidden
+from twell_compile.reference import activate, ffn_hidden
 
 
 def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
-              layer: str, keep_stats: bool) -> Tensor:
+              layer: str, keep_stats: bool, act: str = "relu") -> Tensor:
     hg, hu = ffn_hidden(x, w_gate, b_gate, w_up, b_up)
-    h = hg if hu is None else hg * hu
+    h = activate(hg, hu, act)
     if keep_stats:
         m, n = math.prod(h.shape[:-1]), h.shape[-1]     # (reshape(-1, n) is ambiguous at N = 0)
         counts = nonzero_mask(hg.reshape(m, n)).sum(-1)
@@ -34,14 +34,15 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
 
 def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                       b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
-                      ell_width: int, backup_rows: int, layer: str, keep_stats: bool
+                      ell_width: int, backup_rows: int, layer: str, keep_stats: bool, act: str = "relu"
                       ) -> tuple[Tensor, ...]:
-    """Returns y and the saved state: counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u."""
+    """Returns y and the saved state: counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u
+    (relu(g) and u at relu(g)'s non-zeros, whatever the activation)."""
     k = x.shape[-1]
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
     m, n = x2.shape[0], w_gate.shape[0]
     hg, hu = ffn_hidden(x2, w_gate, b_gate, w_up, b_up)
-    h = hg if hu is None else hg * hu
+    h = activate(hg, hu, act)
     y = F.linear(h, w_down, b_down)
     width = min(ell_width, n)
     hyb = pack_hybrid(hg, width, backup_capacity(m, backup_rows))
@@ -69,12 +70,15 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
 def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
                        w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor,
                        counts: Tensor, cols: Tensor, ell_g: Tensor, ell_u: Tensor,
-                       backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, l1_scale: float
+                       backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, l1_scale: float,
+                       act: str = "relu"
                        ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
     """Gradients (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down), as dense autograd.
 
     ``l1_scale`` adds the gradient of ``l1_scale * mean(|h|)`` (mean over this call's tokens and
-    hidden units); the backend passes coef / layers.
+    hidden units) for h the activation fed to the down projection; the backend passes coef /
+    layers. With a = relu(g)^2 (relu2) or relu(g), b = relu(u) (drelu) or u: d_g = dh b a'(g)
+    (a' = 2 relu(g) or 1, zero where relu(g) is), d_u = dh a b'(u), as autograd takes them.
     """
     k, n = x.shape[-1], w_gate.shape[0]
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
@@ -89,17 +93,20 @@ def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[T
 
     hg = unpack_hybrid(Hybrid(ell_g, cols, counts, backup_idx, backup_g), n, gate_rows)
     hu = unpack_hybrid(Hybrid(ell_u, cols, counts, backup_idx, backup_u), n, up_rows) if gated else None
-    h = hg * hu if gated else hg
+    a = hg * hg if act == "relu2" else hg
+    b = (torch.relu(hu) if act == "drelu" else hu) if gated else None
+    h = a * b if gated else a
     dw_down = dy2.t().mm(h)
     db_down = dy2.sum(0)
     dh = dy2.mm(w_down)
     if l1_scale:
         dh = dh + torch.sgn(h) * (l1_scale / max(h.numel(), 1))
-    if gated:
-        d_hg, d_up = dh * hu, dh * hg
-    else:
-        d_hg, d_up = dh, None
-    d_gate = torch.ops.aten.threshold_backward(d_hg, hg, 0)
+    d_a, d_up = (dh * b, dh * a) if gated else (dh, None)
+    if act == "drelu":      # 0 where relu(u) is, at relu(g)'s non-zeros (kernels/act.py: dh * 0 elsewhere)
+        d_up = torch.where((hu <= 0) & (hg > 0), torch.zeros((), dtype=d_up.dtype), d_up)
+    if act == "relu2":
+        d_a = d_a * (2 * hg)
+    d_gate = torch.ops.aten.threshold_backward(d_a, hg, 0)
     dx = d_gate.mm(w_gate)
     dw_gate = d_gate.t().mm(x2)
     db_gate = d_gate.sum(0) if b_gate is not None else None
