@@ -268,6 +268,10 @@ H200 = GpuPolicy(
     # the per-row kernels' fixed costs outweigh the GEMMs they save (inference: min_width)
     train_min_tokens=8192, train_min_width=2048, sparse_max_density=0.011, train_probe_every=1, lost_row_pairs=14000,
     compact_max_lost=0,
+    # Compaction's column loop pipelined 3 deep: 4 rows per program at M=2048 0.023 ms against
+    # 0.040, 4096 0.034 / 0.035, 8192 0.055 / 0.058 (H200, tune_ffn.py --M 2048 4096 8192 --density
+    # 0.005 --tail 0 --compact 4,256,4,1 4,256,4,3; results/h200/tune_compact.log)
+    compact_stages=3,
     # Launch sizes (bench_ffn.py / bench_ffn_train.py probes, M=16384 K=2048 d=0.005,
     # 2026-11-23): compaction 16 rows per program 0.074 ms (8: 0.088); fused rows 1 pair / 2
     # warps 493 us (4 / 4: 531); training forward 1 / 2 531 us (4 / 4: 682); the per-neuron wgrad
