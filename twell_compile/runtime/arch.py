@@ -230,7 +230,7 @@ _WIDE_DECODE_CONFIGS = {
 
 H200 = GpuPolicy(
     name="H200",
-    measured_on="NVIDIA H200 (torch 2.11, Triton 3.6), 2026-11-21 to 2026-11-25",
+    measured_on="NVIDIA H200 (torch 2.11, Triton 3.6), 2026-11-21 to 2026-11-27",
     # Per-row path, fitted to bench_ffn.py's forced-kernel column at M = 16384 and 65536, tail 0
     # (2026-11-23): 1.21 + 145 d at K=2048 N=5632 (W_u + W_d 46 MB, in L2), 1.16 + 230 d at
     # K=4096 N=11008 (180 MB); dense (Inductor) 2.8-3.1 units, so TwELL below d = 0.0114 (K=2048)
@@ -240,8 +240,14 @@ H200 = GpuPolicy(
     gate_units=1.2, pair_units=145.0, pair_units_hbm=230.0, l2_bytes=50e6, margin=0.95,
     # M=4096 d=0.005: TwELL 0.48 ms vs dense 0.44; K=512 N=1408 at 16384 tokens ran 0.71x of
     # Inductor (its fixed per-row costs do not shrink with K as the GEMMs do), 2026-11-23
-    min_tokens=8192, min_width=2048,
+    min_tokens=4096, min_width=2048,
     probe_every=64, refresh_every=16,
+    # From 4096 tokens, calls up to 4096 replaying the op's own graph: the compiled module at
+    # 2048 / 4096 / 8192 tokens (i.i.d. d=0.005) 0.69x / 1.22x / 1.36x of Inductor with eager
+    # launches, 0.74x / 1.27x / 1.38x graphed up to 4096 (the op itself 1.17-1.19x at 2048: the
+    # module is host-bound there); a trained layer's activity 0.99x / 1.17x at 2048 / 4096
+    # (results/h200/ffn_prefill_graphs.json).
+    rows_graph_max_m=4096,
     # Decode cost model: least-relative-error fit of each forced form on the 56-point grid of
     # benchmarks/results/h200/ffn_decode.json (2026-11-25; benchmarks/fit_policy.py --fit-decode), within
     # 1.6x of dense. K=2048 N=5632 d=0.005: M=1 rows 14.9 us (2.28x of dense), M=16 pairs 28.2
@@ -336,7 +342,7 @@ H100 = dataclasses.replace(
 FALLBACK = dataclasses.replace(
     H200, name="fallback",
     measured_on="constants of the H200 with narrower margins; never measured on this GPU",
-    margin=0.8, decode_margin=0.75, sparse_max_density=0.008)
+    margin=0.8, decode_margin=0.75, sparse_max_density=0.008, min_tokens=8192, rows_graph_max_m=0)
 
 # The C++ kernel against eager's dense calls (what an FFN costs inside a compiled graph) and
 # Inductor's compiled FFN, fp32, 2 threads, d = 0.005, path="cpu", 2-core AMD EPYC (AVX2): from
