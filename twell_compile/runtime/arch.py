@@ -289,7 +289,7 @@ H200 = GpuPolicy(
 # state; launch sizes, decode configs and the other training constants are the H200's.
 H100 = dataclasses.replace(
     H200, name="H100",
-    measured_on="NVIDIA H100 80GB HBM3 (torch 2.11, Triton 3.6), 2026-11-25/26: per-row and decode cost "
+    measured_on="NVIDIA H100 80GB HBM3 (torch 2.11, Triton 3.6), 2026-11-25 to 27: per-row and decode cost "
                 "models, the row kernel's pipelined list loop, the dense training path's saved state; other "
                 "launch sizes, decode configs and the other training constants are the H200's",
     # Per-row path: least-relative-error fit of the forced-kernel column at M = 16384 and 65536,
@@ -297,11 +297,10 @@ H100 = dataclasses.replace(
     # (H200: 1.2 + 145); Inductor 3.1-3.3 units. TwELL below d = 0.0082: d=0.01 read 0.97x
     # (16384) and 1.07x (65536) of Inductor, left dense.
     # The per-row path from 4096 tokens, its calls replaying the op's own graph (below): i.i.d.
-    # 1.18x of Inductor at 4096, a trained layer's activity (h100_activity.json layer 3: denser
-    # first tokens, hot neurons; 34 non-zeros per row) 1.03x; at 2048 that layer ran 0.87x and
-    # i.i.d. 1.01x, so 2048 stays dense (results/h100/ffn_prefill_graphs.json). The 16-layer
-    # model at 2 x 2048 tokens without CUDA graphs: 1.081x of Inductor, 1.002x with 4096 left
-    # dense (results/h100/e2e_forward_prefill.json).
+    # 1.20x of Inductor at 4096 and 1.10x at 2048 (results/h100/ffn_prefill.json), but a trained
+    # layer's activity (h100_activity.json layer 3: denser first tokens, hot neurons; 34
+    # non-zeros per row) 0.95x at 2048 (1.14x at 4096; results/h100/ffn_prefill_buckets.json),
+    # so 2048 stays dense.
     min_tokens=4096,
     gate_units=1.43, pair_units=174.0,
     # Per-row calls up to 4096 tokens replay the op's own CUDA graph: their eager launches took
