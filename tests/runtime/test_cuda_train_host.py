@@ -53,8 +53,12 @@ def test_backward_reads_its_path_from_the_saved_backup(monkeypatch, rows, hint, 
     cuda_train.ffn_train_backward(dy, x, wg, None, wu, None, wd, *st, 0.0)
     assert list(seen) == [path]
     if path == "dense":
-        g, u, _ = seen["dense"]
-        assert g is st[5] and u is st[6]
+        g, u, _, act = seen["dense"]
+        assert g is st[5] and u is st[6] and act == "relu"
+    if hint is not None:
+        cuda_train._densify_hint(st[4], hint)        # (a hint is read once)
+    cuda_train.ffn_train_backward(dy, x, wg, None, wu, None, wd, *st, 0.0, "drelu")
+    assert seen[path][-1] == "drelu"          # the activation reaches the backward it took
 
 
 def test_backward_refuses_a_backup_larger_than_m():
