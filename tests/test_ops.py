@@ -231,7 +231,7 @@ def test_instance_and_path_arguments_default_and_reach_the_runtime(monkeypatch):
     OPS.ffn(*args, "t", False, 9, "torch")
     assert seen == [(0, "auto"), (9, "torch")]
     assert [a.name for a in OPS.ffn.default._schema.arguments[-2:]] == ["instance", "path"]
-    assert [a.name for a in OPS.ffn_train.default._schema.arguments[-3:]] == ["instance", "path", "tag"]
+    assert [a.name for a in OPS.ffn_train.default._schema.arguments[-4:]] == ["instance", "path", "tag", "l1_control"]
 
 
 def test_tag_names_the_instance_and_layer_of_a_training_call(monkeypatch):

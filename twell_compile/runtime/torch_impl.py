@@ -61,6 +61,7 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
         if m:
             stored[rows] = filled
         stats.record(layer, hyb.counts, h.abs().float().sum(), (busy & ~stored).sum(), n)
+        stats.record_fired(layer, nonzero_mask(hg).any(0), m)
     out = (y.reshape(*x.shape[:-1], w_down.shape[0]), hyb.counts, hyb.cols, hyb.values, ell_u,
            hyb.backup_rows, hyb.backup, backup_u)
     return tuple(t.contiguous() for t in out)
@@ -69,12 +70,14 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
 def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
                        w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor,
                        counts: Tensor, cols: Tensor, ell_g: Tensor, ell_u: Tensor,
-                       backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, l1_scale: float
+                       backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, l1_scale: float,
+                       l1_coef: Optional[Tensor] = None
                        ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
     """Gradients (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down), as dense autograd.
 
     ``l1_scale`` adds the gradient of ``l1_scale * mean(|h|)`` (mean over this call's tokens and
-    hidden units); the backend passes coef / layers.
+    hidden units); the backend passes coef / layers. ``l1_coef`` (a [1] device tensor: the
+    controller's coefficient) multiplies it, read on the device.
     """
     k, n = x.shape[-1], w_gate.shape[0]
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
@@ -94,7 +97,10 @@ def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[T
     db_down = dy2.sum(0)
     dh = dy2.mm(w_down)
     if l1_scale:
-        dh = dh + torch.sgn(h) * (l1_scale / max(h.numel(), 1))
+        if l1_coef is None:
+            dh = dh + torch.sgn(h) * (l1_scale / max(h.numel(), 1))
+        else:
+            dh = dh + torch.sgn(h) * (l1_coef.float() * (l1_scale / max(h.numel(), 1))).to(dh.dtype)
     if gated:
         d_hg, d_up = dh * hu, dh * hg
     else:
