@@ -17,7 +17,7 @@ from torch import fx
 from twell_compile.config import PREFIX, TwellConfig, check_target_layers
 from twell_compile.ops import arg_index
 from twell_compile.passes.adopt_prepared import PREPARED
-from twell_compile.passes.pass_utils import graph_modules
+from twell_compile.passes.pass_utils import graph_modules, report_of
 
 
 def _set(node: fx.Node, op: torch._ops.OpOverload, name: str, value: object) -> None:
@@ -30,6 +30,9 @@ def _set(node: fx.Node, op: torch._ops.OpOverload, name: str, value: object) -> 
 
 def scale_l1(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
     train_op = torch.ops.twell.ffn_train.default
+    if config.target_density is not None:      # every FFN found, rewritten or left to Inductor
+        report = report_of(gm)
+        check_target_layers(config, [e.layer for e in (*report.rewrites, *report.rejections)], "this graph")
     nodes = [n for _, sub in graph_modules(gm) for n in sub.graph.nodes
              if n.op == "call_function" and n.target is train_op]
     prepared = [n for n in nodes if n.meta.get(PREPARED)]
@@ -44,7 +47,6 @@ def scale_l1(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
         return gm
     layer_pos = arg_index(train_op, "layer")
     if config.target_density is not None:
-        check_target_layers(config, [str(n.args[layer_pos]) for n in nodes], "this graph")
         scale = config.layer_scale(len(nodes))
         for node in nodes:
             controlled = config.target_for(str(node.args[layer_pos])) is not None

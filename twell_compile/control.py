@@ -12,19 +12,24 @@ optimizer step), so k accumulated micro-batches add up to one step's penalty, as
 by k does. The first call after an optimizer step (any ``torch.optim`` optimizer, counted by a
 global step post-hook; or ``step()``) closes the step: its counts are all-reduced over the
 ranks of the default process group (asynchronously; NCCL's wait only orders streams), and the
-previous step's reduced counts, waited for now, move the coefficient:
+previous step's reduced counts, waited for now, move the coefficient. With e = the smoothed
+log(density / target) (an EMA over steps) and e' its value at the previous update:
 
-    err      = log(max(density, FLOOR) / target)
-    log_coef = clamp(log_coef + clamp(GAIN * err, -MAX_DOWN, MAX_UP), LOG_MIN, LOG_MAX)
+    pace     = clamp(e / HORIZON, -PACE, PACE)          how fast the density should close in
+    log_coef = clamp(log_coef + clamp(GAIN * ((e - e') + pace), -MAX_DOWN, MAX_UP), LOG_MIN, LOG_MAX)
 
-a multiplicative step proportional to the log error, bounded per step (at most +MAX_UP, -MAX_DOWN
-in log units: the density lags the coefficient by several optimizer steps, and an unbounded
-or integral-heavy step overshoots below the target, where ReLU units that stop firing get no
-gradient and stay dead). Every rank applies the same function to the same all-reduced sums
-(exact: integer counts in fp64), so ranks hold bit-identical coefficients. One step of lag
-(the update uses the step before the one just closed) hides the all-reduce entirely, and a
-single process follows the same trajectory. No host sync anywhere: shapes and call counts are
-host integers, everything else stays on the device.
+a multiplicative step that pushes while the density closes in slower than ``pace`` and backs
+off while it closes in faster: far above the target the density is walked down at most PACE
+(2%) per step, slowing as it nears the target, and a density falling fast stops the push
+before it arrives. The density lags the coefficient by tens of optimizer steps and, once a
+layer is sparse, stays sparse with far less penalty (ReLU units that stop firing get no
+gradient), so a density driven under the target is not brought back by backing off: the push
+has to end before the target is reached. The step is bounded per optimizer step (MAX_UP,
+MAX_DOWN). Every rank applies the same function to the same all-reduced sums (exact: integer counts in fp64), so
+ranks hold bit-identical coefficients. One step of lag (the update uses the step before the
+one just closed) hides the all-reduce entirely, and a single process follows the same
+trajectory. No host sync anywhere: shapes and call counts are host integers, everything else
+stays on the device.
 
 With ``target_steps`` S, the target moves geometrically from the layer's first measured
 density to the requested one over S updates. Until the first optimizer step is seen in the
@@ -45,11 +50,14 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-GAIN = 0.05             # log-coefficient step per unit of log(density / target)
-MAX_UP = 0.04           # at most x1.041 per optimizer step
-MAX_DOWN = 0.08         # at most /1.083 per optimizer step (backing off beats pushing)
+GAIN = 2.0              # log-coefficient step per unit of (velocity error) below
+HORIZON = 100.0         # optimizer steps over which the remaining log error is asked to close
+PACE = 0.02             # the fastest the log density is asked to move toward the target per step
+SMOOTH = 0.1            # weight of the newest step in the smoothed log density
+MAX_UP = 0.08           # at most x1.083 per optimizer step
+MAX_DOWN = 0.15         # at most /1.16 per optimizer step (backing off beats pushing)
 FLOOR = 1e-6            # density floor inside the log (a layer with no non-zeros)
-COEF_INIT = 0.05        # starting coefficient, in twell.l1's units (far under any useful one)
+COEF_INIT = 0.5         # starting coefficient, in twell.l1's units (under any that sparsifies)
 LOG_MIN, LOG_MAX = math.log(1e-6), math.log(1e6)
 
 _lock = threading.Lock()
@@ -67,6 +75,8 @@ class LayerControl:
     coef: Tensor
     acc: Tensor
     start: Tensor                    # log of the first measured density (the schedule's start)
+    smooth: Tensor                   # [1] fp64: smoothed log density
+    err: Tensor                      # [1] fp64: the previous update's err (smooth - log target)
     slots: int = 0                   # tokens x hidden units of this step's calls
     calls: int = 0                   # training calls of this step
     per_call: int = 1                # calls of the last complete step (k)
@@ -79,9 +89,9 @@ class LayerControl:
 def _new(device: torch.device, target: float, steps: int) -> LayerControl:
     with torch.inference_mode(False):
         log_coef = torch.full((1,), math.log(COEF_INIT), dtype=torch.float64, device=device)
+        zero = torch.zeros(1, dtype=torch.float64, device=device)
         return LayerControl(target, steps, log_coef, log_coef.exp().float(),
-                            torch.zeros(2, dtype=torch.float64, device=device),
-                            torch.zeros(1, dtype=torch.float64, device=device))
+                            torch.zeros(2, dtype=torch.float64, device=device), zero, zero.clone(), zero.clone())
 
 
 _layers: dict[str, LayerControl] = {}
@@ -103,7 +113,9 @@ def _hook() -> None:
     if not _hooked:
         with _lock:
             if not _hooked:
-                torch.optim.optimizer.register_optimizer_step_post_hook(_count_step)
+                from torch.optim.optimizer import register_optimizer_step_post_hook
+
+                register_optimizer_step_post_hook(_count_step)
                 _hooked = True
 
 
@@ -124,11 +136,12 @@ def target_of(layer: str) -> Optional[float]:
     return None if st is None else st.target
 
 
-def update_rule(log_coef: Tensor, density: Tensor, log_target: Tensor) -> Tensor:
-    """The next log coefficient (device tensors, no sync): a step of GAIN x log(density /
-    target), bounded to [-MAX_DOWN, MAX_UP], the result to [LOG_MIN, LOG_MAX]."""
-    err = torch.log(density.clamp(min=FLOOR)) - log_target
-    return (log_coef + (GAIN * err).clamp(-MAX_DOWN, MAX_UP)).clamp(LOG_MIN, LOG_MAX)
+def update_rule(log_coef: Tensor, err: Tensor, err_prev: Tensor) -> Tensor:
+    """The next log coefficient (device tensors, no sync) from the smoothed log error ``err`` =
+    log(density / target) and the previous update's ``err_prev`` (module docstring)."""
+    pace = (err / HORIZON).clamp(-PACE, PACE)
+    step = GAIN * ((err - err_prev) + pace)
+    return (log_coef + step.clamp(-MAX_DOWN, MAX_UP)).clamp(LOG_MIN, LOG_MAX)
 
 
 def _to(st: LayerControl, device: torch.device) -> None:
@@ -136,7 +149,7 @@ def _to(st: LayerControl, device: torch.device) -> None:
         if st.work is not None:
             st.work.wait()
             st.work = None
-        for name in ("log_coef", "coef", "acc", "start", "pending"):
+        for name in ("log_coef", "coef", "acc", "start", "smooth", "err", "pending"):
             t = getattr(st, name)
             if t is not None:
                 setattr(st, name, t.to(device))
@@ -153,18 +166,23 @@ def _apply(st: LayerControl, counts: Tensor) -> None:
     """Move the coefficient by one step from all-reduced [non-zeros, slots]."""
     nnz, slots = counts[0:1], counts[1:2]
     measured = slots > 0
-    density = nnz / slots.clamp(min=1.0)
-    if st.steps and st.updates == 0:
-        st.start.copy_(torch.log(density.clamp(min=FLOOR)))
+    log_d = torch.log((nnz / slots.clamp(min=1.0)).clamp(min=FLOOR))
+    first = st.updates == 0
+    if first:
+        st.start.copy_(log_d)
+    smooth = torch.where(measured, log_d if first else st.smooth + SMOOTH * (log_d - st.smooth), st.smooth)
     log_t = math.log(st.target)
     if st.steps:
         frac = min(1.0, (st.updates + 1) / st.steps)
         log_target = st.start.clamp(min=log_t) * (1.0 - frac) + log_t * frac
     else:
         log_target = torch.full_like(st.start, log_t)
-    new = update_rule(st.log_coef, density, log_target)
+    err = smooth - log_target
+    new = update_rule(st.log_coef, err, err if first else st.err)
     st.log_coef.copy_(torch.where(measured, new, st.log_coef))
     st.coef.copy_(st.log_coef.exp())
+    st.smooth.copy_(smooth)
+    st.err.copy_(torch.where(measured, err, st.err))
     st.updates += 1
 
 
@@ -219,7 +237,7 @@ def state_dict() -> dict[str, dict[str, Any]]:
                 st.work = None
             out[layer] = {
                 "target": st.target, "steps": st.steps, "log_coef": st.log_coef.cpu(), "acc": st.acc.cpu(),
-                "start": st.start.cpu(), "slots": st.slots, "calls": st.calls, "per_call": st.per_call,
+                "start": st.start.cpu(), "smooth": st.smooth.cpu(), "err": st.err.cpu(), "slots": st.slots, "calls": st.calls, "per_call": st.per_call,
                 "updates": st.updates, "pending": None if st.pending is None else st.pending.cpu(),
             }
     return out
@@ -239,7 +257,8 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
                 log_coef = s["log_coef"].to(torch.float64).reshape(1)
                 st = LayerControl(float(s["target"]), int(s["steps"]), log_coef.clone(),
                                   log_coef.exp().float(), s["acc"].to(torch.float64).clone(),
-                                  s["start"].to(torch.float64).clone(), int(s["slots"]), int(s["calls"]),
+                                  s["start"].to(torch.float64).clone(), s["smooth"].to(torch.float64).clone(),
+                                  s["err"].to(torch.float64).clone(), int(s["slots"]), int(s["calls"]),
                                   int(s["per_call"]), int(s["updates"]), None,
                                   None if s["pending"] is None else s["pending"].to(torch.float64).clone())
             except (KeyError, TypeError, AttributeError) as e:
