@@ -164,6 +164,16 @@ def reserve(layer: str, device: torch.device) -> Tensor:
     return buf
 
 
+def densities() -> dict[str, Tensor]:
+    """Each layer's density in its latest call as a 0-d fp64 tensor on its device (one division
+    per layer, no host sync): for keeping a per-step history, read once at the end."""
+    out = {}
+    for (layer, _device), buf in sorted(_buffers.items(), key=lambda kv: kv[0][0]):
+        if layer in _hidden:
+            out[layer] = buf[0] / max(_tokens[layer] * _hidden[layer], 1)
+    return out
+
+
 def layer_stats() -> StatsTable:
     """Latest statistics per layer: ``{layer name: LayerStats}`` (fields and units in
     ``LayerStats``), a dict that prints as a table. Layer names are those ``explain`` reports;
