@@ -93,7 +93,8 @@ def test_accumulated_micro_batches_split_one_steps_penalty_and_update_once_per_s
 def test_no_host_sync_and_device_tensors_only():
     """on_call works on device tensors and returns a fresh tensor: updating the coefficient
     never changes what an earlier call handed its backward."""
-    control.configure("q", 0.1, 0)
+    control.configure("q", 0.1, 0, 3.0)
+    assert float(control.coefficient("q")) == pytest.approx(3.0)
     a = control.on_call("q", torch.tensor(500.0, dtype=torch.float64), 1000)
     before = a.clone()
     for _ in range(5):
@@ -228,6 +229,10 @@ def test_l1_and_target_together_and_steps_alone_are_refused():
         twell_compile.check_options({"twell.l1": 3.0, "twell.target_density": 0.01})
     with pytest.raises(ValueError, match="twell.target_steps=10 needs twell.target_density"):
         twell_compile.check_options({"twell.target_steps": 10})
+    with pytest.raises(ValueError, match="twell.target_l1_init=3.0 needs twell.target_density"):
+        twell_compile.check_options({"twell.target_l1_init": 3.0})
+    with pytest.raises(ValueError, match="twell.target_l1_init must be a finite number >= 0"):
+        twell_compile.check_options({"twell.target_density": 0.01, "twell.target_l1_init": -1.0})
     with pytest.raises(ValueError, match="twell.target_steps must be >= 0"):
         twell_compile.check_options({"twell.target_density": 0.01, "twell.target_steps": -1})
     c = twell_compile.check_options({"twell.target_density": {"b": 0.02, "a": 0.01}, "twell.target_steps": 5})

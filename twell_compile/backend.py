@@ -86,7 +86,7 @@ def declare_targets(gm: fx.GraphModule, config: TwellConfig) -> None:
             layer = str(node.args[arg_index(op, "layer")])
             target = config.target_for(layer)
             if on and target is not None:
-                control.configure(layer, target, config.target_steps)
+                control.configure(layer, target, config.target_steps, config.target_l1_init)
 
 
 _VIEWS = {torch.t, "t", operator.getitem}

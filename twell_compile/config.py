@@ -50,6 +50,9 @@ class TwellConfig:
     target_steps [0]: with ``target_density``: move each layer's target geometrically from
         its first measured density to ``target_density`` over this many optimizer steps (0:
         the target from the start).
+    target_l1_init [0.0]: with ``target_density``: each layer's starting coefficient, in
+        ``l1``'s units (0: control.COEF_INIT = 0.5). From a model already near the target give
+        about the ``l1`` that holds it, else the first tens of steps drift while it ramps up.
     ell_width [256]: hybrid format (training): non-zeros per row kept in the compact ELL part
         (256: 1.8% of rows over it at density 0.005 with the long tail 0.2 of anchors.md, all
         within the backup; 64 left 27% over it and most of them to the slow recompute).
@@ -87,6 +90,7 @@ class TwellConfig:
     l1_layers: int = 0
     target_density: Any = None
     target_steps: int = 0
+    target_l1_init: float = 0.0
     ell_width: int = 256
     backup_rows: int = 16
     stats: bool = True
@@ -117,6 +121,12 @@ class TwellConfig:
                              "coefficient adapted to reach that density, not both")
         if self.target_steps < 0:
             raise ValueError(f"twell option {PREFIX}target_steps must be >= 0, got {self.target_steps}")
+        if not math.isfinite(self.target_l1_init) or self.target_l1_init < 0:
+            raise ValueError(f"twell option {PREFIX}target_l1_init must be a finite number >= 0, got "
+                             f"{self.target_l1_init}")
+        if self.target_l1_init and self.target_density is None:
+            raise ValueError(f"twell option {PREFIX}target_l1_init={self.target_l1_init} needs "
+                             f"{PREFIX}target_density (the coefficient it starts is the controller's)")
         if self.target_steps and self.target_density is None:
             raise ValueError(f"twell option {PREFIX}target_steps={self.target_steps} needs "
                              f"{PREFIX}target_density (the density it moves to)")

@@ -86,9 +86,9 @@ class LayerControl:
     work: Any = field(default=None, repr=False)
 
 
-def _new(device: torch.device, target: float, steps: int) -> LayerControl:
+def _new(device: torch.device, target: float, steps: int, init: float) -> LayerControl:
     with torch.inference_mode(False):
-        log_coef = torch.full((1,), math.log(COEF_INIT), dtype=torch.float64, device=device)
+        log_coef = torch.full((1,), math.log(init or COEF_INIT), dtype=torch.float64, device=device)
         zero = torch.zeros(1, dtype=torch.float64, device=device)
         return LayerControl(target, steps, log_coef, log_coef.exp().float(),
                             torch.zeros(2, dtype=torch.float64, device=device), zero, zero.clone(), zero.clone())
@@ -119,14 +119,15 @@ def _hook() -> None:
                 _hooked = True
 
 
-def configure(layer: str, target: float, steps: int) -> None:
-    """Declare ``layer`` controlled toward ``target`` (its coefficient, if any, is kept: a
-    recompile or a second prepare goes on from where the layer is)."""
+def configure(layer: str, target: float, steps: int, init: float = 0.0) -> None:
+    """Declare ``layer`` controlled toward ``target``, starting from coefficient ``init`` (0:
+    COEF_INIT). A layer already controlled keeps its coefficient: a recompile or a second
+    prepare goes on from where the layer is."""
     _hook()
     with _lock:
         st = _layers.get(layer)
         if st is None:
-            _layers[layer] = _new(torch.device("cpu"), target, steps)
+            _layers[layer] = _new(torch.device("cpu"), target, steps, init)
         else:
             st.target, st.steps = target, steps
 

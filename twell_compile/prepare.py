@@ -598,7 +598,7 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None) -> Re
     for module, spec, reads in reversed(found):
         target = config.target_for(spec.layer)
         if target is not None:
-            control.configure(spec.layer, target, config.target_steps)
+            control.configure(spec.layer, target, config.target_steps, config.target_l1_init)
             spec = dataclasses.replace(spec, l1_scale=config.layer_scale(len(found)), l1_control=True)
         else:
             spec = dataclasses.replace(spec, l1_scale=float(scale))
