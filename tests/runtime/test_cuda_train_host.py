@@ -52,9 +52,22 @@ def test_backward_reads_its_path_from_the_saved_backup(monkeypatch, rows, hint, 
         cuda_train._densify_hint(st[4], hint)
     cuda_train.ffn_train_backward(dy, x, wg, None, wu, None, wd, *st, 0.0)
     assert list(seen) == [path]
+    if path != "dense":       # a controlled layer's coefficient reaches the kernels as a tensor
+        seen.clear()
+        if hint is not None:
+            cuda_train._densify_hint(st[4], hint)
+        coef = torch.ones(1)
+        cuda_train.ffn_train_backward(dy, x, wg, None, wu, None, wd, *st, 0.5, coef)
+        assert seen[path][-1] is coef and seen[path][-2] == 0.5 / (m * n)
+        seen.clear()
+        if hint is not None:
+            cuda_train._densify_hint(st[4], hint)
+        cuda_train.ffn_train_backward(dy, x, wg, None, wu, None, wd, *st, 0.0)
     if path == "dense":
-        g, u, _ = seen["dense"]
-        assert g is st[5] and u is st[6]
+        g, u, l1c, coef = seen["dense"]
+        assert g is st[5] and u is st[6] and (l1c, coef) == (0.0, None)
+    else:
+        assert seen[path][-2:] == (0.0, None)     # no penalty: no coefficient tensor either
 
 
 def test_backward_refuses_a_backup_larger_than_m():
