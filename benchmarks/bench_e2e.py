@@ -303,6 +303,29 @@ def twell_stats_density() -> dict[str, float]:
     return {name: s.density for name, s in twell_compile.layer_stats().items()}
 
 
+def twell_layer_densities() -> dict[str, torch.Tensor]:
+    """Each layer's density in its latest call, on the device (no host sync)."""
+    from twell_compile import stats
+
+    return stats.densities()
+
+
+def controller_fields(history: list[dict[str, torch.Tensor]], target: Any) -> dict[str, Any]:
+    """A twell.target_density training's per-step per-layer densities, its final coefficients
+    and dead units per layer, and (one target for every layer) the worst relative deviation of
+    any layer's density from the target from step 20 on."""
+    import twell_compile
+
+    per_step = {k: [float(h[k]) for h in history if k in h] for k in (history[-1] if history else {})}
+    st = twell_compile.layer_stats()
+    out = dict(twell_layer_density_per_step=per_step, twell_layer_l1_coef={k: s.l1_coef for k, s in st.items()},
+               twell_layer_dead_units={k: s.dead for k, s in st.items()})
+    after = [d for v in per_step.values() for d in v[20:]]
+    if isinstance(target, float) and after:
+        out["twell_worst_rel_dev_from_step_20"] = max(abs(d / target - 1) for d in after)
+    return out
+
+
 def twell_sparse_layers(densities: dict[str, float], hidden: int, ffn: int) -> Optional[int]:
     """Layers whose measured density the GPU record's density rule sends to the TwELL kernels
     (bf16 weights; select.twell_wins)."""
@@ -774,7 +797,9 @@ def run_train(a: argparse.Namespace, result: dict[str, Any]) -> None:
             model, opt, fwd = training_setup(a, state, name, wdt)
             reset_peak(dev)
             resident = torch.cuda.memory_allocated(dev) if cuda else None
-            losses, step_ms, pending = [], [], []
+            losses, step_ms, pending, history = [], [], [], []
+            # with twell.target_density: each step's per-layer density, kept on the device
+            controlled = name == "twell" and "twell.target_density" in a.twell_options
             for _ in range(a.steps):
                 t0 = time.perf_counter()
                 if cuda:
@@ -791,6 +816,8 @@ def run_train(a: argparse.Namespace, result: dict[str, Any]) -> None:
                     pending.append(ev)
                 else:
                     step_ms.append((time.perf_counter() - t0) * 1e3)
+                if controlled:
+                    history.append(twell_layer_densities())
             sync(dev)
             if cuda:
                 step_ms = [s.elapsed_time(e) for s, e in pending]
@@ -801,6 +828,11 @@ def run_train(a: argparse.Namespace, result: dict[str, Any]) -> None:
                        resident_before_bytes=resident)
             if name == "twell":
                 row["twell_layer_density"] = twell_stats_density()
+            if controlled:
+                row.update(controller_fields(history, a.twell_options["twell.target_density"]))
+                if "twell_worst_rel_dev_from_step_20" in row:
+                    print(f"  {name:>8}: worst per-layer density from step 20: "
+                          f"{row['twell_worst_rel_dev_from_step_20']:+.1%} of the target", flush=True)
             run["backends"][name] = row
             print(f"  {name:>8}: step {row['step_median_ms']:9.2f} ms  peak {row['peak_mem_bytes']}  loss "
                   f"{row['losses'][0]:.4f} -> {row['losses'][-1]:.4f}", flush=True)

@@ -1,9 +1,11 @@
 """Plots of examples/train_sparse_lm.py runs, from their metrics logs alone.
 
-    python examples/plot_training.py SPARSE_RUN [DENSE_RUN] --out DIR
+    python examples/plot_training.py SPARSE_RUN [DENSE_RUN] [--fixed-l1 L1_RUN] --out DIR
 
-SPARSE_RUN / DENSE_RUN: a run directory (holding metrics.jsonl) or a metrics.jsonl file.
+SPARSE_RUN / DENSE_RUN / L1_RUN: a run directory (holding metrics.jsonl) or a metrics.jsonl file.
 Writes into DIR:
+  density_vs_target.png   (SPARSE_RUN trained with --target-density) per-layer density against
+                          the target, the fixed-L1 run's (dashed) and each layer's coefficient
   nnz_over_training.png   per-layer mean non-zeros per token over training (dense dashed)
   nnz_distribution.png    non-zeros per token across tokens (histogram) and across sequence
                           positions (mean per position), per layer, from the final probe batch
@@ -159,15 +161,56 @@ def plot_val_loss(sparse, dense, out: Path) -> Path:
     return p
 
 
-def make_plots(sparse_run: Path, dense_run: Optional[Path], out: Path) -> list[Path]:
+def plot_density_vs_target(sparse, fixed, out: Path) -> Optional[Path]:
+    """Per-layer density of a --target-density run against its target (and a fixed-L1 run's,
+    dashed), and each layer's coefficient (twell.l1's units)."""
+    import matplotlib.pyplot as plt
+
+    train = sparse.get("train", [])
+    if not train or "target_density" not in train[-1]:
+        return None
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(7.5, 7), sharex=True)
+    layers = list(train[-1]["density"])
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    target = train[-1]["target_density"]
+    steps = [r["step"] for r in train]
+    for i, layer in enumerate(layers):
+        c = colors[i % len(colors)]
+        ax.plot(steps, [r["density"][layer] for r in train], color=c, label=f"{_short(layer)} target run")
+        if fixed and fixed.get("train"):
+            ft = fixed["train"]
+            ax.plot([r["step"] for r in ft], [r["density"].get(layer, float("nan")) for r in ft], color=c, ls="--",
+                    alpha=0.6, label=f"{_short(layer)} l1 {ft[-1].get('l1')}")
+        bx.plot(steps, [r["l1_coef"][layer] for r in train], color=c, label=_short(layer))
+    ax.axhline(target, color="k", lw=1)
+    ax.axhspan(0.75 * target, 1.25 * target, color="k", alpha=0.08, label="target +-25%")
+    ax.set_yscale("log")
+    ax.set_ylabel("density (fraction of hidden units active per token)")
+    ax.set_title(f"twell.target_density {target}" + (" vs a fixed twell.l1 (dashed)" if fixed else ""))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    bx.set_yscale("log")
+    bx.set_xlabel("step")
+    bx.set_ylabel("L1 coefficient (twell.l1's units)")
+    bx.grid(True, which="both", alpha=0.3)
+    bx.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    p = out / "density_vs_target.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+def make_plots(sparse_run: Path, dense_run: Optional[Path], out: Path, fixed_run: Optional[Path] = None) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     out.mkdir(parents=True, exist_ok=True)
     sparse = read_metrics(Path(sparse_run))
     dense = read_metrics(Path(dense_run)) if dense_run else None
+    fixed = read_metrics(Path(fixed_run)) if fixed_run else None
     paths = [plot_nnz_over_training(sparse, dense, out), plot_nnz_distribution(sparse, dense, out),
-             plot_val_loss(sparse, dense, out)]
+             plot_val_loss(sparse, dense, out), plot_density_vs_target(sparse, fixed, out)]
     return [p for p in paths if p is not None]
 
 
@@ -175,9 +218,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sparse", type=Path, help="sparse run directory or its metrics.jsonl")
     ap.add_argument("dense", type=Path, nargs="?", help="dense baseline run directory or metrics.jsonl")
+    ap.add_argument("--fixed-l1", type=Path, help="a fixed-L1 run to compare a --target-density run with")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    for p in make_plots(args.sparse, args.dense, args.out):
+    for p in make_plots(args.sparse, args.dense, args.out, args.fixed_l1):
         print(p)
 
 

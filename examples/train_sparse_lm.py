@@ -295,6 +295,11 @@ def save_checkpoint(out: Path, step: int, model, optimizer, extra: dict[str, tor
     for k, v in extra.items():
         tensors[f"extra::{k}"] = v.detach().contiguous().cpu()
     save_file(tensors, str(tmp / "optim.safetensors"))
+    import twell_compile
+
+    controller = twell_compile.controller_state_dict()      # twell.target_density's coefficients
+    if controller:
+        torch.save(controller, tmp / "controller.pt")
     (tmp / "state.json").write_text(json.dumps(dict(state, step=step), indent=1))
     if d.exists():
         shutil.rmtree(d)
@@ -332,6 +337,10 @@ def load_checkpoint(d: Path, model, optimizer=None) -> tuple[dict[str, Any], dic
             if k == "step":  # AdamW keeps its step count as a CPU scalar unless capturable/fused
                 v = v.cpu()
             optimizer.state[params[name]][k] = v
+    if (d / "controller.pt").exists():
+        import twell_compile
+
+        twell_compile.load_controller_state_dict(torch.load(d / "controller.pt"))
     return json.loads((d / "state.json").read_text()), extra
 
 
@@ -389,15 +398,21 @@ def compile_model(model, args):
     if args.backend == "eager":
         return model
     if args.backend == "inductor":
-        if args.l1:
-            raise SystemExit("--l1 needs --backend twell (the penalty lives in twell's backward)")
+        if args.l1 or args.target_density:
+            raise SystemExit("--l1 and --target-density need --backend twell (the penalty lives in twell's backward)")
         return torch.compile(model, backend="inductor")
     # skip_dense=False: the recipe records every layer's sparsity, the dense baseline's too, so
     # every FFN runs our op (without a penalty the speed rules would leave CPU training FFNs,
     # and CUDA ones under 8192 tokens, to Inductor, which keeps no statistics)
-    return torch.compile(model, backend="twell",
-                         options={"twell.l1": float(args.l1), "twell.l1_layers": args.layers,
-                                  "twell.skip_dense": False})
+    return torch.compile(model, backend="twell", options=twell_options(args))
+
+
+def twell_options(args) -> dict[str, Any]:
+    """The backend's options: a fixed ``twell.l1``, or with --target-density the controller's
+    ``twell.target_density`` (each layer's coefficient adapted to hold that density)."""
+    penalty = ({"twell.target_density": float(args.target_density), "twell.target_steps": args.target_steps}
+               if args.target_density else {"twell.l1": float(args.l1)})
+    return {**penalty, "twell.l1_layers": args.layers, "twell.skip_dense": False}
 
 
 def train(args) -> dict[str, Any]:
@@ -455,7 +470,7 @@ def train(args) -> dict[str, Any]:
     bar = None  # made after the first step, so that its rate and ETA are of compiled steps
 
     def make_bar(done: int):
-        return tqdm(initial=done, total=args.steps, desc="sparse" if args.l1 else "dense",
+        return tqdm(initial=done, total=args.steps, desc="sparse" if (args.l1 or args.target_density) else "dense",
                     disable=args.no_progress, dynamic_ncols=True)
 
     def dead_check(step: int) -> None:
@@ -527,7 +542,11 @@ def train(args) -> dict[str, Any]:
                        max_nnz={k: s.max_nnz for k, s in st.items()},
                        density={k: s.density for k, s in st.items()},
                        mean_abs_h={k: s.l1 for k, s in st.items()}, l1_penalty=args.l1 * mean_abs_h,
-                       hidden=args.ffn)
+                       hidden=args.ffn, dead_units={k: s.dead for k, s in st.items()})
+            if args.target_density:        # the controller's coefficients (twell.l1's units) and target
+                coef = {k: s.l1_coef for k, s in st.items()}
+                rec.update(target_density=args.target_density, l1_coef=coef,
+                           l1_penalty=sum((coef[k] or 0.0) * s.l1 for k, s in st.items()) / max(1, len(st)))
             metrics.log("train", **rec)
             mean_nnz = sum(rec["nnz_per_token"].values()) / max(1, len(st))
             bar.set_postfix(loss=f"{train_loss:.3f}", nnz=f"{mean_nnz:.1f}/{args.ffn}",
@@ -689,6 +708,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--cache-dir", help="tokenizer / token cache (default: <out>/../cache)")
     ap.add_argument("--corpus-dir", help="directory of *.py files (default: the stdlib of this Python)")
     ap.add_argument("--baseline", action="store_true", help="dense-ReLU baseline: same run with --l1 0")
+    ap.add_argument("--target-density", type=float, default=0.0,
+                    help="twell.target_density: adapt each layer's L1 coefficient to hold this fraction of "
+                         "hidden units active per token (replaces --l1)")
+    ap.add_argument("--target-steps", type=int, default=0,
+                    help="twell.target_steps: move the target from the first measured density over this many steps")
     ap.add_argument("--backend", choices=["twell", "inductor", "eager"], default="twell")
     ap.add_argument("--resume", default="", help="checkpoint dir, or 'auto' for <out>/ckpt/latest")
     ap.add_argument("--seed", type=int, default=0)
@@ -720,6 +744,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             setattr(args, k, v)
     if args.baseline:
         args.l1 = 0.0
+        if args.target_density:
+            raise SystemExit("--baseline trains without a penalty: leave --target-density out")
+    if args.target_density:
+        args.l1 = 0.0          # the controller's coefficient replaces the preset's fixed one
+    elif args.target_steps:
+        raise SystemExit("--target-steps needs --target-density")
     if args.cache_dir is None:
         args.cache_dir = str(Path(args.out).resolve().parent / "cache")
     if not args.final_probe_batch:

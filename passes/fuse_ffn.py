@@ -221,7 +221,8 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
                 # a dynamic count (SymInt) may be answered under a guard (runtime/select.py)
                 why = static_reason(out.device, out.dtype, _tokens_count(xe.shape), int(xe.shape[-1]), n,
                                     int(out.shape[-1]), gated=found.gated, training=out.requires_grad,
-                                    l1=config.l1, cudagraphs=config.cudagraphs != "off",
+                                    l1=config.l1 or float(config.target_for(found.layer) is not None),
+                                    cudagraphs=config.cudagraphs != "off",
                                     path=config.path_for(out.requires_grad))
                 if why is not None:
                     report.add_rejection(RejectionEntry(found.layer, f"{why}; Inductor's dense FFN is faster "

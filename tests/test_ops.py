@@ -242,8 +242,9 @@ def test_instance_and_path_arguments_default_and_reach_the_runtime(monkeypatch):
     OPS.ffn(*args, "t", False, 9, "torch", act="relu2")
     assert seen == [(0, "auto", "relu"), (9, "torch", "relu"), (9, "torch", "relu2")]
     assert [a.name for a in OPS.ffn.default._schema.arguments[-3:]] == ["instance", "path", "act"]
-    assert [a.name for a in OPS.ffn_train.default._schema.arguments[-4:]] == ["instance", "path", "tag", "act"]
-    assert OPS.ffn_train_bwd.default._schema.arguments[-1].name == "act"
+    assert [a.name for a in OPS.ffn_train.default._schema.arguments[-5:]] == ["instance", "path", "tag", "act",
+                                                                               "l1_control"]
+    assert [a.name for a in OPS.ffn_train_bwd.default._schema.arguments[-3:]] == ["l1_coef", "l1_scale", "act"]
 
 
 @pytest.mark.parametrize("act", ["relu2", "drelu"])

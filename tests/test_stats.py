@@ -25,9 +25,9 @@ def test_layer_stats_is_a_dict_that_prints_as_a_table():
     lines = str(got).splitlines()
     assert lines[0] == "twell layer_stats: 2 layer(s), each from its latest call"
     assert lines[1].split() == ["layer", "tokens", "hidden", "mean", "nnz", "density", "max", "nnz", "mean", "|h|",
-                                "overflows"]
-    assert lines[3].split() == ["model.layers.0.mlp", "3", "40", "3.0", "7.50%", "5", "0.05", "0"]
-    assert lines[4].split() == ["model.layers.1.mlp", "2", "40", "3.0", "7.50%", "4", "0.15", "1"]
+                                "overflows", "dead"]
+    assert lines[3].split() == ["model.layers.0.mlp", "3", "40", "3.0", "7.50%", "5", "0.05", "0", "-"]
+    assert lines[4].split() == ["model.layers.1.mlp", "2", "40", "3.0", "7.50%", "4", "0.15", "1", "-"]
     assert repr(got) == str(got)
     assert dict(got) == {k: got[k] for k in got}   # plain dict behaviour kept
 
@@ -87,3 +87,24 @@ def test_statistics_made_under_inference_mode_serve_calls_outside_it():
     with torch.inference_mode():
         other(x)
     assert all(not buf.is_inference() for buf in stats._buffers.values())
+
+
+def test_dead_units_are_those_silent_over_the_last_window_of_training_tokens():
+    """record_fired stamps each unit that fired with the layer's token count; layer_stats counts
+    the units whose stamp is older than the last DEAD_WINDOW tokens (units never fired included)."""
+    twell_compile.reset_stats()
+    n, w = 6, stats.DEAD_WINDOW
+    _record("d", [1], 1.0, hidden=n)
+    stats.record_fired("d", torch.tensor([True, True, False, False, False, False]), w // 2)
+    s = twell_compile.layer_stats()["d"]
+    assert (s.dead, s.dead_window) == (4, w // 2)          # within the first window: never fired is dead
+    stats.record_fired("d", torch.tensor([False, True, True, False, False, False]), w // 2)
+    assert twell_compile.layer_stats()["d"].dead == 3
+    stats.record_fired("d", torch.tensor([False, False, False, True, False, False]), w // 2)
+    s = twell_compile.layer_stats()["d"]
+    # unit 0 last fired w tokens ago (outside the window), unit 1 and 2 w/2 ago, unit 3 now
+    assert (s.dead, s.dead_window) == (3, w)
+    assert str(twell_compile.layer_stats()).splitlines()[3].split()[-1] == "3"
+    twell_compile.reset_stats()
+    _record("i", [1], 1.0, hidden=n)                        # inference only: not tracked
+    assert twell_compile.layer_stats()["i"].dead is None

@@ -14,8 +14,12 @@ __version__ = "0.1.0"
 from twell_compile.config import TwellConfig, check_options
 from twell_compile.report import Report
 from twell_compile.stats import LayerStats, layer_stats, reset_stats
+from twell_compile.control import (load_state_dict as load_controller_state_dict, reset as reset_controller,
+                                   state_dict as controller_state_dict, step as controller_step)
 from twell_compile.explain import explain  # noqa: E402  (the function shadows the module name)
 from twell_compile.export import export  # noqa: E402
 from twell_compile.prepare import prepare, unprepare  # noqa: E402
 
-__all__ = ["__version__", "TwellConfig", "check_options", "explain", "export", "prepare", "unprepare", "layer_stats", "reset_stats", "LayerStats", "Report"]
+__all__ = ["__version__", "TwellConfig", "check_options", "explain", "export", "prepare", "unprepare", "layer_stats",
+           "reset_stats", "LayerStats", "Report", "controller_state_dict", "load_controller_state_dict",
+           "reset_controller", "controller_step"]

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import fx
 
-from twell_compile import __version__, stats
+from twell_compile import __version__, control, stats
 from twell_compile.config import TwellConfig, inductor_patches
 from twell_compile.ops import arg_index
 from twell_compile.passes import graph_modules, run_passes
@@ -71,6 +71,22 @@ def reserve_stats(gm: fx.GraphModule) -> None:
             device = _example_device(node.args[0])
             if device is not None:
                 stats.reserve(node.args[arg_index(node.target, "layer")], device)
+
+
+def declare_targets(gm: fx.GraphModule, config: TwellConfig) -> None:
+    """Give the controller (control.py) the target of every training op the scale_l1 pass set
+    to ``l1_control``: its coefficient is adapted from the op's first call."""
+    op = torch.ops.twell.ffn_train.default
+    for _, sub in graph_modules(gm):
+        for node in sub.graph.nodes:
+            if node.op != "call_function" or node.target is not op:
+                continue
+            pos = arg_index(op, "l1_control")
+            on = node.args[pos] if len(node.args) > pos else node.kwargs.get("l1_control", False)
+            layer = str(node.args[arg_index(op, "layer")])
+            target = config.target_for(layer)
+            if on and target is not None:
+                control.configure(layer, target, config.target_steps, config.target_l1_init)
 
 
 _VIEWS = {torch.t, "t", operator.getitem}
@@ -139,6 +155,7 @@ def twell_backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: Option
     patches = inductor_patches(mode or config.mode or None, rest)
     config = with_cudagraphs(config, patches)
     gm = run_passes(gm, config)
+    declare_targets(gm, config)
     reserve_stats(gm)
     reserve_decode_state(gm, example_inputs)
     # The AOTAutograd cache key does not cover Python autograd formulas: tag it with our

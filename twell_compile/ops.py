@@ -20,10 +20,18 @@ arguments are tensor inputs, not constants: Dynamo compiles one graph for every 
 shares its code (FSDP2's per-block frames, regional compilation), where constants would
 recompile each block, past Dynamo's limit of 8 (the rest then ran eager).
 
-``act`` (last, default "relu"; reference.ACTS): the activation. "relu2" is squared ReLU,
+``act`` (after ``path`` and ``tag``; ffn_train_bwd's last; default "relu"; reference.ACTS): the activation. "relu2" is squared ReLU,
 h = relu(g)^2 [* u]; "drelu" (gated only) h = relu(g) * relu(u). All share relu(g)'s zero
 pattern, which every path skips; the training state saves relu(g) and u at its non-zeros and
 the backward forms the activation's derivative from them. Anything else raises ``ValueError``.
+
+``l1_control`` (twell::ffn_train only, last, default False): the layer's L1 coefficient is
+adapted by the controller of ``twell.target_density`` (``twell_compile/control.py``): each call
+counts its non-zeros there and returns the coefficient its backward applies as a ninth output
+``l1_coef`` ([1] fp32 on x's device; [0] without ``l1_control``), a device tensor, so a changed
+coefficient recompiles nothing and syncs nothing. twell::ffn_train_bwd takes it back (after
+the saved state): with one element, its penalty is ``l1_scale * l1_coef[0] * mean(|h|)``; empty,
+``l1_scale * mean(|h|)`` as with a fixed ``twell.l1``.
 
 ``w_up=None`` selects the non-gated FFN down(relu(gate(x))). Weights use nn.Linear's layout:
 w_gate, w_up [N, K]; w_down [K_out, N]. Biases are optional. Every tensor must share x's dtype
@@ -124,6 +132,12 @@ def tagged(t: Tensor) -> tuple[int, str]:
     return number, _tag_layers[number]
 
 
+def _check_coef(t: Tensor, x: Tensor) -> None:
+    if t.dtype != torch.float32 or t.dim() != 1 or t.shape[0] > 1 or t.device != x.device:
+        raise ValueError(f"l1_coef must be a float32 tensor of 0 or 1 elements on x's device ({x.device}), got "
+                         f"{t.dtype} {tuple(t.shape)} on {t.device}")
+
+
 def _check_positive(**knobs: int) -> None:
     for name, value in knobs.items():
         if value < 1:
@@ -175,9 +189,11 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, stats, instance=0, p
 def ffn_train(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
               ell_width: int, backup_rows: int, l1_scale: float, layer: str, stats: bool,
-              instance: int = 0, path: str = "auto", tag: Optional[Tensor] = None, act: str = "relu"
-              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u); see formats.Hybrid."""
+              instance: int = 0, path: str = "auto", tag: Optional[Tensor] = None, act: str = "relu",
+              l1_control: bool = False
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u, l1_coef); see
+    formats.Hybrid and, for l1_coef, the module docstring."""
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
     check_act(act, w_up is not None)
     if tag is not None:
@@ -187,7 +203,8 @@ def ffn_train(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     if not math.isfinite(l1_scale) or l1_scale < 0:
         raise ValueError(f"l1_scale must be a finite number >= 0, got {l1_scale}")
     return execute.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
-                                     ell_width, backup_rows, layer, stats, instance, path, l1_scale, act)
+                                     ell_width, backup_rows, layer, stats, instance, path, l1_scale, act,
+                                     l1_control)
 
 
 def _backup_rows(capacity):
@@ -211,7 +228,7 @@ def _backup_rows(capacity):
 
 @ffn_train.register_fake
 def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, ell_width, backup_rows, l1_scale, layer, stats, instance=0,
-      path="auto", tag=None, act="relu"):
+      path="auto", tag=None, act="relu", l1_control=False):
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
     check_act(act, w_up is not None)
     if tag is not None:
@@ -231,6 +248,7 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, ell_width, backup_rows, l1_
         x.new_empty((rows,), dtype=torch.int64),
         x.new_empty((rows, n)),
         x.new_empty((rows, n if nu is None else 0)),
+        x.new_empty((1 if l1_control else 0,), dtype=torch.float32),
     )
 
 
@@ -238,19 +256,23 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, ell_width, backup_rows, l1_
 def ffn_train_bwd(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
                   w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor,
                   counts: Tensor, cols: Tensor, ell_g: Tensor, ell_u: Tensor,
-                  backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, l1_scale: float, act: str = "relu"
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down); absent ones are empty tensors."""
+                  backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, l1_coef: Tensor, l1_scale: float,
+                  act: str = "relu") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down); absent ones are empty tensors.
+    ``l1_coef``: the forward's ninth output ([1]: multiplies ``l1_scale``; [0]: none)."""
     check_act(act, w_up is not None)
+    _check_coef(l1_coef, x)
     grads = execute.ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, counts, cols,
-                                       ell_g, ell_u, backup_idx, backup_g, backup_u, l1_scale=l1_scale, act=act)
+                                       ell_g, ell_u, backup_idx, backup_g, backup_u, l1_scale=l1_scale,
+                                       l1_coef=l1_coef if l1_coef.numel() else None, act=act)
     return tuple(g if g is not None else x.new_empty(0) for g in grads)
 
 
 @ffn_train_bwd.register_fake
 def _(dy, x, w_gate, b_gate, w_up, b_up, w_down, counts, cols, ell_g, ell_u, backup_idx,
-      backup_g, backup_u, l1_scale, act="relu"):
+      backup_g, backup_u, l1_coef, l1_scale, act="relu"):
     check_act(act, w_up is not None)
+    _check_coef(l1_coef, x)
     def like(t: Optional[Tensor]) -> Tensor:
         return x.new_empty(0) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
 
@@ -288,7 +310,7 @@ def _train_backward(ctx, dy: Optional[Tensor], *_unused: Optional[Tensor]):
                                                ctx.act))
     present = [True, True, b_gate is not None, w_up is not None, b_up is not None, True, ctx.has_b_down]
     out = [g if keep and need else None for g, keep, need in zip(grads, present, ctx.needs_input_grad)]
-    return (*out, None, None, None, None, None, None, None, None, None)      # ell_width .. act
+    return (*out, None, None, None, None, None, None, None, None, None, None)      # ell_width .. l1_control
 
 
 ffn_train.register_autograd(_train_backward, setup_context=_train_setup_context)

@@ -41,6 +41,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
+from twell_compile import control
 from twell_compile.config import PREFIX, TwellConfig, did_you_mean, path_for
 from twell_compile.ops import static_reason, tag
 from twell_compile.passes.match_ffn import Match, find_ffns
@@ -87,6 +88,7 @@ class FFNSpec:
     instance: int = 0                     # the op instance (ops.next_instance): its runtime state
     arg: str = "x"                        # the name of forward's one input (keyword calls)
     act: str = "relu"                     # the activation (the ops' act: relu, relu2, drelu)
+    l1_control: bool = False              # twell.target_density names it: its coefficient is control.py's
 
 
 # ------------------------------------------------------------------------------ tracing
@@ -355,7 +357,8 @@ def run_ffn(module: nn.Module, spec: FFNSpec, x: Tensor) -> Tensor:
         # guard on every block's frame (FSDP2, regional compilation: one compile per block).
         return torch.ops.twell.ffn_train.default(x, wg, bg, wu, bu, wd, bd, spec.ell_width, spec.backup_rows,
                                                  spec.l1_scale, "", spec.stats, 0, path_for(spec.path, True),
-                                                 getattr(module, _TAG), **_act(spec))[0]
+                                                 getattr(module, _TAG), l1_control=spec.l1_control,
+                                                 **_act(spec))[0]
     if spec.skip_dense and _dense_reason(x.device, dtype, wg.shape[1], wg.shape[0], wd.shape[0],
                                          wu is not None, path_for(spec.path, False)) is not None:
         # Our op would run slower than dense here (e.g. fp32 on CUDA): the plain formula, which
@@ -630,11 +633,24 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None, *,
                        config.skip_dense, config.path, arg=_input_name(module), act=projs[3])
         found.append((module, spec, reads))
         taken.append(name)
+    if isinstance(config.target_density, tuple):
+        layers = [spec.layer for _, spec, _ in found]
+        for name, _ in config.target_density:
+            if name not in layers:
+                raise ValueError(f"twell option {PREFIX}target_density names {name!r}, which is no FFN prepare "
+                                 f"found{did_you_mean(name, layers)}; its FFNs: {layers[:8]}"
+                                 f"{' ...' if len(layers) > 8 else ''} (module paths from the model)")
     if not found:
         return report
     scale = config.l1_scale(len(found))
     for module, spec, reads in reversed(found):
-        setattr(module, _SPEC, dataclasses.replace(spec, l1_scale=float(scale)))
+        target = config.target_for(spec.layer)
+        if target is not None:
+            control.configure(spec.layer, target, config.target_steps, config.target_l1_init)
+            spec = dataclasses.replace(spec, l1_scale=config.layer_scale(len(found)), l1_control=True)
+        else:
+            spec = dataclasses.replace(spec, l1_scale=float(scale))
+        setattr(module, _SPEC, spec)
         setattr(module, _READS, reads)
         setattr(module, _FALLBACK, None)
         _retag(module)

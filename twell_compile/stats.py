@@ -2,17 +2,23 @@
 
 Each rewritten FFN writes a small tensor after every call: summed and maximum non-zeros
 per token, summed |h| and the number of rows or tiles that took the exact overflow path.
-``layer_stats()`` reads them (this is the only host sync) into plain Python numbers.
+Training calls also stamp, per hidden unit, the layer's training-token count at the end of the
+latest call in which the unit fired ([N] fp64, one masked fill): a unit whose stamp is older
+than the last ``DEAD_WINDOW`` tokens is dead. ``layer_stats()`` reads them (this is the only
+host sync), with the coefficient ``twell.target_density``'s controller holds (control.py),
+into plain Python numbers.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
 
+from twell_compile import control
 from twell_compile.report import table
 
 # On the device: [sum of non-zeros over tokens, max non-zeros of one token, sum of |h|,
@@ -22,6 +28,9 @@ _lock = threading.Lock()
 _buffers: dict[tuple[str, torch.device], Tensor] = {}
 _hidden: dict[str, int] = {}
 _tokens: dict[str, int] = {}
+DEAD_WINDOW = 32768     # training tokens: a unit that fired on none of a layer's last ones is dead
+_fired: dict[tuple[str, torch.device], Tensor] = {}
+_seen: dict[str, int] = {}             # training tokens a layer has run
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,14 @@ class LayerStats:
     overflows: rows or tiles that took the exact slower path in that call, count (training:
         rows beyond the ELL part and the dense backup, recomputed in the backward; CUDA
         inference: tokens over the compact width); 0 on paths without one.
+    dead: hidden units that fired on none of the layer's last ``dead_window`` training tokens,
+        count; None for a layer that has not trained (inference calls do not count). Rows the
+        CUDA training path recomputes in the backward (``overflows``) are not looked at.
+    dead_window: the training tokens ``dead`` looks back over: min(tokens trained,
+        ``DEAD_WINDOW`` = 32768, whole calls), count; 0 when not trained.
+    l1_coef: the layer's L1 coefficient under ``twell.target_density`` (twell.l1's units: the
+        fixed ``twell.l1`` that would push this layer as hard), None when not controlled.
+    target: the density ``twell.target_density`` asks of the layer, None when not controlled.
     density (property): mean_nnz / hidden, a fraction in [0, 1].
     """
 
@@ -49,6 +66,10 @@ class LayerStats:
     max_nnz: int
     l1: float
     overflows: int
+    dead: Optional[int] = None
+    dead_window: int = 0
+    l1_coef: Optional[float] = None
+    target: Optional[float] = None
 
     @property
     def density(self) -> float:
@@ -61,9 +82,14 @@ class StatsTable(dict):
     def __str__(self) -> str:
         if not self:
             return "twell layer_stats: no rewritten FFN has run yet (stats are kept per layer from its latest call)"
-        rows = [("layer", "tokens", "hidden", "mean nnz", "density", "max nnz", "mean |h|", "overflows")]
+        rows = [("layer", "tokens", "hidden", "mean nnz", "density", "max nnz", "mean |h|", "overflows", "dead")]
         rows += [(name, str(s.tokens), str(s.hidden), f"{s.mean_nnz:.1f}", f"{100 * s.density:.2f}%",
-                  str(s.max_nnz), f"{s.l1:.4g}", str(s.overflows)) for name, s in self.items()]
+                  str(s.max_nnz), f"{s.l1:.4g}", str(s.overflows), "-" if s.dead is None else str(s.dead))
+                 for name, s in self.items()]
+        if any(s.l1_coef is not None for s in self.values()):
+            rows[0] += ("target", "l1 coef")
+            rows[1:] = [r + (("-", "-") if s.l1_coef is None else (f"{100 * s.target:.2f}%", f"{s.l1_coef:.4g}"))
+                        for r, s in zip(rows[1:], self.values())]
         return "\n".join([f"twell layer_stats: {len(self)} layer(s), each from its latest call"] + table(rows))
 
     __repr__ = __str__
@@ -84,6 +110,21 @@ def record(layer: str, counts: Tensor, abs_sum: Tensor, overflows: Tensor, hidde
     mx = counts.max().to(f64) if counts.numel() else buf.new_zeros(())
     # Written straight into the buffer: 6 small launches, no [M]-sized temporary.
     torch.stack([counts.sum(dtype=f64), mx, abs_sum.to(f64), overflows.to(f64)], out=buf)
+
+
+def record_fired(layer: str, fired: Tensor, tokens: int) -> None:
+    """A training call of ``layer`` over ``tokens`` tokens: ``fired`` [N] bool marks the hidden
+    units that were non-zero on at least one of them (async; one masked fill)."""
+    key = (layer, fired.device)
+    with torch.inference_mode(False):
+        buf = _fired.get(key)
+        if buf is None or buf.shape != fired.shape:
+            with _lock:
+                buf = _fired[key] = torch.zeros(fired.shape, dtype=torch.float64, device=fired.device)
+                _seen[layer] = 0
+        seen = _seen.get(layer, 0) + tokens
+        _seen[layer] = seen
+        buf.masked_fill_(fired, float(seen))
 
 
 def device_buffer(layer: str, device: torch.device, tokens: int, hidden: int) -> Tensor:
@@ -123,6 +164,16 @@ def reserve(layer: str, device: torch.device) -> Tensor:
     return buf
 
 
+def densities() -> dict[str, Tensor]:
+    """Each layer's density in its latest call as a 0-d fp64 tensor on its device (one division
+    per layer, no host sync): for keeping a per-step history, read once at the end."""
+    out = {}
+    for (layer, _device), buf in sorted(_buffers.items(), key=lambda kv: kv[0][0]):
+        if layer in _hidden:
+            out[layer] = buf[0] / max(_tokens[layer] * _hidden[layer], 1)
+    return out
+
+
 def layer_stats() -> StatsTable:
     """Latest statistics per layer: ``{layer name: LayerStats}`` (fields and units in
     ``LayerStats``), a dict that prints as a table. Layer names are those ``explain`` reports;
@@ -135,6 +186,11 @@ def layer_stats() -> StatsTable:
         nnz, mx, abs_sum, ovf = buf.tolist()
         tokens = _tokens[layer]
         hidden = _hidden[layer]
+        fired, seen = _fired.get((layer, _device)), _seen.get(layer, 0)
+        dead = None
+        if fired is not None:
+            dead = int((fired <= float(max(0, seen - DEAD_WINDOW))).sum())
+        coef = control.coefficient(layer)
         out[layer] = LayerStats(
             layer=layer,
             tokens=int(tokens),
@@ -143,23 +199,32 @@ def layer_stats() -> StatsTable:
             max_nnz=int(mx),
             l1=abs_sum / (tokens * hidden) if tokens and hidden else 0.0,
             overflows=int(ovf),
+            dead=dead,
+            dead_window=min(seen, DEAD_WINDOW) if fired is not None else 0,
+            l1_coef=None if coef is None else float(coef.item()),
+            target=control.target_of(layer) if coef is not None else None,
         )
     return out
 
 
-def snapshot() -> tuple[dict, dict[str, int], dict[str, int]]:
+def snapshot() -> tuple:
     """Copies of every buffer and shape fact, for ``restore`` (explain: a failed call leaves the
     statistics as they were)."""
     with _lock:
         with torch.inference_mode(False):
-            return {k: b.clone() for k, b in _buffers.items()}, dict(_hidden), dict(_tokens)
+            return ({k: b.clone() for k, b in _buffers.items()}, dict(_hidden), dict(_tokens),
+                    {k: b.clone() for k, b in _fired.items()}, dict(_seen))
 
 
-def restore(saved: tuple[dict, dict[str, int], dict[str, int]]) -> None:
+def restore(saved: tuple) -> None:
     """Undo every record since ``snapshot``: buffers made since are dropped, older ones are
     written back in place (compiled graphs keep pointing at the same buffer)."""
-    buffers, hidden, tokens = saved
+    buffers, hidden, tokens, fired, seen = saved
     with _lock:
+        _fired.clear()
+        _fired.update(fired)
+        _seen.clear()
+        _seen.update(seen)
         for key in [k for k in _buffers if k not in buffers]:
             del _buffers[key]
         for key, old in buffers.items():
@@ -177,3 +242,5 @@ def reset_stats() -> None:
         _buffers.clear()
         _hidden.clear()
         _tokens.clear()
+        _fired.clear()
+        _seen.clear()

@@ -160,3 +160,32 @@ def test_stopped_run_says_how_to_continue(tmp_path, cache, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0] == "stopped at step 3 of 6: continue with --resume auto"
     assert lines[1].split() == ["checkpoint", str(out / "ckpt" / "step_0000002")]
+
+
+def test_target_density_trains_logs_and_checkpoints_the_controller(tmp_path, cache):
+    """--target-density gives the backend twell.target_density (no fixed L1): the log carries each
+    layer's coefficient, target and dead units, and a checkpoint carries the coefficients, which
+    load_checkpoint restores."""
+    import twell_compile
+
+    twell_compile.reset_controller()
+    out = tmp_path / "target"
+    run(out, cache, "--steps", "20", "--ckpt-every", "20", "--target-density", "0.05")
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r["kind"] == "train"]
+    assert train[-1]["target_density"] == 0.05 and train[-1]["l1"] == 0
+    coefs = [list(r["l1_coef"].values()) for r in train]
+    assert len(coefs[-1]) == 2 and coefs[0] != coefs[-1] and all(c > 0 for c in coefs[-1])
+    assert set(train[-1]["dead_units"]) == set(train[-1]["l1_coef"]) and train[-1]["l1_penalty"] > 0
+    ckpt = out / "ckpt" / "step_0000020"
+    saved = torch.load(ckpt / "controller.pt")
+    assert set(saved) == set(train[-1]["l1_coef"])
+    twell_compile.reset_controller()
+    args = T.parse_args(["--out", str(out), "--cache-dir", cache, *TINY])
+    model = T.build_model(args, T.load_data(args)["tokenizer"].get_vocab_size())
+    T.load_checkpoint(ckpt, model)
+    now = twell_compile.controller_state_dict()
+    assert all(torch.equal(now[k]["log_coef"], saved[k]["log_coef"]) for k in saved)
+    twell_compile.reset_controller()
+    with pytest.raises(SystemExit, match="--target-steps needs --target-density"):
+        T.parse_args(["--out", str(out), "--target-steps", "5"])

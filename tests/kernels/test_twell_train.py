@@ -22,6 +22,7 @@ SCRIPT = textwrap.dedent("""
     from twell_compile.runtime import arch, cuda_train as ct
     from twell_compile.formats import Hybrid, backup_capacity, unpack_hybrid
     dy_ent, x_ent, chunk, per_sm = {ent}
+    via_coef = {coef}      # the penalty's coefficient read from a device tensor (L1_DEV): 2 x half the scale
     # several K chunks per neuron in the weight-gradient kernel, several steps per neuron; small
     # chunks split the neurons' lists over programs (atomic sums), few programs loop over many
     arch.patched(wg_bk=32, wg_dy_entries=dy_ent, wg_x_entries=x_ent, wg_chunk=chunk,
@@ -107,13 +108,16 @@ SCRIPT = textwrap.dedent("""
         same = (dense.view(torch.int16) == hg.view(torch.int16)) | (torch.isnan(dense) & torch.isnan(hg))
         assert same[fin].all(), (tag, "state != relu(g)")
 
+    l1c = (l1s / 2 if via_coef else l1s) / max(m * n, 1)
+    coef = torch.tensor([2.0]) if via_coef else None
+
     def backward(sparse, st):
         if sparse == "densify":
-            out = ct.backward_densify(dy, *args[:6], *st, l1s / max(m * n, 1), act)
+            out = ct.backward_densify(dy, *args[:6], *st, l1c, act, coef)
         elif sparse:
-            out = ct.backward_sparse(dy, *args[:6], *st, l1s / max(m * n, 1), act)
+            out = ct.backward_sparse(dy, *args[:6], *st, l1c, act, coef)
         else:
-            out = ct.backward_dense(dy, *args[:6], st[5], st[6] if gated else None, l1s / max(m * n, 1), act)
+            out = ct.backward_dense(dy, *args[:6], st[5], st[6] if gated else None, l1c, act, coef)
         dx, dwg, dbg, dwu, dbu, dwd = out
         return [dx, dwg, dbg, dwu, dbu, dwd, dy.sum(0) if bias else None]
 
@@ -160,9 +164,13 @@ CASES = [
 # wgrad entries per step (DY, X), entries per chunk, programs per SM (4 "SMs" on the CPU):
 # small ones give several steps and chunks per neuron and several chunks per program in every
 # case; the last case (~12 entries per neuron) also runs the shipped config (the records')
-@pytest.mark.parametrize("case, ent", [(c, (1, 2, 3, 1)) for c in CASES] + [(CASES[-1], (4, 4, 128, 8))])
-def test_train_kernels_under_interpreter(case, ent):
-    run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case, ent=ent, act="relu"), timeout=300)
+# (coef: the L1 cases again with the coefficient read from a device tensor, as
+# twell.target_density's controller hands it to the backward)
+@pytest.mark.parametrize("case, ent, coef", [(c, (1, 2, 3, 1), False) for c in CASES]
+                         + [(CASES[-1], (4, 4, 128, 8), False)]
+                         + [(c, (1, 2, 3, 1), True) for c in (CASES[1], CASES[2], CASES[-1])])
+def test_train_kernels_under_interpreter(case, ent, coef):
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case, ent=ent, coef=coef, act="relu"), timeout=300)
 
 
 # squared ReLU (gated, non-gated) and dReLU: the same forwards, states and backwards, the
@@ -170,4 +178,5 @@ def test_train_kernels_under_interpreter(case, ent):
 @pytest.mark.parametrize("act, case", [("relu2", CASES[i]) for i in (0, 1, 2, 5, 6)]
                          + [("drelu", CASES[i]) for i in (0, 1, 4, 5)])
 def test_train_activations_under_interpreter(act, case):
-    run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 4, case=case, ent=(1, 2, 3, 1), act=act), timeout=300)
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 4, case=case, ent=(1, 2, 3, 1), coef=False, act=act),
+                    timeout=300)

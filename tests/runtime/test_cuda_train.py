@@ -403,3 +403,27 @@ def test_first_auto_call_compiles_every_paths_kernels(gated):
             assert _rel(a, b) < 1e-2, (nm, _rel(a, b))
         else:
             assert torch.equal(a, b), nm
+
+
+@pytest.mark.parametrize("path", ["twell", "compact", "dense"])
+def test_a_coefficient_tensor_scales_the_penalty_on_the_device(path):
+    """twell.target_density's coefficient reaches every CUDA backward as a [1] device tensor:
+    l1_scale s with l1_coef [c] gives the gradients of l1_scale s * c (bit for bit where the
+    product rounds alike: s = 0.25, c = 4), and a coefficient changed in place is read by the
+    next call, whose Triton kernels are the ones already built (no host sync, no recompile)."""
+    x, wg, bg, wu, bu, wd, bd = _ffn(4096, 256, 1024, 256, 0.01, 0.0, seed=31)
+    dy = torch.randn(4096, 256, device="cuda", dtype=x.dtype)
+    out = torch.ops.twell.ffn_train(x, wg, bg, wu, bu, wd, bd, 64, 16, 0.0, "coef", False, 0, path)
+    state = list(out[1:8])
+    assert out[8].shape == (0,)                          # not controlled: no coefficient tensor
+    fixed = torch.ops.twell.ffn_train_bwd(dy, x, wg, bg, wu, bu, wd, *state, out[8], 1.0)
+    coef = torch.full((1,), 4.0, device="cuda")
+    scaled = torch.ops.twell.ffn_train_bwd(dy, x, wg, bg, wu, bu, wd, *state, coef, 0.25)
+    for a, b in zip(fixed, scaled):
+        assert torch.equal(a, b)
+    coef.fill_(0.0)                                      # the controller moved it, in place
+    none = torch.ops.twell.ffn_train_bwd(dy, x, wg, bg, wu, bu, wd, *state, coef, 0.25)
+    plain = torch.ops.twell.ffn_train_bwd(dy, x, wg, bg, wu, bu, wd, *state, out[8], 0.0)
+    for a, b in zip(none, plain):
+        torch.testing.assert_close(a, b)
+    assert not torch.equal(none[1], fixed[1])

@@ -52,13 +52,27 @@ def test_backward_reads_its_path_from_the_saved_backup(monkeypatch, rows, hint, 
         cuda_train._densify_hint(st[4], hint)
     cuda_train.ffn_train_backward(dy, x, wg, None, wu, None, wd, *st, 0.0)
     assert list(seen) == [path]
+    if path != "dense":       # a controlled layer's coefficient reaches the kernels as a tensor
+        seen.clear()
+        if hint is not None:
+            cuda_train._densify_hint(st[4], hint)
+        coef = torch.ones(1)
+        cuda_train.ffn_train_backward(dy, x, wg, None, wu, None, wd, *st, 0.5, l1_coef=coef)
+        assert seen[path][-1] is coef and seen[path][-3] == 0.5 / (m * n)
+        seen.clear()
+        if hint is not None:
+            cuda_train._densify_hint(st[4], hint)
+        cuda_train.ffn_train_backward(dy, x, wg, None, wu, None, wd, *st, 0.0)
     if path == "dense":
-        g, u, _, act = seen["dense"]
-        assert g is st[5] and u is st[6] and act == "relu"
+        g, u, l1c, act, coef = seen["dense"]
+        assert g is st[5] and u is st[6] and (l1c, act, coef) == (0.0, "relu", None)
+    else:
+        assert seen[path][-3:] == (0.0, "relu", None)     # no penalty: no coefficient tensor either
+    seen.clear()
     if hint is not None:
         cuda_train._densify_hint(st[4], hint)        # (a hint is read once)
     cuda_train.ffn_train_backward(dy, x, wg, None, wu, None, wd, *st, 0.0, "drelu")
-    assert seen[path][-1] == "drelu"          # the activation reaches the backward it took
+    assert seen[path][-2] == "drelu"          # the activation reaches the backward it took
 
 
 def test_backward_refuses_a_backup_larger_than_m():

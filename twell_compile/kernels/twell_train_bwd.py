@@ -2,7 +2,7 @@
 
 For every active (m, n) pair, with h_g = relu(g) and u as saved:
 
-    dh  = dy[m] . W_d^T[n]               (+ l1c * sgn(h) with L1)
+    dh  = dy[m] . W_d^T[n]               (+ l1c * sgn(h) with L1; l1c times *l1_ptr with L1_DEV)
     d_g = dh * u * [not h_g <= 0]        (non-gated: dh * [...]; NaN passes, as threshold_backward)
     d_u = dh * h_g,  h = h_g * u
     dx[m] += d_g * W_g[n] + d_u * W_u[n]
@@ -118,11 +118,13 @@ def train_bwd_kernel(
     dx_ptr, sdx_m,
     sg_ptr, su_ptr, sh_ptr,                               # backup rows: [C, N] buffers
     mlist_ptr, mctr_ptr,                                  # other busy rows: listed
-    K, N, KO, l1c,
+    K, N, KO, l1c, l1_ptr,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, L1: tl.constexpr,
-    K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
+    L1_DEV: tl.constexpr, K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
     BK: tl.constexpr, ACT: tl.constexpr,
 ):
+    if L1_DEV:                                            # the controller's coefficient (fp32 [1])
+        l1c = l1c * tl.load(l1_ptr)
     ks = tl.arange(0, K_P)
     k_ok = ks < K
     ko = tl.arange(0, KO_P)

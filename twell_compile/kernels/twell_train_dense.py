@@ -3,7 +3,7 @@
 From the saved gate pre-activation g, up projection u and dh = dy W_d (all [M, N], rows of
 stride N):
 
-    h_g = relu(g), h = h_g * u (non-gated: h = h_g), dh' = dh (+ l1c * sgn(h))
+    h_g = relu(g), h = h_g * u (non-gated: h = h_g), dh' = dh (+ l1c * sgn(h); times *l1_ptr with L1_DEV)
     d_g = dh' * u * [not h_g <= 0] -> dg;  d_u = dh' * h_g -> du;  h -> dh's buffer (in place)
 
 Eager runs relu, mul, two mul backwards and threshold_backward as separate passes; this reads
@@ -21,9 +21,11 @@ from twell_compile.kernels.act import gate_part, grads, up_part
 
 
 @triton.jit
-def train_dense_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, db_ptr, M, N, l1c,
-                           GATED: tl.constexpr, L1: tl.constexpr, BIAS: tl.constexpr,
+def train_dense_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, db_ptr, M, N, l1c, l1_ptr,
+                           GATED: tl.constexpr, L1: tl.constexpr, L1_DEV: tl.constexpr, BIAS: tl.constexpr,
                            BM: tl.constexpr, BN: tl.constexpr, ACT: tl.constexpr):
+    if L1_DEV:                                  # the controller's coefficient (fp32 [1])
+        l1c = l1c * tl.load(l1_ptr)
     rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     cn = tl.program_id(1) * BN + tl.arange(0, BN)
     ok = (rm < M)[:, None] & (cn < N)[None, :]

@@ -3,7 +3,7 @@ state (a dense layer that saved the compact state instead of g and u).
 
 With dh = dy W_d^T already in ``dh`` ([M, N]), h_g = relu(g) and u from the hybrid state:
 
-    dh' = dh (+ l1c * sgn(h)),  d_g = dh' * u * [not h_g <= 0],  d_u = dh' * h_g,  h = h_g * u
+    dh' = dh (+ l1c * sgn(h); l1c times *l1_ptr with L1_DEV),  d_g = dh' * u * [not h_g <= 0],  d_u = dh' * h_g,  h = h_g * u
 
 (ReLU; ACT forms h and the derivatives of squared ReLU or dReLU from the same h_g and u:
 kernels/act.py, whose rule for dReLU's d_u off the active pairs, dh * 0, is the one here.)
@@ -53,14 +53,16 @@ def _write_chunk(dh_ptr, dg_ptr, du_ptr, at, c_ok, hg, u, l1c, dt,
 @triton.jit
 def train_densify_kernel(dh_ptr, dg_ptr, du_ptr, cnt_ptr, cols_ptr, eg_ptr, eu_ptr, W,
                          slot_ptr, bg_ptr, bu_ptr, x_ptr, sx_m, wg_ptr, swg_n, bgate_ptr,
-                         wu_ptr, swu_n, bup_ptr, N, K, l1c,
+                         wu_ptr, swu_n, bup_ptr, N, K, l1c, l1_ptr,
                          GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
-                         L1: tl.constexpr, W_P: tl.constexpr, K_P: tl.constexpr,
+                         L1: tl.constexpr, L1_DEV: tl.constexpr, W_P: tl.constexpr, K_P: tl.constexpr,
                          CH: tl.constexpr, BK: tl.constexpr, DCH: tl.constexpr, ACT: tl.constexpr):
     """CH columns per step where g and u are recomputed ([CH, BK] weight tiles), DCH where the
     row is only streamed (256 there too, 1-2 elements per thread between barriers,
     made the compact dense path 0.95-0.97x of eager against 1.02-1.03x for the g-and-u one;
     H200, 2026-11-22)."""
+    if L1_DEV:                                  # the controller's coefficient (fp32 [1])
+        l1c = l1c * tl.load(l1_ptr)
     m = tl.program_id(0).to(tl.int64)
     dt = dh_ptr.dtype.element_ty
     row = m * N

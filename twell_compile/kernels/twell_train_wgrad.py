@@ -26,7 +26,7 @@ gathers rows of one [M, 2048]-sized tensor only (64 MB at M=16384 bf16: about th
 2026-11-23):
 
   DY pass (whole rows, BKW >= K_out): W_d^T[n] in registers; per entry the dy row gathered,
-      dh = dy[m] . W_d^T[n] (+ l1c sgn(h)), d_g = dh u [h_g > 0], d_u = dh h_g, h = h_g u;
+      dh = dy[m] . W_d^T[n] (+ l1c sgn(h); l1c times *l1_ptr with L1_DEV), d_g = dh u [h_g > 0], d_u = dh h_g, h = h_g u;
       dW_d^T[n] = sum h dy[m], db_g[n] = sum d_g, db_u[n] = sum d_u; d_g and d_u (fp32)
       written at the entry's slot for the other passes.
   X pass: per entry the x row gathered; dW_g[n] = sum d_g x[m], dW_u[n] = sum d_u x[m].
@@ -138,12 +138,14 @@ def _add_to(ptr, v, mask, atomic):
 def wgrad_kernel(
     order_ptr, off_ptr, hist_ptr, nid_ptr, coff_ptr, ctot_ptr, ticket_ptr, chunk_ptr, W,
     ellg_ptr, ellu_ptr, eg_ptr, eu_ptr, x_ptr, sx_m, dy_ptr, sdy_m,
-    mlist_ptr, mctr_ptr, wg_ptr, swg_n, bgate_ptr, wu_ptr, swu_n, bup_ptr, wdt_ptr, swd_n, l1c,
+    mlist_ptr, mctr_ptr, wg_ptr, swg_n, bgate_ptr, wu_ptr, swu_n, bup_ptr, wdt_ptr, swd_n, l1c, l1_ptr,
     dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr,   # fp32 [N, K], [N, K], [N, KO] (backup part in), [N], [N]
     K, KO,
-    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, L1: tl.constexpr,
+    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, L1: tl.constexpr, L1_DEV: tl.constexpr,
     DY: tl.constexpr, BKW: tl.constexpr, E: tl.constexpr, ACT: tl.constexpr,
 ):
+    if L1_DEV:                                      # the controller's coefficient (fp32 [1])
+        l1c = l1c * tl.load(l1_ptr)
     jk = tl.program_id(1)
     ks = jk * BKW + tl.arange(0, BKW)
     ok = ks < (KO if DY else K)

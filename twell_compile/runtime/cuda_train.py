@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from twell_compile import stats
 from twell_compile.config import TRAIN_PATHS
 from twell_compile.kernels.twell_train_bwd import dx_rows_kernel, rank_kernel, train_bwd_kernel
 from twell_compile.kernels.twell_train_dense import train_dense_bwd_kernel
@@ -87,7 +88,7 @@ _warm: set = set()
 
 def warm_paths(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], l1_scale: float,
-               keep_stats: bool, act: str = "relu") -> None:
+               keep_stats: bool, act: str = "relu", l1_coef: Optional[Tensor] = None) -> None:
     """Before a layer's first call that may switch path (path='auto'), run the other paths'
     forward and backward once on its inputs, outputs discarded, so every kernel it can take is
     compiled in the call that compiles anyway (the first); with ``keep_stats`` the statistics
@@ -97,7 +98,7 @@ def warm_paths(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tens
         return
     key = (x.shape[-1], x.numel() // max(x.shape[-1], 1), x.dtype, x.device, tuple(w_gate.shape), w_up is not None,
            b_gate is not None, b_up is not None, b_down is not None, tuple(w_down.shape), plan.width, plan.cap,
-           bool(l1_scale), keep_stats, act, arch.launch_policy(x.device).name)
+           bool(l1_scale), l1_coef is not None, keep_stats, act, arch.launch_policy(x.device).name)
     if key in _warm:
         return
     _warm.add(key)
@@ -108,7 +109,8 @@ def warm_paths(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tens
                 continue
             out = ffn_train_forward(plan._replace(path=path, probe=False, tick=False), x, w_gate, b_gate, w_up,
                                     b_up, w_down, b_down, None, keep_stats, act)
-            ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *out[1:], l1_scale=l1_scale, act=act)
+            ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *out[1:], l1_scale=l1_scale, act=act,
+                               l1_coef=l1_coef)
 
 
 def _warps(k: int, k_out: int) -> int:
@@ -222,13 +224,31 @@ def ffn_train_forward(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Option
     if plan.probe:
         density.submit(plan.key, cnt.sum() + missing * plan.policy.lost_row_pairs, m * n)
         density.submit(plan.lost_key, missing, 1)
+    if keep_stats and layer is not None:
+        stats.record_fired(layer, fired_units(cnt, rest[0], rest[4], n, dense=not (sparse or compact)), m)
     if sparse or compact:                  # a compact state: tell its backward which way
         _densify_hint(rest[3], compact)
     return (y.reshape(*x.shape[:-1], k_out), cnt, *rest[:-1])
 
 
+def fired_units(cnt: Tensor, cols: Tensor, bg: Tensor, n: int, dense: bool) -> Tensor:
+    """[N] bool: the hidden units non-zero on at least one row of the saved state. ``dense``:
+    ``bg`` is g of every row (g > 0). Compact: the ELL slots of rows within the width, and the
+    dense-backup rows (zero where unused); rows past the backup are not looked at."""
+    if dense:
+        return (bg > 0).any(0) if bg.shape[0] else bg.new_zeros((n,), dtype=torch.bool)
+    width = cols.shape[1]
+    live = (torch.arange(width, device=cols.device) < cnt.unsqueeze(1)) & (cnt <= width).unsqueeze(1)
+    flags = torch.zeros((n + 1,), dtype=torch.bool, device=cols.device)
+    flags.index_fill_(0, torch.where(live, cols, n).reshape(-1).long(), True)   # masked slots: the extra entry
+    fired = flags[:n]
+    if bg.shape[0]:
+        fired = fired | (bg > 0).any(0)
+    return fired
+
+
 def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_g, ell_u,
-                    bidx, bg, bu, l1c, act="relu"):
+                    bidx, bg, bu, l1c, act="relu", l1_coef=None):
     """(dx, dW_g, db_g, dW_u, db_u, dW_d): ranks and the busy rows, counting sort, the
     per-neuron DY pass (dh, d_g, d_u, dW_d, bias grads), the per-neuron X pass (dW_g, dW_u),
     then dx of the quiet rows. Each gathering pass reads rows of one tensor only (dy; x;
@@ -270,8 +290,9 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
             w_gate, w_gate.stride(0), b_gate if b_gate is not None else w_gate,
             wu, wu.stride(0), b_up if b_up is not None else w_gate, wdt, wdt.stride(0),
             dx, dx.stride(0), sg, su, sh, mlist, mctr,
-            k, n, k_out, float(l1c),
+            k, n, k_out, float(l1c), l1_coef if l1_coef is not None else cnt,
             GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
+            L1_DEV=l1_coef is not None,
             K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.train_pairs, CH=min(CH, pow2(n)),
             BK=RBK, ACT=ACTS.index(act), num_warps=_warps(k, k_out))
     csum = torch.cumsum(hist, 0, dtype=i32)
@@ -312,7 +333,7 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
         bkw = min(p.wg_bk, pow2(k))
         tickets = torch.zeros((1 + -(-k // bkw),), dtype=i32, device=dev)   # DY pass, X pass per K chunk
         common = dict(GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
-                      ACT=ACTS.index(act))
+                      L1_DEV=l1_coef is not None, ACT=ACTS.index(act))
 
         def args(ticket):
             return (order, off, hist, nid, coff, cend[n - 1:], ticket, chunk, width,
@@ -320,6 +341,7 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
                     dy2, dy2.stride(0), mlist, mctr, w_gate, w_gate.stride(0),
                     b_gate if b_gate is not None else w_gate, wu, wu.stride(0),
                     b_up if b_up is not None else w_gate, wdt, wdt.stride(0), float(l1c),
+                    l1_coef if l1_coef is not None else hist,
                     dwg, dwu if gated else dwg, dwdt, db[0], db[1], k, k_out)
 
         bk_dy = pow2(k_out)                       # the DY pass needs whole dy rows for dh
@@ -339,7 +361,7 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
     return dx, dwg, db_gate, dwu, db_up, transposed(dwdt)
 
 
-def backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, g, u, l1c, act="relu"):
+def backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, g, u, l1c, act="relu", l1_coef=None):
     """Eager's backward from the saved g [M, N] and u (None when non-gated). Three [M, N]
     buffers (dh, later h; dg; du) beside the saved two; h goes once dW_d has it, before dx and
     the other weight grads are allocated (1106 MiB extra peak at M=16384 d=0.02 with h kept
@@ -356,7 +378,9 @@ def backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, g, u, l1c, act="
     if g.numel():
         train_dense_bwd_kernel[(-(-m // EW_BM), -(-n // EW_BN))](
             g, u if gated else g, h, dg, du if gated else dg, db if bias else g, m, n, float(l1c),
-            GATED=gated, L1=bool(l1c), BIAS=bias, BM=EW_BM, BN=EW_BN, ACT=ACTS.index(act), num_warps=4)
+            l1_coef if l1_coef is not None else g,
+            GATED=gated, L1=bool(l1c), L1_DEV=l1_coef is not None, BIAS=bias, BM=EW_BM, BN=EW_BN,
+            ACT=ACTS.index(act), num_warps=4)
     dw_down = dy2.t().mm(h)
     del h
     dx, dw_gate, db_gate, dw_up, db_up = _products(x2, w_gate, None, w_up, None, dg, du)
@@ -396,7 +420,7 @@ def _slot_of(bidx: Tensor, m: int) -> Tensor:
 
 
 def backward_densify(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_g, ell_u,
-                     bidx, bg, bu, l1c, act="relu"):
+                     bidx, bg, bu, l1c, act="relu", l1_coef=None):
     """Eager's GEMMs from the compact state: dh = dy W_d, then ``train_densify_kernel`` writes
     d_g, d_u and h whole from the ELL slots and backup rows (rows past the backup recomputed),
     then the five products as ``backward_densify``."""
@@ -416,8 +440,9 @@ def backward_densify(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
             h, dg, du if gated else dg, cnt, cols, ell_g, ell_u if gated else ell_g, width,
             slot_of, bg, bu if gated else bg, x2, x2.stride(0), wg, wg.stride(0),
             b_gate if b_gate is not None else wg, wu, wu.stride(0),
-            b_up if b_up is not None else wg, n, k, float(l1c),
+            b_up if b_up is not None else wg, n, k, float(l1c), l1_coef if l1_coef is not None else cnt,
             GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
+            L1_DEV=l1_coef is not None,
             W_P=pow2(max(width, 1)), K_P=pow2(k), CH=min(CH, pow2(n)), BK=RBK,
             DCH=min(DENSIFY_CH, pow2(n)), ACT=ACTS.index(act), num_warps=4)
     dw_down = dy2.t().mm(h)
@@ -429,7 +454,9 @@ def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[T
                        w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor,
                        counts: Tensor, cols: Tensor, ell_g: Tensor, ell_u: Tensor,
                        backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, l1_scale: float,
-                       act: str = "relu"):
+                       act: str = "relu", l1_coef: Optional[Tensor] = None):
+    """``l1_scale`` / (M N) goes to the kernels as a float; ``l1_coef`` (the controller's [1]
+    fp32 coefficient, or None) multiplies it on the device (L1_DEV)."""
     k, n, k_out = x.shape[-1], w_gate.shape[0], w_down.shape[0]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -443,12 +470,12 @@ def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[T
         densify = backup_idx.numel() and _densify.pop(backup_idx.data_ptr(), False)
         out = (backward_densify if densify else backward_sparse)(
             dy2, x2, w_gate, b_gate, w_up, b_up, w_down, counts, cols, ell_g, ell_u,
-            backup_idx, backup_g, backup_u, l1c, act)
+            backup_idx, backup_g, backup_u, l1c, act, l1_coef if l1c else None)
     else:
         if backup_idx.shape[0] != m:
             raise ValueError(f"backup_idx: {backup_idx.shape[0]} rows saved for {m} tokens; the "
                              "CUDA dense forward saves exactly M, the sparse one fewer")
         out = backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, backup_g,
-                             backup_u if w_up is not None else None, l1c, act)
+                             backup_u if w_up is not None else None, l1c, act, l1_coef if l1c else None)
     dx, dw_gate, db_gate, dw_up, db_up, dw_down = out
     return dx.reshape(x.shape), dw_gate, db_gate, dw_up, db_up, dw_down, dy2.sum(0)

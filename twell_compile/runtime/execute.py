@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from twell_compile import control
 from twell_compile.runtime import arch, density, select, torch_impl
 
 log = logging.getLogger("twell_compile")
@@ -99,11 +100,12 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
 def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                       b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
                       ell_width: int, backup_rows: int, layer: str, keep_stats: bool,
-                      instance: int = 0, path: str = "auto", l1_scale: float = 0.0, act: str = "relu"
-                      ) -> tuple[Tensor, ...]:
-    """(y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u): formats.Hybrid's state.
-    ``l1_scale``: the backward's (the first call of a layer that may switch path runs every
-    path's kernels once with it: cuda_train.warm_paths)."""
+                      instance: int = 0, path: str = "auto", l1_scale: float = 0.0, act: str = "relu",
+                      l1_control: bool = False) -> tuple[Tensor, ...]:
+    """(y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u, l1_coef): formats.Hybrid's
+    state and the coefficient the backward applies (``l1_control``: the layer's controller's,
+    control.on_call; else empty). ``l1_scale``: the backward's (the first call of a layer that
+    may switch path runs every path's kernels once with it: cuda_train.warm_paths)."""
     global _warned_fp16_l1
     if l1_scale and x.dtype == torch.float16 and not _warned_fp16_l1:
         _warned_fp16_l1 = True
@@ -115,29 +117,45 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
     try:
         plan = select.plan_train(x, n, k_out, w_up is not None, ell_width, backup_rows, layer, path)
         if plan.path == "torch":
-            return torch_impl.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
-                                                ell_width, backup_rows, layer, keep_stats, act)
+            out = torch_impl.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
+                                               ell_width, backup_rows, layer, keep_stats, act)
+            return (*out, _coef(out[1], n, layer, l1_control))
         if path == "auto" and plan.tick:    # a plan that may switch path: every path's kernels built now
-            _cuda_train().warm_paths(plan, x, w_gate, b_gate, w_up, b_up, w_down, b_down, l1_scale, keep_stats, act)
+            warm_coef = x.new_ones((1,), dtype=torch.float32) if l1_control else None
+            _cuda_train().warm_paths(plan, x, w_gate, b_gate, w_up, b_up, w_down, b_down, l1_scale, keep_stats,
+                                     act, warm_coef)
         out = _cuda_train().ffn_train_forward(plan, x, w_gate, b_gate, w_up, b_up, w_down, b_down,
                                               layer, keep_stats, act)
         if plan.tick:
             density.tick(plan.key)
         density.record_path(plan.key, plan.path)
-        return out
+        return (*out, _coef(out[1], n, layer, l1_control))
     finally:
         density.enter(prev)
 
 
+def _coef(counts: Tensor, n: int, layer: str, l1_control: bool) -> Tensor:
+    """The training call's ``l1_coef`` output: empty without ``l1_control``; else its layer's
+    controller counts the call's non-zeros (one reduction, no sync) and hands back the
+    coefficient (zero for a layer the per-layer target names not)."""
+    if not l1_control:
+        return counts.new_empty((0,), dtype=torch.float32)
+    coef = control.on_call(layer, counts.sum(dtype=torch.float64), counts.numel() * n)
+    return coef if coef is not None else counts.new_zeros((1,), dtype=torch.float32)
+
+
 def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
                        w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor, *state: Tensor,
-                       l1_scale: float, act: str = "relu") -> tuple[Optional[Tensor], ...]:
+                       l1_scale: float, l1_coef: Optional[Tensor] = None, act: str = "relu"
+                       ) -> tuple[Optional[Tensor], ...]:
     """Gradients (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down) from the saved state:
     the CUDA backward where the CUDA training kernels take the call (its path follows the
-    state's shapes), plain PyTorch otherwise."""
+    state's shapes), plain PyTorch otherwise. ``l1_coef`` ([1] device tensor, or None)
+    multiplies ``l1_scale``."""
     if select.cuda_train_supported(x, w_gate.shape[0], w_down.shape[0]):
-        return _cuda_train().ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *state, l1_scale, act)
-    return torch_impl.ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *state, l1_scale, act)
+        return _cuda_train().ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *state, l1_scale,
+                                                act, l1_coef)
+    return torch_impl.ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *state, l1_scale, act, l1_coef)
 
 
 def reset() -> None:

@@ -62,6 +62,7 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
         if m:
             stored[rows] = filled
         stats.record(layer, hyb.counts, h.abs().float().sum(), (busy & ~stored).sum(), n)
+        stats.record_fired(layer, nonzero_mask(hg).any(0), m)
     out = (y.reshape(*x.shape[:-1], w_down.shape[0]), hyb.counts, hyb.cols, hyb.values, ell_u,
            hyb.backup_rows, hyb.backup, backup_u)
     return tuple(t.contiguous() for t in out)
@@ -71,14 +72,15 @@ def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[T
                        w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor,
                        counts: Tensor, cols: Tensor, ell_g: Tensor, ell_u: Tensor,
                        backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, l1_scale: float,
-                       act: str = "relu"
+                       act: str = "relu", l1_coef: Optional[Tensor] = None
                        ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
     """Gradients (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down), as dense autograd.
 
     ``l1_scale`` adds the gradient of ``l1_scale * mean(|h|)`` (mean over this call's tokens and
     hidden units) for h the activation fed to the down projection; the backend passes coef /
-    layers. With a = relu(g)^2 (relu2) or relu(g), b = relu(u) (drelu) or u: d_g = dh b a'(g)
-    (a' = 2 relu(g) or 1, zero where relu(g) is), d_u = dh a b'(u), as autograd takes them.
+    layers. ``l1_coef`` (a [1] device tensor: the controller's coefficient) multiplies it, read
+    on the device. With a = relu(g)^2 (relu2) or relu(g), b = relu(u) (drelu) or u: d_g = dh b
+    a'(g) (a' = 2 relu(g) or 1, zero where relu(g) is), d_u = dh a b'(u), as autograd takes them.
     """
     k, n = x.shape[-1], w_gate.shape[0]
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
@@ -100,7 +102,10 @@ def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[T
     db_down = dy2.sum(0)
     dh = dy2.mm(w_down)
     if l1_scale:
-        dh = dh + torch.sgn(h) * (l1_scale / max(h.numel(), 1))
+        if l1_coef is None:
+            dh = dh + torch.sgn(h) * (l1_scale / max(h.numel(), 1))
+        else:
+            dh = dh + torch.sgn(h) * (l1_coef.float() * (l1_scale / max(h.numel(), 1))).to(dh.dtype)
     d_a, d_up = (dh * b, dh * a) if gated else (dh, None)
     if act == "drelu":      # 0 where relu(u) is, at relu(g)'s non-zeros (kernels/act.py: dh * 0 elsewhere)
         d_up = torch.where((hu <= 0) & (hg > 0), torch.zeros((), dtype=d_up.dtype), d_up)
