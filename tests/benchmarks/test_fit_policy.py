@@ -34,7 +34,7 @@ def _infer_rows():
 def test_inference_rule_passes_where_the_measurements_agree():
     c = fit_policy.check_inference(P, _infer_rows(), min_rows=14)
     assert c.ok, c.report()
-    assert "14 rows at M >= 8192; TwELL at 8" in c.summary and "dense at 6" in c.summary
+    assert "14 rows at M >= 4096; TwELL at 8" in c.summary and "dense at 6" in c.summary
 
 
 def test_inference_rule_names_a_slow_twell_pick_and_a_missed_win():
