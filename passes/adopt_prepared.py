@@ -16,7 +16,7 @@ from torch import fx
 
 from twell_compile.config import TwellConfig
 from twell_compile.ops import arg_index, next_instance, tagged
-from twell_compile.passes.pass_utils import arg, example, graph_modules, real_value, report_of, tokens_str
+from twell_compile.passes.pass_utils import arg, example, graph_modules, real_value, report_of, set_op_arg, tokens_str
 from twell_compile.report import RewriteEntry
 
 PREPARED = "twell_prepared"
@@ -26,13 +26,6 @@ def _size(node: object, dim: int) -> int:
     ev = example(node)
     return int(ev.shape[dim]) if ev is not None else -1
 
-
-def _set(node: fx.Node, op: torch._ops.OpOverload, name: str, value: object) -> None:
-    pos = arg_index(op, name)
-    if len(node.args) > pos:
-        node.args = node.args[:pos] + (value,) + node.args[pos + 1:]
-    else:
-        node.kwargs = {**node.kwargs, name: value}
 
 
 def adopt_prepared(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
@@ -48,11 +41,11 @@ def adopt_prepared(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
             tag_arg = arg(node, arg_index(op, "tag"), "tag") if op is torch.ops.twell.ffn_train.default else None
             tag = real_value(sub, tag_arg)
             if tag is not None:
-                _set(node, op, "layer", tagged(tag)[1])
+                set_op_arg(node, op, "layer", tagged(tag)[1])
             elif tag_arg is not None:      # a tag whose value the graph does not keep: named at run time
-                _set(node, op, "layer", "prepared FFN (layer named at run time)")
+                set_op_arg(node, op, "layer", "prepared FFN (layer named at run time)")
             else:
-                _set(node, op, "instance", next_instance())
+                set_op_arg(node, op, "instance", next_instance())
             x = node.args[0]
             xe = example(x)
             tokens = tokens_str(xe.shape) if xe is not None else "?"

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from twell_compile.ops import arg_index
 from twell_compile.report import Report
 
 LINEAR_FNS = {torch._C._nn.linear, F.linear}
@@ -121,6 +122,16 @@ def chain(start: fx.Node, end: Any) -> list[fx.Node]:
     return out
 
 
+
+
+def set_op_arg(node: fx.Node, op: torch._ops.OpOverload, name: str, value: object) -> None:
+    """Set argument ``name`` of an ``op`` call node: in place where it is positional, else as
+    a keyword (schema defaults stay keywords)."""
+    pos = arg_index(op, name)
+    if len(node.args) > pos:
+        node.args = node.args[:pos] + (value,) + node.args[pos + 1:]
+    else:
+        node.kwargs = {**node.kwargs, name: value}
 
 
 def report_of(gm: fx.GraphModule) -> Report:

@@ -17,15 +17,8 @@ from torch import fx
 from twell_compile.config import PREFIX, TwellConfig, check_target_layers
 from twell_compile.ops import arg_index
 from twell_compile.passes.adopt_prepared import PREPARED
-from twell_compile.passes.pass_utils import graph_modules, report_of
+from twell_compile.passes.pass_utils import graph_modules, report_of, set_op_arg
 
-
-def _set(node: fx.Node, op: torch._ops.OpOverload, name: str, value: object) -> None:
-    pos = arg_index(op, name)
-    if len(node.args) > pos:
-        node.args = node.args[:pos] + (value,) + node.args[pos + 1:]
-    else:
-        node.kwargs = {**node.kwargs, name: value}
 
 
 def scale_l1(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
@@ -50,12 +43,12 @@ def scale_l1(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
         scale = config.layer_scale(len(nodes))
         for node in nodes:
             controlled = config.target_for(str(node.args[layer_pos])) is not None
-            _set(node, train_op, "l1_scale", float(scale) if controlled else 0.0)
-            _set(node, train_op, "l1_control", controlled)
+            set_op_arg(node, train_op, "l1_scale", float(scale) if controlled else 0.0)
+            set_op_arg(node, train_op, "l1_control", controlled)
     else:
         scale = config.l1_scale(len(nodes))
         for node in nodes:
-            _set(node, train_op, "l1_scale", float(scale))
+            set_op_arg(node, train_op, "l1_scale", float(scale))
     for _, sub in graph_modules(gm):
         sub.recompile()
     return gm

@@ -95,3 +95,43 @@ def build(name: str, act: str = "relu", seed: int = 0) -> torch.nn.Module:
 def main_output(out: Any) -> torch.Tensor:
     logits = getattr(out, "logits", None)
     return logits if logits is not None else out.last_hidden_state
+
+
+def token_ids(seed: int = 0, shape=(2, 7)) -> torch.Tensor:
+    """Random token ids of the tiny vocabulary (ids 0-2 left out: special tokens)."""
+    return torch.randint(3, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def compare_grads(model: torch.nn.Module, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Every trainable parameter's gradient of sum(out * dy), compiled against eager. A
+    parameter the output does not depend on (BERT's pooler when comparing the hidden states)
+    gets None from eager autograd and zeros from a compiled graph that returns it."""
+    from tests.passes.rewrite_harness import check_close
+
+    dy = torch.randn_like(want)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    g_got = torch.autograd.grad(got, [p for _, p in named], dy, allow_unused=True)
+    g_want = torch.autograd.grad(want, [p for _, p in named], dy, allow_unused=True)
+    for (name, p), a, b in zip(named, g_got, g_want, strict=True):
+        check_close(f"grad {name}", torch.zeros_like(p) if a is None else a, torch.zeros_like(p) if b is None else b)
+
+
+def check_inference_and_training(model: torch.nn.Module, ids: torch.Tensor) -> None:
+    """The model compiled through the twell passes (PassBackend): every layer's FFN the
+    inference op under no_grad and the training op otherwise; logits and every gradient as
+    eager's."""
+    from tests.passes.rewrite_harness import PassBackend, check_close
+
+    backend = PassBackend()
+    with torch.no_grad():
+        got = main_output(torch.compile(model, backend=backend)(input_ids=ids))
+        want = main_output(model(input_ids=ids))
+    assert backend.twell_ops() == ["twell::ffn"] * LAYERS
+    check_close("logits", got, want)
+    torch._dynamo.reset()
+    backend = PassBackend()
+    got = main_output(torch.compile(model, backend=backend)(input_ids=ids))
+    want = main_output(model(input_ids=ids))
+    assert backend.twell_ops() == ["twell::ffn_train"] * LAYERS
+    check_close("logits", got, want)
+    compare_grads(model, got, want)

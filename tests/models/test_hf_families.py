@@ -15,58 +15,26 @@ import torch
 import twell_compile
 
 from tests.helpers import REWRITE_ALL
-from tests.models.hf_tiny import FAMILIES, LAYERS, VOCAB, build, main_output
+from tests.models.hf_tiny import (FAMILIES, LAYERS, build, check_inference_and_training, compare_grads,
+                                  main_output, token_ids)
 from tests.passes.rewrite_harness import PassBackend, check_close
 
 pytest.importorskip("transformers")
-
-
-def _ids(seed: int = 0, shape=(2, 7)) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, shape, generator=g)
-
-
-def _compare_grads(model, got, want) -> None:
-    dy = torch.randn_like(want)
-    params = [p for p in model.parameters() if p.requires_grad]
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    g_got = torch.autograd.grad(got, params, dy, allow_unused=True)
-    g_want = torch.autograd.grad(want, params, dy, allow_unused=True)
-    for name, p, a, b in zip(names, params, g_got, g_want, strict=True):
-        # A parameter the output does not depend on (BERT's pooler when comparing the hidden
-        # states) gets None from eager autograd and zeros from a compiled graph that returns it.
-        a = torch.zeros_like(p) if a is None else a
-        b = torch.zeros_like(p) if b is None else b
-        check_close(f"grad {name}", a, b)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_relu_family_rewrites_every_layer(name: str) -> None:
     fam = FAMILIES[name]
     model = build(name, "relu")
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         report = twell_compile.explain(model, input_ids=ids, options=REWRITE_ALL)
     assert len(report.rewrites) == LAYERS and not report.rejections, str(report)
     assert all(r.op == "twell::ffn" and r.gated == fam.gated for r in report.rewrites), str(report)
     assert report.rewrites[0].layer == fam.layer, str(report)
 
-    # Inference: logits of the rewritten graph vs eager.
-    backend = PassBackend()
-    with torch.no_grad():
-        got = main_output(torch.compile(model, backend=backend)(input_ids=ids))
-        want = main_output(model(input_ids=ids))
-    assert backend.twell_ops() == ["twell::ffn"] * LAYERS
-    check_close("logits", got, want)
-
-    # Training: the training op with our backward; logits and every parameter's gradient.
-    torch._dynamo.reset()
-    backend = PassBackend()
-    got = main_output(torch.compile(model, backend=backend)(input_ids=ids))
-    want = main_output(model(input_ids=ids))
-    assert backend.twell_ops() == ["twell::ffn_train"] * LAYERS
-    check_close("logits", got, want)
-    _compare_grads(model, got, want)
+    # Inference, then training (the training op with our backward): logits and every gradient.
+    check_inference_and_training(model, ids)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -79,15 +47,15 @@ def test_layer_names_are_module_paths(name: str) -> None:
     modules = dict(model.named_modules())
     assert all(w in modules for w in want), want
     with torch.no_grad():
-        report = twell_compile.explain(model, input_ids=_ids(), options=REWRITE_ALL)
+        report = twell_compile.explain(model, input_ids=token_ids(), options=REWRITE_ALL)
     assert [r.layer for r in report.rewrites] == want, str(report)
     # Training graphs and the per-layer statistics use the same names.
-    report = twell_compile.explain(model, input_ids=_ids(), options=REWRITE_ALL)
+    report = twell_compile.explain(model, input_ids=token_ids(), options=REWRITE_ALL)
     assert [r.layer for r in report.rewrites] == want, str(report)
     torch._dynamo.reset()
     twell_compile.reset_stats()
     compiled = torch.compile(model, backend="twell", options={"twell.l1": 1e-3})
-    main_output(compiled(input_ids=_ids())).sum().backward()
+    main_output(compiled(input_ids=token_ids())).sum().backward()
     assert set(twell_compile.layer_stats()) >= set(want), twell_compile.layer_stats()
 
 
@@ -97,10 +65,10 @@ def test_tiny_models_stay_with_inductor_on_a_cpu_with_the_reason() -> None:
     to Inductor, each with the reason; training without a penalty likewise."""
     model = build("llama", "relu")
     with torch.no_grad():
-        report = twell_compile.explain(model, input_ids=_ids())
+        report = twell_compile.explain(model, input_ids=token_ids())
     assert not report.rewrites and len(report.rejections) == LAYERS, str(report)
     assert all("CPU kernel" in r.reason and "Inductor" in r.reason for r in report.rejections), str(report)
-    report = twell_compile.explain(model, input_ids=_ids())
+    report = twell_compile.explain(model, input_ids=token_ids())
     assert not report.rewrites and all("training on CPU" in r.reason for r in report.rejections), str(report)
 
 
@@ -108,7 +76,7 @@ def test_tiny_models_stay_with_inductor_on_a_cpu_with_the_reason() -> None:
 def test_default_activation_is_rejected_and_exact(name: str) -> None:
     fam = FAMILIES[name]
     model = build(name, fam.default_act)
-    ids = _ids(1)
+    ids = token_ids(1)
     with torch.no_grad():
         report = twell_compile.explain(model, input_ids=ids)
     assert not report.rewrites, str(report)
@@ -124,13 +92,13 @@ def test_default_activation_is_rejected_and_exact(name: str) -> None:
 
 def _end_to_end(name: str, grad: bool) -> None:
     model = build(name, "relu", seed=1)
-    ids = _ids(2, (2, 9))
+    ids = token_ids(2, (2, 9))
     with torch.set_grad_enabled(grad):
         got = main_output(torch.compile(model, backend="twell", options=REWRITE_ALL)(input_ids=ids))
         want = main_output(model(input_ids=ids))
     check_close("logits", got, want)
     if grad:
-        _compare_grads(model, got, want)
+        compare_grads(model, got, want)
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])

@@ -15,7 +15,7 @@ import twell_compile
 from twell_compile.ops import arg_index
 
 from tests.helpers import REWRITE_ALL
-from tests.models.hf_tiny import LAYERS, VOCAB, _decoder, main_output
+from tests.models.hf_tiny import LAYERS, _decoder, check_inference_and_training, main_output, token_ids
 from tests.passes.rewrite_harness import PassBackend, check_close
 
 transformers = pytest.importorskip("transformers")
@@ -48,44 +48,18 @@ KINDS = {"nemotron-relu2": (False, "relu2"), "llama-relu2": (True, "relu2"), "ll
 LAYER_NAMES = [f"model.layers.{i}.mlp" for i in range(LAYERS)]
 
 
-def _ids(seed: int = 0, shape=(2, 7)) -> torch.Tensor:
-    return torch.randint(3, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _grads_close(model, got, want) -> None:
-    dy = torch.randn_like(want)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    g_got = torch.autograd.grad(got, [p for _, p in named], dy, allow_unused=True)
-    g_want = torch.autograd.grad(want, [p for _, p in named], dy, allow_unused=True)
-    for (name, p), a, b in zip(named, g_got, g_want, strict=True):
-        check_close(f"grad {name}", torch.zeros_like(p) if a is None else a, torch.zeros_like(p) if b is None else b)
-
-
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_every_layer_rewritten_with_its_activation(kind: str) -> None:
     gated, act = KINDS[kind]
     model = _model(kind)
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         report = twell_compile.explain(model, input_ids=ids, options=REWRITE_ALL)
     assert [(r.layer, r.gated, r.act, r.op) for r in report.rewrites] == [
         (name, gated, act, "twell::ffn") for name in LAYER_NAMES], str(report)
     assert not report.rejections and f"{'gated' if gated else 'non-gated'} {act}" in str(report), str(report)
 
-    backend = PassBackend()
-    with torch.no_grad():
-        got = main_output(torch.compile(model, backend=backend)(input_ids=ids))
-        want = main_output(model(input_ids=ids))
-    assert backend.twell_ops() == ["twell::ffn"] * LAYERS
-    check_close("logits", got, want)
-
-    torch._dynamo.reset()
-    backend = PassBackend()
-    got = main_output(torch.compile(model, backend=backend)(input_ids=ids))
-    want = main_output(model(input_ids=ids))
-    assert backend.twell_ops() == ["twell::ffn_train"] * LAYERS
-    check_close("logits", got, want)
-    _grads_close(model, got, want)
+    check_inference_and_training(model, ids)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -93,7 +67,7 @@ def test_end_to_end_training_with_the_penalty(kind: str) -> None:
     """backend="twell" with Inductor, the L1 penalty on: logits and gradients as eager's with
     the penalty on the activation fed to the down projection (relu(g)^2 [* u], relu(g) relu(u))."""
     model = _model(kind, seed=1)
-    ids = _ids(2, (2, 9))
+    ids = token_ids(2, (2, 9))
     l1 = 0.3
     twell_compile.reset_stats()
     torch._dynamo.reset()
@@ -124,7 +98,7 @@ def test_end_to_end_training_with_the_penalty(kind: str) -> None:
 def test_prepare_and_export(kind: str) -> None:
     gated, act = KINDS[kind]
     model = _model(kind)
-    ids = _ids(3)
+    ids = token_ids(3)
     with torch.no_grad():
         want = main_output(model(input_ids=ids))
     prepared = copy.deepcopy(model)
@@ -145,7 +119,7 @@ def test_nemotron_near_miss_activations_stay_exact() -> None:
     """Nemotron with relu (plain ReLU) is rewritten as ReLU; with gelu it is left alone."""
     torch.manual_seed(0)
     model = transformers.NemotronForCausalLM(_decoder("NemotronConfig")("gelu")).eval()
-    ids = _ids(4)
+    ids = token_ids(4)
     with torch.no_grad():
         report = twell_compile.explain(model, input_ids=ids, options=REWRITE_ALL)
         assert not report.rewrites and len(report.rejections) == LAYERS, str(report)
