@@ -166,15 +166,7 @@ def test_training_loop_resumes_with_the_same_coefficients(tmp_path):
             model.load_state_dict(start["model"])
             opt.load_state_dict(start["opt"])
             twell_compile.load_controller_state_dict(start["ctl"])
-        coefs = []
-        for s in range(steps):
-            g = torch.Generator().manual_seed(100 + s + (0 if start is None else start["step"]))
-            x = torch.randn(16, 32, generator=g)
-            F.mse_loss(model(x), x).backward()
-            opt.step()
-            opt.zero_grad()
-            coefs.append(float(control.coefficient("root")))
-        return model, opt, coefs
+        return run_on(model, opt, steps, 0 if start is None else start["step"])
 
     model, opt, coefs = run(12)
     ck = {"model": model.state_dict(), "opt": opt.state_dict(), "ctl": twell_compile.controller_state_dict(),
