@@ -276,7 +276,7 @@ H200 = GpuPolicy(
     compact_max_lost=0,
     # Compaction's column loop pipelined 3 deep: 4 rows per program at M=2048 0.023 ms against
     # 0.040, 4096 0.034 / 0.035, 8192 0.055 / 0.058 (H200, tune_ffn.py --M 2048 4096 8192 --density
-    # 0.005 --tail 0 --compact 4,256,4,1 4,256,4,3; results/h200/tune_compact.log)
+    # 0.005 --tail 0 --compact 4,256,4,1 4,256,4,3; results/h200/tune_compact.json)
     compact_stages=3,
     # Launch sizes (bench_ffn.py / bench_ffn_train.py probes, M=16384 K=2048 d=0.005,
     # 2026-11-23): compaction 16 rows per program 0.074 ms (8: 0.088); fused rows 1 pair / 2
