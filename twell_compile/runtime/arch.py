@@ -60,18 +60,19 @@ MAX_MB = 32           # rows per program: M-tiles of 64 select Hopper's wgmma, w
                       # results at M_P=64 (Triton 3.6, H200)
 
 
-def _pow2(v: int) -> int:
+def next_pow2(v: int) -> int:
+    """The smallest power of two >= v (1 for v <= 1)."""
     return 1 << max(0, (int(v) - 1).bit_length())
 
 
 def m_pad(m: int) -> int:
     """The decode config bucket of M rows (a power of two, at least 16)."""
-    return max(16, _pow2(m))
+    return max(16, next_pow2(m))
 
 
 def m_pad_rows(m: int) -> int:
     """Rows of the decode rows form's per-neuron up/down for M rows."""
-    return _pow2(m)
+    return next_pow2(m)
 
 
 def rows_gemv(m: int, c: DecodeConfig) -> bool:
@@ -178,7 +179,7 @@ class GpuPolicy:
         programs would leave SMs idle. H100, K=2048 N=5632 d=0.005 (tune_ffn.py --compact,
         2026-11-26): M=2048 0.036 ms at 4 rows against 0.046 at 16, 4096 0.033 / 0.047, 8192
         0.053 / 0.062; 16384 0.083-0.095 for 4-16; 65536 0.167 at 16."""
-        return max(4, min(self.compact_bm, _pow2(m // self.compact_programs)))
+        return max(4, min(self.compact_bm, next_pow2(m // self.compact_programs)))
 
     def decode_config(self, m: int, k: int) -> DecodeConfig:
         """The decode launch config for M rows of width K."""

@@ -73,7 +73,6 @@ DTYPES = (torch.bfloat16, torch.float16)    # the CUDA sparse kernels' dtypes
 CPU_DTYPES = (torch.float32, torch.bfloat16)  # the C++ CPU kernel's
 MAX_WIDTH = 8192        # K and K_out of the per-row and training kernels (a row in registers)
 MAX_N = 65536           # hidden units: the per-row lists pack the column in 16 bits
-FORMS = ("rows", "tiles", "list", "pairs")
 DETERMINISTIC_FORMS = ("list",)   # the decode forms that sum without atomics
 
 
@@ -90,8 +89,8 @@ def list_width(p: GpuPolicy, n: int, nnz_per_row: Optional[float] = None) -> int
     """Per-row list width W: a power of two >= 4x the mean non-zeros per row + 32 (tail 0.2,
     mean 51: W=128 left 10% of rows over it, 1.33 vs ~0.9 ms on H200), within [list_min,
     list_max] and pow2(N). Rows over W stay exact (the row kernel's tail over g), only slower."""
-    w = p.list_min if nnz_per_row is None else arch._pow2(int(4 * nnz_per_row) + 32)
-    return max(1, min(max(w, p.list_min), p.list_max, arch._pow2(n)))
+    w = p.list_min if nnz_per_row is None else arch.next_pow2(int(4 * nnz_per_row) + 32)
+    return max(1, min(max(w, p.list_min), p.list_max, arch.next_pow2(n)))
 
 
 def union_fraction(d: float, m: int) -> float:
