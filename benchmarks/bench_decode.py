@@ -46,7 +46,7 @@ from benchmarks.timing import gpu_name, median_ms, rel  # noqa: E402
 
 import twell_compile.ops  # noqa: E402,F401  (registers torch.ops.twell)
 from twell_compile.reference import ffn_dense  # noqa: E402
-from twell_compile.runtime import arch, decode_state, select  # noqa: E402
+from twell_compile.runtime import arch, cuda_decode, decode_state, select  # noqa: E402
 from twell_compile.testing import make_ffn  # noqa: E402
 
 DECODE_M = [1, 2, 4, 8, 16, 32, 64]
@@ -128,7 +128,7 @@ def run_point(sets, m: int, d: float, reps: int, tag: str) -> dict:
     form_ms = {}
     if kname == "decode":      # every up/down form the decode path has for this M, forced
         vec_m = arch.policy_for(xs[0].device).decode_config(m, k).vec_m
-        for f in (f for f in select.FORMS if f != "rows" or m <= vec_m):
+        for f in (f for f in cuda_decode.FORMS if f != "rows" or m <= vec_m):
             form_ms[f] = graph_ms(lambda: op(f"decode-{f}"), reps) / layers
         kform = min(form_ms, key=form_ms.get)
         kernel_ms = form_ms[kform]

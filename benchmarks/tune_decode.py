@@ -35,7 +35,7 @@ from benchmarks.bench_decode import graph_ms, layers_for, weight_sets  # noqa: E
 from benchmarks.fit_policy import fit_decode, policy_json, record_text  # noqa: E402
 
 from twell_compile.reference import ffn_dense  # noqa: E402
-from twell_compile.runtime import arch, cuda_decode, decode_state, select  # noqa: E402
+from twell_compile.runtime import arch, cuda_decode, decode_state  # noqa: E402
 from twell_compile.runtime.arch import DecodeConfig  # noqa: E402
 
 # arch.DecodeConfig fields: (bn, bk, bku, bko, vec_m, finish_max, warps, stages)
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
                 nnz = sum(float((F.linear(x[0], x[1]) > 0).sum()) for x in a) / len(a) / m
                 vec_m = arch.policy_for(torch.device("cuda")).decode_config(m, k).vec_m
                 forms = {f: graph_ms(lambda: [cuda_decode.decode_forward(*x, form=f) for x in a], args.reps)
-                         / len(a) * 1e3 for f in select.FORMS if f != "rows" or m <= vec_m}
+                         / len(a) * 1e3 for f in cuda_decode.FORMS if f != "rows" or m <= vec_m}
                 tk = min(forms.values())
                 points.append(dict(M=m, K=k, N=n, K_out=k, union=union, density=nnz / n, dense_us=td, forms=forms))
                 print(f"K={k} N={n} d={d} M={m}: dense {td:.1f} us, decode {tk:.1f} us "
