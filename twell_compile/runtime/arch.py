@@ -231,7 +231,7 @@ _WIDE_DECODE_CONFIGS = {
 
 H200 = GpuPolicy(
     name="H200",
-    measured_on="NVIDIA H200 (torch 2.11, Triton 3.6), 2026-11-21 to 2026-11-27",
+    measured_on="NVIDIA H200 (torch 2.11, Triton 3.6); the results files under benchmarks/results/h200/",
     # Per-row path, fitted to bench_ffn.py's forced-kernel column at M = 16384 and 65536, tail 0
     # (2026-11-23): 1.21 + 145 d at K=2048 N=5632 (W_u + W_d 46 MB, in L2), 1.16 + 230 d at
     # K=4096 N=11008 (180 MB); dense (Inductor) 2.8-3.1 units, so TwELL below d = 0.0114 (K=2048)
@@ -290,7 +290,7 @@ H200 = GpuPolicy(
 # state; launch sizes, decode configs and the other training constants are the H200's.
 H100 = dataclasses.replace(
     H200, name="H100",
-    measured_on="NVIDIA H100 80GB HBM3 (torch 2.11, Triton 3.6), 2026-11-25 to 27: per-row and decode cost "
+    measured_on="NVIDIA H100 80GB HBM3 (torch 2.11, Triton 3.6): per-row and decode cost "
                 "models, the row kernel's pipelined list loop, the dense training path's saved state; other "
                 "launch sizes, decode configs and the other training constants are the H200's",
     # Per-row path: least-relative-error fit of the forced-kernel column at M = 16384 and 65536,
