@@ -50,6 +50,16 @@ def _short(layer: str) -> str:
     return f"layer {parts[2]}" if len(parts) > 2 and parts[2].isdigit() else layer
 
 
+
+def _save(fig, path: Path) -> Path:
+    """Lay out, write (110 dpi) and close a figure; returns its path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
 def plot_nnz_over_training(sparse, dense, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
@@ -72,11 +82,7 @@ def plot_nnz_over_training(sparse, dense, out: Path) -> Path:
     ax.set_title(f"FFN activity during training: {_label(sparse, 'sparse')}" + (" vs dense (dashed)" if dense else ""))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    p = out / "nnz_over_training.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return _save(fig, out / "nnz_over_training.png")
 
 
 def plot_nnz_distribution(sparse, dense, out: Path) -> Optional[Path]:
@@ -123,11 +129,7 @@ def plot_nnz_distribution(sparse, dense, out: Path) -> Optional[Path]:
     b.legend(fontsize=7, ncol=2)
     fig.suptitle(f"Distribution of FFN non-zeros, {_label(sparse, 'sparse')}, "
                  f"{next(iter(nnz.values()))['tokens']} tokens of validation text")
-    fig.tight_layout()
-    p = out / "nnz_distribution.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return _save(fig, out / "nnz_distribution.png")
 
 
 def plot_val_loss(sparse, dense, out: Path) -> Path:
@@ -154,11 +156,7 @@ def plot_val_loss(sparse, dense, out: Path) -> Path:
     if ev:
         lo = min(ev + late_train)
         ax.set_ylim(lo - 0.3, max(ev[len(ev) // 4:] + [lo + 1.5]) + 0.3)
-    fig.tight_layout()
-    p = out / "val_loss.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return _save(fig, out / "val_loss.png")
 
 
 def plot_density_vs_target(sparse, fixed, out: Path) -> Optional[Path]:
@@ -194,11 +192,7 @@ def plot_density_vs_target(sparse, fixed, out: Path) -> Optional[Path]:
     bx.set_ylabel("L1 coefficient (twell.l1's units)")
     bx.grid(True, which="both", alpha=0.3)
     bx.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    p = out / "density_vs_target.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return _save(fig, out / "density_vs_target.png")
 
 
 def make_plots(sparse_run: Path, dense_run: Optional[Path], out: Path, fixed_run: Optional[Path] = None) -> list[Path]:
