@@ -45,6 +45,41 @@ log = logging.getLogger(__name__)
 CXX_FLAGS = ["-O3"]
 CUDA_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a",
               "-gencode=arch=compute_80,code=sm_80", "--expt-relaxed-constexpr"]
+# Extensions built on CUTLASS's headers: Hopper only (wgmma, TMA), and NDEBUG, without which
+# CuTe's device asserts put a call into the mainloop and ptxas serializes its wgmma (C7510).
+CUTLASS_EXTENSIONS = ("gate_pack", "cutlass_gemm")
+CUTLASS_CUDA_FLAGS = ["-O3", "-DNDEBUG", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr"]
+CUTLASS_PIN = "nvidia-cutlass==4.2.0.0"
+
+
+def cutlass_includes() -> list[str]:
+    """CUTLASS's C++ include directories: ``$CUTLASS_PATH`` (a CUTLASS checkout) where set, else
+    the headers the ``nvidia-cutlass`` wheel ships (its ``cutlass_library/source``). Raises
+    ``BuildError`` naming the fix when neither is there."""
+    root = os.environ.get("CUTLASS_PATH")
+    if root:
+        base = Path(root)
+    else:
+        import importlib.util
+
+        spec = importlib.util.find_spec("cutlass_library")
+        if spec is None or spec.origin is None:
+            raise BuildError(f"the fused CUDA kernels need CUTLASS's headers: pip install {CUTLASS_PIN} "
+                             f"(or set CUTLASS_PATH to a CUTLASS checkout)")
+        base = Path(spec.origin).parent / "source"
+    dirs = [base / "include", base / "tools" / "util" / "include"]
+    if not (dirs[0] / "cutlass" / "cutlass.h").is_file():
+        raise BuildError(f"no CUTLASS headers under {base} (cutlass/cutlass.h missing): pip install {CUTLASS_PIN} "
+                         f"or set CUTLASS_PATH to a CUTLASS checkout")
+    return [str(d) for d in dirs]
+
+
+def cuda_flags(name: str) -> list[str]:
+    """nvcc flags of extension ``name``: CUTLASS's include directories and Hopper-only code for
+    the CUTLASS extensions, the default flags for the others."""
+    if name in CUTLASS_EXTENSIONS:
+        return CUTLASS_CUDA_FLAGS + [f"-I{d}" for d in cutlass_includes()]
+    return list(CUDA_FLAGS)
 
 
 def std_flag() -> str:
@@ -153,7 +188,7 @@ def is_built(module: str, directory: Path, srcs: Sequence[Path]) -> bool:
 
 
 def build(module: str, srcs: Sequence[Path], directory: Path, cflags: Sequence[str],
-          ldflags: Sequence[str] = ()) -> ModuleType:
+          ldflags: Sequence[str] = (), cuda_cflags: Sequence[str] = tuple(CUDA_FLAGS)) -> ModuleType:
     """Build (if not built yet) and import ``module`` from ``srcs`` in ``directory``.
 
     A build prints "twell: building ..." to stderr before and "twell: built <module> in 41.3 s"
@@ -173,7 +208,7 @@ def build(module: str, srcs: Sequence[Path], directory: Path, cflags: Sequence[s
     try:
         mod = cpp_extension.load(
             name=module, sources=[str(p) for p in srcs], extra_cflags=list(cflags),
-            extra_cuda_cflags=CUDA_FLAGS, extra_ldflags=list(ldflags), build_directory=str(directory),
+            extra_cuda_cflags=list(cuda_cflags), extra_ldflags=list(ldflags), build_directory=str(directory),
             verbose=False)
     except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
         log.debug("twell: building %s in %s failed; its log:\n%s", module, directory, e)
@@ -200,8 +235,9 @@ def load(name: str, openmp: bool = False, directory: Path | str | None = None) -
         raise BuildError(f"extension {name!r}: {missing}")
     cflags = CXX_FLAGS + (["-fopenmp", "-march=native"] if openmp else [])
     ldflags = ["-fopenmp"] if openmp else []
-    target = build_directory(name, cflags + CUDA_FLAGS + ldflags, source_dir)
-    return build(f"twell_{name}", srcs, target, cflags, ldflags)
+    nvcc = cuda_flags(name)
+    target = build_directory(name, cflags + nvcc + ldflags, source_dir)
+    return build(f"twell_{name}", srcs, target, cflags, ldflags, nvcc)
 
 
 def _torch_includes() -> list[str]:
@@ -227,7 +263,13 @@ def check(verbose: bool = True) -> int:
                 if shutil.which("nvcc") is None:
                     print(f"skip {src.name} (nvcc not found)")
                     continue
-                cmd = ["nvcc", "-c", str(src), "-o", f"{tmp}/{src.stem}.o", *CUDA_FLAGS, std_flag(), *incs,
+                try:
+                    nvcc = cuda_flags(next((e for e in CUTLASS_EXTENSIONS if src.stem.startswith(e)), src.stem))
+                except BuildError as e:
+                    print(f"FAIL {src.name}: {e}")
+                    failures += 1
+                    continue
+                cmd = ["nvcc", "-c", str(src), "-o", f"{tmp}/{src.stem}.o", *nvcc, std_flag(), *incs,
                        "-Xcompiler", "-fPIC"]
             elif src.suffix == ".cpp":
                 cmd = ["c++", "-c", str(src), "-o", f"{tmp}/{src.stem}.o", *CXX_FLAGS, std_flag(), "-fopenmp",

@@ -184,6 +184,19 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, stats, instance=0, p
     return x.new_empty((*x.shape[:-1], w_down.shape[0]))
 
 
+# The gate GEMM with the TwELL packing in its epilogue (CUDA, sm90; csrc/gate_pack*.cu, built by
+# runtime/cuda_gate.py on first use): g = x w^T + bias into ``g`` (when it has elements), and per
+# row and tile of ``tile_n`` columns the non-zero count of relu(g) into ``tcnt`` [M, T] and its
+# first S non-zeros in column order into ``packed`` [M, T, S], (column << 16) | bits(value).
+_lib.define("gate_pack(Tensor x, Tensor w, Tensor? bias, Tensor(a!) g, Tensor(b!) packed, Tensor(c!) tcnt, "
+            "int cfg, int raster=0, int swizzle=1) -> ()")
+
+
+@torch.library.register_fake("twell::gate_pack", lib=_lib)
+def _(x, w, bias, g, packed, tcnt, cfg, raster=0, swizzle=1):
+    return None
+
+
 # ---------------------------------------------------------------------------- training
 @torch.library.custom_op("twell::ffn_train", mutates_args=(), tags=_TRAIN_TAGS)
 def ffn_train(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],

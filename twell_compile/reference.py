@@ -121,3 +121,26 @@ def ffn_twell_reference(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_u
 def l1_penalty(hidden: list[Tensor], coef: float) -> Tensor:
     """The paper's penalty: coef x mean over tokens, hidden units and layers of |h|."""
     return coef * torch.stack([h.abs().float().mean() for h in hidden]).mean()
+
+
+def pack_tiles(g: Tensor, tile_n: int, slots: int) -> tuple[Tensor, Tensor]:
+    """What twell::gate_pack's epilogue writes beside g [M, N]: (tcnt [M, T] int32, the non-zeros
+    of relu(g) per row and tile of ``tile_n`` columns, NaN counted; packed [M, T, slots] int32,
+    each one's first ``slots`` non-zeros in column order as (column << 16) | bits(value), -1 in
+    the slots past the count, which the kernel leaves unwritten)."""
+    m, n = g.shape
+    t = -(-n // tile_n)
+    v = torch.relu(g)                                   # NaN kept
+    nz = torch.zeros((m, t * tile_n), dtype=torch.bool, device=g.device)
+    nz[:, :n] = (v != 0)
+    nz = nz.view(m, t, tile_n)
+    tcnt = nz.sum(2, dtype=torch.int32)
+    bits = g.view(torch.int16).int() & 0xFFFF          # g's own bits where relu(g) != 0
+    word = torch.full((m, t * tile_n), -1, dtype=torch.int32, device=g.device)
+    word[:, :n] = (torch.arange(n, device=g.device, dtype=torch.int32) << 16) | bits
+    rank = torch.cumsum(nz.int(), 2) - 1
+    packed = torch.full((m, t, slots), -1, dtype=torch.int32, device=g.device)
+    keep = nz & (rank < slots)
+    rows, tiles_, cols = keep.nonzero(as_tuple=True)
+    packed[rows, tiles_, rank[rows, tiles_, cols]] = word.view(m, t, tile_n)[rows, tiles_, cols]
+    return tcnt, packed

@@ -98,3 +98,44 @@ def test_row_buckets_under_interpreter(case, launch):
                                        ("drelu", CASES[0]), ("drelu", CASES[2]), ("drelu", CASES[5])])
 def test_activations_under_interpreter(act, case):
     run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 2, case=case, launch={}, act=act), timeout=60)
+
+
+MERGE_SCRIPT = textwrap.dedent("""
+    import torch
+    from twell_compile.reference import pack_tiles
+    from twell_compile.runtime.cuda_infer import compact_rows, merge_rows
+    from twell_compile.runtime import arch
+    arch.patched(**{launch}).__enter__()
+    torch.manual_seed({seed})
+    m, n, tile_n, slots, width, nb, dense_rows = {case}
+    g = torch.randn(m, n).to(torch.float16) - 1.2       # ~12% of relu(g) non-zero
+    g[:dense_rows] = g[:dense_rows].abs()                 # whole rows active: tiles over their slots
+    g[m // 2, 3] = float("nan")
+    tcnt, packed = pack_tiles(g, tile_n, slots)
+    packed = torch.where(packed == -1, torch.randint_like(packed, 1 << 30), packed)  # poison the unwritten slots
+    want = compact_rows(g, width, buckets=nb)
+    got = merge_rows(g, packed, tcnt, width, nb)
+    assert torch.equal(got.cnt, want.cnt), (got.cnt, want.cnt)
+    listed = torch.arange(width)[None, :] < want.cnt.clamp(max=width)[:, None]
+    assert torch.equal(got.lst[listed], want.lst[listed]), "lists"
+    assert torch.equal(got.ctr, want.ctr), (got.ctr, want.ctr)
+    for b in range(nb):
+        c = int(want.ctr[b])
+        assert torch.equal(got.order[b * m: b * m + c].sort().values, want.order[b * m: b * m + c].sort().values), b
+    print("ok", int((tcnt > slots).sum()), int((want.cnt > width).sum()))
+""")
+
+MERGE_CASES = [
+    # m, n, tile_n, slots, list width, buckets, dense rows
+    (40, 300, 128, 64, 32, 2, 0),      # every tile within its slots; rows over the list width
+    (40, 300, 128, 8, 64, 8, 0),       # tiles over 8 slots in many blocks: those list from g
+    (37, 256, 64, 16, 256, 8, 3),      # dense rows in the first block only; lists wide enough
+    (5, 96, 256, 4, 8, 1, 1),          # one tile narrower than tile_n, one bucket
+]
+
+
+# the lists, counts and bucket order that merge_tiles_kernel makes from packed tiles equal
+# compact_rows_kernel's from g (blocks with a tile over its slots list from g)
+@pytest.mark.parametrize("case", MERGE_CASES)
+def test_merge_tiles_matches_compaction_under_interpreter(case):
+    run_interpreted(MERGE_SCRIPT.format(seed=sum(case), case=case, launch=dict(merge_bm=16)), timeout=60)

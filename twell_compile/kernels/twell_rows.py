@@ -1,4 +1,4 @@
-"""Triton device code: the per-row TwELL path (cuBLAS gate GEMM, then these two kernels).
+"""Triton device code: the per-row TwELL path (the gate GEMM, then these kernels).
 
 ``compact_rows_kernel``: one light pass over the gate pre-activation g [M, N] (cuBLAS output).
 BM rows per program, CH columns per step; v = relu(g) (NaN kept), and per row, straight from
@@ -13,6 +13,10 @@ registers with a running prefix count:
                   The row kernels take rows in this order (``row_at``): the long chains of the
                   exact tail and the longest lists start first, and the last wave holds the
                   shortest rows instead of waiting on a long one
+
+``merge_tiles_kernel``: the same lists, counts and order from the packed tiles that the fused
+gate GEMM (twell::gate_pack, csrc/gate_pack.cuh) writes in its epilogue, in place of the pass
+over g.
 
 ``twell_rows_kernel``: one program per token row (the p-th in ``order``), x row and y row in registers, h never in
 global memory:
@@ -67,17 +71,14 @@ def row_at(order_ptr, ctr_ptr, p, M, NB: tl.constexpr):
 
 
 @triton.jit
-def compact_rows_kernel(g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N, W,
-                        BM: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, STAGES: tl.constexpr,
-                        ASM: tl.constexpr):
-    """list[m, r] = (column << 16) | bits(relu(g)[m, column]) for the r-th non-zero, r < W;
-    order [NB * M]: the rows by bucket, heaviest first (ctr: NB zeroed int32 counters)."""
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    m_ok = rm < M
+def _compact_chunks(g_ptr, sg_m, list_ptr, rm, m_ok, N, W, CH: tl.constexpr, STAGES: tl.constexpr,
+                    ASM: tl.constexpr):
+    """One pass over rows rm of g: list[m, r] for the r-th non-zero of relu(g), r < W. Returns
+    the rows' non-zero counts."""
     ci = tl.arange(0, CH)
     gbase = g_ptr + rm.to(tl.int64)[:, None] * sg_m
     lbase = list_ptr.to(tl.int64) + rm.to(tl.int64)[:, None] * (W * 4)
-    run = tl.zeros((BM,), dtype=tl.int32)
+    run = tl.zeros(rm.shape, dtype=tl.int32)
     for c0 in tl.range(0, N, CH, num_stages=STAGES):     # STAGES > 1: later chunks' loads in flight
         cn = c0 + ci
         ok = m_ok[:, None] & (cn < N)[None, :]
@@ -90,11 +91,16 @@ def compact_rows_kernel(g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N
         bits = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         _store_b32(lbase + rank.to(tl.int64) * 4, (cn[None, :] << 16) | bits, keep, ASM)
         run += tl.sum(nzi, axis=1)
-    tl.store(cnt_ptr + rm, run, mask=m_ok)
-    # bucket 0: rows over W (their tail scans g: a chain of ~N / CH + cnt - W steps); then the
-    # rest by count, heaviest first, so the row kernels start the longest rows first
+    return run
+
+
+@triton.jit
+def _file_rows(order_ptr, ctr_ptr, rm, m_ok, run, M, W, NB: tl.constexpr):
+    """The rows' places in the row kernels' order. Bucket 0: rows over W (their tail scans g: a
+    chain of ~N / CH + cnt - W steps); then the rest by count, heaviest first, so the row kernels
+    start the longest rows first."""
     if NB == 1:
-        bkt = tl.zeros((BM,), dtype=tl.int32)
+        bkt = tl.zeros(rm.shape, dtype=tl.int32)
     else:
         lite = (NB - 2) - (run.to(tl.int64) * (NB - 1) // (W + 1)).to(tl.int32)
         bkt = tl.where(run > W, 0, 1 + tl.maximum(lite, 0))
@@ -104,6 +110,49 @@ def compact_rows_kernel(g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N
         base = tl.atomic_add(ctr_ptr + b, tl.sum(ib, axis=0))
         pos = b * M + base + tl.cumsum(ib, axis=0) - ib
         tl.store(order_ptr + pos, rm, mask=inb)
+
+
+@triton.jit
+def compact_rows_kernel(g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N, W,
+                        BM: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, STAGES: tl.constexpr,
+                        ASM: tl.constexpr):
+    """list[m, r] = (column << 16) | bits(relu(g)[m, column]) for the r-th non-zero, r < W;
+    order [NB * M]: the rows by bucket, heaviest first (ctr: NB zeroed int32 counters)."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    m_ok = rm < M
+    run = _compact_chunks(g_ptr, sg_m, list_ptr, rm, m_ok, N, W, CH, STAGES, ASM)
+    tl.store(cnt_ptr + rm, run, mask=m_ok)
+    _file_rows(order_ptr, ctr_ptr, rm, m_ok, run, M, W, NB)
+
+
+@triton.jit
+def merge_tiles_kernel(packed_ptr, tcnt_ptr, g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N, W, T,
+                       S: tl.constexpr, T_P: tl.constexpr, BM: tl.constexpr, CH: tl.constexpr,
+                       NB: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):
+    """compact_rows_kernel's outputs from the gate GEMM's packed tiles (twell::gate_pack): per
+    row, tile t's slots go to list[m, P_t + s] (P_t: the non-zeros of tiles before t) while
+    P_t + s < W. Reads the counts [BM, T] and the listed slots only, not g. A block holding a
+    tile with more than S non-zeros (its slots keep only the first S) lists its rows from g
+    itself, as compact_rows_kernel does: exact either way."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    m_ok = rm < M
+    tt = tl.arange(0, T_P)
+    ok = m_ok[:, None] & (tt < T)[None, :]
+    tidx = rm.to(tl.int64)[:, None] * T + tt[None, :]
+    tc = tl.load(tcnt_ptr + tidx, mask=ok, other=0)
+    spilled = tl.max(tl.max((tc > S).to(tl.int32), axis=1), axis=0)
+    if spilled > 0:
+        run = _compact_chunks(g_ptr, sg_m, list_ptr, rm, m_ok, N, W, CH, STAGES, ASM)
+    else:
+        run = tl.sum(tc, axis=1)
+        start = tl.cumsum(tc, axis=1) - tc
+        lbase = list_ptr.to(tl.int64) + rm.to(tl.int64)[:, None] * (W * 4)
+        for s in tl.static_range(S):
+            take = ok & (s < tc) & (start + s < W)
+            v = tl.load(packed_ptr + tidx * S + s, mask=take, other=0)
+            _store_b32(lbase + (start + s).to(tl.int64) * 4, v, take, ASM)
+    tl.store(cnt_ptr + rm, run, mask=m_ok)
+    _file_rows(order_ptr, ctr_ptr, rm, m_ok, run, M, W, NB)
 
 
 @triton.jit

@@ -147,6 +147,13 @@ class GpuPolicy:
     row_cols_per_warp: int = 1024    # warps = pow2(max(K, K_out)) / this
     row_buckets: int = 2             # the row kernel's order: rows over W, then the rest in
                                      # row_buckets - 1 bins by count, heaviest first
+    gate_cfg: int = -1               # the per-row path's gate GEMM: -1 cuBLAS, then a compaction
+                                     # pass over g; c >= 0 twell::gate_pack's configuration c
+                                     # (cuda_gate.CONFIGS), packing in its epilogue (bf16, sm90)
+    gate_slots: int = 16             # ... slots per row and tile of its packed output
+    gate_raster: int = 0             # ... tile order: 0 CUTLASS's heuristic, 1 along M, 2 along N
+    gate_swizzle: int = 1            # ... CUTLASS's tile swizzle (1, 2, 4, 8)
+    merge_bm: int = 16               # rows per merge_tiles_kernel program
     list_min: int = 32               # per-row list width bounds
     list_max: int = 1024
     eager_elementwise_max_m: int = 1024   # dense path without counts: eager's relu/mul up to here

@@ -1,10 +1,12 @@
 """CUDA inference launchers: the per-row TwELL path, the dense path, and the plan's runner.
 
 TwELL path (``twell_forward``), for x [M, K] (bf16/fp16), three launches:
-  1. cuBLAS gate GEMM g = x W_g^T + b_g (F.linear; 0.52 ms at M=16384, K=2048, N=5632 on H200,
-     against 0.72 ms for a Triton GEMM packing TwELL in its epilogue, 2026-11-22).
+  1. the gate GEMM g = x W_g^T + b_g: cuBLAS (F.linear), or, where the record names one
+     (gate_cfg), twell::gate_pack (runtime/cuda_gate.py), which also packs each row's non-zeros
+     per tile of columns in its epilogue.
   2. ``compact_rows_kernel`` (kernels/twell_rows.py): one read of g; per row the count of
-     relu(g)'s non-zeros and its first W (value, column) pairs, contiguous.
+     relu(g)'s non-zeros and its first W (value, column) pairs, contiguous. After
+     twell::gate_pack, ``merge_tiles_kernel`` makes the same from the packed tiles instead.
   3. ``twell_rows_kernel``: per token, up projection for the listed pairs only, times g, down
      projection, y written once. Rows with count > W continue over g after the W-th listed
      column; rows whose x holds NaN/Inf take every column. Exact, nothing dropped.
@@ -25,9 +27,9 @@ from torch import Tensor
 from twell_compile import stats
 from twell_compile.kernels.relu_mul import relu_mul_rows_kernel
 from twell_compile.kernels.row_stats import row_stats_kernel
-from twell_compile.kernels.twell_rows import compact_rows_kernel, twell_rows_kernel
+from twell_compile.kernels.twell_rows import compact_rows_kernel, merge_tiles_kernel, twell_rows_kernel
 from twell_compile.reference import ACTS, activate
-from twell_compile.runtime import arch, cuda_decode, decode_graphs, density
+from twell_compile.runtime import arch, cuda_decode, cuda_gate, decode_graphs, density
 from twell_compile.runtime.launch import INTERPRET, launch, pow2, transposed, unit_rows, warps_by_width
 from twell_compile.runtime.select import InferPlan
 
@@ -57,9 +59,35 @@ class Rows(NamedTuple):
 
 
 def gate_rows(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], width: int) -> Rows:
-    """g = x2 W_g^T + b_g by cuBLAS, then one compaction pass over g."""
-    return compact_rows(F.linear(x2, w_gate, b_gate), width,
-                        buckets=arch.launch_policy(x2.device).row_buckets)
+    """g = x2 W_g^T + b_g and its per-row lists: by twell::gate_pack, which packs them in its
+    epilogue, then merge_rows, where the record names a configuration (gate_cfg) and the call
+    can run it (cuda_gate.runs); else by cuBLAS, then one compaction pass over g."""
+    p = arch.launch_policy(x2.device)
+    if p.gate_cfg >= 0 and cuda_gate.runs(x2, w_gate, b_gate):
+        g, packed, tcnt = cuda_gate.gate_pack(x2, w_gate, b_gate, p.gate_cfg, p.gate_slots, p.gate_raster,
+                                              p.gate_swizzle)
+        return merge_rows(g, packed, tcnt, width, p.row_buckets)
+    return compact_rows(F.linear(x2, w_gate, b_gate), width, buckets=p.row_buckets)
+
+
+def merge_rows(g: Tensor, packed: Tensor, tcnt: Tensor, width: int, buckets: int = 2) -> Rows:
+    """The Rows compact_rows would make from g, from twell::gate_pack's packed tiles
+    (merge_tiles_kernel): the same lists, counts and bucket order, g read only by a block
+    holding a tile over its slots."""
+    p = arch.launch_policy(g.device)
+    m, n = g.shape
+    t, s = packed.shape[1], packed.shape[2]
+    lst = torch.empty((m, width), dtype=torch.int32, device=g.device)
+    cnt = torch.empty((m,), dtype=torch.int32, device=g.device)
+    order = torch.empty((buckets * m,), dtype=torch.int32, device=g.device)
+    ctr = torch.zeros((buckets,), dtype=torch.int32, device=g.device)
+    if m:
+        launch(merge_tiles_kernel, (-(-m // p.merge_bm),),
+               (packed, tcnt, g, g.stride(0), lst, cnt, order, ctr, m, n, width, t),
+               dict(S=s, T_P=pow2(t), BM=p.merge_bm, CH=min(p.compact_ch, pow2(n)), NB=buckets,
+                    STAGES=p.compact_stages, ASM=not INTERPRET),
+               num_warps=p.compact_warps)
+    return Rows(g, lst, cnt, order, ctr)
 
 
 def compact_rows(g: Tensor, width: int, ctr: Optional[Tensor] = None, buckets: int = 2) -> Rows:

@@ -1,0 +1,264 @@
+// The gate GEMM g = x W_g^T (+ b_g) with the TwELL packing in its epilogue (sm90a, CUTLASS 3.x).
+//
+// Mainloop: CUTLASS's TMA warp-specialized collective (a producer warp loads A/B tiles through a
+// shared-memory pipeline; consumer warpgroups run wgmma). Epilogue (TwellPackEpilogue): straight
+// from the accumulator registers, per CTA tile of BLK_N columns (one TwELL tile):
+//   g          the rounded pre-activation, written dense (the exact tail of the row kernels reads
+//              it for rows whose lists overflow);
+//   tcnt[m,t]  the non-zeros of relu(g) in row m, tile t (NaN counted, as eager propagates it);
+//   packed[m,t,s]  its first S non-zeros in column order, (column << 16) | bits(value).
+// A wgmma accumulator row is held by the four lanes of a quad, lane q holding columns 8j + 2q and
+// 8j + 2q + 1; each lane builds a 2-bit-per-group mask of its non-zeros and the quad exchanges
+// masks (6 shuffles), so every non-zero's rank in column order is a few popcounts: the slots are
+// in column order, deterministic, with no shared-memory atomics.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+#include "gate_pack.h"
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/collective/detail.hpp"
+#include "cutlass/epilogue/thread/linear_combination.h"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler.hpp"
+#include "cutlass/util/packed_stride.hpp"
+
+namespace twell_gate {
+
+struct PackArgs {
+  cutlass::bfloat16_t* g;
+  int64_t ldg;
+  const cutlass::bfloat16_t* bias;
+  int32_t* packed;
+  int32_t* tcnt;
+  int tiles;
+  int slots;
+};
+
+// An sm70-style epilogue (the interface of cutlass::epilogue::collective::DefaultEpilogue), made a
+// warp-specialized sm90 epilogue by Sm90TmaWarpSpecializedAdapter: no shared memory, so every byte
+// of it goes to the mainloop's stages.
+struct TwellPackEpilogue {
+  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ElementC = cutlass::bfloat16_t;
+  using ElementD = cutlass::bfloat16_t;
+  using ElementOutput = cutlass::bfloat16_t;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ElementScalar = float;
+  using StrideC = cute::Stride<int64_t, cute::Int<1>, int64_t>;
+  using StrideD = StrideC;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  // named by GemmUniversalAdapter (its EpilogueOutputOp); never called here
+  using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<ElementD, 1, float, float>;
+  struct SharedStorage {};
+  using TensorStorage = SharedStorage;
+  using Arguments = PackArgs;
+  using Params = PackArgs;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) {
+    return args.packed == nullptr || (args.tcnt != nullptr && args.slots > 0);
+  }
+
+  CUTLASS_HOST_DEVICE TwellPackEpilogue(Params const& p, SharedStorage const& = SharedStorage()) : params(p) {}
+
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_MNK,
+                                 BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& acc,
+                                 TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
+    using namespace cute;
+    // ((2 columns, 2 rows, NG groups of 8 columns), MMA_M, MMA_N): the wgmma accumulator layout
+    static_assert(rank(FrgLayout{}) == 3 && rank<0>(FrgLayout{}) == 3, "unexpected accumulator layout");
+    static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2, "unexpected accumulator layout");
+    constexpr int NG = size<0, 2>(FrgLayout{});
+    constexpr int MM = size<1>(FrgLayout{});
+    constexpr int MN = size<2>(FrgLayout{});
+    static_assert(NG * MN <= 32, "one lane's columns of a row must fit a 64-bit mask");
+
+    const int M = get<0>(problem_shape_mnkl);
+    const int N = get<1>(problem_shape_mnkl);
+    const int m_coord = get<0>(blk_coord_mnkl);
+    const int n_coord = get<1>(blk_coord_mnkl);
+    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+    Tensor cD = local_tile(make_identity_tensor(make_shape(M, N)), take<0, 2>(blk_shape_MNK),
+                           make_coord(m_coord, n_coord));
+    Tensor tCcD = thr_mma.partition_C(cD);   // (m, n) of each accumulator
+
+    const int lane = threadIdx.x & 31;
+    const int q = lane & 3;
+    const int quad0 = lane & ~3;
+    const int tile = n_coord;
+    const int S = params.slots;
+    const auto* bias = reinterpret_cast<const __nv_bfloat16*>(params.bias);
+    auto* g = reinterpret_cast<__nv_bfloat16*>(params.g);
+
+    CUTLASS_PRAGMA_UNROLL
+    for (int mm = 0; mm < MM; ++mm) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        const int row = get<0>(tCcD(make_coord(make_coord(0, r, 0), mm, 0)));
+        const bool row_ok = row < M;
+        // 1. bias, rounding, the dense store, and this lane's mask: bit 2i + e for its i-th pair
+        uint64_t mask = 0;
+        CUTLASS_PRAGMA_UNROLL
+        for (int mn = 0; mn < MN; ++mn) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < NG; ++j) {
+            const int i = mn * NG + j;
+            const int col = get<1>(tCcD(make_coord(make_coord(0, r, j), mm, mn)));
+            const bool ok = row_ok && col < N;   // N % 8 == 0: col + 1 < N with it
+            float a0 = acc(make_coord(make_coord(0, r, j), mm, mn));
+            float a1 = acc(make_coord(make_coord(1, r, j), mm, mn));
+            if (bias != nullptr && ok) {
+              const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(bias + col);
+              a0 += __bfloat162float(b.x);
+              a1 += __bfloat162float(b.y);
+            }
+            const __nv_bfloat162 v = __floats2bfloat162_rn(a0, a1);
+            if (g != nullptr && ok) {
+              *reinterpret_cast<__nv_bfloat162*>(g + int64_t(row) * params.ldg + col) = v;
+            }
+            // relu(v) != 0: v > 0 or NaN
+            const bool nz0 = ok && !(__bfloat162float(v.x) <= 0.f);
+            const bool nz1 = ok && !(__bfloat162float(v.y) <= 0.f);
+            mask |= (uint64_t(nz0) << (2 * i)) | (uint64_t(nz1) << (2 * i + 1));
+          }
+        }
+        if (params.packed == nullptr) continue;   // g only (tune_gate.py times the parts apart)
+        // 2. the quad's masks; the row's count in this tile
+        uint64_t qm[4];
+        CUTLASS_PRAGMA_UNROLL
+        for (int o = 0; o < 4; ++o) {
+          const unsigned lo = __shfl_sync(0xffffffffu, unsigned(mask), quad0 + o);
+          const unsigned hi = __shfl_sync(0xffffffffu, unsigned(mask >> 32), quad0 + o);
+          qm[o] = (uint64_t(hi) << 32) | lo;
+        }
+        if (!row_ok) continue;   // uniform per quad: the shuffles above ran in every lane
+        if (q == 0) {
+          params.tcnt[int64_t(row) * params.tiles + tile] =
+              __popcll(qm[0]) + __popcll(qm[1]) + __popcll(qm[2]) + __popcll(qm[3]);
+        }
+        if (mask == 0) continue;
+        // 3. each non-zero's rank in column order: all earlier groups of the quad, then the
+        //    lanes before this one in its group, then its left neighbour in this lane's pair
+        int32_t* dst = params.packed + (int64_t(row) * params.tiles + tile) * S;
+        CUTLASS_PRAGMA_UNROLL
+        for (int mn = 0; mn < MN; ++mn) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < NG; ++j) {
+            const int i = mn * NG + j;
+            if ((mask >> (2 * i)) & 3u) {
+              const uint64_t before = (uint64_t(1) << (2 * i)) - 1;   // i < 32
+              int rank = __popcll(qm[0] & before) + __popcll(qm[1] & before) + __popcll(qm[2] & before) +
+                         __popcll(qm[3] & before);
+              CUTLASS_PRAGMA_UNROLL
+              for (int o = 0; o < 3; ++o) {
+                if (o < q) rank += __popcll((qm[o] >> (2 * i)) & 3u);
+              }
+              const int col = get<1>(tCcD(make_coord(make_coord(0, r, j), mm, mn)));
+              float a0 = acc(make_coord(make_coord(0, r, j), mm, mn));
+              float a1 = acc(make_coord(make_coord(1, r, j), mm, mn));
+              if (bias != nullptr) {
+                const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(bias + col);
+                a0 += __bfloat162float(b.x);
+                a1 += __bfloat162float(b.y);
+              }
+              const __nv_bfloat162 v = __floats2bfloat162_rn(a0, a1);
+              if ((mask >> (2 * i)) & 1u) {
+                if (rank < S) dst[rank] = (col << 16) | int32_t(__bfloat16_as_ushort(v.x));
+                ++rank;
+              }
+              if (((mask >> (2 * i + 1)) & 1u) && rank < S) {
+                dst[rank] = ((col + 1) << 16) | int32_t(__bfloat16_as_ushort(v.y));
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+
+  Params params;
+};
+
+// One kernel configuration: CTA tile, cluster, mainloop schedule.
+template <int BM, int BN, int BK, int CM, int CN, class Schedule>
+struct GateKernel {
+  using Element = cutlass::bfloat16_t;
+  using TileShape = cute::Shape<cute::Int<BM>, cute::Int<BN>, cute::Int<BK>>;
+  using ClusterShape = cute::Shape<cute::Int<CM>, cute::Int<CN>, cute::_1>;
+  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<TwellPackEpilogue>;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      Element, cutlass::layout::RowMajor, 8,       // A = x [M, K]
+      Element, cutlass::layout::ColumnMajor, 8,    // B = W_g^T: W_g [N, K] row-major
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<0>,
+      Schedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
+                                                      cutlass::gemm::PersistentScheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  static constexpr int kTileN = BN;
+
+  static typename Gemm::Arguments arguments(GateArgs const& a) {
+    using StrideA = typename Gemm::GemmKernel::StrideA;
+    using StrideB = typename Gemm::GemmKernel::StrideB;
+    typename Gemm::Arguments args{};
+    args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+    args.problem_shape = {a.m, a.n, a.k, 1};
+    args.mainloop.ptr_A = reinterpret_cast<Element const*>(a.x);
+    args.mainloop.dA = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(a.m, a.k, 1));
+    args.mainloop.ptr_B = reinterpret_cast<Element const*>(a.w);
+    args.mainloop.dB = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(a.n, a.k, 1));
+    args.epilogue = PackArgs{reinterpret_cast<Element*>(a.g), a.ldg, reinterpret_cast<Element const*>(a.bias),
+                             a.packed, a.tcnt, a.tiles, a.slots};
+    args.hw_info.device_id = 0;
+    args.hw_info.sm_count = a.sm_count;
+    using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
+    args.scheduler.raster_order = a.raster == 1 ? Raster::AlongM : a.raster == 2 ? Raster::AlongN : Raster::Heuristic;
+    args.scheduler.max_swizzle_size = a.swizzle;
+    return args;
+  }
+};
+
+template <class K>
+size_t workspace_of(GateArgs const& a) {
+  return K::Gemm::get_workspace_size(K::arguments(a));
+}
+
+template <class K>
+const char* run_kernel(GateArgs const& a) {
+  typename K::Gemm gemm;
+  auto args = K::arguments(a);
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return "the CUTLASS kernel cannot run this problem";
+  if (gemm.initialize(args, a.workspace, a.stream) != cutlass::Status::kSuccess) return "CUTLASS initialize failed";
+  if (gemm.run(a.stream) != cutlass::Status::kSuccess) return "CUTLASS launch failed";
+  return nullptr;
+}
+
+}  // namespace twell_gate

@@ -1,0 +1,117 @@
+"""GPU tests of the fused gate GEMM (twell::gate_pack, runtime/cuda_gate.py, csrc/gate_pack*.cu):
+g against fp32 under the 2x rule, its packed tiles and counts equal to the oracle's packing of the
+kernel's own g (reference.pack_tiles), every configuration, bias, odd M, partial tiles, NaN rows,
+tiles over their slots, outputs poisoned first; and the per-row path with it (record gate_cfg)
+exact against eager. Skipped where the device is not sm90 or the extension cannot be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import twell_compile.ops  # noqa: F401  (the op's schema)
+from tests.helpers import ffn_args, ffn_with_biases, poison, rel
+from twell_compile.reference import ffn_dense, pack_tiles
+from twell_compile.runtime import arch, cuda_gate, cuda_infer
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the fused gate GEMM is sm90a")
+    cuda_gate.module()     # a failed build fails here, with the compiler's cause
+
+
+def test_configuration_table_matches_the_extension():
+    mod = cuda_gate.module()
+    assert mod.configs() == len(cuda_gate.CONFIGS)
+    assert [mod.tile_n(c) for c in range(mod.configs())] == [c.tile_n for c in cuda_gate.CONFIGS]
+
+
+def _inputs(m, k, n, density, bias, nan_row, dense_rows, seed):
+    p = ffn_with_biases(m, k, n, k, density, 0.0, dtype=torch.bfloat16, bias=bias, seed=seed)
+    x, w, b = p["x"].contiguous(), p["w_gate"], p["b_gate"]
+    if dense_rows:
+        x[:dense_rows, 0] = 50.0          # the gate fires on nearly every column of these rows
+    if nan_row and m > 2:
+        x[m // 2, 1] = float("nan")
+    return x, w, b
+
+
+@pytest.mark.parametrize("cfg", range(len(cuda_gate.CONFIGS)))
+@pytest.mark.parametrize("m, k, n, density, bias, nan_row, dense_rows", [
+    (4096, 2048, 5632, 0.005, False, False, 0),     # the benchmark shape
+    (333, 512, 1000, 0.02, True, True, 3),          # odd M, a partial last tile, bias, NaN, full rows
+    (1, 256, 256, 0.5, True, False, 0),             # one row, half the columns
+    (130, 128, 64, 0.0, False, False, 0),           # nothing fires; N narrower than a tile
+])
+def test_gate_pack_matches_its_oracle(cfg, m, k, n, density, bias, nan_row, dense_rows):
+    x, w, b = _inputs(m, k, n, density, bias, nan_row, dense_rows, seed=m + n + cfg)
+    slots = 16
+    poison()
+    g, packed, tcnt = cuda_gate.gate_pack(x, w, b, cfg, slots)
+    torch.cuda.synchronize()
+    # g: the GEMM, within 2x of eager bf16's error against fp32 (finite rows)
+    fin = torch.isfinite(x).all(1)
+    ref = F.linear(x[fin].float(), w.float(), None if b is None else b.float())
+    eager = F.linear(x[fin], w, b)
+    assert rel(g[fin], ref) <= 2 * rel(eager, ref) + 1e-6
+    assert torch.isnan(g[~fin]).all()
+    # counts and slots: exactly the oracle's packing of the kernel's own g
+    want_cnt, want_packed = pack_tiles(g, cuda_gate.CONFIGS[cfg].tile_n, slots)
+    assert torch.equal(tcnt, want_cnt)
+    valid = torch.arange(slots, device=x.device)[None, None, :] < want_cnt.clamp(max=slots)[..., None]
+    assert torch.equal(packed[valid], want_packed[valid])
+    if dense_rows:
+        assert (tcnt > slots).any()       # tiles over their slots were exercised
+
+
+@pytest.mark.parametrize("cfg", range(len(cuda_gate.CONFIGS)))
+@pytest.mark.parametrize("raster, swizzle", [(1, 1), (2, 4)])
+def test_tile_order_changes_no_result(cfg, raster, swizzle):
+    x, w, b = _inputs(2048, 1024, 2048, 0.01, True, False, 0, seed=7)
+    g0, p0, c0 = cuda_gate.gate_pack(x, w, b, cfg, 8)
+    g1, p1, c1 = cuda_gate.gate_pack(x, w, b, cfg, 8, raster, swizzle)
+    assert torch.equal(g0, g1) and torch.equal(c0, c1)
+    valid = torch.arange(8, device=x.device)[None, None, :] < c0.clamp(max=8)[..., None]
+    assert torch.equal(p0[valid], p1[valid])
+
+
+@pytest.mark.parametrize("cfg", [0, 2])
+@pytest.mark.parametrize("density, tail, gated, width", [(0.005, 0.0, True, 32), (0.005, 0.5, True, 8),
+                                                         (0.2, 0.0, False, 32), (1.0, 0.0, True, 64)])
+def test_per_row_path_with_the_fused_gate_is_exact(cfg, density, tail, gated, width):
+    p = ffn_with_biases(3000, 512, 2048, 384, density, tail, dtype=torch.bfloat16, gated=gated)
+    args = ffn_args(p)
+    x = args[0]
+    x[5, 3] = float("nan")
+    with arch.patched(gate_cfg=cfg, gate_slots=16):
+        assert cuda_gate.runs(x, args[1], args[2])
+        poison()
+        y, counts, hsum = cuda_infer.twell_forward(*args, width)
+    with arch.patched(gate_cfg=-1):
+        y_cublas, counts_cublas, _ = cuda_infer.twell_forward(*args, width)
+    eager = ffn_dense(*args)
+    assert torch.equal(torch.isnan(y), torch.isnan(eager))
+    fin = torch.isfinite(x).all(1)
+    ref = ffn_dense(*(None if a is None else a[fin].float() if i == 0 else a.float() for i, a in enumerate(args)))
+    assert rel(y[fin], ref) <= 2 * rel(eager[fin], ref) + 1e-6
+    # counts are relu(g)'s, g from either GEMM: equal up to the few columns where the two round
+    # a value near zero differently
+    assert (counts[fin] - counts_cublas[fin]).abs().sum() <= max(8, int(counts_cublas[fin].sum()) // 1000)
+    if density >= 0.2:
+        assert (counts > width).any()     # the exact tail over g ran
+
+
+def test_unusable_names_each_reason():
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    assert cuda_gate.unusable(x, w, None) is None
+    assert "bfloat16" in cuda_gate.unusable(x.half(), w.half(), None)
+    assert "multiples of 8" in cuda_gate.unusable(x[:, :60].contiguous(), w[:, :60].contiguous(), None)
+    assert "contiguous" in cuda_gate.unusable(x, w.t(), None)
