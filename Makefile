@@ -15,9 +15,12 @@ torch:
 install: torch
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e . numpy
 
-# What the test suite needs: the package with its test extras (pytest, hypothesis, transformers, Triton).
+# What the test suite needs: the package with its test extras (pytest, hypothesis, transformers, Triton),
+# and CUTLASS's C++ headers (the nvidia-cutlass wheel without the Python packages its DSL needs), which
+# the CUDA sources' compile check (python -m twell_compile.build --check) reads.
 setup: torch
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test]"
+	$(PY) -m pip install -q --no-deps -c $(CONSTRAINTS) nvidia-cutlass
 
 demo: install
 	$(PY) examples/quickstart.py

@@ -249,15 +249,17 @@ def _torch_includes() -> list[str]:
     return [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}", abi]
 
 
-def check(verbose: bool = True) -> int:
+def check(verbose: bool = True, jobs: Optional[int] = None) -> int:
     """Compile every source in csrc/ (and the checkout's benchmarks/probes/) to an object file
-    (no link, no run). Returns failures."""
+    (no link, no run), ``jobs`` compilers at a time (default: one per CPU). Returns failures."""
     import tempfile
+    from concurrent.futures import ThreadPoolExecutor
 
     failures = 0
     incs = _torch_includes()
     srcs = sorted(CSRC.iterdir()) + (sorted(PROBES.iterdir()) if PROBES.is_dir() else [])
     with tempfile.TemporaryDirectory() as tmp:
+        cmds = []
         for src in srcs:
             if src.suffix == ".cu":
                 if shutil.which("nvcc") is None:
@@ -269,14 +271,14 @@ def check(verbose: bool = True) -> int:
                     print(f"FAIL {src.name}: {e}")
                     failures += 1
                     continue
-                cmd = ["nvcc", "-c", str(src), "-o", f"{tmp}/{src.stem}.o", *nvcc, std_flag(), *incs,
-                       "-Xcompiler", "-fPIC"]
+                cmds.append((src, ["nvcc", "-c", str(src), "-o", f"{tmp}/{src.stem}.o", *nvcc, std_flag(), *incs,
+                                   "-Xcompiler", "-fPIC"]))
             elif src.suffix == ".cpp":
-                cmd = ["c++", "-c", str(src), "-o", f"{tmp}/{src.stem}.o", *CXX_FLAGS, std_flag(), "-fopenmp",
-                       "-fPIC", *incs]
-            else:
-                continue
-            r = subprocess.run(cmd, capture_output=True, text=True)
+                cmds.append((src, ["c++", "-c", str(src), "-o", f"{tmp}/{src.stem}.o", *CXX_FLAGS, std_flag(),
+                                   "-fopenmp", "-fPIC", *incs]))
+        with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+            results = list(pool.map(lambda sc: (sc[0], subprocess.run(sc[1], capture_output=True, text=True)), cmds))
+        for src, r in results:
             ok = r.returncode == 0
             failures += not ok
             if verbose:
