@@ -416,6 +416,11 @@ def transform_active(module: nn.Module, spec: FFNSpec, x: Tensor) -> Optional[st
 _FELL_BACK: set[str] = set()       # reasons already logged
 
 
+def reset_fallback_log() -> None:
+    """Log each reason a prepared module runs its original forward once more."""
+    _FELL_BACK.clear()
+
+
 _MISSING = object()
 
 

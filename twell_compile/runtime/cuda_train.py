@@ -65,7 +65,9 @@ _densify: "OrderedDict[int, bool]" = OrderedDict()
 MAX_HINTS = 4096
 
 
-def _densify_hint(bidx: Tensor, densify: bool) -> None:
+def densify_hint(bidx: Tensor, densify: bool) -> None:
+    """Note whether the compact state whose backup_idx is ``bidx`` came from the dense forward
+    (its backward then densifies); read once by ``backward_path``."""
     if bidx.numel():
         _densify[bidx.data_ptr()] = densify
         _densify.move_to_end(bidx.data_ptr())
@@ -227,7 +229,7 @@ def ffn_train_forward(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Option
     if keep_stats and layer is not None:
         stats.record_fired(layer, fired_units(cnt, rest[0], rest[4], n, dense=not (sparse or compact)), m)
     if sparse or compact:                  # a compact state: tell its backward which way
-        _densify_hint(rest[3], compact)
+        densify_hint(rest[3], compact)
     return (y.reshape(*x.shape[:-1], k_out), cnt, *rest[:-1])
 
 
@@ -450,6 +452,15 @@ def backward_densify(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
     return (*_products(x2, w_gate, b_gate, w_up, b_up, dg, du), dw_down)
 
 
+def backward_path(backup_idx: Tensor, m: int) -> str:
+    """The backward a saved state of ``m`` tokens takes: "dense" for a backup of at least M
+    rows (the dense forward's g and u), else a compact state: "densify" where the dense forward
+    saved it (its hint, read once and dropped), else "sparse"."""
+    if backup_idx.shape[0] >= m:
+        return "dense"
+    return "densify" if backup_idx.numel() and _densify.pop(backup_idx.data_ptr(), False) else "sparse"
+
+
 def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
                        w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor,
                        counts: Tensor, cols: Tensor, ell_g: Tensor, ell_u: Tensor,
@@ -466,9 +477,9 @@ def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[T
         dy2 = dy2.contiguous()
     m = x2.shape[0]
     l1c = l1_scale / max(m * n, 1) if l1_scale else 0.0
-    if backup_idx.shape[0] < m:         # a compact state (it needs capacity < M)
-        densify = backup_idx.numel() and _densify.pop(backup_idx.data_ptr(), False)
-        out = (backward_densify if densify else backward_sparse)(
+    path = backward_path(backup_idx, m)
+    if path != "dense":
+        out = (backward_densify if path == "densify" else backward_sparse)(
             dy2, x2, w_gate, b_gate, w_up, b_up, w_down, counts, cols, ell_g, ell_u,
             backup_idx, backup_g, backup_u, l1c, act, l1_coef if l1c else None)
     else:

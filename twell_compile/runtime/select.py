@@ -56,10 +56,11 @@ the CPU. A dynamic token count is answered as its current value is, under a guar
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import math
-from typing import NamedTuple, Optional, Union
+from typing import Iterator, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -507,6 +508,26 @@ def _train_reason(device: torch.device, dtype: torch.dtype, m, k: int, n: int, k
     return below(m) if m is not None and m < p.train_min_tokens else None
 
 
+_rules_for: list[tuple[torch.device, torch.dtype]] = []   # compile_rules_for blocks open, innermost last
+
+
+@contextlib.contextmanager
+def compile_rules_for(device: Union[str, torch.device], dtype: torch.dtype) -> Iterator[None]:
+    """A scope in which the compile-time rules (``static_reason``, ``static_path``) answer as
+    for FFNs on ``device`` in ``dtype``, whatever the traced tensors are: a CUDA compile's
+    decisions on a machine without a GPU (tests, ``explain``). The ops still run on their
+    tensors' own device; the per-call plan is unchanged."""
+    _rules_for.append((torch.device(device), dtype))
+    try:
+        yield
+    finally:
+        _rules_for.pop()
+
+
+def _rules_target(device: torch.device, dtype: torch.dtype) -> tuple[torch.device, torch.dtype]:
+    return _rules_for[-1] if _rules_for else (torch.device(device), dtype)
+
+
 def static_reason(device: torch.device, dtype: torch.dtype, m: Optional[Union[int, torch.SymInt]], k: int,
                   n: int, k_out: int, *, gated: bool = True, training: bool = False, l1: float = 0.0,
                   cudagraphs: bool = True, path: str = "auto") -> Optional[str]:
@@ -516,7 +537,7 @@ def static_reason(device: torch.device, dtype: torch.dtype, m: Optional[Union[in
     (it lives in our backward)."""
     if path != "auto":
         return None
-    device = torch.device(device)
+    device, dtype = _rules_target(device, dtype)
     if training:
         return None if l1 else _train_reason(device, dtype, m, k, n, k_out)
     if device.type == "cuda":
@@ -531,7 +552,7 @@ def static_path(device: torch.device, dtype: torch.dtype, m: Optional[Union[int,
                 k_out: int, n: int, *, training: bool = False, path: str = "auto") -> str:
     """What a rewritten FFN's op will run, in words, for ``explain`` (compile-time facts; the
     final choice is per call). Adds no guard: a dynamic count is described, not decided."""
-    device = torch.device(device)
+    device, dtype = _rules_target(device, dtype)
     if path != "auto":
         return f"forced: {path}"
     static_m = m if isinstance(m, int) else None
