@@ -25,8 +25,8 @@ u) while the layer's last measurement lost no rows past the backup (the "compact
 else g and u. Backward from g and u: dh = dy W_d, one elementwise pass (twell_train_dense.py), five
 more cuBLAS products; from the compact state (``backward_densify``): dh = dy W_d,
 ``train_densify_kernel`` (twell_train_densify.py) writing d_g, d_u and h whole, the same five
-products. Eager's nine GEMMs either way (a backward recomputing g and u, eleven GEMMs, ran
-0.69-0.82x of eager; H200, 2026-11-22).
+products. Eager's nine GEMMs either way (docs/design-notes/training.md: a backward recomputing
+g and u, eleven GEMMs, lost).
 
 Which path runs is select.plan_train's choice; launch sizes come from the device's record.
 """
@@ -82,9 +82,8 @@ def clear_hints() -> None:
 
 
 # Layers whose every path's Triton kernels are compiled: a layer switching path mid-run (its
-# density crossing sparse_max_density) otherwise compiled the new path's kernels in that step:
-# 1.0 s at step 11 and 5.9 s at step 2 against 70 ms steps (H100, bench_e2e.py --train --layers
-# 4 --twell-opt twell.l1=12, 2026-11-26). Keyed by everything the kernels specialize on.
+# density crossing sparse_max_density) otherwise compiled the new path's kernels in that step
+# (seconds, against 70 ms steps). Keyed by everything the kernels specialize on.
 _warm: set = set()
 
 
@@ -173,8 +172,8 @@ def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap, co
     reads g and u only). relu(g)*u is the inference dense path's pass, which also counts
     non-zeros and sums |h| per row (the probe and the statistics). ``missing`` is the rows the
     sparse path could not have kept (rows over ``width`` past a backup of ``cap``), so the
-    plan's lost-row penalty sees them from dense calls too: without it a layer flipped back
-    to sparse every other call (H200, 2026-11-22). ``count_lost=False`` (no probe this call):
+    plan's lost-row penalty sees them from dense calls too (else a layer flips back to sparse
+    every other call). ``count_lost=False`` (no probe this call):
     None, and three small launches fewer.
 
     ``compact``: save the hybrid state instead (the compaction and ``train_fwd_kernel`` with
@@ -366,8 +365,8 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
 def backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, g, u, l1c, act="relu", l1_coef=None):
     """Eager's backward from the saved g [M, N] and u (None when non-gated). Three [M, N]
     buffers (dh, later h; dg; du) beside the saved two; h goes once dW_d has it, before dx and
-    the other weight grads are allocated (1106 MiB extra peak at M=16384 d=0.02 with h kept
-    to the end, eager 966; H200, 2026-11-22)."""
+    the other weight grads are allocated (with h kept to the end the extra peak exceeded
+    eager's: docs/design-notes/training.md)."""
     gated = w_up is not None
     g = g.contiguous()
     u = u.contiguous() if gated else None

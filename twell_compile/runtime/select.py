@@ -45,8 +45,7 @@ fp32 and the CPU train on plain PyTorch (hybrid format, exact).
 
 Compile time (``static_reason``), leaving an FFN to Inductor: CUDA fp32; static token counts
 in the band between the decode and per-row paths; decode sizes without CUDA graphs (host-bound:
-rewritten, generate() ran 0.63x of Inductor's tokens/s at batch 1, H200, 2026-11-23,
-bench_e2e.py --generate --compile-mode default); decode sizes where even density 0 cannot win;
+docs/design-notes/decode.md); decode sizes where even density 0 cannot win;
 layers too wide or too narrow for the per-row kernels; CPU FFNs under the C++ kernel's token
 count or width, or in a dtype it lacks; training without an L1 penalty under train_min_tokens, in fp32, or on
 the CPU. A dynamic token count is answered as its current value is, under a guard on its range
