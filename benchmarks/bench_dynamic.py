@@ -30,25 +30,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 if __package__ in (None, ""):                  # run as a file: python3 benchmarks/bench_dynamic.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
 from benchmarks.timing import gpu_name, rel  # noqa: E402
-from twell_compile.testing import make_ffn  # noqa: E402
-
-
-class FFN(nn.Module):
-    def __init__(self, k: int, n: int):
-        super().__init__()
-        self.gate = nn.Linear(k, n, bias=False)
-        self.up = nn.Linear(k, n, bias=False)
-        self.down = nn.Linear(n, k, bias=False)
-
-    def forward(self, x):
-        return self.down(F.relu(self.gate(x)) * self.up(x))
+from twell_compile.testing import GatedMLP, make_ffn  # noqa: E402
 
 
 class Counting:
@@ -167,7 +154,7 @@ def run(ms, k, n, density, steps, rounds, dev, dt, op_calls, train: bool) -> lis
     p0 = make_ffn(max(ms), k, n, density, 0.0, device=dev, seed=1, dtype=dt)
     mods, compiled, backends = {}, {}, {}
     for name in ("twell", "inductor"):
-        mod = FFN(k, n).to(dev, dt)
+        mod = GatedMLP(k, n).to(dev, dt)
         with torch.no_grad():
             mod.gate.weight.copy_(p0["w_gate"])
             mod.up.weight.copy_(p0["w_up"])
@@ -206,7 +193,7 @@ def run(ms, k, n, density, steps, rounds, dev, dt, op_calls, train: bool) -> lis
             for name, step in steppers.items():
                 us[name] = min(us[name], wall_us(step, steps, 1, cuda))
         res = {name: (us[name], got[name]) for name in steppers}
-        ref_mod = FFN(k, n).to(dev, torch.float32)
+        ref_mod = GatedMLP(k, n).to(dev, torch.float32)
         ref_mod.load_state_dict({kk: v.float() for kk, v in mods["twell"].state_dict().items()})
         x64 = x0.float().requires_grad_(train)
         if train:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import twell_compile
 from tests.helpers import REWRITE_ALL
-from tests.toys import GatedMLP
+from twell_compile.testing import GatedMLP
 from twell_compile import backend as backend_mod
 
 

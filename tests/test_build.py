@@ -15,7 +15,6 @@ import torch
 
 import twell_compile
 from twell_compile import build
-from pathlib import Path
 
 ARGS = dict(version="0.1.0", torch_version="2.13.0+cpu", python="py311", flags=["-O3", "-fopenmp"])
 
@@ -122,7 +121,7 @@ def test_a_missing_compiler_says_how_to_get_one(tmp_path, monkeypatch):
 NO_COMPILER = textwrap.dedent("""
     import torch
     import twell_compile
-    from tests.toys import Block, GatedMLP
+    from twell_compile.testing import Block, GatedMLP
 
     with torch.no_grad():
         print(twell_compile.explain(Block(GatedMLP(512, 1408, bias=True), 512), torch.randn(4, 512)))
@@ -133,8 +132,7 @@ def test_without_a_compiler_explain_and_the_warning_say_so_in_one_line(tmp_path)
     """A fresh process whose $CXX is missing: explain's reason and the fallback warning each
     hold the one-line reason; no build log anywhere."""
     env = {**os.environ, "CXX": "twell-no-such-compiler", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-c", NO_COMPILER], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).resolve().parents[1])        # (tests.toys importable)
+    run = subprocess.run([sys.executable, "-c", NO_COMPILER], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "no C++ compiler: torch builds extensions with $CXX='twell-no-such-compiler', which is not on PATH; " \
         in run.stdout

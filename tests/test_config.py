@@ -126,7 +126,7 @@ def test_the_readmes_l1_sparsifies_a_short_run_where_the_papers_value_does_not()
     import torch.nn as nn
     import torch.nn.functional as F
 
-    from tests.toys import GatedMLP
+    from twell_compile.testing import GatedMLP
 
     def density_after(l1: float) -> float:
         torch.manual_seed(0)

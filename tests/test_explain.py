@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import twell_compile
-from tests.toys import Block, PlainMLP
+from twell_compile.testing import Block, PlainMLP
 
 K, N, VOCAB = 16, 40, 50
 FORCE = {"twell.skip_dense": False}   # rewrite these tiny CPU FFNs whatever the speed rule says
@@ -195,7 +195,7 @@ def test_explain_after_torch_compile_warns_and_the_compiled_model_still_runs():
 # ------------------------------------------------------------------------------ layer names
 class SiluMLP(PlainMLP):
     def forward(self, x):
-        return self.down(F.silu(self.up(x)))
+        return self.down(F.silu(self.gate(x)))
 
 
 def test_a_model_that_is_one_ffn_is_named_root_everywhere(caplog):

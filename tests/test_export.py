@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import twell_compile
-from tests.toys import Block, GatedMLP, PlainMLP
+from twell_compile.testing import Block, GatedMLP, PlainMLP
 
 # These FFNs are tiny: force the rewrite whatever a device's skip_dense rule would leave to Inductor.
 REWRITE = {"twell.skip_dense": False}
@@ -53,7 +53,7 @@ def test_program_runs_with_grad_enabled_and_leaves_the_model_alone():
     assert all(p.requires_grad for p in m.parameters())  # the model still trains
     # The program shares the model's storage: an in-place update is seen by the next call.
     with torch.no_grad():
-        m[1].mlp.up.weight.mul_(2)
+        m[1].mlp.gate.weight.mul_(2)
     torch.testing.assert_close(prog(x), m(x), atol=1e-5, rtol=1e-5)
     # An input that requires grad cannot get one through the inference op: the error names the fix.
     with pytest.raises(ValueError, match="no_grad"):
@@ -82,7 +82,7 @@ def test_program_sees_every_weight_change_the_model_sees(change):
         if CHANGES[change] is None:
             m.load_state_dict({k: torch.randn_like(v) for k, v in m.state_dict().items()})
         else:
-            for w in (m[0].mlp.up.weight, m[0].mlp.down.weight, m[1].mlp.up.bias):
+            for w in (m[0].mlp.up.weight, m[0].mlp.down.weight, m[1].mlp.gate.bias):
                 CHANGES[change](w)
     with torch.no_grad():
         torch.testing.assert_close(prog(x), m(x), atol=1e-5, rtol=1e-5)

@@ -3,7 +3,6 @@ prepared model's eager and compiled outputs and gradients equal the unprepared e
 
 import copy
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch.nn.functional as F
 
 import twell_compile
 from tests.helpers import REWRITE_ALL, twell_op_calls
-from tests.toys import Block, FusedMLP, GatedMLP
+from twell_compile.testing import Block, FusedMLP, GatedMLP
 from twell_compile.prepare import spec_of
 
 
@@ -179,7 +178,7 @@ def test_prepared_model_compiles_as_one_graph_on_cuda_in_a_fresh_process():
         import torch, torch.nn as nn, torch.nn.functional as F
         import twell_compile
 
-        from tests.toys import GatedMLP
+        from twell_compile.testing import GatedMLP
 
         torch.manual_seed(0)
         net = nn.Sequential(GatedMLP(64, 160, bias=True), GatedMLP(64, 160, bias=True)).cuda().to(torch.bfloat16)
@@ -195,8 +194,7 @@ def test_prepared_model_compiles_as_one_graph_on_cuda_in_a_fresh_process():
             torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
         print("ok")
     """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                       cwd=Path(__file__).resolve().parents[1])   # (tests.toys importable)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr[-3000:]
 
 

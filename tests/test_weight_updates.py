@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import twell_compile  # noqa: F401  (registers the backend and the ops)
-from tests.toys import GatedMLP
+from twell_compile.testing import GatedMLP
 
 gpu = pytest.mark.gpu
 # the CPU tests run the C++ kernel (forced: these layers are under its token count) and, where

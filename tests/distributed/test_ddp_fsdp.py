@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.toys import Block, GatedMLP
+from twell_compile.testing import Block, GatedMLP
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or sys.platform != "linux", reason="needs torch.distributed")
 

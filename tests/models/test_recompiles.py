@@ -12,7 +12,7 @@ from twell_compile.backend import twell_backend
 from tests.helpers import REWRITE_ALL
 from tests.models.hf_tiny import VOCAB, build, main_output
 from tests.passes.rewrite_harness import TWELL_OPS, check_close
-from tests.toys import Block, FusedMLP
+from twell_compile.testing import Block, FusedMLP
 
 
 class CountingTwell:

@@ -25,7 +25,7 @@ from twell_compile.config import TwellConfig
 from tests.helpers import REWRITE_ALL
 from tests.passes.ffn_zoo import Spec, build, eager_allows, specs
 from tests.passes.rewrite_harness import REPLACED_FNS, REPLACED_METHODS, TWELL_OPS, PassBackend, check_close
-from tests.toys import GatedMLP
+from twell_compile.testing import GatedMLP
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 

@@ -27,7 +27,7 @@ from tests.helpers import REWRITE_ALL
 from tests.passes.ffn_zoo import Spec, build, eager_allows, specs
 from tests.passes.graph_capture import dynamo_graph, param_name
 from tests.passes.rewrite_harness import PassBackend, check_close
-from tests.toys import GatedMLP
+from twell_compile.testing import GatedMLP
 
 
 def _names(spec: Spec) -> tuple[str, str | None, str]:

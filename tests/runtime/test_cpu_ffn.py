@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import twell_compile
 import twell_compile.ops  # noqa: F401
 from tests.helpers import check_non_finite_contract
-from tests.toys import GatedMLP
+from twell_compile.testing import GatedMLP
 from twell_compile import stats
 from twell_compile.reference import ffn_active_only, ffn_dense
 from twell_compile.runtime import arch, cpu_ffn, select, torch_impl

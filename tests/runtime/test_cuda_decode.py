@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import twell_compile.ops  # noqa: F401  (registers torch.ops.twell when this file runs alone)
 from tests.helpers import ffn_args as _args, ffn_with_biases, poison as _poison, rel as _rel, run_interpreted
-from tests.toys import GatedMLP
+from twell_compile.testing import GatedMLP
 from twell_compile.runtime import arch, decode_state as ds, select
 
 P = arch.H200

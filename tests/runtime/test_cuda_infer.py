@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import twell_compile
 import twell_compile.ops  # noqa: F401
 from tests.helpers import ffn_args as _args, ffn_with_biases, poison as _poison, rel as _rel
-from tests.toys import GatedMLP
+from twell_compile.testing import GatedMLP
 from twell_compile.reference import ffn_dense
 from twell_compile.runtime import arch, cuda_infer, density, select
 

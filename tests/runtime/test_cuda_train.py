@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import twell_compile  # noqa: F401
 import twell_compile.ops  # noqa: F401
 from tests.helpers import ARG_NAMES as NAMES, ffn_with_biases, poison, rel as _plain_rel
-from tests.toys import GatedMLP
+from twell_compile.testing import GatedMLP
 from twell_compile.formats import backup_capacity
 from twell_compile.reference import activate
 from twell_compile.runtime import arch, cuda_train, density

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from tests.helpers import ffn_args as _args, poison as _poison, rel as _rel
-from tests.toys import GatedMLP
+from twell_compile.testing import GatedMLP
 from tests.helpers import ffn_with_biases
 from tests.runtime.test_cuda_decode import MECHANISM, gpu
 from tests.runtime.test_cuda_decode import decode_wins_everywhere  # noqa: F401  (a fixture)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.toys import Block, GatedMLP
+from twell_compile.testing import Block, GatedMLP
 from twell_compile.runtime import arch, density
 
 gpu = pytest.mark.gpu
