@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import sys
 import time
 from pathlib import Path
@@ -55,18 +54,12 @@ class Counting:
         return compiled
 
 
-def _fuse_module():
-    """The graph pass's module (``twell_compile.passes.fuse_ffn`` the attribute is the pass)."""
-    return importlib.import_module("twell_compile.passes.fuse_ffn")
-
-
 class OpCalls:
     """Counts calls of our ops' implementations (runtime/execute.py's ffn_train_forward and
     ffn_infer, looked up by the ops at each call), so a step can tell which graph ran: ours or
-    Inductor's FFN. With ``cpu_rule`` (--quick), the graph pass answers CPU facts with the CUDA
-    token-count rules (select.static_reason for a bf16 CUDA FFN) at small thresholds
-    (arch.patched: decode <= 8, per-row and training >= 32, K >= 16 for both). Everything is put back on
-    exit."""
+    Inductor's FFN. With ``cpu_rule`` (--quick), the compile-time rules answer CPU facts as for a
+    bf16 CUDA FFN (select.compile_rules_for) at small thresholds (arch.patched: decode <= 8,
+    per-row and training >= 32, K >= 16 for both). Everything is put back on exit."""
 
     CPU_RULE = dict(decode_max_m=8, min_tokens=32, train_min_tokens=32, min_width=16, train_min_width=16)
 
@@ -75,10 +68,9 @@ class OpCalls:
         self._patches = contextlib.ExitStack()
 
     def __enter__(self):
-        from twell_compile.runtime import arch, execute
-        fuse_ffn = _fuse_module()
-        self._saved = (execute.ffn_train_forward, execute.ffn_infer, fuse_ffn.static_reason)
-        fwd, infer, rule = self._saved
+        from twell_compile.runtime import arch, execute, select
+        self._saved = (execute.ffn_train_forward, execute.ffn_infer)
+        fwd, infer = self._saved
 
         def counting(fn):
             def counted(*args, **kwargs):
@@ -88,13 +80,12 @@ class OpCalls:
         execute.ffn_train_forward, execute.ffn_infer = counting(fwd), counting(infer)
         if self.cpu_rule:
             self._patches.enter_context(arch.patched(**self.CPU_RULE))
-            fuse_ffn.static_reason = (lambda device, dtype, m, k, n, k_out, **kw:
-                                      rule(torch.device("cuda"), torch.bfloat16, m, k, n, k_out, **kw))
+            self._patches.enter_context(select.compile_rules_for("cuda", torch.bfloat16))
         return self
 
     def __exit__(self, *exc):
         from twell_compile.runtime import execute
-        execute.ffn_train_forward, execute.ffn_infer, _fuse_module().static_reason = self._saved
+        execute.ffn_train_forward, execute.ffn_infer = self._saved
         self._patches.close()
         return False
 
