@@ -110,7 +110,8 @@ def test_dynamic_shapes_pass_through_and_name_the_report_sizes():
     torch.manual_seed(4)
     m = two_ffns().eval()
     b, s = torch.export.Dim("b"), torch.export.Dim("seq")
-    ep, report = twell_compile.export(m, (torch.randn(3, 5, 16),), dynamic_shapes={"x": {0: b, 1: s}},
+    # (by the argument's name: nn.Sequential's is "input")
+    ep, report = twell_compile.export(m, (torch.randn(3, 5, 16),), dynamic_shapes={"input": {0: b, 1: s}},
                                        options=REWRITE)
     assert [r.tokens_shape for r in report.rewrites] == ["[b, seq]", "[b, seq]"]
     x = torch.randn(2, 9, 16)
