@@ -277,7 +277,7 @@ def test_mixed_dtypes_outside_autocast_raise_as_eager(where: str, change: str) -
     if change == "x":
         x = x.bfloat16()
     else:
-        model.mlp.down_proj.bfloat16()
+        model.mlp.down.bfloat16()
     backend = PassBackend()
     with torch.no_grad():
         with pytest.raises(RuntimeError, match="same dtype"):
