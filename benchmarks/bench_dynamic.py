@@ -24,31 +24,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 if __package__ in (None, ""):                  # run as a file: python3 benchmarks/bench_dynamic.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
 from benchmarks.timing import gpu_name, rel  # noqa: E402
-from twell_compile.testing import make_ffn  # noqa: E402
-
-
-class FFN(nn.Module):
-    def __init__(self, k: int, n: int):
-        super().__init__()
-        self.gate = nn.Linear(k, n, bias=False)
-        self.up = nn.Linear(k, n, bias=False)
-        self.down = nn.Linear(n, k, bias=False)
-
-    def forward(self, x):
-        return self.down(F.relu(self.gate(x)) * self.up(x))
+from twell_compile.testing import GatedMLP, make_ffn  # noqa: E402
 
 
 class Counting:
@@ -68,18 +54,12 @@ class Counting:
         return compiled
 
 
-def _fuse_module():
-    """The graph pass's module (``twell_compile.passes.fuse_ffn`` the attribute is the pass)."""
-    return importlib.import_module("twell_compile.passes.fuse_ffn")
-
-
 class OpCalls:
     """Counts calls of our ops' implementations (runtime/execute.py's ffn_train_forward and
     ffn_infer, looked up by the ops at each call), so a step can tell which graph ran: ours or
-    Inductor's FFN. With ``cpu_rule`` (--quick), the graph pass answers CPU facts with the CUDA
-    token-count rules (select.static_reason for a bf16 CUDA FFN) at small thresholds
-    (arch.patched: decode <= 8, per-row and training >= 32, K >= 16 for both). Everything is put back on
-    exit."""
+    Inductor's FFN. With ``cpu_rule`` (--quick), the compile-time rules answer CPU facts as for a
+    bf16 CUDA FFN (select.compile_rules_for) at small thresholds (arch.patched: decode <= 8,
+    per-row and training >= 32, K >= 16 for both). Everything is put back on exit."""
 
     CPU_RULE = dict(decode_max_m=8, min_tokens=32, train_min_tokens=32, min_width=16, train_min_width=16)
 
@@ -88,10 +68,9 @@ class OpCalls:
         self._patches = contextlib.ExitStack()
 
     def __enter__(self):
-        from twell_compile.runtime import arch, execute
-        fuse_ffn = _fuse_module()
-        self._saved = (execute.ffn_train_forward, execute.ffn_infer, fuse_ffn.static_reason)
-        fwd, infer, rule = self._saved
+        from twell_compile.runtime import arch, execute, select
+        self._saved = (execute.ffn_train_forward, execute.ffn_infer)
+        fwd, infer = self._saved
 
         def counting(fn):
             def counted(*args, **kwargs):
@@ -101,13 +80,12 @@ class OpCalls:
         execute.ffn_train_forward, execute.ffn_infer = counting(fwd), counting(infer)
         if self.cpu_rule:
             self._patches.enter_context(arch.patched(**self.CPU_RULE))
-            fuse_ffn.static_reason = (lambda device, dtype, m, k, n, k_out, **kw:
-                                      rule(torch.device("cuda"), torch.bfloat16, m, k, n, k_out, **kw))
+            self._patches.enter_context(select.compile_rules_for("cuda", torch.bfloat16))
         return self
 
     def __exit__(self, *exc):
         from twell_compile.runtime import execute
-        execute.ffn_train_forward, execute.ffn_infer, _fuse_module().static_reason = self._saved
+        execute.ffn_train_forward, execute.ffn_infer = self._saved
         self._patches.close()
         return False
 
@@ -167,7 +145,7 @@ def run(ms, k, n, density, steps, rounds, dev, dt, op_calls, train: bool) -> lis
     p0 = make_ffn(max(ms), k, n, density, 0.0, device=dev, seed=1, dtype=dt)
     mods, compiled, backends = {}, {}, {}
     for name in ("twell", "inductor"):
-        mod = FFN(k, n).to(dev, dt)
+        mod = GatedMLP(k, n).to(dev, dt)
         with torch.no_grad():
             mod.gate.weight.copy_(p0["w_gate"])
             mod.up.weight.copy_(p0["w_up"])
@@ -206,7 +184,7 @@ def run(ms, k, n, density, steps, rounds, dev, dt, op_calls, train: bool) -> lis
             for name, step in steppers.items():
                 us[name] = min(us[name], wall_us(step, steps, 1, cuda))
         res = {name: (us[name], got[name]) for name in steppers}
-        ref_mod = FFN(k, n).to(dev, torch.float32)
+        ref_mod = GatedMLP(k, n).to(dev, torch.float32)
         ref_mod.load_state_dict({kk: v.float() for kk, v in mods["twell"].state_dict().items()})
         x64 = x0.float().requires_grad_(train)
         if train:

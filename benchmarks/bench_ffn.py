@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 if __package__ in (None, ""):                  # run as a file: python3 benchmarks/bench_ffn.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_dynamic import FFN, OpCalls  # noqa: E402
+from benchmarks.bench_dynamic import OpCalls  # noqa: E402
 from benchmarks import reference  # noqa: E402
 from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
 from benchmarks.timing import gpu_name, interleaved_ms, policy_changes, rel  # noqa: E402
@@ -66,7 +66,7 @@ from benchmarks.timing import gpu_name, interleaved_ms, policy_changes, rel  # n
 import twell_compile.ops  # noqa: E402,F401  (registers torch.ops.twell)
 from twell_compile.reference import ACTS, ffn_dense  # noqa: E402
 from twell_compile.runtime import arch, decode_state, density, select  # noqa: E402
-from twell_compile.testing import (load_activity_profile, load_checkpoint_ffn, load_profile,  # noqa: E402
+from twell_compile.testing import (GatedMLP, PlainMLP, load_activity_profile, load_checkpoint_ffn, load_profile,  # noqa: E402
                                    make_ffn_for, make_ffn_profile, parse_activity)
 
 FULL_M = [1, 64, 1024, 16384, 65536]
@@ -202,25 +202,14 @@ def reference_point(args, m: int, k: int, n: int, d: float, t: float, seed: int,
 
 
 def ffn_module(k: int, n: int, bias: bool, gated: bool = True, act: str = "relu") -> nn.Module:
-    """bench_dynamic's gated FFN; with biases on its three Linears for a checkpoint's FFN; without
-    its up projection when not ``gated`` (down(relu(gate(x)))); ``act`` other than relu: the
-    same Linears in ActFFN."""
-    mod = (FFN(k, n) if gated else NonGatedFFN(k, n)) if act == "relu" else ActFFN(k, n, gated, act)
+    """testing.GatedMLP; with biases on its three Linears for a checkpoint's FFN; testing.PlainMLP
+    (down(relu(gate(x)))) when not ``gated``; ``act`` other than relu: the same Linears in ActFFN."""
+    mod = (GatedMLP(k, n) if gated else PlainMLP(k, n)) if act == "relu" else ActFFN(k, n, gated, act)
     if bias:
         mod.gate, mod.down = nn.Linear(k, n), nn.Linear(n, k)
         if gated:
             mod.up = nn.Linear(k, n)
     return mod
-
-
-class NonGatedFFN(nn.Module):
-    def __init__(self, k: int, n: int):
-        super().__init__()
-        self.gate = nn.Linear(k, n, bias=False)
-        self.down = nn.Linear(n, k, bias=False)
-
-    def forward(self, x):
-        return self.down(F.relu(self.gate(x)))
 
 
 class ActFFN(nn.Module):

@@ -22,12 +22,11 @@ import torch
 
 if __package__ in (None, ""):                  # run as a file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_dynamic import FFN  # noqa: E402
 from benchmarks.timing import policy_changes  # noqa: E402
 
 import twell_compile  # noqa: E402,F401  (backend="twell")
 from twell_compile.runtime import arch, density  # noqa: E402
-from twell_compile.testing import make_ffn  # noqa: E402
+from twell_compile.testing import GatedMLP, make_ffn  # noqa: E402
 
 
 def per_call_us(fn, calls: int) -> tuple[float, float]:
@@ -75,7 +74,7 @@ def _run(a) -> int:
     torch.set_grad_enabled(False)
     p = make_ffn(a.M, a.K, a.N, a.density, a.tail, device="cuda", seed=7)
     x = p["x"]
-    mods = [FFN(a.K, a.N).cuda().to(torch.bfloat16) for _ in range(2)]
+    mods = [GatedMLP(a.K, a.N).cuda().to(torch.bfloat16) for _ in range(2)]
     for m in mods:
         m.gate.weight.copy_(p["w_gate"])
         m.up.weight.copy_(p["w_up"])

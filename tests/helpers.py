@@ -42,26 +42,12 @@ def ffn_with_biases(m: int, k: int, n: int, k_out: int, density: float, tail: fl
     return {key: None if v is None else v.to(dtype) for key, v in p.items()}
 
 
-class GatedMLP(torch.nn.Module):
-    """An HF-style gated ReLU MLP (gate_proj, up_proj, down_proj) holding anchors.md weights at
-    ``density``, fp32 (move it with .cuda().to(dtype))."""
-
-    def __init__(self, k: int, n: int, density: float):
-        from twell_compile.testing import make_ffn
-
-        super().__init__()
-        nn = torch.nn
-        self.gate_proj = nn.Linear(k, n, bias=False)
-        self.up_proj = nn.Linear(k, n, bias=False)
-        self.down_proj = nn.Linear(n, k, bias=False)
-        p = make_ffn(8, k, n, density, 0.0, dtype=torch.float32)
-        with torch.no_grad():
-            self.gate_proj.weight.copy_(p["w_gate"])
-            self.up_proj.weight.copy_(p["w_up"])
-            self.down_proj.weight.copy_(p["w_down"])
-
-    def forward(self, x):
-        return self.down_proj(torch.relu(self.gate_proj(x)) * self.up_proj(x))
+def twell_op_calls(fn):
+    """(the twell ops ``fn()`` called, by name in call order; what ``fn`` returned), from the
+    profiler's record of dispatched ops."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return [e.name for e in prof.events() if e.name.startswith("twell::")], out
 
 
 def ffn_args(p: dict) -> tuple:

@@ -10,18 +10,8 @@ import torch.nn.functional as F
 
 import twell_compile
 from tests.helpers import REWRITE_ALL
+from twell_compile.testing import GatedMLP
 from twell_compile import backend as backend_mod
-
-
-class GatedMLP(nn.Module):
-    def __init__(self, k=16, n=40, bias=False):
-        super().__init__()
-        self.gate = nn.Linear(k, n, bias=bias)
-        self.up = nn.Linear(k, n, bias=bias)
-        self.down = nn.Linear(n, k, bias=bias)
-
-    def forward(self, x):
-        return self.down(F.relu(self.gate(x)) * self.up(x))
 
 
 class Net(nn.Module):

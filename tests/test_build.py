@@ -119,27 +119,12 @@ def test_a_missing_compiler_says_how_to_get_one(tmp_path, monkeypatch):
 
 
 NO_COMPILER = textwrap.dedent("""
-    import torch, torch.nn as nn, torch.nn.functional as F
+    import torch
     import twell_compile
-
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate, self.up, self.down = nn.Linear(512, 1408), nn.Linear(512, 1408), nn.Linear(1408, 512)
-
-        def forward(self, x):
-            return self.down(F.relu(self.gate(x)) * self.up(x))
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mlp = MLP()
-
-        def forward(self, x):
-            return self.mlp(x)
+    from twell_compile.testing import Block, GatedMLP
 
     with torch.no_grad():
-        print(twell_compile.explain(Net(), torch.randn(4, 512)))
+        print(twell_compile.explain(Block(GatedMLP(512, 1408, bias=True), 512), torch.randn(4, 512)))
 """)
 
 

@@ -126,18 +126,12 @@ def test_the_readmes_l1_sparsifies_a_short_run_where_the_papers_value_does_not()
     import torch.nn as nn
     import torch.nn.functional as F
 
-    class FFN(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate, self.up, self.down = nn.Linear(32, 128), nn.Linear(32, 128), nn.Linear(128, 32)
-
-        def forward(self, x):
-            return self.down(F.relu(self.gate(x)) * self.up(x))
+    from twell_compile.testing import GatedMLP
 
     def density_after(l1: float) -> float:
         torch.manual_seed(0)
         torch._dynamo.reset()
-        net, teacher = FFN(), nn.Linear(32, 32)
+        net, teacher = GatedMLP(32, 128, bias=True), nn.Linear(32, 32)
         opt = torch.optim.Adam(net.parameters(), lr=1e-2)
         f = torch.compile(net, backend="twell", options={"twell.l1": l1})
         for _ in range(30):

@@ -10,29 +10,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import twell_compile
+from twell_compile.testing import Block, PlainMLP
 
 K, N, VOCAB = 16, 40, 50
 FORCE = {"twell.skip_dense": False}   # rewrite these tiny CPU FFNs whatever the speed rule says
 
 
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(K, N)
-        self.down = nn.Linear(N, K)
-
-    def forward(self, x):
-        return self.down(F.relu(self.up(x)))
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(K)
-        self.mlp = MLP()
-
-    def forward(self, x):
-        return x + self.mlp(self.norm(x))
+def mlp() -> PlainMLP:
+    return PlainMLP(K, N, bias=True)
 
 
 @contextlib.contextmanager
@@ -47,7 +32,7 @@ class LM(nn.Module):
     def __init__(self, layers=2):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, K)
-        self.layers = nn.ModuleList(Block() for _ in range(layers))
+        self.layers = nn.ModuleList(Block(mlp(), K) for _ in range(layers))
 
     def forward(self, ids, position_ids=None, **extra):
         with scope():
@@ -208,13 +193,9 @@ def test_explain_after_torch_compile_warns_and_the_compiled_model_still_runs():
 
 
 # ------------------------------------------------------------------------------ layer names
-class SiluMLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(K, N), nn.Linear(N, K)
-
+class SiluMLP(PlainMLP):
     def forward(self, x):
-        return self.down(F.silu(self.up(x)))
+        return self.down(F.silu(self.gate(x)))
 
 
 def test_a_model_that_is_one_ffn_is_named_root_everywhere(caplog):
@@ -223,13 +204,13 @@ def test_a_model_that_is_one_ffn_is_named_root_everywhere(caplog):
     x = torch.randn(3, K)
     twell_compile.reset_stats()
     with torch.no_grad(), caplog.at_level("INFO", logger="twell_compile"):
-        rewritten = twell_compile.explain(MLP(), x, options=FORCE)
-        left = twell_compile.explain(SiluMLP(), x)
-        two = twell_compile.explain(lambda v, a=MLP(), b=MLP(): b(a(v)), x, options=FORCE)
+        rewritten = twell_compile.explain(mlp(), x, options=FORCE)
+        left = twell_compile.explain(SiluMLP(K, N, bias=True), x)
+        two = twell_compile.explain(lambda v, a=mlp(), b=mlp(): b(a(v)), x, options=FORCE)
     assert [r.layer for r in rewritten.rewrites] == ["root"] and [r.layer for r in left.rejections] == ["root"]
     assert [r.layer for r in two.rewrites] == ["root", "root#2"]     # a function holding two FFNs
     assert str(rewritten).splitlines()[-1].startswith("root ") and str(left).splitlines()[-1].startswith("root ")
     assert any(m.startswith("twell: rewrote root (") for m in caplog.messages)
     assert any(m.startswith("twell: left root to Inductor: ") for m in caplog.messages)
     assert set(twell_compile.layer_stats()) == {"root", "root#2"}
-    assert [r.layer for r in twell_compile.prepare(MLP()).rewrites] == ["root"]
+    assert [r.layer for r in twell_compile.prepare(mlp()).rewrites] == ["root"]

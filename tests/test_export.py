@@ -6,28 +6,22 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import twell_compile
+from twell_compile.testing import Block, GatedMLP, PlainMLP
 
 # These FFNs are tiny: force the rewrite whatever a device's skip_dense rule would leave to Inductor.
 REWRITE = {"twell.skip_dense": False}
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.gate, self.up, self.down = nn.Linear(16, 40), nn.Linear(16, 40), nn.Linear(40, 16)
-        self.fc1, self.fc2 = nn.Linear(16, 24), nn.Linear(24, 16)
-
-    def forward(self, x):
-        x = x + self.down(F.relu(self.gate(x)) * self.up(x))
-        return x + self.fc2(torch.relu(self.fc1(x)))
+def two_ffns() -> nn.Sequential:
+    """A gated FFN, then a plain one, each added to its input (biases, no norm)."""
+    return nn.Sequential(Block(GatedMLP(16, 40, bias=True), norm=False), Block(PlainMLP(16, 24, bias=True), norm=False))
 
 
 def test_export_rewrites_and_matches_eager():
     torch.manual_seed(0)
-    m = Block().eval()
+    m = two_ffns().eval()
     x = torch.randn(3, 5, 16)
     ep, report = twell_compile.export(m, (x,), options=REWRITE)
     assert len(report.rewrites) == 2 and {r.gated for r in report.rewrites} == {True, False}
@@ -40,7 +34,7 @@ def test_export_rewrites_and_matches_eager():
 
 def test_static_export_reports_the_program_sizes():
     # Dynamo used to trace symbolically: the report read [s0, s1] for a program fixed at [3, 5].
-    ep, report = twell_compile.export(Block().eval(), (torch.randn(3, 5, 16),), options=REWRITE)
+    ep, report = twell_compile.export(two_ffns().eval(), (torch.randn(3, 5, 16),), options=REWRITE)
     assert [r.tokens_shape for r in report.rewrites] == ["[3, 5]", "[3, 5]"]
     assert not ep.range_constraints  # no symbolic size left in the program
     assert "[3, 5]" in str(report)
@@ -48,7 +42,7 @@ def test_static_export_reports_the_program_sizes():
 
 def test_program_runs_with_grad_enabled_and_leaves_the_model_alone():
     torch.manual_seed(2)
-    m = Block().eval()
+    m = two_ffns().eval()
     x = torch.randn(4, 16)
     ep, _ = twell_compile.export(m, (x,), options=REWRITE)
     prog = ep.module()
@@ -59,7 +53,7 @@ def test_program_runs_with_grad_enabled_and_leaves_the_model_alone():
     assert all(p.requires_grad for p in m.parameters())  # the model still trains
     # The program shares the model's storage: an in-place update is seen by the next call.
     with torch.no_grad():
-        m.fc1.weight.mul_(2)
+        m[1].mlp.gate.weight.mul_(2)
     torch.testing.assert_close(prog(x), m(x), atol=1e-5, rtol=1e-5)
     # An input that requires grad cannot get one through the inference op: the error names the fix.
     with pytest.raises(ValueError, match="no_grad"):
@@ -80,7 +74,7 @@ def test_program_sees_every_weight_change_the_model_sees(change):
     18.8), where plain torch.export's program sees them: the program now holds the model's own
     parameters and reads them detached, so every change is seen by its next call."""
     torch.manual_seed(4)
-    m = Block().eval()
+    m = two_ffns().eval()
     x = torch.randn(4, 16)
     ep, _ = twell_compile.export(m, (x,), options=REWRITE)
     prog = ep.module()
@@ -88,7 +82,7 @@ def test_program_sees_every_weight_change_the_model_sees(change):
         if CHANGES[change] is None:
             m.load_state_dict({k: torch.randn_like(v) for k, v in m.state_dict().items()})
         else:
-            for w in (m.up.weight, m.down.weight, m.fc1.bias):
+            for w in (m[0].mlp.up.weight, m[0].mlp.down.weight, m[1].mlp.gate.bias):
                 CHANGES[change](w)
     with torch.no_grad():
         torch.testing.assert_close(prog(x), m(x), atol=1e-5, rtol=1e-5)
@@ -97,7 +91,7 @@ def test_program_sees_every_weight_change_the_model_sees(change):
 
 def test_dynamic_batch_exports_one_program_for_every_batch():
     torch.manual_seed(3)
-    m = Block().eval()
+    m = two_ffns().eval()
     ep, report = twell_compile.export(m, (torch.randn(3, 5, 16),), dynamic_batch=True, options=REWRITE)
     assert [r.tokens_shape for r in report.rewrites] == ["[batch, 5]", "[batch, 5]"]
     assert len(ep.range_constraints) == 1
@@ -114,9 +108,10 @@ def test_dynamic_batch_exports_one_program_for_every_batch():
 
 def test_dynamic_shapes_pass_through_and_name_the_report_sizes():
     torch.manual_seed(4)
-    m = Block().eval()
+    m = two_ffns().eval()
     b, s = torch.export.Dim("b"), torch.export.Dim("seq")
-    ep, report = twell_compile.export(m, (torch.randn(3, 5, 16),), dynamic_shapes={"x": {0: b, 1: s}},
+    # (by the argument's name: nn.Sequential's is "input")
+    ep, report = twell_compile.export(m, (torch.randn(3, 5, 16),), dynamic_shapes={"input": {0: b, 1: s}},
                                        options=REWRITE)
     assert [r.tokens_shape for r in report.rewrites] == ["[b, seq]", "[b, seq]"]
     x = torch.randn(2, 9, 16)
@@ -144,16 +139,16 @@ def test_export_argument_errors():
     with pytest.raises(TypeError, match="model must be"):
         twell_compile.export(lambda x: x, (torch.randn(2),))
     with pytest.raises(TypeError, match="args must be a tuple"):
-        twell_compile.export(Block(), torch.randn(2, 16))
+        twell_compile.export(two_ffns(), torch.randn(2, 16))
     with pytest.raises(ValueError, match="only twell"):
-        twell_compile.export(Block(), (torch.randn(2, 16),), options={"max_autotune": True})
+        twell_compile.export(two_ffns(), (torch.randn(2, 16),), options={"max_autotune": True})
 
 
 @pytest.mark.skipif(torch.__version__ < (2, 13),
                     reason="AOTInductor on torch 2.11 segfaults calling Python custom ops (seen on the H200 machine)")
 def test_aoti_package_runs_in_fresh_process(tmp_path):
     torch.manual_seed(1)
-    m = Block().eval()
+    m = two_ffns().eval()
     x = torch.randn(4, 16)
     ep, _ = twell_compile.export(m, (x,), options=REWRITE)
     pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "ffn.pt2"))

@@ -10,18 +10,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import twell_compile
-from tests.helpers import REWRITE_ALL
+from tests.helpers import REWRITE_ALL, twell_op_calls
+from twell_compile.testing import Block, FusedMLP, GatedMLP
 from twell_compile.prepare import spec_of
 
 
 
-class Gated(nn.Module):
+class Gated(GatedMLP):            # with biases
     def __init__(self, k=16, n=40, bias=True):
-        super().__init__()
-        self.gate, self.up, self.down = nn.Linear(k, n, bias=bias), nn.Linear(k, n, bias=bias), nn.Linear(n, k, bias=bias)
-
-    def forward(self, x):
-        return self.down(F.relu(self.gate(x)) * self.up(x))
+        super().__init__(k, n, bias)
 
 
 class Plain(nn.Module):          # non-gated, ReLU as a module
@@ -31,16 +28,6 @@ class Plain(nn.Module):          # non-gated, ReLU as a module
 
     def forward(self, x):
         return self.fc2(self.act(self.fc1(x)))
-
-
-class Fused(nn.Module):          # Phi-3 style fused gate+up, chunked
-    def __init__(self, k=16, n=40):
-        super().__init__()
-        self.gate_up, self.down = nn.Linear(k, 2 * n, bias=False), nn.Linear(n, k, bias=False)
-
-    def forward(self, x):
-        g, u = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(torch.relu(g) * u)
 
 
 class RawMatmul(nn.Module):      # parameters used directly, one stored transposed
@@ -104,7 +91,7 @@ def _grads(model, out, x, allow_unused=False):
                                materialize_grads=allow_unused)
 
 
-KINDS = [Gated, Plain, Fused, RawMatmul]
+KINDS = [Gated, Plain, FusedMLP, RawMatmul]
 
 
 def test_prepares_every_spelling_and_reports_it():
@@ -147,7 +134,7 @@ def test_eager_prepared_model_is_exact_and_runs_the_ops():
 
 
 def test_compiled_prepared_model_matches_unprepared_eager():
-    net, ref = _pair(Gated, Fused)
+    net, ref = _pair(Gated, FusedMLP)
     twell_compile.prepare(net, options=REWRITE_ALL)     # K=16: on a CPU the rules would leave it
     x = torch.randn(4, 16, requires_grad=True)
     out = torch.compile(net, backend="twell")(x)
@@ -166,7 +153,7 @@ def test_compiled_prepared_model_matches_unprepared_eager():
 def test_prepared_model_compiles_as_one_graph():
     # fullgraph: a graph break in a prepared FFN raises (torch 2.11 broke on the torch.func
     # depth query in every prepared FFN: 10 graphs for a 4-layer Llama, one frame left to eager)
-    net, _ = _pair(Gated, Fused)
+    net, _ = _pair(Gated, FusedMLP)
     twell_compile.prepare(net, options=REWRITE_ALL)
     x = torch.randn(4, 16, requires_grad=True)
     torch._dynamo.reset()
@@ -191,16 +178,10 @@ def test_prepared_model_compiles_as_one_graph_on_cuda_in_a_fresh_process():
         import torch, torch.nn as nn, torch.nn.functional as F
         import twell_compile
 
-        class Gated(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.gate, self.up, self.down = nn.Linear(64, 160), nn.Linear(64, 160), nn.Linear(160, 64)
-
-            def forward(self, x):
-                return self.down(F.relu(self.gate(x)) * self.up(x))
+        from twell_compile.testing import GatedMLP
 
         torch.manual_seed(0)
-        net = nn.Sequential(Gated(), Gated()).cuda().to(torch.bfloat16)
+        net = nn.Sequential(GatedMLP(64, 160, bias=True), GatedMLP(64, 160, bias=True)).cuda().to(torch.bfloat16)
         ref = copy.deepcopy(net)
         twell_compile.prepare(net, down_layout="transposed")
         x = torch.randn(4096, 64, device="cuda", dtype=torch.bfloat16)
@@ -290,15 +271,6 @@ def test_each_prepared_ffn_and_each_compile_has_its_own_instance():
     assert len(compiled) == 4 and len(set(compiled + eager)) == 8, (compiled, eager)
 
 
-class Block(nn.Module):          # a transformer block's shape: norm, FFN, residual
-    def __init__(self):
-        super().__init__()
-        self.norm, self.ffn = nn.LayerNorm(16), Gated()
-
-    def forward(self, x):
-        return x + self.ffn(self.norm(x))
-
-
 def test_blocks_compiled_one_by_one_share_one_graph_and_run_as_their_own_layers(caplog):
     """Regional compilation (and FSDP2, whose hooks end a frame at every block) compiles each
     block's forward on one code object. The training op takes its layer from the module's tag
@@ -306,7 +278,7 @@ def test_blocks_compiled_one_by_one_share_one_graph_and_run_as_their_own_layers(
     graphs, and Dynamo's limit of 8 left the rest eager), and each call still runs as its own
     layer: gradients equal the unprepared model's, statistics are kept per layer."""
     torch.manual_seed(0)
-    net = nn.Sequential(*(Block() for _ in range(10)))
+    net = nn.Sequential(*(Block(Gated()) for _ in range(10)))
     ref = copy.deepcopy(net)
     twell_compile.prepare(net, options={"twell.l1": 0.05})
     assert not any("tag" in k for k in net.state_dict())          # the tag is no buffer
@@ -322,17 +294,17 @@ def test_blocks_compiled_one_by_one_share_one_graph_and_run_as_their_own_layers(
         net(x).sum().backward()
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     rewrites = [r.args[0] for r in caplog.records if r.msg.startswith("twell: rewrote")]
-    assert rewrites == ["0.ffn"], rewrites                      # one graph, named after the first block
-    assert sorted(twell_compile.layer_stats()) == sorted(f"{i}.ffn" for i in range(10))
+    assert rewrites == ["0.mlp"], rewrites                      # one graph, named after the first block
+    assert sorted(twell_compile.layer_stats()) == sorted(f"{i}.mlp" for i in range(10))
     hs, h = [], x                                                 # the penalty, as the paper's mean
     for b in ref:
         xn = b.norm(h)
-        hs.append(F.relu(b.ffn.gate(xn)) * b.ffn.up(xn))
-        h = h + b.ffn.down(hs[-1])
+        hs.append(F.relu(b.mlp.gate(xn)) * b.mlp.up(xn))
+        h = h + b.mlp.down(hs[-1])
     (h.sum() + 0.05 * torch.stack([v.abs().mean() for v in hs]).mean()).backward()
     for a, p in zip(ref.parameters(), net.parameters()):
         torch.testing.assert_close(p.grad, a.grad, atol=1e-5, rtol=1e-5)
-    assert twell_compile.unprepare(net) == 10 and not any(hasattr(b.ffn, "_twell_tag") for b in net)
+    assert twell_compile.unprepare(net) == 10 and not any(hasattr(b.mlp, "_twell_tag") for b in net)
 
 
 def test_prepared_model_saves_loads_and_copies_with_its_own_runtime_state(tmp_path):
@@ -382,7 +354,7 @@ def test_down_layout_transposed_keeps_values_parameters_and_state_dict(tmp_path)
     every other parameter keeps its storage."""
     from twell_compile.runtime.launch import transposed
 
-    net, ref = _pair(Gated, Plain, Fused, RawMatmul)
+    net, ref = _pair(Gated, Plain, FusedMLP, RawMatmul)
     params = dict(net.named_parameters())
     report = twell_compile.prepare(net, down_layout="transposed")
     assert len(report.rewrites) == 4
@@ -403,7 +375,7 @@ def test_down_layout_transposed_keeps_values_parameters_and_state_dict(tmp_path)
         opt.step()
     torch.testing.assert_close(net(x), ref(x), atol=1e-5, rtol=1e-5)
     torch.save(net.state_dict(), tmp_path / "sd.pt")
-    fresh, _ = _pair(Gated, Plain, Fused, RawMatmul, seed=1)
+    fresh, _ = _pair(Gated, Plain, FusedMLP, RawMatmul, seed=1)
     twell_compile.prepare(fresh, down_layout="transposed")
     fresh.load_state_dict(torch.load(tmp_path / "sd.pt"))
     assert not fresh.blocks[0].down.weight.is_contiguous()
@@ -466,23 +438,18 @@ PREPARED_TRANSFORMS = {
 
 
 @pytest.mark.parametrize("name", list(PREPARED_TRANSFORMS))
-def test_prepared_modules_under_torch_func_run_their_original_forward(name, monkeypatch, caplog):
+def test_prepared_modules_under_torch_func_run_their_original_forward(name, caplog):
     """torch.func.grad/jacrev over a prepared model failed (the op's autograd formula does not
     support functorch), jvp gave wrong tangents: under any torch.func transform or with a dual
     input a prepared module runs its original forward, says so once in the log, and takes
     its op again afterwards."""
     from tests.passes.rewrite_harness import check_close
-    prepare_mod = sys.modules["twell_compile.prepare"]     # (the package's ``prepare`` is the function)
-    monkeypatch.setattr(prepare_mod, "_FELL_BACK", set())
-    calls = []
-    run_ffn = prepare_mod.run_ffn
-    monkeypatch.setattr(prepare_mod, "run_ffn", lambda *a: calls.append(1) or run_ffn(*a))
-    net, ref = _pair(Gated, Fused, Plain)
+    sys.modules["twell_compile.prepare"].reset_fallback_log()   # (the package's ``prepare`` is the function)
+    net, ref = _pair(Gated, FusedMLP, Plain)
     twell_compile.prepare(net)
     x, t = torch.randn(3, 16), torch.randn(3, 16)
     with caplog.at_level("WARNING", logger="twell_compile"):
-        got = PREPARED_TRANSFORMS[name](net, x, t)
-        got_again = PREPARED_TRANSFORMS[name](net, x, t)
+        calls, (got, got_again) = twell_op_calls(lambda: [PREPARED_TRANSFORMS[name](net, x, t) for _ in range(2)])
     want = PREPARED_TRANSFORMS[name](ref, x, t)
     assert not calls
     got, got_again, want = ((v if isinstance(v, tuple) else (v,)) for v in (got, got_again, want))
@@ -491,14 +458,13 @@ def test_prepared_modules_under_torch_func_run_their_original_forward(name, monk
         assert torch.equal(a, b)
     fell_back = [r for r in caplog.records if "original forward" in r.getMessage()]
     assert len(fell_back) == 1, [r.getMessage() for r in caplog.records]
-    net(x)
-    assert len(calls) == 3      # outside the transform: the ops again
+    assert len(twell_op_calls(lambda: net(x))[0]) == 3      # outside the transform: the ops again
 
 
 def test_prepared_vmap_in_grad_mode_trains_the_weights():
     from tests.passes.rewrite_harness import check_close
 
-    net, ref = _pair(Gated, Fused)
+    net, ref = _pair(Gated, FusedMLP)
     twell_compile.prepare(net)
     x = torch.randn(4, 2, 16)
     dy = torch.randn(4, 2, 4)
@@ -644,20 +610,9 @@ def test_prepared_module_takes_its_forwards_keyword(compiled):
             m(x=x)
 
 
-class Empty(nn.Module):
-    """A gated FFN pruned to N hidden units (0 allowed)."""
-
-    def __init__(self, k=16, n=0, k_out=16):
-        super().__init__()
-        self.gate, self.up, self.down = nn.Linear(k, n), nn.Linear(k, n), nn.Linear(n, k_out)
-
-    def forward(self, x):
-        return self.down(F.relu(self.gate(x)) * self.up(x))
-
-
 @pytest.mark.parametrize("l1", [None, 0.5])
 def test_prepared_ffn_of_width_zero_behaves_as_eager(l1):
-    m = Empty()
+    m = Gated(n=0)                 # a gated FFN pruned to no hidden unit
     ref = copy.deepcopy(m)
     twell_compile.prepare(m, options={**REWRITE_ALL, **({"twell.l1": l1} if l1 else {})})
     assert spec_of(m) is not None

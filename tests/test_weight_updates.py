@@ -13,10 +13,9 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import twell_compile  # noqa: F401  (registers the backend and the ops)
+from twell_compile.testing import GatedMLP
 
 gpu = pytest.mark.gpu
 # the CPU tests run the C++ kernel (forced: these layers are under its token count) and, where
@@ -24,20 +23,9 @@ gpu = pytest.mark.gpu
 ON_CPU_KERNEL = {"twell.path": "cpu", "twell.skip_dense": False}
 
 
-class FFN(nn.Module):
-    def __init__(self, k: int, n: int, bias: bool = True):
-        super().__init__()
-        self.gate = nn.Linear(k, n, bias=bias)
-        self.up = nn.Linear(k, n, bias=bias)
-        self.down = nn.Linear(n, k, bias=bias)
-
-    def forward(self, x):
-        return self.down(F.relu(self.gate(x)) * self.up(x))
-
-
-def _model(k: int, n: int, device: str, dtype: torch.dtype, seed: int = 0) -> FFN:
+def _model(k: int, n: int, device: str, dtype: torch.dtype, seed: int = 0) -> GatedMLP:
     torch.manual_seed(seed)
-    m = FFN(k, n).to(device=device, dtype=dtype)
+    m = GatedMLP(k, n, bias=True).to(device=device, dtype=dtype)
     with torch.no_grad():
         m.gate.bias.fill_(-1.3)           # sparse: ~10% of the gates positive
     return m
@@ -114,7 +102,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor) -> None:
     assert err <= 2 * eager + 1e-6, f"error {err:.3g} vs eager's {eager:.3g}"
 
 
-def _check_inference(model: FFN, compiled, x: torch.Tensor, mutate, calls: int = 3) -> None:
+def _check_inference(model: GatedMLP, compiled, x: torch.Tensor, mutate, calls: int = 3) -> None:
     with torch.no_grad():
         for _ in range(calls):             # measured densities and captured graphs in place
             compiled(x)
@@ -128,7 +116,7 @@ def _check_inference(model: FFN, compiled, x: torch.Tensor, mutate, calls: int =
             _close(got, want, ref)
 
 
-def _check_training(model: FFN, compiled, x: torch.Tensor, mutate) -> None:
+def _check_training(model: GatedMLP, compiled, x: torch.Tensor, mutate) -> None:
     def grads(f):
         model.zero_grad(set_to_none=True)
         y = f(x)

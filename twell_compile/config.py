@@ -78,9 +78,8 @@ class TwellConfig:
         the compile mode and Inductor's ``triton.cudagraphs`` (reduce-overhead: on); "on" when
         you capture CUDA graphs around the compiled model yourself; "off". Without CUDA graphs a
         static decode-sized CUDA FFN (<= 64 tokens) is left to Inductor under ``skip_dense``:
-        rewritten, generate() in the default mode ran 0.63x of Inductor's tokens/s at batch 1
-        (H200, 2026-11-23, ``bench_e2e.py --generate --compile-mode default --twell-opt
-        twell.cudagraphs=on``).
+        rewritten, its host-bound launches made generate() in the default mode run 0.63x of
+        Inductor's tokens/s at batch 1 (docs/design-notes/decode.md).
     """
 
     enabled: bool = True

@@ -146,9 +146,8 @@ def _check_positive(**knobs: int) -> None:
 
 # ---------------------------------------------------------------------------- inference
 # Defined through torch.library.Library, not custom_op: custom_op's Python autograd and
-# aliasing layers cost 43 us of host time per eager call on the H200 host (op 173 us vs its
-# dispatch 130, bench_host.py, 2026-11-23), more than the decode kernels' GPU time
-# (17-21 us). The op is inference only: its Autograd key falls through, and a call that would
+# aliasing layers cost 43 us of host time per eager call (bench_host.py,
+# docs/design-notes/host.md), more than the decode kernels' GPU time. The op is inference only: its Autograd key falls through, and a call that would
 # need a gradient is refused up front (the backend rewrites to ffn_train when one is needed).
 _lib = torch.library.Library("twell", "FRAGMENT")
 _lib.define("ffn(Tensor x, Tensor w_gate, Tensor? b_gate, Tensor? w_up, Tensor? b_up, Tensor w_down, "
@@ -306,7 +305,7 @@ def _train_setup_context(ctx, inputs: Sequence, output: Sequence) -> None:
     ctx.save_for_backward(x, w_gate, b_gate, w_up, b_up, w_down, *output[1:])
     # The saved state is not differentiable, and eager autograd would still hand the backward
     # zero-filled grads for its float outputs ([M, N] each on the dense path: +368 MB at
-    # M=16384, H200, 2026-11-22): no materialised grads (AOTAutograd turns them off by itself).
+    # M=16384): no materialised grads (AOTAutograd turns them off by itself).
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
     ctx.y_shape = output[0].shape

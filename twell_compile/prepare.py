@@ -391,10 +391,8 @@ def _dual(t: Optional[Tensor]) -> bool:
 def _transform_depth() -> int:
     """torch.func's interpreter stack depth. Under torch.compile the value at trace time, as a
     constant: torch 2.13's Dynamo folds the call itself, 2.11's graph-broke on it in every
-    prepared FFN (10 Dynamo graphs for a 4-layer model, one frame left to eager: TORCH_LOGS=
-    graph_breaks python3 examples/train_ddp.py --wrap none --accum 2 --global-batch 16 --density
-    0.005 --l1 12 --fixed-batch, H100, 2026-11-26; 1 graph since); peek_interpreter_stack()
-    would read as not None."""
+    prepared FFN (docs/design-notes/host.md); peek_interpreter_stack() would read as not
+    None."""
     return torch._C._functorch.get_dynamic_layer_stack_depth()
 
 
@@ -414,6 +412,11 @@ def transform_active(module: nn.Module, spec: FFNSpec, x: Tensor) -> Optional[st
 
 
 _FELL_BACK: set[str] = set()       # reasons already logged
+
+
+def reset_fallback_log() -> None:
+    """Log each reason a prepared module runs its original forward once more."""
+    _FELL_BACK.clear()
 
 
 _MISSING = object()

@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
+
+from twell_compile.testing import Block, GatedMLP
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or sys.platform != "linux", reason="needs torch.distributed")
 
@@ -34,28 +35,10 @@ SCENARIOS = {   # name: (wrap, bucket_cap_mb, prepare)
 }
 
 
-class MLP(nn.Module):
-    def __init__(self, k, n):
-        super().__init__()
-        self.gate, self.up, self.down = nn.Linear(k, n), nn.Linear(k, n), nn.Linear(n, k)
-
-    def forward(self, x):
-        return self.down(F.relu(self.gate(x)) * self.up(x))
-
-
-class Block(nn.Module):
-    def __init__(self, k, n):
-        super().__init__()
-        self.norm, self.mlp = nn.LayerNorm(k), MLP(k, n)
-
-    def forward(self, x):
-        return x + self.mlp(self.norm(x))
-
-
 class Net(nn.Module):
     def __init__(self, k=K, n=N):
         super().__init__()
-        self.blocks = nn.ModuleList(Block(k, n) for _ in range(2))
+        self.blocks = nn.ModuleList(Block(GatedMLP(k, n, bias=True), k) for _ in range(2))
         self.head = nn.Linear(k, 8)
 
     def forward(self, x):

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from twell_compile.backend import twell_backend
 
 from tests.helpers import REWRITE_ALL
 from tests.models.hf_tiny import VOCAB, build, main_output
 from tests.passes.rewrite_harness import TWELL_OPS, check_close
+from twell_compile.testing import Block, FusedMLP
 
 
 class CountingTwell:
@@ -29,22 +28,10 @@ class CountingTwell:
         return compiled
 
 
-class Block(nn.Module):
-    def __init__(self, k: int = 16, n: int = 40):
-        super().__init__()
-        self.norm = nn.LayerNorm(k)
-        self.gate_up = nn.Linear(k, 2 * n, bias=False)
-        self.down = nn.Linear(n, k, bias=False)
-
-    def forward(self, x):
-        g, u = self.gate_up(self.norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.relu(g) * u)
-
-
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
 def test_no_recompile_after_first_dynamic_recompile(grad: bool) -> None:
     torch.manual_seed(0)
-    model = Block()
+    model = Block(FusedMLP())
     backend = CountingTwell()
     compiled = torch.compile(model, backend=backend, options=REWRITE_ALL)
     # Batch sizes cross the training op's backup-capacity steps (ceil(M / 16)): 6, 12, 51 tokens.
@@ -67,7 +54,7 @@ def test_no_recompile_after_first_dynamic_recompile(grad: bool) -> None:
 
 def test_mark_dynamic_compiles_once() -> None:
     torch.manual_seed(0)
-    model = Block()
+    model = Block(FusedMLP())
     backend = CountingTwell()
     compiled = torch.compile(model, backend=backend, options=REWRITE_ALL)
     for batch in (4, 7, 2, 33):
@@ -95,19 +82,14 @@ def test_llama_mark_dynamic_batch_and_sequence() -> None:
 
 
 @pytest.fixture
-def cuda_count_rules(monkeypatch):
-    """The CUDA token-count rules answer these CPU compiles (as for bf16 CUDA tensors) at small
-    thresholds: decode-sized <= 8, per-row sized and training >= 40, per-row K >= 16. The
-    device is stood in (CI has no GPU): the graph pass's compile-time plan is asked for CUDA."""
-    import importlib
-
+def cuda_count_rules():
+    """The CUDA token-count rules answer these CPU compiles (as for bf16 CUDA tensors,
+    select.compile_rules_for: CI has no GPU) at small thresholds: decode-sized <= 8, per-row
+    sized and training >= 40, per-row K >= 16."""
     from twell_compile.runtime import arch, select
 
-    fuse_ffn = importlib.import_module("twell_compile.passes.fuse_ffn")   # the module, not the pass
-    cuda = torch.device("cuda")
-    monkeypatch.setattr(fuse_ffn, "static_reason",
-                        lambda dev, dt, *a, **kw: select.static_reason(cuda, torch.bfloat16, *a, **kw))
-    with arch.patched(decode_max_m=8, min_tokens=40, min_width=16, train_min_tokens=40, train_min_width=16):
+    with select.compile_rules_for("cuda", torch.bfloat16), arch.patched(
+            decode_max_m=8, min_tokens=40, min_width=16, train_min_tokens=40, train_min_width=16):
         yield
 
 
@@ -117,7 +99,7 @@ def test_training_token_counts_across_the_small_m_rule(cuda_count_rules) -> None
     compiled at a small count leaves the FFN to Inductor and serves every count under 40; the
     first count over it recompiles once, rewritten; after that nothing compiles."""
     torch.manual_seed(0)
-    model = Block()
+    model = Block(FusedMLP())
     backend = CountingTwell()
     compiled = torch.compile(model, backend=backend)
     # tokens: 6 (static), 12 (dynamic, < 40), 9, 51 (>= 40: recompiles), 27, 60, 15
@@ -138,7 +120,7 @@ def test_training_mark_dynamic_across_the_small_m_rule(cuda_count_rules) -> None
     """mark_dynamic's dimension may be narrowed to a range (not specialised): no
     ConstraintViolationError, one compile per side of the rule."""
     torch.manual_seed(0)
-    model = Block()
+    model = Block(FusedMLP())
     backend = CountingTwell()
     compiled = torch.compile(model, backend=backend)
     for batch in (4, 7, 30, 2, 33):
@@ -154,7 +136,7 @@ def test_inference_token_counts_across_the_ranges(cuda_count_rules, cudagraphs: 
     runs Inductor's FFN, per-row sized counts our op, decode-sized counts our op only where CUDA
     graphs replay the step."""
     torch.manual_seed(0)
-    model = Block()
+    model = Block(FusedMLP())
     backend = CountingTwell()
     compiled = torch.compile(model, backend=backend, options={"twell.cudagraphs": cudagraphs})
     # tokens: 12 static (band), 15 dynamic (band), 27, 51 (per-row sized), 6 (decode-sized), 60,
@@ -177,7 +159,7 @@ def test_a_users_dynamic_range_is_never_narrowed(cuda_count_rules, grad: bool, m
     the rewrite, unguarded (the op decides per
     call); a range wholly inside one side is answered without a guard."""
     torch.manual_seed(0)
-    model = Block()
+    model = Block(FusedMLP())
     backend = CountingTwell()
     compiled = torch.compile(model, backend=backend)
     for batch in (12, 29, 13) if max_tokens < 40 else (12, 100, 9):

@@ -25,6 +25,7 @@ from twell_compile.config import TwellConfig
 from tests.helpers import REWRITE_ALL
 from tests.passes.ffn_zoo import Spec, build, eager_allows, specs
 from tests.passes.rewrite_harness import REPLACED_FNS, REPLACED_METHODS, TWELL_OPS, PassBackend, check_close
+from twell_compile.testing import GatedMLP
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 
@@ -173,16 +174,6 @@ def test_skip_dense_leaves_slow_paths_to_inductor_unless_the_penalty_needs_our_b
 
 
 # ------------------------------------------------------------------------------ subgraphs
-class GatedMLP(nn.Module):
-    def __init__(self, k: int = 16, n: int = 40):
-        super().__init__()
-        self.gate_proj, self.up_proj = nn.Linear(k, n, bias=False), nn.Linear(k, n, bias=False)
-        self.down_proj = nn.Linear(n, k, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.relu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class CheckpointedBlocks(nn.Module):
     """Two residual blocks whose MLPs run under non-reentrant activation checkpointing."""
 
@@ -286,7 +277,7 @@ def test_mixed_dtypes_outside_autocast_raise_as_eager(where: str, change: str) -
     if change == "x":
         x = x.bfloat16()
     else:
-        model.mlp.down_proj.bfloat16()
+        model.mlp.down.bfloat16()
     backend = PassBackend()
     with torch.no_grad():
         with pytest.raises(RuntimeError, match="same dtype"):
@@ -447,16 +438,12 @@ def test_broadcast_bias_through_inductor(monkeypatch) -> None:
         check_close("grad", a, b)
 
 
-class _AddAfterDown(nn.Module):
+class _AddAfterDown(GatedMLP):
     """The block's output plus a tensor of another dtype (a residual's fp32 mean): the add is
     not the down projection's bias, and add's promotion keeps x's dtype for a 0-d fp32."""
 
-    def __init__(self):
-        super().__init__()
-        self.gate, self.up, self.down = nn.Linear(16, 40, bias=False), nn.Linear(16, 40, bias=False), nn.Linear(40, 16, bias=False)
-
     def forward(self, x, z):
-        return self.down(F.relu(self.gate(x)) * self.up(x)) + z.mean()
+        return super().forward(x) + z.mean()
 
 
 @pytest.mark.parametrize("zshape", [(3,), (16,)], ids=["0-d", "per-feature"])

@@ -27,6 +27,7 @@ from tests.helpers import REWRITE_ALL
 from tests.passes.ffn_zoo import Spec, build, eager_allows, specs
 from tests.passes.graph_capture import dynamo_graph, param_name
 from tests.passes.rewrite_harness import PassBackend, check_close
+from twell_compile.testing import GatedMLP
 
 
 def _names(spec: Spec) -> tuple[str, str | None, str]:
@@ -79,7 +80,7 @@ def test_matcher_finds_every_spelling(spec: Spec, grad: bool) -> None:
 K, N = 8, 12
 
 
-class Block(nn.Module):
+class NearMiss(nn.Module):
     """Parameters for the near-miss bodies below: gate, up, down, and a spare projection."""
 
     def __init__(self, body):
@@ -202,7 +203,7 @@ def _run_exact(model: nn.Module, x: torch.Tensor, x2: torch.Tensor, grad: bool):
 def test_near_miss_is_not_rewritten(name: str, grad: bool) -> None:
     body, reason = NEAR_MISSES[name]
     torch.manual_seed(0)
-    model = Block(body).eval()
+    model = NearMiss(body).eval()
     x, x2 = torch.randn(2, 3, K), torch.randn(2, 3, K)
     with torch.set_grad_enabled(grad):
         torch.manual_seed(1)
@@ -260,7 +261,7 @@ def test_rejections_name_the_layer() -> None:
     class Outer(nn.Module):
         def __init__(self):
             super().__init__()
-            self.mlp = Block(NEAR_MISSES["silu_gate"][0])
+            self.mlp = NearMiss(NEAR_MISSES["silu_gate"][0])
 
         def forward(self, x):
             return self.mlp(x, x)
@@ -273,7 +274,7 @@ def test_rejections_name_the_layer() -> None:
 def test_inplace_relu_on_disjoint_fused_slices_is_rewritten() -> None:
     """relu_ on the gate half of a fused projection leaves the up half alone: safe to rewrite."""
     torch.manual_seed(0)
-    model = Block(lambda s, x, x2: (lambda gu: s.down(gu[..., :N].relu_() * gu[..., N:]))(s.fused(x))).eval()
+    model = NearMiss(lambda s, x, x2: (lambda gu: s.down(gu[..., :N].relu_() * gu[..., N:]))(s.fused(x))).eval()
     x = torch.randn(5, K)
     with torch.no_grad():
         report = twell_compile.explain(model, x, x, options=REWRITE_ALL)
@@ -289,7 +290,7 @@ def test_inplace_relu_on_disjoint_fused_slices_is_rewritten() -> None:
 def test_find_ffns_reports_operator_spellings() -> None:
     """operator.mul with the ReLU on the right and the up branch on the left still matches."""
     torch.manual_seed(0)
-    model = Block(lambda s, x, x2: s.down(operator.mul(s.up(x), torch.relu(s.gate(x))))).eval()
+    model = NearMiss(lambda s, x, x2: s.down(operator.mul(s.up(x), torch.relu(s.gate(x))))).eval()
     gm = dynamo_graph(model, torch.randn(3, K), torch.randn(3, K))
     found = find_ffns(gm.graph)
     assert len(found) == 1 and isinstance(found[0], Match) and not isinstance(found[0], Rejection)
@@ -373,9 +374,9 @@ WEIGHT_WRITES = {
 def test_weight_written_inside_block_is_not_rewritten(name: str, grad: bool) -> None:
     """A weight or bias written (through .data, a slice or a transposed view) between the
     projections: rejected with the reason; compiled equals eager, each from fresh weights."""
-    def fresh() -> Block:
+    def fresh() -> NearMiss:
         torch.manual_seed(0)
-        return Block(WEIGHT_WRITES[name]).eval()
+        return NearMiss(WEIGHT_WRITES[name]).eval()
 
     x, x2 = torch.randn(2, 3, K), torch.randn(2, 3, K)
     with torch.set_grad_enabled(grad):
@@ -399,7 +400,7 @@ FRESH_WRITES = {
 @pytest.mark.parametrize("name", list(FRESH_WRITES))
 def test_writes_to_fresh_tensors_keep_the_rewrite(name: str) -> None:
     torch.manual_seed(0)
-    model = Block(FRESH_WRITES[name]).eval()
+    model = NearMiss(FRESH_WRITES[name]).eval()
     x, x2 = torch.randn(2, 3, K), torch.randn(2, 3, K)
     with torch.no_grad():
         gm = dynamo_graph(model, x, x2)
@@ -415,15 +416,6 @@ def test_writes_to_fresh_tensors_keep_the_rewrite(name: str) -> None:
 
 
 # ------------------------------------------------------------------------------ torch.func transforms
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.gate, self.up, self.down = nn.Linear(K, N), nn.Linear(K, N), nn.Linear(N, K)
-
-    def forward(self, x):
-        return self.down(F.relu(self.gate(x)) * self.up(x))
-
-
 def _dual_inside(mlp, t):
     import torch.autograd.forward_ad as fwAD
 
@@ -452,7 +444,7 @@ def test_ffn_inside_a_functorch_transform_is_left_to_inductor(name: str, grad: b
     FFNs are rejected with the transform named; results and gradients equal eager's."""
     make, shape, reason = TRANSFORMS[name]
     torch.manual_seed(0)
-    mlp = MLP()
+    mlp = GatedMLP(K, N, bias=True)
     t = torch.randn(shape)
     x = torch.randn(shape)
     fn = make(mlp, t)
@@ -488,7 +480,7 @@ def test_ffn_outside_the_transform_region_is_rewritten() -> None:
     """Only the nodes between a transform's enter and exit are inside it: an FFN before a vmap
     in the same graph is rewritten, the one inside is not."""
     torch.manual_seed(0)
-    first, second = MLP(), MLP()
+    first, second = GatedMLP(K, N, bias=True), GatedMLP(K, N, bias=True)
 
     def fn(x):
         return torch.func.vmap(second)(first(x))

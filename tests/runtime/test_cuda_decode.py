@@ -16,7 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import twell_compile.ops  # noqa: F401  (registers torch.ops.twell when this file runs alone)
-from tests.helpers import GatedMLP, ffn_args as _args, ffn_with_biases, poison as _poison, rel as _rel, run_interpreted
+from tests.helpers import ffn_args as _args, ffn_with_biases, poison as _poison, rel as _rel, run_interpreted
+from twell_compile.testing import GatedMLP
 from twell_compile.runtime import arch, decode_state as ds, select
 
 P = arch.H200
@@ -292,52 +293,45 @@ def test_shipped_constants_rewrite_the_measured_decode_shape():
     assert select.static_reason(torch.device("cuda"), torch.bfloat16, 1, 2048, 5632, 2048) is None
 
 
-def test_backend_registers_w_down_of_rewritten_ffns(monkeypatch):
-    """The compile-time hook finds the real W_down parameter behind each rewritten FFN whose
-    decode path can win (select.decode_state_wanted; stood in here: CPU fp32), and none where
-    it cannot."""
+def _reserves_decode_state(model: GatedMLP, x: torch.Tensor) -> bool:
+    """Compile ``model`` at ``x`` through the passes, run the backend's compile-time hook on the
+    rewritten graph: whether the FFN's W_down parameter now holds a decode state."""
     from twell_compile import backend
-
-    seen, wanted = [], [True]
-    monkeypatch.setattr(ds, "register", lambda w, base=None: seen.append((w, base)) or True)
-    monkeypatch.setattr(select, "decode_state_wanted", lambda *a: wanted[0])
-
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate_proj, self.up_proj = nn.Linear(16, 40, bias=False), nn.Linear(16, 40, bias=False)
-            self.down_proj = nn.Linear(40, 16, bias=False)
-
-        def forward(self, x):
-            return self.down_proj(F.relu(self.gate_proj(x)) * self.up_proj(x))
-
-    from twell_compile.passes import run_passes
     from twell_compile.config import TwellConfig
+    from twell_compile.passes import run_passes
 
-    model = MLP()
-    x = torch.randn(4, 16)
     captured = {}
 
     def grab(gm, example_inputs):
         captured["gm"], captured["inputs"] = run_passes(gm, TwellConfig(skip_dense=False)), example_inputs
         return gm.forward
 
+    torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(model, backend=grab)(x)
+    ds.clear()
     backend.reserve_decode_state(captured["gm"], captured["inputs"])
-    assert len(seen) == 1
-    w, base = seen[0]
-    assert base is model.down_proj.weight and w.data_ptr() == base.data_ptr()
-    wanted[0] = False                                              # decode can never win
-    seen.clear()
-    backend.reserve_decode_state(captured["gm"], captured["inputs"])
-    assert not seen
+    return ds.decode_state(model.down.weight, 1) is not None
 
 
 # ----------------------------------------------------------------------------- GPU
 
 gpu = pytest.mark.gpu
 DT = [torch.bfloat16, torch.float16]
+
+
+@gpu
+def test_backend_registers_w_down_of_rewritten_ffns():
+    """The compile-time hook finds the real W_down parameter behind each rewritten FFN whose
+    decode path can win (select.decode_state_wanted), and none where it cannot (a record whose
+    decode forms cost 1 ms fixed)."""
+    torch.manual_seed(0)
+    model = GatedMLP().cuda().to(torch.bfloat16)
+    x = torch.randn(4, 16, device="cuda", dtype=torch.bfloat16)
+    assert _reserves_decode_state(model, x)
+    with arch.patched(decode_forms=_forms(1e3, P.dense_gbps, 0.0)):      # decode can never win
+        assert not _reserves_decode_state(model, x)
+    ds.clear()
 
 
 def _ffn(m, k, n, k_out, density, dtype, gated=True, bias=True, tail=0.0, seed=None):
@@ -622,7 +616,7 @@ def test_compile_reduce_overhead_decode(monkeypatch, decode_wins_everywhere):
     real = cuda_decode.decode_forward
     monkeypatch.setattr(cuda_decode, "decode_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     counters.clear()
-    model = GatedMLP(512, 1408, 0.01).cuda().to(torch.bfloat16)
+    model = GatedMLP.at_density(512, 1408, 0.01).cuda().to(torch.bfloat16)
     f = torch.compile(model, backend="twell", mode="reduce-overhead")
     with torch.no_grad():
         for _ in range(4):
@@ -645,7 +639,7 @@ def test_static_decode_ffn_is_rewritten_only_with_cuda_graphs(decode_wins_everyw
     reduce-overhead, or twell.cudagraphs='on' for graphs captured by hand: rewritten."""
     import twell_compile
 
-    model = GatedMLP(512, 1408, 0.01).cuda().to(torch.bfloat16)
+    model = GatedMLP.at_density(512, 1408, 0.01).cuda().to(torch.bfloat16)
     x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         plain = twell_compile.explain(model, x)

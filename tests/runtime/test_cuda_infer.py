@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 import twell_compile
 import twell_compile.ops  # noqa: F401
-from tests.helpers import GatedMLP, ffn_args as _args, ffn_with_biases, poison as _poison, rel as _rel
+from tests.helpers import ffn_args as _args, ffn_with_biases, poison as _poison, rel as _rel
+from twell_compile.testing import GatedMLP
 from twell_compile.reference import ffn_dense
 from twell_compile.runtime import arch, cuda_infer, density, select
 
@@ -350,7 +351,7 @@ def _inputs(m, k):
 
 
 def test_compile_end_to_end_uses_twell():
-    model = GatedMLP(256, 1024, 0.002).cuda().to(torch.bfloat16)
+    model = GatedMLP.at_density(256, 1024, 0.002).cuda().to(torch.bfloat16)
     f = torch.compile(model, backend="twell")
     with torch.no_grad():
         for _ in range(3):
@@ -365,7 +366,7 @@ def test_compile_end_to_end_uses_twell():
 def test_reduce_overhead_captures_cuda_graphs_without_skips():
     from torch._dynamo.utils import counters
     counters.clear()
-    model = GatedMLP(256, 1024, 0.002).cuda().to(torch.bfloat16)
+    model = GatedMLP.at_density(256, 1024, 0.002).cuda().to(torch.bfloat16)
     f = torch.compile(model, backend="twell", mode="reduce-overhead")
     x = _inputs(2048, 256)
     with torch.no_grad():

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import twell_compile  # noqa: F401
 import twell_compile.ops  # noqa: F401
 from tests.helpers import ARG_NAMES as NAMES, ffn_with_biases, poison, rel as _plain_rel
+from twell_compile.testing import GatedMLP
 from twell_compile.formats import backup_capacity
 from twell_compile.reference import activate
 from twell_compile.runtime import arch, cuda_train, density
@@ -272,21 +272,10 @@ def _counting(monkeypatch):
     return seen
 
 
-class FFN(nn.Module):
-    def __init__(self, k=256, n=704):
-        super().__init__()
-        self.gate = nn.Linear(k, n)
-        self.up = nn.Linear(k, n)
-        self.down = nn.Linear(n, k)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.gate(x)) * self.up(x))
-
-
 def test_autocast_fp32_weights(monkeypatch):
     seen = _counting(monkeypatch)
     torch.manual_seed(0)
-    model = FFN().cuda()
+    model = GatedMLP(256, 704, bias=True).cuda()
     with torch.no_grad():
         model.gate.bias -= 0.8
     x = torch.randn(4, 512, 256, device="cuda")

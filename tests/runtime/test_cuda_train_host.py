@@ -28,51 +28,17 @@ def _saved(m, rows, n=16, width=4):
 
 @pytest.mark.parametrize("rows, hint, path", [(3, None, "sparse"), (3, True, "densify"), (3, False, "sparse"),
                                              (9, None, "dense"), (0, None, "sparse")])
-def test_backward_reads_its_path_from_the_saved_backup(monkeypatch, rows, hint, path):
+def test_backward_reads_its_path_from_the_saved_backup(rows, hint, path):
     """A backup of M rows is the dense forward's g and u (used as saved, nothing recomputed);
     fewer rows is a compact hybrid state: densified when a dense forward saved it (a hint by
-    address), else the sparse backward."""
-    seen = {}
-
-    def fake(name):
-        def f(dy2, x2, wg, bg, wu, bu, wd, *rest):
-            seen[name] = rest
-            m, k = x2.shape
-            return (torch.zeros(m, k), torch.zeros_like(wg), None, torch.zeros_like(wu), None, torch.zeros_like(wd))
-        return f
-
-    monkeypatch.setattr(cuda_train, "backward_sparse", fake("sparse"))
-    monkeypatch.setattr(cuda_train, "backward_dense", fake("dense"))
-    monkeypatch.setattr(cuda_train, "backward_densify", fake("densify"))
-    m, k, n = 9, 8, 16
-    x, dy = torch.randn(m, k).bfloat16(), torch.randn(m, k).bfloat16()
-    wg, wu, wd = torch.randn(n, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(k, n).bfloat16()
-    st = _saved(m, rows)
+    address, read once), else the sparse backward. (What each backward computes, with every
+    activation and a coefficient tensor: tests/runtime/test_cuda_train.py on the GPU.)"""
+    m = 9
+    backup_idx = _saved(m, rows)[4]
     if hint is not None:
-        cuda_train._densify_hint(st[4], hint)
-    cuda_train.ffn_train_backward(dy, x, wg, None, wu, None, wd, *st, 0.0)
-    assert list(seen) == [path]
-    if path != "dense":       # a controlled layer's coefficient reaches the kernels as a tensor
-        seen.clear()
-        if hint is not None:
-            cuda_train._densify_hint(st[4], hint)
-        coef = torch.ones(1)
-        cuda_train.ffn_train_backward(dy, x, wg, None, wu, None, wd, *st, 0.5, l1_coef=coef)
-        assert seen[path][-1] is coef and seen[path][-3] == 0.5 / (m * n)
-        seen.clear()
-        if hint is not None:
-            cuda_train._densify_hint(st[4], hint)
-        cuda_train.ffn_train_backward(dy, x, wg, None, wu, None, wd, *st, 0.0)
-    if path == "dense":
-        g, u, l1c, act, coef = seen["dense"]
-        assert g is st[5] and u is st[6] and (l1c, act, coef) == (0.0, "relu", None)
-    else:
-        assert seen[path][-3:] == (0.0, "relu", None)     # no penalty: no coefficient tensor either
-    seen.clear()
-    if hint is not None:
-        cuda_train._densify_hint(st[4], hint)        # (a hint is read once)
-    cuda_train.ffn_train_backward(dy, x, wg, None, wu, None, wd, *st, 0.0, "drelu")
-    assert seen[path][-2] == "drelu"          # the activation reaches the backward it took
+        cuda_train.densify_hint(backup_idx, hint)
+    assert cuda_train.backward_path(backup_idx, m) == path
+    assert cuda_train.backward_path(backup_idx, m) == ("dense" if path == "dense" else "sparse")
 
 
 def test_backward_refuses_a_backup_larger_than_m():
@@ -87,7 +53,9 @@ def test_densify_hint_table_is_bounded():
     cuda_train.clear_hints()
     keep = [torch.arange(i + 2) for i in range(cuda_train.MAX_HINTS + 2)]
     for t in keep:
-        cuda_train._densify_hint(t, True)
-    assert len(cuda_train._densify) == cuda_train.MAX_HINTS and keep[0].data_ptr() not in cuda_train._densify
+        cuda_train.densify_hint(t, True)
+    m = len(keep[-1]) + 1
+    assert [cuda_train.backward_path(t, m) for t in (keep[0], keep[1], keep[2], keep[-1])] == [
+        "sparse", "sparse", "densify", "densify"]       # the oldest two hints were dropped
     cuda_train.clear_hints()
-    assert not cuda_train._densify
+    assert cuda_train.backward_path(keep[-2], m) == "sparse"

@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 
 from tests.helpers import ffn_args as _args, poison as _poison, rel as _rel
-from tests.helpers import GatedMLP, ffn_with_biases
+from twell_compile.testing import GatedMLP
+from tests.helpers import ffn_with_biases
 from tests.runtime.test_cuda_decode import MECHANISM, gpu
 from tests.runtime.test_cuda_decode import decode_wins_everywhere  # noqa: F401  (a fixture)
 from twell_compile.runtime import arch, decode_graphs, decode_state as ds, density
@@ -202,10 +203,10 @@ def test_recompile_warmup_leaves_nothing_in_the_cudagraph_pool(decode_wins_every
     density.reset()
     ds.clear()
     decode_graphs.clear()
-    model = GatedMLP(512, 1408, 0.01).cuda().to(torch.bfloat16)
+    model = GatedMLP.at_density(512, 1408, 0.01).cuda().to(torch.bfloat16)
     f = torch.compile(_Step(model), backend="twell", dynamic=False,
                       options={"twell.mode": "reduce-overhead", "twell.path": "decode-rows"})
-    w = (model.gate_proj.weight, None, model.up_proj.weight, None, model.down_proj.weight, None)
+    w = (model.gate.weight, None, model.up.weight, None, model.down.weight, None)
     with torch.no_grad():
         for i, zlen in enumerate((3, 3, 3, 5, 5, 5)):
             x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16) * (1 + i)

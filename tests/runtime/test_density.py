@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from twell_compile.testing import Block, GatedMLP
 from twell_compile.runtime import arch, density
 
 gpu = pytest.mark.gpu
@@ -56,24 +57,9 @@ def test_dynamo_reset_clears_every_instance():
 
 
 def _net(gate_bias: float, k: int = 256, n: int = 1024) -> nn.Module:
-    class FFN(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate, self.up, self.down = nn.Linear(k, n), nn.Linear(k, n), nn.Linear(n, k)
-            nn.init.constant_(self.gate.bias, gate_bias)    # -3: ~nothing fires; +3: ~everything
-
-        def forward(self, x):
-            return self.down(torch.relu(self.gate(x)) * self.up(x))
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mlp = FFN()
-
-        def forward(self, x):
-            return x + self.mlp(x)
-
-    return Net().cuda().to(torch.bfloat16)
+    net = Block(GatedMLP(k, n, bias=True), k, norm=False)
+    nn.init.constant_(net.mlp.gate.bias, gate_bias)    # -3: ~nothing fires; +3: ~everything
+    return net.cuda().to(torch.bfloat16)
 
 
 def _paths(compiled, x, calls):

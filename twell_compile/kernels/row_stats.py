@@ -1,9 +1,8 @@
 """Triton device code: a layer's statistics from its per-row counts, in one launch.
 
 The statistics buffer (twell_compile/stats.py: sum and max of non-zeros per row, sum of |h|,
-rows over the list width) was filled by 8-12 small aten calls per op call: with them the
-compiled module issued a call in 1.01 ms of host time at M=8192 (per-row path, 0.62 ms of GPU
-time), without them in 0.40 ms (H100, benchmarks/profile_product.py, 2026-11-25).
+rows over the list width) filled in one launch instead of 8-12 small aten calls, whose host
+time outweighed the op's GPU time (docs/design-notes/host.md).
 """
 
 import triton

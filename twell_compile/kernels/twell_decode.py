@@ -106,8 +106,7 @@ def add_stats(cnt_ptr, hsa_ptr, nz, hsum, rm, m_ok):
     """Adds a block's non-zeros per row (nz [MB, BN]) and its sum |h| into the call's counters
     (relaxed atomics; skipped where zero: at d=0.005 most blocks add nothing). Added, not
     written per block: the finisher then reads M counts whatever the number of blocks (a sum
-    over written per-block counts cost 0.4-0.5 us at 176 blocks and ~6.5 at 1408, H200,
-    2026-11-23)."""
+    over per-block counts grows with them: ~6.5 us at 1408 blocks, docs/design-notes/decode.md)."""
     c = tl.sum(nz.to(tl.int32), axis=1)
     tl.atomic_add(cnt_ptr + rm, c, mask=m_ok & (c != 0), sem="relaxed")
     if hsum != 0.0:       # NaN too
@@ -175,8 +174,8 @@ def _gate_rows(x_ptr, sx_m, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, rm, m_
                HAS_BG: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, MS: tl.constexpr, KP: tl.constexpr):
     """``gate_block`` for M <= MS rows as a plain GEMV: the block's BN whole W_gate rows in
     one request ([BN, KP]: one memory round trip), g by FMA in fp32, no rows padded to 16.
-    Small BN then gives many programs: H200, M=1, K=2048, N=5632, 23 MB: 12.5 us at BN=4
-    (1408 programs) against 14.9 for the tl.dot gate at BN=32 (H200, 2026-11-23)."""
+    Small BN then gives many programs (H200, M=1, K=2048, N=5632: 12.5 us at BN=4 against 14.9
+    for the tl.dot gate at BN=32; benchmarks/results/h200/ffn_decode.json)."""
     rk = tl.arange(0, KP)
     k_ok = rk < K
     w = tl.load(wg_ptr + rn.to(tl.int64)[:, None] * swg_n + rk[None, :] * swg_k,

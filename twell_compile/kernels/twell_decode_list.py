@@ -17,8 +17,8 @@ vs dense 34.1). Here the work is per active (row, neuron) pair instead:
   ADOWN (the pairs form, ``form="pairs"``): the pair's W_d^T row (first KOC columns requested
   with the W_up row) times h goes into the fp32 accumulator [M, K_out] by relaxed atomics,
   M x K_out values per pair instead of the tiles form's whole [MB, K_out] tile per block;
-  ``decode_finish_kernel`` (twell_decode.py) then writes y. H200, K=2048, M=16, d=0.005: 21.2
-  us vs the list form's 26.5 (bench_ffn.py --decode, H200, 2026-11-22).
+  ``decode_finish_kernel`` (twell_decode.py) then writes y (H200, K=2048, M=16, d=0.005: 21.2
+  us against the list form's 26.5; docs/design-notes/decode.md).
   Otherwise (the list form): the pairs of token m in block b go to slots [b * BN, b * BN +
   count) of token m's list (neuron index and h), in neuron order; count per (token, block) is
   written, not added, so nothing needs zeroing between calls.

@@ -58,9 +58,8 @@ def train_densify_kernel(dh_ptr, dg_ptr, du_ptr, cnt_ptr, cols_ptr, eg_ptr, eu_p
                          L1: tl.constexpr, L1_DEV: tl.constexpr, W_P: tl.constexpr, K_P: tl.constexpr,
                          CH: tl.constexpr, BK: tl.constexpr, DCH: tl.constexpr, ACT: tl.constexpr):
     """CH columns per step where g and u are recomputed ([CH, BK] weight tiles), DCH where the
-    row is only streamed (256 there too, 1-2 elements per thread between barriers,
-    made the compact dense path 0.95-0.97x of eager against 1.02-1.03x for the g-and-u one;
-    H200, 2026-11-22)."""
+    row is only streamed: wide steps keep many elements per thread between barriers
+    (docs/design-notes/training.md)."""
     if L1_DEV:                                  # the controller's coefficient (fp32 [1])
         l1c = l1c * tl.load(l1_ptr)
     m = tl.program_id(0).to(tl.int64)

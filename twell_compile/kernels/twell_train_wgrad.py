@@ -8,22 +8,12 @@ order has the fixed size M * W.
 ``wgrad_kernel``: persistent programs over (chunk of one neuron's entries, chunk of BKW
 columns), fp32, in one of two passes (constexpr DY). A neuron's entries are cut into chunks of
 at most CHUNK (``chunk_map_kernel`` lists each chunk's neuron), which the programs take in
-order from an atomic ticket: a trained layer's busiest neuron holds 27x the mean's entries
-(H100, 2026-11-26, docs/training-design.md), and one program per neuron made both passes take
-9.54 ms per step of the 4-layer model against 7.20 with chunks of 128 from the ticket
-(profile_train_step.py, --policy wg_chunk_over_mean=0 for the fixed 128). CHUNK, a device
-scalar (no host sync), is wg_chunk_over_mean mean lists, at least wg_chunk, so that i.i.d.
-layers at large M (~590 entries per neuron at M=65536) do not split every neuron: forced
-sparse at M=65536 d=0.005 ran 13.78 / 21.70 ms at tail 0 / 0.2 with it against 14.04 / 22.37
-with fixed chunks of 128 (bench_ffn_train.py sparse_ms, one run each, H100, 2026-11-26). On
-the 4-layer model the shipped rule gave both passes 4.30 ms per step (step 67.79 ms against
-Inductor's 68.75; `profile_train_step.py --layers 4 --batch 8 --seq 2048 --density 0.005
---twell-opt twell.l1=12`, H100, 2026-11-26, commit a4ed0a7). A
-neuron of one chunk adds its sums to the outputs (fp32, the dense backup's part already in)
-with plain loads and stores; the chunks of a split neuron add theirs atomically. Each pass
-gathers rows of one [M, 2048]-sized tensor only (64 MB at M=16384 bf16: about the H200's
-50 MB L2), where one pass over x and dy together gathered 128 MB per step set (~0.9 ms, H200,
-2026-11-23):
+order from an atomic ticket, so a hot neuron (a trained layer has some) does not hold one
+program alone. CHUNK, a device scalar (no host sync), is wg_chunk_over_mean mean
+lists, at least wg_chunk: i.i.d. layers at large M do not split every neuron. A neuron of one
+chunk adds its sums to the outputs (fp32, the dense backup's part already in) with plain loads
+and stores; the chunks of a split neuron add theirs atomically. Each pass gathers rows of one
+[M, 2048]-sized tensor only (64 MB at M=16384 bf16: about an H200's L2):
 
   DY pass (whole rows, BKW >= K_out): W_d^T[n] in registers; per entry the dy row gathered,
       dh = dy[m] . W_d^T[n] (+ l1c sgn(h); l1c times *l1_ptr with L1_DEV), d_g = dh u [h_g > 0], d_u = dh h_g, h = h_g u;
@@ -38,21 +28,9 @@ already in the outputs (cuBLAS products written there first), so a neuron with n
 keeps exactly that part.
 
 The [E, BKW] tiles must lie along K inside each warp (BKW >= 256 x warps): the sums over the E
-entries then stay in registers. Compiled for sm_90 (Triton 3.9, CPU-side check of the TTGIR):
-BKW 2048 / E 4 / 4 warps gives warpsPerCTA [1, 4] and 6 bar.sync in the kernel; BKW 256 / 4
-warps gives warpsPerCTA [4, 1] (warps along E) and 42 bar.sync (3.7-12.8 ms on the H200 at
-M=16384, d=0.005, 2026-11-23, against about 1 ms for whole rows).
-
-The X pass as [16, E] x [E, 256] MMAs over K slices of 256 (d_g and d_u split in bf16 high and
-low parts; the gathered x tiles then go through cp.async, one stage ahead) lost: both passes
-10.65 ms per step of the 4-layer model at E=64, 9.09 at E=32, against 7.25 for these register
-tiles in the same call (H100, profile_train_step.py, 2026-11-26; a prototype, never committed:
-docs/training-design.md describes it). Nor did Triton's software pipelining of the entry loops
-(tl.range num_stages=3: the gathered rows through cp.async into shared memory): both passes
-5.13 ms per step against 4.30 in the same call; with the forward row kernel's and dx_rows_kernel's loops pipelined too, 5.07 and
-train_fwd_kernel 1.58 against 1.49 (H100, `profile_train_step.py --layers 4 --batch 8 --seq
-2048 --density 0.005 --twell-opt twell.l1=12 --policy wg_dy_stages=3 wg_x_stages=3 [fwd_stages=4
-dx_stages=3]`, 2026-11-26, on code whose knobs were removed again)."""
+entries then stay in registers (BKW 2048 / E 4 / 4 warps: warpsPerCTA [1, 4]). On the 4-layer
+model both passes take 4.30 ms per step (profile_train_step.py; the measurements and the
+designs that lost: docs/design-notes/training.md)."""
 
 import triton
 import triton.language as tl

@@ -2,7 +2,8 @@
 
 Every measured constant the kernel choice (``select.py``) and the launchers read lives in a
 ``GpuPolicy`` (or ``CpuPolicy``) record here; no other module holds a tuned number. Each
-record names the measurements behind it (results file under ``benchmarks/results/`` and date).
+record names the measurements behind it (results files under ``benchmarks/results/``; the
+full measurements and the alternatives they beat: docs/design-notes/constants.md).
 
     policy_for(device)   the record for a device: H200, H100, FALLBACK (other CUDA GPUs), CPU
     launch_policy(device)  the GPU record the launchers read (CUDA's default for CPU tensors
@@ -11,7 +12,7 @@ record names the measurements behind it (results file under ``benchmarks/results
                          (tests and tuning scripts; process-wide, so autograd's backward
                          threads see it too; restored on exit)
 
-H100: the per-row and decode cost models refitted on the H100 (2026-11-25); its launch sizes,
+H100: the per-row and decode cost models refitted on the H100; its launch sizes,
 decode configs and training constants are the H200's (``GpuPolicy.measured_on`` says so).
 FALLBACK (any other CUDA GPU): H200's constants with narrower margins (sparse paths only where
 the model predicts a clear win), never measured.
@@ -159,8 +160,7 @@ class GpuPolicy:
     eager_elementwise_max_m: int = 1024   # dense path without counts: eager's relu/mul up to here
     rows_graph_max_m: int = 0        # the per-row path replays the op's own CUDA graph up to here
     dense_block: int = 1024          # columns per step of the relu*mul pass
-    dense_warps: int = 4             # ... and its warps (1024 columns, 4 warps: 0.97-0.99x of
-                                     # Inductor's fused relu*mul; H100, tune_ffn.py --dense, 2026-11-25)
+    dense_warps: int = 4             # ... and its warps
     dense_programs: int = 264        # split rows into column spans below this many programs
     # -- launch sizes, training kernels (runtime/cuda_train.py)
     train_pairs: int = 4             # busy-row kernel: pairs per step
@@ -183,9 +183,8 @@ class GpuPolicy:
 
     def compact_rows_per_program(self, m: int) -> int:
         """Rows per compaction program for M rows: compact_bm, fewer (down to 4) where M / 16
-        programs would leave SMs idle. H100, K=2048 N=5632 d=0.005 (tune_ffn.py --compact,
-        2026-11-26): M=2048 0.036 ms at 4 rows against 0.046 at 16, 4096 0.033 / 0.047, 8192
-        0.053 / 0.062; 16384 0.083-0.095 for 4-16; 65536 0.167 at 16."""
+        programs would leave SMs idle (H100, M=2048: 0.036 ms at 4 rows against 0.046 at 16;
+        tune_ffn.py --compact)."""
         return max(4, min(self.compact_bm, next_pow2(m // self.compact_programs)))
 
     def decode_config(self, m: int, k: int) -> DecodeConfig:
@@ -214,12 +213,11 @@ class CpuPolicy:
         return self.max_density_small if m <= 4 else self.max_density_mid if m <= 64 else self.max_density_large
 
 
-# Decode launch configs by padded M, K < 3072, tuned on the H200 (benchmarks/tune_decode.py and
-# bench_ffn.py --decode, K=2048 N=5632 d=0.005, 2026-11-22 to 2026-11-23): the pairs form at
-# 16 neurons per program, 2 pairs per trip and 2 warps up to 16 rows (M=16/8/4/2 18.5/16.7/
-# 15.4/14.5 us against 19.6/18.0/16.2/15.9 at 32 / 4 / 4 warps); list/pairs gate at K step 128,
-# 5 stages; the rows form's GEMV gate at M=1 (12.5 us at 4 neurons per program against 14.9 with
-# the tl.dot gate over 32). Results: benchmarks/results/h200/ffn_decode.json (2026-11-25).
+# Decode launch configs by padded M, K < 3072, tuned on the H200 (benchmarks/tune_decode.py):
+# the pairs form at 16 neurons per program, 2 pairs per trip and 2 warps up to 16 rows; the
+# list/pairs gate at K step 128, 5 stages; the rows form's GEMV gate at M=1 (12.5 us at 4
+# neurons per program against 14.9 with the tl.dot gate over 32). Results:
+# benchmarks/results/h200/ffn_decode.json.
 _DECODE_CONFIGS = {
     16: DecodeConfig(32, 256, 256, 256, 4, 0, 4, 3, lbk=128, lstages=5, gemv_bn=4, pbn=16, ppb=2, pwarps=2),
     32: DecodeConfig(64, 128, 256, 256, 0, 0, 4, 3, lbk=128, lstages=5),
@@ -239,15 +237,12 @@ _WIDE_DECODE_CONFIGS = {
 H200 = GpuPolicy(
     name="H200",
     measured_on="NVIDIA H200 (torch 2.11, Triton 3.6); the results files under benchmarks/results/h200/",
-    # Per-row path, fitted to bench_ffn.py's forced-kernel column at M = 16384 and 65536, tail 0
-    # (2026-11-23): 1.21 + 145 d at K=2048 N=5632 (W_u + W_d 46 MB, in L2), 1.16 + 230 d at
-    # K=4096 N=11008 (180 MB); dense (Inductor) 2.8-3.1 units, so TwELL below d = 0.0114 (K=2048)
-    # and 0.0072 (K=4096), gated. The rule's picks against benchmarks/results/h200/
-    # ffn_inference.json (rows of 2026-11-24): none over 1.03x of Inductor's time, no win of
-    # 1.1x left dense (benchmarks/fit_policy.py --check).
+    # Per-row path: the cost model fitted to the forced-kernel column of bench_ffn.py at M =
+    # 16384 and 65536 (pair_units_hbm once W_u and W_d leave the L2): TwELL below d = 0.0114 at
+    # K=2048 N=5632, gated (benchmarks/results/h200/ffn_inference.json; fit_policy.py --check).
     gate_units=1.2, pair_units=145.0, pair_units_hbm=230.0, l2_bytes=50e6, margin=0.95,
-    # M=4096 d=0.005: TwELL 0.48 ms vs dense 0.44; K=512 N=1408 at 16384 tokens ran 0.71x of
-    # Inductor (its fixed per-row costs do not shrink with K as the GEMMs do), 2026-11-23
+    # Under these the per-row kernels' fixed costs outweigh the GEMMs they save (M=4096 d=0.005:
+    # TwELL 0.48 ms against dense 0.44)
     min_tokens=4096, min_width=2048,
     probe_every=64, refresh_every=16,
     # From 4096 tokens, calls up to 4096 replaying the op's own graph: the compiled module at
@@ -257,9 +252,8 @@ H200 = GpuPolicy(
     # (results/h200/ffn_prefill_graphs.json).
     rows_graph_max_m=4096,
     # Decode cost model: least-relative-error fit of each forced form on the 56-point grid of
-    # benchmarks/results/h200/ffn_decode.json (2026-11-25; benchmarks/fit_policy.py --fit-decode), within
-    # 1.6x of dense. K=2048 N=5632 d=0.005: M=1 rows 14.9 us (2.28x of dense), M=16 pairs 28.2
-    # us vs dense 34.3 (1.22x); with margin 0.9 no pick on that grid below 0.97x of dense.
+    # benchmarks/results/h200/ffn_decode.json (benchmarks/fit_policy.py --fit-decode); with
+    # margin 0.9 no pick on that grid below 0.97x of dense.
     decode_max_m=64,
     decode_forms=_frozen({
         "rows": (5.11, 2243.0, 4.2777, 0.2687),
@@ -268,29 +262,23 @@ H200 = GpuPolicy(
         "pairs": (2.84, 1467.0, 0.0, 0.2871),
     }),
     dense_fixed_us=16.27, dense_gbps=3807.0, decode_margin=0.9,
-    # the op's dense path issues in 99-154 us per eager call at M=64 (bench_host.py, 2026-11-23)
+    # the op's dense path's host time per eager call at M=64: 99-154 us (bench_host.py)
     op_dense_host_us=100.0,
     decode_configs=_frozen(_DECODE_CONFIGS), wide_k=3072, wide_decode_configs=_frozen(_WIDE_DECODE_CONFIGS),
-    # Training, M=16384, K=2048, N=5632 (bench_ffn_train.py, benchmarks/results/h200/
-    # ffn_training.json, 2026-11-22 to 2026-11-23): sparse 3.29 ms at 28 non-zeros/row, 5.34 at 50 (tail 0.2),
-    # 8.83 at 115; dense 4.9-6.4 ms: crossover 58-75 non-zeros per row, 0.011 keeps a margin.
-    # Densities move fast in training (0.006 -> 0.016-0.027 in 20 steps at lr 3e-4): probe
-    # every call. A row past the backup is recomputed at ~55 us against ~3.9 ns per pair.
-    # train_min_width: bench_e2e.py --train --hidden 1024 --ffn 2816 --layers 8 --batch 8 --seq
-    # 1024 --density 0.005 --twell-opt twell.l1=12 (H100, 2026-11-26): with 7 of 8 layers sparse
-    # 0.908x of Inductor's step (27.15 / 24.66 ms), every layer dense 0.98x (25.13 ms): at K=1024
-    # the per-row kernels' fixed costs outweigh the GEMMs they save (inference: min_width)
+    # Training: sparse while the density is under the sparse/dense crossover (58-75 non-zeros per
+    # row at M=16384 K=2048 N=5632; benchmarks/results/h200/ffn_training.json), with a margin.
+    # Densities move fast in training: probe every call. A row past the backup is recomputed, at
+    # the cost of lost_row_pairs pairs. train_min_width: under it the per-row kernels' fixed
+    # costs outweigh the GEMMs they save, as for inference's min_width.
     train_min_tokens=8192, train_min_width=2048, sparse_max_density=0.011, train_probe_every=1, lost_row_pairs=14000,
     compact_max_lost=0,
     # Compaction's column loop pipelined 3 deep: 4 rows per program at M=2048 0.023 ms against
     # 0.040, 4096 0.034 / 0.035, 8192 0.055 / 0.058 (H200, tune_ffn.py --M 2048 4096 8192 --density
     # 0.005 --tail 0 --compact 4,256,4,1 4,256,4,3; results/h200/tune_compact.json)
     compact_stages=3,
-    # Launch sizes (bench_ffn.py / bench_ffn_train.py probes, M=16384 K=2048 d=0.005,
-    # 2026-11-23): compaction 16 rows per program 0.074 ms (8: 0.088); fused rows 1 pair / 2
-    # warps 493 us (4 / 4: 531); training forward 1 / 2 531 us (4 / 4: 682); the per-neuron wgrad
-    # passes keep 4 entries / 4 warps (1 / 2 ran the synthetic layer 9% faster but the whole
-    # model's step 214.8 ms against 197.7, bench_e2e.py --train).
+    # Launch sizes: the fastest of the probes of bench_ffn.py / bench_ffn_train.py at M=16384
+    # K=2048 d=0.005 (the fused row kernel at 1 pair / 2 warps: 493 us against 531 at 4 / 4),
+    # the wgrad passes' by the whole model's step (bench_e2e.py --train).
 )
 
 # H100 (80 GB HBM3): the inference constants refitted on it, and the dense training path's saved
@@ -300,10 +288,8 @@ H100 = dataclasses.replace(
     measured_on="NVIDIA H100 80GB HBM3 (torch 2.11, Triton 3.6): per-row and decode cost "
                 "models, the row kernel's pipelined list loop, the dense training path's saved state; other "
                 "launch sizes, decode configs and the other training constants are the H200's",
-    # Per-row path: least-relative-error fit of the forced-kernel column at M = 16384 and 65536,
-    # tail 0, d 0.005-0.05 (benchmarks/results/h100/ffn_inference.json, 2026-11-25): 1.43 + 174 d
-    # (H200: 1.2 + 145); Inductor 3.1-3.3 units. TwELL below d = 0.0082: d=0.01 read 0.97x
-    # (16384) and 1.07x (65536) of Inductor, left dense.
+    # Per-row path: least-relative-error fit of the forced-kernel column at M = 16384 and 65536
+    # (benchmarks/results/h100/ffn_inference.json): TwELL below d = 0.0082.
     # The per-row path from 4096 tokens, its calls replaying the op's own graph (below): i.i.d.
     # 1.20x of Inductor at 4096 and 1.10x at 2048 (results/h100/ffn_prefill.json), but a trained
     # layer's activity (h100_activity.json layer 3: denser first tokens, hot neurons; 34
@@ -320,7 +306,7 @@ H100 = dataclasses.replace(
     rows_graph_max_m=4096,
     # Row kernel's list loop pipelined by Triton (cp.async, 3 pairs' weight rows in flight, 24 KB
     # of shared memory per program): K=2048 N=5632 d=0.005, M=16384 0.573 ms against 0.593, M=65536
-    # 2.212 / 2.370, M=4096 0.169 / 0.169-0.181 (tune_ffn.py --fused 1,1,1024 1,3,1024,4, 2026-11-26).
+    # 2.212 / 2.370, M=4096 0.169 / 0.169-0.181 (tune_ffn.py --fused 1,1,1024 1,3,1024,4).
     # Every variant ran at 6.2-6.9 TB/s of weight rows: the gathers' floor is 7.6 (h100/floor.json).
     row_prefetch=3, row_stages=4,
     # Rows heaviest first, in 8 buckets by count: the activity profile's layer (34 non-zeros per
@@ -328,7 +314,7 @@ H100 = dataclasses.replace(
     # 1.14x in buckets (results/h100/ffn_prefill_buckets.json).
     row_buckets=8,
     # Decode cost model: benchmarks/fit_policy.py --fit-decode on benchmarks/results/h100/
-    # ffn_decode.json (56 points, 2026-11-25): HBM 2.6 TB/s for eager's dense FFN (H200: 3.8).
+    # ffn_decode.json (56 points): HBM 2.6 TB/s for eager's dense FFN (H200: 3.8).
     decode_forms=_frozen({
         "rows": (3.68, 1689.0, 4.453, 0.3255),
         "tiles": (17.87, 1228.0, 1.3963, 0.0019, 0.0001),
@@ -336,14 +322,12 @@ H100 = dataclasses.replace(
         "pairs": (2.58, 1240.0, 0.0, 0.3231),
     }),
     dense_fixed_us=14.41, dense_gbps=2599.0,
-    # Training, M=16384 and 65536, K=2048, N=5632 (benchmarks/results/h100/ffn_training.json,
-    # 2026-11-26): sparse 1.37x / 1.44x of Inductor at 28 non-zeros per row (tail 0), forced
-    # sparse 0.87x / 0.91x at 50 (tail 0.2): break-even near 44 (0.78%); the H200's 0.011 ran
-    # the tail-0.2 points sparse (0.87x / 0.89x; the same command at c59ab56).
+    # Training: sparse/dense break-even near 44 non-zeros per row (0.78%) at M=16384 and 65536,
+    # K=2048, N=5632 (benchmarks/results/h100/ffn_training.json).
     sparse_max_density=0.0075,
-    # Training: a dense layer saves g and u, not the compact state. bench_e2e.py --train, 4
-    # layers, no penalty (every layer dense, 1.7-2.9%): compact 70.00 ms, peak 10.92 GB; g and u
-    # 68.89 ms, 12.30 GB; Inductor 68.61 ms, 12.91 GB (2026-11-26).
+    # Training: a dense layer saves g and u, not the compact state: faster, and still under
+    # Inductor's peak memory (4 dense layers: 68.89 ms against the compact state's 70.00;
+    # benchmarks/results/h100/e2e_train_nopenalty_saved_gu.json).
     compact_max_lost=-1)
 
 FALLBACK = dataclasses.replace(

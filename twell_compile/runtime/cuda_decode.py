@@ -13,7 +13,7 @@ density: a neuron is skipped only where relu(g) is 0 and g finite in every row o
 
 Measured on the H200 (K=2048, N=5632, M=1, d=0.005, CUDA graphs over 4 layers; dense 34.0 us;
 docs/inference.md "Decode"): the rows form 14.9 us (2.28x of dense), the pairs form at M=16
-28.2 us against dense 34.3 (benchmarks/results/h200/ffn_decode.json, 2026-11-25). An empty
+28.2 us against dense 34.3 (benchmarks/results/h200/ffn_decode.json). An empty
 launch costs 1.4 us in a graph. The list form (twell_decode_list.py) sums without atomics and
 is the one used under torch.use_deterministic_algorithms. Launches use programmatic dependent
 launch on Hopper (``pdl_ok``), and eager calls replay the op's own CUDA graph

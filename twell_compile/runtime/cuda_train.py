@@ -25,8 +25,8 @@ u) while the layer's last measurement lost no rows past the backup (the "compact
 else g and u. Backward from g and u: dh = dy W_d, one elementwise pass (twell_train_dense.py), five
 more cuBLAS products; from the compact state (``backward_densify``): dh = dy W_d,
 ``train_densify_kernel`` (twell_train_densify.py) writing d_g, d_u and h whole, the same five
-products. Eager's nine GEMMs either way (a backward recomputing g and u, eleven GEMMs, ran
-0.69-0.82x of eager; H200, 2026-11-22).
+products. Eager's nine GEMMs either way (docs/design-notes/training.md: a backward recomputing
+g and u, eleven GEMMs, lost).
 
 Which path runs is select.plan_train's choice; launch sizes come from the device's record.
 """
@@ -65,7 +65,9 @@ _densify: "OrderedDict[int, bool]" = OrderedDict()
 MAX_HINTS = 4096
 
 
-def _densify_hint(bidx: Tensor, densify: bool) -> None:
+def densify_hint(bidx: Tensor, densify: bool) -> None:
+    """Note whether the compact state whose backup_idx is ``bidx`` came from the dense forward
+    (its backward then densifies); read once by ``backward_path``."""
     if bidx.numel():
         _densify[bidx.data_ptr()] = densify
         _densify.move_to_end(bidx.data_ptr())
@@ -80,9 +82,8 @@ def clear_hints() -> None:
 
 
 # Layers whose every path's Triton kernels are compiled: a layer switching path mid-run (its
-# density crossing sparse_max_density) otherwise compiled the new path's kernels in that step:
-# 1.0 s at step 11 and 5.9 s at step 2 against 70 ms steps (H100, bench_e2e.py --train --layers
-# 4 --twell-opt twell.l1=12, 2026-11-26). Keyed by everything the kernels specialize on.
+# density crossing sparse_max_density) otherwise compiled the new path's kernels in that step
+# (seconds, against 70 ms steps). Keyed by everything the kernels specialize on.
 _warm: set = set()
 
 
@@ -171,8 +172,8 @@ def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap, co
     reads g and u only). relu(g)*u is the inference dense path's pass, which also counts
     non-zeros and sums |h| per row (the probe and the statistics). ``missing`` is the rows the
     sparse path could not have kept (rows over ``width`` past a backup of ``cap``), so the
-    plan's lost-row penalty sees them from dense calls too: without it a layer flipped back
-    to sparse every other call (H200, 2026-11-22). ``count_lost=False`` (no probe this call):
+    plan's lost-row penalty sees them from dense calls too (else a layer flips back to sparse
+    every other call). ``count_lost=False`` (no probe this call):
     None, and three small launches fewer.
 
     ``compact``: save the hybrid state instead (the compaction and ``train_fwd_kernel`` with
@@ -227,7 +228,7 @@ def ffn_train_forward(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Option
     if keep_stats and layer is not None:
         stats.record_fired(layer, fired_units(cnt, rest[0], rest[4], n, dense=not (sparse or compact)), m)
     if sparse or compact:                  # a compact state: tell its backward which way
-        _densify_hint(rest[3], compact)
+        densify_hint(rest[3], compact)
     return (y.reshape(*x.shape[:-1], k_out), cnt, *rest[:-1])
 
 
@@ -364,8 +365,8 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
 def backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, g, u, l1c, act="relu", l1_coef=None):
     """Eager's backward from the saved g [M, N] and u (None when non-gated). Three [M, N]
     buffers (dh, later h; dg; du) beside the saved two; h goes once dW_d has it, before dx and
-    the other weight grads are allocated (1106 MiB extra peak at M=16384 d=0.02 with h kept
-    to the end, eager 966; H200, 2026-11-22)."""
+    the other weight grads are allocated (with h kept to the end the extra peak exceeded
+    eager's: docs/design-notes/training.md)."""
     gated = w_up is not None
     g = g.contiguous()
     u = u.contiguous() if gated else None
@@ -450,6 +451,15 @@ def backward_densify(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
     return (*_products(x2, w_gate, b_gate, w_up, b_up, dg, du), dw_down)
 
 
+def backward_path(backup_idx: Tensor, m: int) -> str:
+    """The backward a saved state of ``m`` tokens takes: "dense" for a backup of at least M
+    rows (the dense forward's g and u), else a compact state: "densify" where the dense forward
+    saved it (its hint, read once and dropped), else "sparse"."""
+    if backup_idx.shape[0] >= m:
+        return "dense"
+    return "densify" if backup_idx.numel() and _densify.pop(backup_idx.data_ptr(), False) else "sparse"
+
+
 def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
                        w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor,
                        counts: Tensor, cols: Tensor, ell_g: Tensor, ell_u: Tensor,
@@ -466,9 +476,9 @@ def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[T
         dy2 = dy2.contiguous()
     m = x2.shape[0]
     l1c = l1_scale / max(m * n, 1) if l1_scale else 0.0
-    if backup_idx.shape[0] < m:         # a compact state (it needs capacity < M)
-        densify = backup_idx.numel() and _densify.pop(backup_idx.data_ptr(), False)
-        out = (backward_densify if densify else backward_sparse)(
+    path = backward_path(backup_idx, m)
+    if path != "dense":
+        out = (backward_densify if path == "densify" else backward_sparse)(
             dy2, x2, w_gate, b_gate, w_up, b_up, w_down, counts, cols, ell_g, ell_u,
             backup_idx, backup_g, backup_u, l1c, act, l1_coef if l1c else None)
     else:

@@ -110,7 +110,7 @@ def _capture(key: tuple, x: Tensor, fn: Callable[[Tensor], tuple], bound: bool =
             # it came from whatever pool the thread allocated to, and in a cudagraph tree's
             # warm-up (a recompile under reduce-overhead) that is Inductor's, which then fails
             # its check "Detected 16 tensor(s) in the cudagraph pool not tracked as outputs"
-            # (seen on the H200 in generate() after a cache-length recompile, 2026-11-23)
+            # (generate() after a cache-length recompile)
             if bound:                            # read where it lies: the key holds its address
                 xs = x
             else:

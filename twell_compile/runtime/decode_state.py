@@ -3,9 +3,8 @@
 No weight values live here. The kernels read every weight from the parameter itself at every
 call (W_down through its transposed view on the decode path, a per-call transpose on the
 per-row path), so an update made any way (in place, through ``.data``, ``set_``, a fused
-optimizer, a rebinding) is seen by the next call and by every CUDA-graph replay. (An earlier
-design cached a W_down^T copy here, keyed on the version counter: ``.data`` updates bump no
-version, and the copy went stale.)
+optimizer, a rebinding) is seen by the next call and by every CUDA-graph replay. (A cached
+W_down^T copy would go stale: ``.data`` updates bump no version counter.)
 
 Each entry holds the decode path's persistent state (``decode_state``): an fp32 accumulator
 [STATE_ROWS, K_out], then one ticket per row block, non-zero counters per row and an fp32 sum

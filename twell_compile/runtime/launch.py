@@ -1,10 +1,9 @@
 """Triton launches with less host time: the compiled kernel's own launcher, cached per
 specialization, instead of ``JITFunction.run``'s per-call argument binding.
 
-H200 host, Triton 3.6 (bench_host.py, 2026-11-23): ``kernel[grid](...)`` of a
-20-argument kernel costs 28.4 us of host time, the compiled kernel's runner
-(``CompiledKernel[grid](*args, stream=...)``) 11.8 us. At decode sizes the FFN's GPU time is
-17-21 us, so two standard launches alone made an eager call host-bound.
+``kernel[grid](...)`` of a 20-argument kernel costs 28.4 us of host time, the compiled
+kernel's runner (``CompiledKernel[grid](*args, stream=...)``) 11.8 us (bench_host.py; Triton
+3.6): at decode sizes two standard launches alone would make an eager call host-bound.
 
 The cache key holds everything Triton specializes a kernel on: the constexpr values, the launch
 options, the current device, every int argument's exact value (stronger than Triton's ==1 and

@@ -45,8 +45,7 @@ fp32 and the CPU train on plain PyTorch (hybrid format, exact).
 
 Compile time (``static_reason``), leaving an FFN to Inductor: CUDA fp32; static token counts
 in the band between the decode and per-row paths; decode sizes without CUDA graphs (host-bound:
-rewritten, generate() ran 0.63x of Inductor's tokens/s at batch 1, H200, 2026-11-23,
-bench_e2e.py --generate --compile-mode default); decode sizes where even density 0 cannot win;
+docs/design-notes/decode.md); decode sizes where even density 0 cannot win;
 layers too wide or too narrow for the per-row kernels; CPU FFNs under the C++ kernel's token
 count or width, or in a dtype it lacks; training without an L1 penalty under train_min_tokens, in fp32, or on
 the CPU. A dynamic token count is answered as its current value is, under a guard on its range
@@ -56,10 +55,11 @@ the CPU. A dynamic token count is answered as its current value is, under a guar
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import math
-from typing import NamedTuple, Optional, Union
+from typing import Iterator, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -507,6 +507,26 @@ def _train_reason(device: torch.device, dtype: torch.dtype, m, k: int, n: int, k
     return below(m) if m is not None and m < p.train_min_tokens else None
 
 
+_rules_for: list[tuple[torch.device, torch.dtype]] = []   # compile_rules_for blocks open, innermost last
+
+
+@contextlib.contextmanager
+def compile_rules_for(device: Union[str, torch.device], dtype: torch.dtype) -> Iterator[None]:
+    """A scope in which the compile-time rules (``static_reason``, ``static_path``) answer as
+    for FFNs on ``device`` in ``dtype``, whatever the traced tensors are: a CUDA compile's
+    decisions on a machine without a GPU (tests, ``explain``). The ops still run on their
+    tensors' own device; the per-call plan is unchanged."""
+    _rules_for.append((torch.device(device), dtype))
+    try:
+        yield
+    finally:
+        _rules_for.pop()
+
+
+def _rules_target(device: torch.device, dtype: torch.dtype) -> tuple[torch.device, torch.dtype]:
+    return _rules_for[-1] if _rules_for else (torch.device(device), dtype)
+
+
 def static_reason(device: torch.device, dtype: torch.dtype, m: Optional[Union[int, torch.SymInt]], k: int,
                   n: int, k_out: int, *, gated: bool = True, training: bool = False, l1: float = 0.0,
                   cudagraphs: bool = True, path: str = "auto") -> Optional[str]:
@@ -516,7 +536,7 @@ def static_reason(device: torch.device, dtype: torch.dtype, m: Optional[Union[in
     (it lives in our backward)."""
     if path != "auto":
         return None
-    device = torch.device(device)
+    device, dtype = _rules_target(device, dtype)
     if training:
         return None if l1 else _train_reason(device, dtype, m, k, n, k_out)
     if device.type == "cuda":
@@ -531,7 +551,7 @@ def static_path(device: torch.device, dtype: torch.dtype, m: Optional[Union[int,
                 k_out: int, n: int, *, training: bool = False, path: str = "auto") -> str:
     """What a rewritten FFN's op will run, in words, for ``explain`` (compile-time facts; the
     final choice is per call). Adds no guard: a dynamic count is described, not decided."""
-    device = torch.device(device)
+    device, dtype = _rules_target(device, dtype)
     if path != "auto":
         return f"forced: {path}"
     static_m = m if isinstance(m, int) else None
