@@ -28,12 +28,30 @@ def _size(node: object, dim: int) -> int:
 
 
 
+def _report_experts(report, node: fx.Node, op: torch._ops.OpOverload, sub_name: str) -> None:
+    """A prepared MoE experts op (twell_compile.moe): one row with its experts count."""
+    xe = example(node.args[0])
+    wg = node.args[arg_index(op, "w_gate")]
+    report.add_rewrite(RewriteEntry(
+        str(node.args[arg_index(op, "layer")]), node.args[arg_index(op, "w_up")] is not None, str(op.name()),
+        tokens_str(xe.shape) if xe is not None else "?", _size(wg, 2), _size(wg, 1),
+        _size(node.args[arg_index(op, "w_down")], 1), str(xe.dtype).replace("torch.", "") if xe is not None else "?",
+        sub_name, via="prepare", act=str(arg(node, arg_index(op, "act"), "act", "relu")), experts=_size(wg, 0)))
+
+
 def adopt_prepared(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
     report = report_of(gm)
     for sub_name, sub in graph_modules(gm):
         changed = False
         for node in sub.graph.nodes:
             op = node.target
+            if node.op == "call_function" and op in (torch.ops.twell.experts.default,
+                                                     torch.ops.twell.experts_train.default):
+                node.meta[PREPARED] = True
+                changed = True
+                set_op_arg(node, op, "instance", next_instance())
+                _report_experts(report, node, op, sub_name)
+                continue
             if node.op != "call_function" or op not in (torch.ops.twell.ffn.default, torch.ops.twell.ffn_train.default):
                 continue
             node.meta[PREPARED] = True

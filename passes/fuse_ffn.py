@@ -1,5 +1,9 @@
 """Rewrites every matched ReLU FFN into one ``twell`` op, in the graph and all its subgraphs.
-A squared-ReLU or dReLU match passes its activation as the op's ``act``.
+A squared-ReLU or dReLU match passes its activation as the op's ``act``. A match of grouped
+projections (MoE experts through ``torch._grouped_mm``: transformers' default
+``experts_implementation="grouped_mm"``) becomes ``twell::experts`` / ``twell::experts_train``,
+taking the graph's own expert offsets: the routing before it and the weighting after it stay
+Inductor's.
 
 The op is ``twell::ffn`` where the block's output needs no gradient (grad mode off at trace
 time or nothing requiring grad), else ``twell::ffn_train``, whose backward is ours. Inputs
@@ -64,27 +68,44 @@ def _weight(graph: fx.Graph, p: Projection, dtype: torch.dtype) -> tuple[fx.Node
     return _cast(graph, w, dtype), b
 
 
+def _expert_weight(graph: fx.Graph, p: Projection, dtype: torch.dtype) -> fx.Node:
+    """A grouped projection's weight as [E, N, K] (its rows of each expert's map), in ``dtype``."""
+    w = p.weight
+    if p.transposed:
+        w = graph.call_method("transpose", (w, -2, -1))
+    if p.rows is not None:
+        w = graph.call_function(operator.getitem, (w, (slice(None), slice(*p.rows))))
+    return _cast(graph, w, dtype)
+
+
+def _experts_call(graph: fx.Graph, m: Match, config: TwellConfig, layer: str, dtype: torch.dtype,
+                  training: bool) -> tuple[torch._ops.OpOverload, fx.Node]:
+    """The twell::experts(_train) call replacing a grouped (MoE experts) match; its output y."""
+    act = {"act": m.act} if m.act != "relu" else {}
+    x = _cast(graph, m.x, dtype)
+    wg = _expert_weight(graph, m.gate, dtype)
+    wu = _expert_weight(graph, m.up, dtype) if m.up is not None else None
+    wd = _expert_weight(graph, m.down, dtype)
+    if training:
+        op = torch.ops.twell.experts_train.default
+        call = graph.call_function(op, (x, wg, wu, wd, m.down.offs, config.ell_width, config.backup_rows, 0.0, layer,
+                                        config.stats, next_instance(), config.path_for(True)), act)
+        return op, graph.call_function(operator.getitem, (call, 0))
+    op = torch.ops.twell.experts.default
+    return op, graph.call_function(op, (x, wg, wu, wd, m.down.offs, layer, config.stats, next_instance(),
+                                        config.path_for(False)), act)
+
+
 def _rewrite(graph: fx.Graph, m: Match, config: TwellConfig, layer: str) -> tuple[str, fx.Node]:
     down_node = m.down.out
     out = example(down_node)
     dtype = out.dtype
     training = out.requires_grad
-    act = {"act": m.act} if m.act != "relu" else {}        # (ReLU graphs keep the schema's default)
     with graph.inserting_before(down_node):
-        x = _cast(graph, m.x, dtype)
-        wg, bg = _weight(graph, m.gate, dtype)
-        wu, bu = _weight(graph, m.up, dtype) if m.up is not None else (None, None)
-        wd, bd = _weight(graph, m.down, dtype)
-        if training:
-            op = torch.ops.twell.ffn_train.default
-            # l1_scale (0.0 here) is filled in by the scale_l1 pass once all FFNs are known.
-            call = graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, config.ell_width, config.backup_rows,
-                                            0.0, layer, config.stats, next_instance(), config.path_for(True)), act)
-            y = graph.call_function(operator.getitem, (call, 0))
+        if m.down.offs is not None:
+            op, y = _experts_call(graph, m, config, layer, dtype, training)
         else:
-            op = torch.ops.twell.ffn.default
-            y = graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, layer, config.stats, next_instance(),
-                                         config.path_for(False)), act)
+            op, y = _ffn_call(graph, m, config, layer, dtype, training)
         if example(m.x).dim() != example(m.down.x).dim():
             y = graph.call_method("reshape", (y, -1, out.shape[-1]))
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
@@ -97,6 +118,25 @@ def _rewrite(graph: fx.Graph, m: Match, config: TwellConfig, layer: str) -> tupl
         if not node.users:
             graph.erase_node(node)
     return str(op.name()), y
+
+
+def _ffn_call(graph: fx.Graph, m: Match, config: TwellConfig, layer: str, dtype: torch.dtype,
+              training: bool) -> tuple[torch._ops.OpOverload, fx.Node]:
+    """The twell::ffn(_train) call replacing a match; its output y."""
+    act = {"act": m.act} if m.act != "relu" else {}        # (ReLU graphs keep the schema's default)
+    x = _cast(graph, m.x, dtype)
+    wg, bg = _weight(graph, m.gate, dtype)
+    wu, bu = _weight(graph, m.up, dtype) if m.up is not None else (None, None)
+    wd, bd = _weight(graph, m.down, dtype)
+    if training:
+        op = torch.ops.twell.ffn_train.default
+        # l1_scale (0.0 here) is filled in by the scale_l1 pass once all FFNs are known.
+        call = graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, config.ell_width, config.backup_rows,
+                                        0.0, layer, config.stats, next_instance(), config.path_for(True)), act)
+        return op, graph.call_function(operator.getitem, (call, 0))
+    op = torch.ops.twell.ffn.default
+    return op, graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, layer, config.stats, next_instance(),
+                                        config.path_for(False)), act)
 
 
 def _remap(m: Match, replaced: dict[fx.Node, fx.Node]) -> None:
@@ -217,9 +257,12 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
                 continue
             xe = example(found.x)
             n = found.gate.rows[1] - found.gate.rows[0] if found.gate.rows else int(example(found.down.x).shape[-1])
+            experts = int(example(found.down.weight).shape[0]) if found.down.offs is not None else 0
+            # an expert's FFN runs on its share of the rows (equal shares assumed at compile time)
+            tokens = _tokens_count(xe.shape) // experts if experts else _tokens_count(xe.shape)
             if config.skip_dense:
                 # a dynamic count (SymInt) may be answered under a guard (runtime/select.py)
-                why = static_reason(out.device, out.dtype, _tokens_count(xe.shape), int(xe.shape[-1]), n,
+                why = static_reason(out.device, out.dtype, tokens, int(xe.shape[-1]), n,
                                     int(out.shape[-1]), gated=found.gated, training=out.requires_grad,
                                     l1=config.l1 or float(config.target_for(found.layer) is not None),
                                     cudagraphs=config.cudagraphs != "off",
@@ -233,12 +276,12 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
             op_name, y = _rewrite(sub.graph, found, config, layer)
             replaced[down_node] = y
             changed = True
-            runs = static_path(out.device, out.dtype, _tokens_count(xe.shape), int(xe.shape[-1]),
+            runs = static_path(out.device, out.dtype, tokens, int(xe.shape[-1]),
                                int(out.shape[-1]), n, training=out.requires_grad,
                                path=config.path_for(out.requires_grad))
             report.add_rewrite(RewriteEntry(layer, found.gated, op_name, tokens_str(xe.shape), int(xe.shape[-1]),
                                             n, int(out.shape[-1]), str(out.dtype).replace("torch.", ""), sub_name,
-                                            runs=runs, act=found.act))
+                                            runs=runs, act=found.act, experts=experts))
         if changed:
             sub.graph.lint()
             sub.recompile()

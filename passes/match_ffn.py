@@ -218,12 +218,16 @@ class Projection:
     nodes: list[fx.Node]            # graph nodes making up this projection (besides x, W, b)
     rows: Optional[tuple[int, int]] = None
     whole: Optional[fx.Node] = None  # with ``rows``: the node holding the whole fused projection
+    # A grouped projection (MoE experts, ``torch._grouped_mm``): the node holding each expert's
+    # cumulative end row; ``weight`` is then [E, N, K] (one [N, K] map per expert; ``transposed``:
+    # stored [E, K, N]) and ``rows`` selects rows of each expert's map.
+    offs: Optional[fx.Node] = None
 
     @property
     def width(self) -> Any:
         """Output features of the whole projection (all rows of the [N, K] weight)."""
         w = example(self.weight)
-        return w.shape[1] if self.transposed else w.shape[0]
+        return w.shape[-1] if self.transposed else w.shape[-2]
 
 
 def per_feature(b: torch.Tensor, width: Any) -> bool:
@@ -279,10 +283,50 @@ def _bias_add(node: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
     return add, other
 
 
+_GROUPED_MM_FNS = {f for f in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if f is not None}
+# transformers' fallback for grouped_mm (fp32 under torch.compile), registered when its MoE
+# integration is imported: recognised by its qualified name, not imported here
+_GROUPED_MM_OPS = {"transformers::grouped_mm_fallback"}
+
+
+def is_grouped_mm(node: fx.Node) -> bool:
+    """``torch._grouped_mm`` / ``F.grouped_mm`` / transformers' ``grouped_mm_fallback`` op."""
+    if node.op != "call_function":
+        return False
+    if node.target in _GROUPED_MM_FNS:
+        return True
+    name = getattr(node.target, "_qualified_op_name", None) or (node.target.name() if isinstance(
+        node.target, torch._ops.OpOverload) else None)
+    return name in _GROUPED_MM_OPS
+
+
+def _grouped_projection(node: fx.Node) -> Optional[Projection]:
+    """``grouped_mm(x [S, K], W [E, K, N], offs)`` without bias or output dtype: the experts'
+    projection, W either a transpose of an [E, N, K] parameter (transformers' layout) or stored
+    [E, K, N]."""
+    x, w = arg(node, 0, "input", arg(node, 0, "mat_a")), arg(node, 1, "weight", arg(node, 1, "mat_b"))
+    offs = arg(node, 2, "offs")
+    if any(arg(node, i, key) is not None for i, key in ((3, "bias"), (4, "out_dtype"))):
+        return None
+    xe, we = example(x), example(w)
+    if not isinstance(offs, fx.Node) or xe is None or we is None or xe.dim() != 2 or we.dim() != 3:
+        return None
+    src = None
+    if is_method(w, {"transpose"}) or is_fn(w, {torch.transpose}):
+        src = w.args[0] if {d % 3 for d in w.args[1:3] if isinstance(d, int)} == {1, 2} else None
+    elif w.op == "call_function" and w.target is getattr and w.args[1] == "mT":
+        src = w.args[0]
+    if src is not None and example(src) is not None and len(w.users) == 1:
+        return Projection(node, x, src, None, False, [node, w], offs=offs)
+    return Projection(node, x, w, None, True, [node], offs=offs)
+
+
 def as_projection(node: Any) -> Optional[Projection]:
     """Recognise ``node`` as the output of a linear map (its bias add included), else None."""
     if not isinstance(node, fx.Node):
         return None
+    if is_grouped_mm(node):
+        return _grouped_projection(node)
     # A bias add on top of a matmul: look through it.
     if (is_fn(node, ADD_FNS) or is_method(node, ADD_METHODS)) and len(node.args) == 2:
         for inner in node.args:
@@ -838,6 +882,12 @@ def check_block(down_node: fx.Node, down: Projection, blk: _Block) -> Optional[s
     """Why a matched block must not be rewritten, or None. ``blk.internal`` is completed (the
     nodes the rewrite removes, deduplicated) as a side effect."""
     gate, up, relu_node = blk.gate, blk.up, blk.relu
+    grouped = [p.offs for p in (gate, up, down) if p is not None]
+    if any(o is not None for o in grouped):
+        if any(o is None for o in grouped):
+            return "mixes grouped (per-expert) and plain projections"
+        if len(set(grouped)) != 1:
+            return "its grouped projections take different expert offsets"
     # Same input for gate and up.
     if up is not None:
         gx, ux = gate.x, up.x

@@ -7,6 +7,9 @@ With ``twell.l1`` each op's ``l1_scale`` is l1 / layers. With ``twell.target_den
 the target names gets ``l1_scale`` = 1 / layers and ``l1_control``: its coefficient comes from
 the controller at run time (a device tensor, twell_compile/control.py), and the backend
 declares its target there. FFNs made ops by ``twell_compile.prepare`` keep what prepare gave them.
+A MoE block's experts op (``twell::experts_train``) counts as one layer (its penalty is the
+mean over every routed row); ``twell.target_density`` does not control experts: a target
+naming an experts op raises, and under a target for other layers its ``l1_scale`` stays 0.
 """
 
 from __future__ import annotations
@@ -36,19 +39,29 @@ def scale_l1(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
                          f"twell_compile.prepare, which fixes their options: pass {given} to "
                          "prepare(model, options=...) (it counts the model's FFNs; a DDP-split graph cannot)")
     nodes = [n for n in nodes if not n.meta.get(PREPARED)]
-    if not nodes:
+    experts_op = torch.ops.twell.experts_train.default
+    experts = [n for _, sub in graph_modules(gm) for n in sub.graph.nodes
+               if n.op == "call_function" and n.target is experts_op and not n.meta.get(PREPARED)]
+    if not nodes and not experts:
         return gm
     layer_pos = arg_index(train_op, "layer")
     if config.target_density is not None:
-        scale = config.layer_scale(len(nodes))
+        for node in experts:
+            layer = str(node.args[arg_index(experts_op, "layer")])
+            if config.target_for(layer) is not None:
+                raise ValueError(f"{PREFIX}target_density asks a density of {layer}, a MoE block's experts, "
+                                 "which the controller does not steer: name its other FFNs, or use twell.l1")
+        scale = config.layer_scale(len(nodes) + len(experts))
         for node in nodes:
             controlled = config.target_for(str(node.args[layer_pos])) is not None
             set_op_arg(node, train_op, "l1_scale", float(scale) if controlled else 0.0)
             set_op_arg(node, train_op, "l1_control", controlled)
     else:
-        scale = config.l1_scale(len(nodes))
+        scale = config.l1_scale(len(nodes) + len(experts))
         for node in nodes:
             set_op_arg(node, train_op, "l1_scale", float(scale))
+        for node in experts:
+            set_op_arg(node, experts_op, "l1_scale", float(scale))
     for _, sub in graph_modules(gm):
         sub.recompile()
     return gm

@@ -305,3 +305,85 @@ def test_tag_names_the_instance_and_layer_of_a_training_call(monkeypatch):
     with torch._subclasses.FakeTensorMode() as mode, pytest.raises(TypeError, match="tag"):
         fake = [mode.from_tensor(a) if a is not None else None for a in args]
         OPS.ffn_train(*fake, 4, 8, 0.0, "", True, 0, "auto", mode.from_tensor(torch.tensor(1.0)))
+
+
+# ---------------------------------------------------------------------------- MoE experts
+def _experts_ref(x, wg, wu, wd, offs, act="relu"):
+    from twell_compile.reference import activate
+
+    y, start = [], 0
+    for e, end in enumerate(offs.tolist()):
+        xe = x[start:end]
+        y.append(F.linear(activate(F.relu(F.linear(xe, wg[e])), None if wu is None else F.linear(xe, wu[e]), act),
+                          wd[e]))
+        start = end
+    y.append(x.new_zeros((x.shape[0] - start, wd.shape[1])))
+    return torch.cat(y)
+
+
+def _experts_args(gated=True, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    e, n, k, kout = 3, 12, 8, 6
+    ts = [torch.randn(10, k, generator=g), torch.randn(e, n, k, generator=g) / k ** 0.5,
+          torch.randn(e, n, k, generator=g) / k ** 0.5 if gated else None, torch.randn(e, kout, n, generator=g) / n ** 0.5]
+    if grad:
+        ts = [t.requires_grad_() if t is not None else None for t in ts]
+    return ts, torch.tensor([4, 4, 8])          # expert 1 empty, rows 8-9 past the end
+
+
+@pytest.mark.parametrize("gated,act", [(True, "relu"), (False, "relu"), (True, "relu2"), (True, "drelu")])
+def test_experts_inference_and_training_match_each_expert(gated, act):
+    (x, wg, wu, wd), offs = _experts_args(gated)
+    reset_stats()
+    with torch.no_grad():
+        y = OPS.experts(x, wg, wu, wd, offs, "moe", True, act=act)
+    torch.testing.assert_close(y, _experts_ref(x, wg, wu, wd, offs, act), rtol=1e-5, atol=1e-5)
+    assert sorted(layer_stats()) == ["moe.0", "moe.2"]       # the empty expert runs nothing
+    ts, offs = _experts_args(gated, grad=True)
+    ys = OPS.experts_train(*ts, offs, 4, 2, 0.0, "moe", False, act=act)
+    ref = _experts_ref(*ts, offs, act)
+    torch.testing.assert_close(ys[0], ref, rtol=1e-5, atol=1e-5)
+    assert ys[-1].tolist() == [int(ys[5][:int(ys[-1][0])].shape[0]), int(ys[-1][0]), int(ys[5].shape[0])]
+    dy = torch.randn_like(ref)
+    params = [t for t in ts if t is not None]
+    for a, b in zip(torch.autograd.grad(ys[0], params, dy), torch.autograd.grad(ref, params, dy)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_experts_l1_is_a_mean_over_every_routed_row():
+    ts, offs = _experts_args(grad=True)
+    l1 = 0.7
+    y = OPS.experts_train(*ts, offs, 4, 2, l1, "moe", False)[0]
+    x, wg, wu, wd = ts
+    hs = []
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        hs.append(F.relu(F.linear(x[start:end], wg[e])) * F.linear(x[start:end], wu[e]))
+        start = end
+    h = torch.cat(hs)
+    dy = torch.randn_like(y)
+    want = torch.autograd.grad((_experts_ref(*ts, offs) * dy).sum() + l1 * h.abs().mean(), ts)
+    for a, b in zip(torch.autograd.grad((y * dy).sum(), ts), want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_experts_opcheck():
+    ts, offs = _experts_args(grad=True)
+    torch.library.opcheck(OPS.experts_train.default, (*ts, offs, 4, 2, 0.1, "moe", False))
+    (x, wg, wu, wd), offs = _experts_args()
+    torch.library.opcheck(OPS.experts.default, (x, wg, wu, wd, offs, "moe", False))
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: {**a, "offs": torch.tensor([4, 2, 8])}, "non-decreasing"),
+    (lambda a: {**a, "offs": torch.tensor([4, 4, 11])}, "non-decreasing"),
+    (lambda a: {**a, "offs": torch.tensor([4.0, 4.0, 8.0])}, "int32/int64"),
+    (lambda a: {**a, "offs": torch.tensor([4, 8])}, r"offs must be .*\[E=3\]"),
+    (lambda a: {**a, "wd": a["wd"][:, :, :5]}, r"w_down must be \[E=3, K_out, N=12\]"),
+    (lambda a: {**a, "x": a["x"][None]}, "2-D"),
+])
+def test_experts_argument_errors(change, match):
+    (x, wg, wu, wd), offs = _experts_args()
+    a = change({"x": x, "wg": wg, "wu": wu, "wd": wd, "offs": offs})
+    with torch.no_grad(), pytest.raises(ValueError, match=match):
+        OPS.experts(a["x"], a["wg"], a["wu"], a["wd"], a["offs"], "moe", False)

@@ -10,11 +10,12 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from twell_compile import stats
+from twell_compile import moe, stats
 from twell_compile.backend import with_cudagraphs
 from twell_compile.config import PREFIX, TwellConfig, did_you_mean, inductor_patches
 from twell_compile.passes import report_of, run_passes
-from twell_compile.report import Report
+from twell_compile.prepare import spec_of
+from twell_compile.report import RejectionEntry, Report
 
 _OWN = "options"   # explain's only keyword of its own; every other keyword goes to the model
 
@@ -56,7 +57,9 @@ def explain(model: Callable[..., Any], *args: Any, options: Optional[Mapping[str
     On a DDP- or FSDP2-wrapped model, call it on every rank: each reports its own graphs
     (``.graphs``, ``.rank``; entries name their graph when there are several). FFNs made ops by
     ``twell_compile.prepare`` are listed as rewrites with ``via="prepare"``; under DDP, FFNs cut
-    apart by the bucket split are listed with that reason.
+    apart by the bucket split are listed with that reason. A transformers MoE experts module
+    whose ``experts_implementation`` the backend cannot match (``eager``: its loop graph-breaks;
+    ``batched_mm``; hub kernels) is listed as left to Inductor with the implementation and why.
     """
     if not callable(model):
         raise TypeError(f"model must be callable (an nn.Module or function), got {type(model).__name__}")
@@ -86,7 +89,23 @@ def explain(model: Callable[..., Any], *args: Any, options: Optional[Mapping[str
         raise RuntimeError(_call_failure(e, args, kwargs)) from e
     finally:
         _forget_compiles(capture, before)
+    _unmatched_experts(model, report)
     return report
+
+
+def _unmatched_experts(model: Any, report: Report) -> None:
+    """A rejection for each transformers experts module whose selected implementation the
+    backend cannot match (``moe.unmatched_reason``), unless prepared or already reported."""
+    if not isinstance(model, torch.nn.Module):
+        return
+    named = {e.layer for e in (*report.rewrites, *report.rejections)}
+    for name, module in model.named_modules():
+        name = name.removeprefix("_orig_mod.")
+        if name in named or not moe.is_batched_experts(module) or spec_of(module) is not None:
+            continue
+        why = moe.unmatched_reason(module)
+        if why is not None:
+            report.add_rejection(RejectionEntry(name, why, ""))
 
 
 def _model_keywords(model: Callable[..., Any]) -> set[str]:

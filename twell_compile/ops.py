@@ -4,6 +4,14 @@
     twell::ffn_train      the same forward for training; also returns the hidden activations in
                           the hybrid format (the only activations saved for backward)
     twell::ffn_train_bwd  its backward: gradients of x, weights and biases, L1 term folded in
+    twell::experts        a mixture-of-experts block's expert FFNs: x [S, K] grouped by expert,
+                          weights [E, N, K] / [E, K_out, N], ``offs`` [E] each expert's
+                          cumulative end row (``torch._grouped_mm``'s offsets); expert e runs
+                          the FFN above on its rows (layer ``{layer}.{e}``), rows past offs[-1]
+                          give zeros. No biases (HF's batched experts have none).
+    twell::experts_train, twell::experts_train_bwd
+                          the same for training: each expert's hybrid state concatenated by
+                          rows (runtime/execute.py), the L1 term a mean over every routed row
 
 ``instance`` (default 0) names the op instance whose runtime state (the CUDA path's density
 measurements) a call reads and writes: the passes and ``prepare`` give each op they insert a
@@ -292,6 +300,147 @@ def _(dy, x, w_gate, b_gate, w_up, b_up, w_down, counts, cols, ell_g, ell_u, bac
             x.new_empty((w_down.shape[0],)))
 
 
+# ---------------------------------------------------------------------------- MoE experts
+def _check_experts(x: Tensor, w_gate: Tensor, w_up: Optional[Tensor], w_down: Tensor, offs: Tensor) -> None:
+    for name, t in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down), ("offs", offs)):
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if not x.is_floating_point() or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D floating-point tensor [S, K], got {x.dtype} {tuple(x.shape)}")
+    for name, t in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if t is None:
+            continue
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but x has {x.dtype}; cast them to one dtype")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    if w_gate.dim() != 3 or w_gate.shape[2] != x.shape[1]:
+        raise ValueError(f"w_gate must be [E, N, K={x.shape[1]}], got {tuple(w_gate.shape)}")
+    e, n = w_gate.shape[0], w_gate.shape[1]
+    if w_up is not None and tuple(w_up.shape) != tuple(w_gate.shape):
+        raise ValueError(f"w_up must be [E={e}, N={n}, K] like w_gate, got {tuple(w_up.shape)}")
+    if w_down.dim() != 3 or w_down.shape[0] != e or w_down.shape[2] != n:
+        raise ValueError(f"w_down must be [E={e}, K_out, N={n}], got {tuple(w_down.shape)}")
+    if offs.dim() != 1 or offs.shape[0] != e or offs.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"offs must be an int32/int64 tensor [E={e}], got {offs.dtype} {tuple(offs.shape)}")
+    if offs.device != x.device:
+        raise ValueError(f"offs is on {offs.device} but x is on {x.device}")
+
+
+_lib.define("experts(Tensor x, Tensor w_gate, Tensor? w_up, Tensor w_down, Tensor offs, str layer, bool stats, "
+            "int instance=0, str path='auto', str act='relu') -> Tensor", tags=(torch.Tag.pt2_compliant_tag,))
+
+
+def _experts(x: Tensor, w_gate: Tensor, w_up: Optional[Tensor], w_down: Tensor, offs: Tensor, layer: str,
+             stats: bool, instance: int = 0, path: str = "auto", act: str = "relu") -> Tensor:
+    _check_experts(x, w_gate, w_up, w_down, offs)
+    check_act(act, w_up is not None)
+    select.check_path(path, select.INFER_PATHS, "inference")
+    if torch.is_grad_enabled():
+        for name, t in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+            if t is not None and t.requires_grad:
+                raise ValueError(f"{name} requires grad, and twell::experts is inference only: call it under "
+                                 f"torch.no_grad() / torch.inference_mode(), or use twell::experts_train")
+    return execute.experts_infer(x, w_gate, w_up, w_down, offs, layer, stats, instance, path, act)
+
+
+_lib.impl("experts", _experts, "CompositeExplicitAutograd")
+_lib.impl("experts", torch.library.fallthrough_kernel, "Autograd")
+
+
+@torch.library.register_fake("twell::experts", lib=_lib)
+def _(x, w_gate, w_up, w_down, offs, layer, stats, instance=0, path="auto", act="relu"):
+    _check_experts(x, w_gate, w_up, w_down, offs)
+    check_act(act, w_up is not None)
+    select.check_path(path, select.INFER_PATHS, "inference")
+    return x.new_empty((x.shape[0], w_down.shape[1]))
+
+
+@torch.library.custom_op("twell::experts_train", mutates_args=(), tags=_TRAIN_TAGS)
+def experts_train(x: Tensor, w_gate: Tensor, w_up: Optional[Tensor], w_down: Tensor, offs: Tensor,
+                  ell_width: int, backup_rows: int, l1_scale: float, layer: str, stats: bool,
+                  instance: int = 0, path: str = "auto", act: str = "relu"
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u, backup_offs):
+    every expert's hybrid state, concatenated by rows (execute.experts_train_forward)."""
+    _check_experts(x, w_gate, w_up, w_down, offs)
+    check_act(act, w_up is not None)
+    _check_positive(ell_width=ell_width, backup_rows=backup_rows)
+    select.check_path(path, select.TRAIN_PATHS, "training")
+    if not math.isfinite(l1_scale) or l1_scale < 0:
+        raise ValueError(f"l1_scale must be a finite number >= 0, got {l1_scale}")
+    return execute.experts_train_forward(x, w_gate, w_up, w_down, offs, ell_width, backup_rows, layer, stats,
+                                         instance, path, l1_scale, act)
+
+
+@experts_train.register_fake
+def _(x, w_gate, w_up, w_down, offs, ell_width, backup_rows, l1_scale, layer, stats, instance=0, path="auto",
+      act="relu"):
+    _check_experts(x, w_gate, w_up, w_down, offs)
+    check_act(act, w_up is not None)
+    select.check_path(path, select.TRAIN_PATHS, "training")
+    m, n = x.shape[0], w_gate.shape[1]
+    width = min(ell_width, n)
+    rows = _backup_rows(backup_capacity(m, backup_rows))      # summed over experts: known at run time only
+    nu = n if w_up is not None else 0
+    return (
+        x.new_empty((m, w_down.shape[1])),
+        x.new_empty((m,), dtype=torch.int32),
+        x.new_empty((m, width), dtype=torch.int32),
+        x.new_empty((m, width)),
+        x.new_empty((m, width if w_up is not None else 0)),
+        x.new_empty((rows,), dtype=torch.int64),
+        x.new_empty((rows, n)),
+        x.new_empty((rows, nu)),
+        x.new_empty((w_gate.shape[0],), dtype=torch.int64),
+    )
+
+
+@torch.library.custom_op("twell::experts_train_bwd", mutates_args=(), tags=_TRAIN_TAGS)
+def experts_train_bwd(dy: Tensor, x: Tensor, w_gate: Tensor, w_up: Optional[Tensor], w_down: Tensor,
+                      offs: Tensor, counts: Tensor, cols: Tensor, ell_g: Tensor, ell_u: Tensor,
+                      backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, backup_offs: Tensor,
+                      l1_scale: float, act: str = "relu") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dw_gate, dw_up, dw_down); dw_up is empty without w_up."""
+    check_act(act, w_up is not None)
+    dx, dwg, dwu, dwd = execute.experts_train_backward(dy, x, w_gate, w_up, w_down, offs, counts, cols, ell_g,
+                                                       ell_u, backup_idx, backup_g, backup_u, backup_offs,
+                                                       l1_scale, act)
+    return dx, dwg, dwu if dwu is not None else x.new_empty(0), dwd
+
+
+@experts_train_bwd.register_fake
+def _(dy, x, w_gate, w_up, w_down, offs, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u,
+      backup_offs, l1_scale, act="relu"):
+    check_act(act, w_up is not None)
+    like = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
+    return like(x), like(w_gate), like(w_up) if w_up is not None else x.new_empty(0), like(w_down)
+
+
+def _experts_setup_context(ctx, inputs: Sequence, output: Sequence) -> None:
+    x, w_gate, w_up, w_down, offs = inputs[:5]
+    ctx.save_for_backward(x, w_gate, w_up, w_down, offs, *output[1:])
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+    ctx.y_shape = output[0].shape
+    ctx.l1_scale = inputs[7]
+    ctx.act = inputs[12] if len(inputs) > 12 else "relu"
+
+
+def _experts_backward(ctx, dy: Optional[Tensor], *_unused: Optional[Tensor]):
+    x, w_gate, w_up, w_down, offs, *saved = ctx.saved_tensors
+    if dy is None:
+        dy = x.new_zeros(ctx.y_shape)
+    dx, dwg, dwu, dwd = torch.ops.twell.experts_train_bwd(dy, x, w_gate, w_up, w_down, offs, *saved, ctx.l1_scale,
+                                                          ctx.act)
+    need = ctx.needs_input_grad
+    return (dx if need[0] else None, dwg if need[1] else None, dwu if w_up is not None and need[2] else None,
+            dwd if need[3] else None, None, None, None, None, None, None, None, None, None)
+
+
+experts_train.register_autograd(_experts_backward, setup_context=_experts_setup_context)
+
+
 def arg_index(op: torch._ops.OpOverload, name: str) -> int:
     """Position of argument ``name`` in an op's schema (passes edit graph nodes by position)."""
     for i, a in enumerate(op._schema.arguments):
@@ -328,5 +477,5 @@ def _train_backward(ctx, dy: Optional[Tensor], *_unused: Optional[Tensor]):
 ffn_train.register_autograd(_train_backward, setup_context=_train_setup_context)
 
 
-__all__ = ["PATHS", "arg_index", "ffn_train", "ffn_train_bwd", "next_instance", "static_path", "static_reason", "tag",
+__all__ = ["PATHS", "arg_index", "experts_train", "experts_train_bwd", "ffn_train", "ffn_train_bwd", "next_instance", "static_path", "static_reason", "tag",
            "tagged"]

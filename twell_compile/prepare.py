@@ -41,7 +41,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from twell_compile import control
+from twell_compile import control, moe
 from twell_compile.config import PREFIX, TwellConfig, did_you_mean, path_for
 from twell_compile.ops import static_reason, tag
 from twell_compile.passes.match_ffn import Match, find_ffns
@@ -550,6 +550,43 @@ def _prepared_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
+def _prepared_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
+                              top_k_weights: Tensor) -> Tensor:
+    """A prepared MoE experts module's forward (moe.experts_forward); under a torch.func
+    transform the module's own forward runs, as for prepared FFNs."""
+    if _transform_depth() > 0:
+        return _ORIGINALS[type(self)].forward(self, hidden_states, top_k_index, top_k_weights)
+    return moe.experts_forward(self, getattr(self, _SPEC), hidden_states, top_k_index, top_k_weights)
+
+
+def _prepared_experts_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Twell{cls.__name__}", (cls,), {"forward": _prepared_experts_forward,
+                                                               "__module__": __name__,
+                                                               "__reduce_ex__": _prepared_reduce_ex})
+        _ORIGINALS[_CLASSES[cls]] = cls
+    return _CLASSES[cls]
+
+
+def _experts_match(module: nn.Module) -> tuple[Optional[str], str]:
+    """The activation of a batched experts module's experts when prepare can take it, else a
+    reason: the decorator's flags, then the matcher on one expert's body."""
+    why = moe.experts_reason(module)
+    if why is not None:
+        return None, why
+    gm, _, why = _trace(moe.expert_body(module))
+    if gm is None:
+        return None, f"one expert's body: {why}"
+    found = find_ffns(gm.graph)
+    if len(found) != 1:
+        return None, "one expert's body is not exactly one FFN"
+    if not isinstance(found[0], Match):
+        return None, found[0].reason
+    if found[0].up is None or found[0].gate.rows is None or found[0].gate.rows[0] != 0:
+        return None, "its gate_up_proj is not split gate-first into gate and up"
+    return found[0].act, ""
+
+
 def spec_of(module: nn.Module) -> Optional[FFNSpec]:
     """The FFNSpec of a prepared module, else None."""
     return getattr(module, _SPEC, None) if type(module) in _CLASSES.values() else None
@@ -616,8 +653,20 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None, *,
     report = Report(by_prepare=True)
     found: list[tuple[nn.Module, FFNSpec, tuple[Read, ...]]] = []
     taken: list[str] = []                  # prepared module paths: their ancestors are not candidates
+    experts: list[tuple[nn.Module, moe.ExpertsSpec]] = []
     for name, module in reversed(list(model.named_modules())):
         if spec_of(module) is not None:
+            taken.append(name)
+            continue
+        if moe.is_batched_experts(module) and not any(t.startswith(name + ".") or not name for t in taken):
+            act, why = _experts_match(module)
+            if act is None:
+                report.add_rejection(RejectionEntry(name or ROOT_LAYER, why, ""))
+                continue
+            n = module.gate_up_proj.shape[-1 if module.is_transposed else -2] // 2
+            experts.append((module, moe.ExpertsSpec(name or ROOT_LAYER, int(module.gate_up_proj.shape[0]), int(n),
+                                                    act, config.ell_width, config.backup_rows, 0.0, config.stats,
+                                                    config.path)))
             taken.append(name)
             continue
         if any(t.startswith(name + ".") or not name for t in taken) or not _candidate(module):
@@ -643,9 +692,26 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None, *,
                 raise ValueError(f"twell option {PREFIX}target_density names {name!r}, which is no FFN prepare "
                                  f"found{did_you_mean(name, layers)}; its FFNs: {layers[:8]}"
                                  f"{' ...' if len(layers) > 8 else ''} (module paths from the model)")
-    if not found:
+    if not found and not experts:
         return report
-    scale = config.l1_scale(len(found))
+    scale = config.l1_scale(len(found) + len(experts))
+    for module, spec in reversed(experts):
+        if config.target_for(spec.layer) is not None:
+            raise ValueError(f"{PREFIX}target_density asks a density of {spec.layer}, a MoE block's experts, "
+                             "which the controller does not steer: name its other FFNs, or use twell.l1")
+        number = tag(spec.layer)
+        spec = dataclasses.replace(spec, instance=int(number),
+                                   l1_scale=0.0 if config.target_density is not None else float(scale))
+        setattr(module, _SPEC, spec)
+        setattr(module, _TAG, number)
+        setattr(module, _READS, ())
+        setattr(module, _FALLBACK, None)
+        module.__class__ = _prepared_experts_class(type(module))
+        k = module.gate_up_proj.shape[-2 if module.is_transposed else -1]
+        k_out = module.down_proj.shape[-1 if module.is_transposed else -2]
+        report.add_rewrite(RewriteEntry(spec.layer, True, "prepared", "any", int(k), spec.n, int(k_out),
+                                        str(module.gate_up_proj.dtype).replace("torch.", ""), "", via="prepare",
+                                        act=spec.act, experts=spec.experts))
     for module, spec, reads in reversed(found):
         target = config.target_for(spec.layer)
         if target is not None:

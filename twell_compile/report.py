@@ -38,6 +38,9 @@ class RewriteEntry:
         PyTorch", "CUDA TwELL or dense, by measured density"); "" where not known (prepare).
     act: the activation, the op's ``act``: "relu", "relu2" (squared ReLU: relu(.)^2 in place of
         relu), "drelu" (relu(gate(x)) * relu(up(x))). The table's kind names it unless "relu".
+    experts: for a mixture-of-experts block's experts made one ``twell::experts`` op, how many
+        experts it holds (each runs the FFN on the tokens routed to it; ``tokens_shape`` then
+        counts routed (token, expert) rows and k/n/k_out are one expert's); 0 for one FFN.
     """
 
     layer: str
@@ -52,6 +55,7 @@ class RewriteEntry:
     via: str = "graph"
     runs: str = ""
     act: str = "relu"
+    experts: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,7 +151,8 @@ class Report:
 
 
 def _kind(r: RewriteEntry) -> str:
-    return ("gated" if r.gated else "non-gated") + ("" if r.act == "relu" else f" {r.act}")
+    return (("gated" if r.gated else "non-gated") + ("" if r.act == "relu" else f" {r.act}")
+            + (f", {r.experts} experts" if r.experts else ""))
 
 
 def table(rows: list[tuple[str, ...]]) -> list[str]:

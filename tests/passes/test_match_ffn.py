@@ -497,3 +497,107 @@ def test_ffn_outside_the_transform_region_is_rewritten() -> None:
     assert found[0].down.out not in regions and "vmap" in regions[found[1].down]
     assert backend.twell_ops() == ["twell::ffn"]
     check_close("output", got, want)
+
+
+# ------------------------------------------------------------------------------ grouped (MoE experts)
+class GroupedExperts(nn.Module):
+    """Experts through torch._grouped_mm, as transformers' grouped_mm implementation writes them:
+    x sorted by expert, offs each expert's end row, weights [E, 2N, K] and [E, K, N]."""
+
+    def __init__(self, body: str, experts: int = 3, k: int = 16, n: int = 8, transposed: bool = False):
+        super().__init__()
+        shape_up, shape_down = (experts, 2 * n, k), (experts, k, n)
+        if transposed:
+            shape_up, shape_down = (experts, k, 2 * n), (experts, n, k)
+        self.gate_up_proj = nn.Parameter(torch.randn(shape_up) / k ** 0.5)
+        self.down_proj = nn.Parameter(torch.randn(shape_down) / n ** 0.5)
+        self.body, self.transposed = body, transposed
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        up = self.gate_up_proj if self.transposed else self.gate_up_proj.transpose(-2, -1)
+        down = self.down_proj if self.transposed else self.down_proj.transpose(-2, -1)
+        gate, u = torch._grouped_mm(x, up, offs=offs).chunk(2, dim=-1)
+        h = {"relu": lambda: F.relu(gate) * u, "relu2": lambda: F.relu(gate) ** 2 * u,
+             "drelu": lambda: F.relu(gate) * F.relu(u), "silu": lambda: F.silu(gate) * u,
+             "relu_after_down": lambda: gate * u}[self.body]()
+        y = torch._grouped_mm(h, down, offs=offs)
+        return F.relu(y) if self.body == "relu_after_down" else y
+
+
+GROUPED_OFFS = torch.tensor([3, 3, 9], dtype=torch.int32)      # expert 1 gets no rows; 3 rows past the end
+BF16 = torch.bfloat16           # torch._grouped_mm's meta function (Dynamo's fake run) takes bfloat16 only
+
+
+def _grouped_ref(mod: GroupedExperts, x: torch.Tensor) -> torch.Tensor:
+    """The experts in float64, expert by expert (rows past the end: zeros)."""
+    up, down = mod.gate_up_proj.double(), mod.down_proj.double()
+    if mod.transposed:
+        up, down = up.transpose(-2, -1), down.transpose(-2, -1)
+    out, start = [], 0
+    for e, end in enumerate(GROUPED_OFFS.tolist()):
+        gate, u = F.linear(x[start:end].double(), up[e]).chunk(2, dim=-1)
+        h = {"relu": lambda: F.relu(gate) * u, "relu2": lambda: F.relu(gate) ** 2 * u,
+             "drelu": lambda: F.relu(gate) * F.relu(u)}[mod.body]()
+        out.append(F.linear(h, down[e]))
+        start = end
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("body,transposed", [("relu", False), ("relu", True), ("relu2", False), ("drelu", False)])
+@pytest.mark.parametrize("grad", [False, True])
+def test_grouped_experts_rewritten(body: str, transposed: bool, grad: bool) -> None:
+    torch.manual_seed(0)
+    mod = GroupedExperts(body, transposed=transposed).to(BF16)
+    x = torch.randn(12, 16, dtype=BF16)
+    backend = PassBackend()
+    with torch.set_grad_enabled(grad):
+        got = torch.compile(mod, backend=backend)(x, GROUPED_OFFS)
+        want = mod(x, GROUPED_OFFS)
+        ref = _grouped_ref(mod, x)
+    op = "twell.experts_train.default" if grad else "twell.experts.default"
+    calls = [n for n in backend.nodes() if n.op == "call_function"]
+    assert [str(n.target) for n in calls].count(op) == 1
+    assert not [n for n in calls if n.target in (F.relu, torch._grouped_mm, operator.mul, operator.pow)]
+    assert not [n for n in backend.nodes() if n.op == "call_method" and n.target == "chunk"]
+    assert [(r.experts, r.act, r.n, r.k) for r in backend.report.rewrites] == [(3, body, 8, 16)]
+    # rows past offs[-1]: torch._grouped_mm leaves them unset, the op writes zeros
+    check_close("y", got[:9], want[:9], ref)
+    assert not got[9:].any()
+    if grad:
+        dy = torch.randn(9, 16, dtype=torch.float64)
+        params = [mod.gate_up_proj, mod.down_proj]
+        ref_params = [p.detach().double().requires_grad_() for p in params]
+        ref_mod = GroupedExperts(body, transposed=transposed).double()
+        ref_mod.gate_up_proj, ref_mod.down_proj = (nn.Parameter(p) for p in ref_params)
+        g_ref = torch.autograd.grad(_grouped_ref(ref_mod, x), list(ref_mod.parameters()), dy)
+        for a, b, c in zip(torch.autograd.grad(got[:9], params, dy.to(BF16)),
+                           torch.autograd.grad(want[:9], params, dy.to(BF16)), g_ref):
+            check_close("grad", a, b, c)
+
+
+@pytest.mark.parametrize("body,reason", [("silu", "gate activation is SiLU, not ReLU"),
+                                         ("relu_after_down", "gated product has no activation (bilinear), not ReLU")])
+def test_grouped_experts_near_miss(body: str, reason: str) -> None:
+    mod = GroupedExperts(body).to(BF16)
+    x = torch.randn(12, 16, dtype=BF16)
+    backend = PassBackend()
+    with torch.no_grad():
+        torch.compile(mod, backend=backend)(x, GROUPED_OFFS)
+    assert not backend.report.rewrites
+    assert [r.reason for r in backend.report.rejections] == [reason]
+    assert sum(n.op == "call_function" and n.target is torch._grouped_mm for n in backend.nodes()) == 2
+
+
+def test_grouped_and_plain_projections_do_not_mix() -> None:
+    """A plain down projection after grouped gate/up: no grouped FFN to rewrite."""
+
+    class Mixed(GroupedExperts):
+        def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+            gate, u = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+            return F.linear(F.relu(gate) * u, self.down_proj[0])
+
+    backend = PassBackend()
+    with torch.no_grad():
+        torch.compile(Mixed("relu").to(BF16), backend=backend)(torch.randn(12, 16, dtype=BF16), GROUPED_OFFS)
+    assert not backend.report.rewrites
+    assert [r.reason for r in backend.report.rejections] == ["mixes grouped (per-expert) and plain projections"]

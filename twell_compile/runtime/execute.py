@@ -4,6 +4,12 @@ launcher.
     ffn_infer            twell::ffn            cached plan -> cuda_infer / cuda_decode / cpu_ffn / torch_impl
     ffn_train_forward    twell::ffn_train      plan_train -> cuda_train / torch_impl
     ffn_train_backward   twell::ffn_train_bwd  the path the saved state's shapes say
+    experts_*            twell::experts*       the above once per expert, on its rows
+
+The experts functions run a mixture-of-experts block's expert FFNs on rows already grouped by
+expert (``offs``: each expert's cumulative end row, as ``torch._grouped_mm`` takes it; one
+host read per call). Expert ``e`` is the layer ``{layer}.{e}`` (its own density state and
+``layer_stats`` row); rows past ``offs[-1]`` get zeros.
 
 Every call runs inside its op instance's scope (density.enter), so the measurements it reads
 and writes are its own op's. Inference plans are cached per op instance, layer, device, dtype,
@@ -156,6 +162,89 @@ def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[T
         return _cuda_train().ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *state, l1_scale,
                                                 act, l1_coef)
     return torch_impl.ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *state, l1_scale, act, l1_coef)
+
+
+def expert_rows(offs: Tensor, rows: int) -> list[tuple[int, int]]:
+    """Each expert's row range [start, stop) from the cumulative ends ``offs`` (one host read)."""
+    if offs.dim() != 1 or offs.is_floating_point() or offs.is_complex():
+        raise ValueError(f"offs must be a 1-D integer tensor, got {offs.dtype} {tuple(offs.shape)}")
+    out, start = [], 0
+    for end in offs.tolist():
+        if end < start or end > rows:
+            raise ValueError(f"offs must be non-decreasing ends within x's {rows} rows, got {offs.tolist()}")
+        out.append((start, end))
+        start = end
+    return out
+
+
+def _expert(w: Optional[Tensor], e: int) -> Optional[Tensor]:
+    return None if w is None else w[e]
+
+
+def experts_infer(x: Tensor, w_gate: Tensor, w_up: Optional[Tensor], w_down: Tensor, offs: Tensor, layer: str,
+                  keep_stats: bool, instance: int = 0, path: str = "auto", act: str = "relu") -> Tensor:
+    """y [S, K_out] for x [S, K] grouped by expert: expert e's FFN (w_gate[e], w_up[e],
+    w_down[e]) on rows offs[e-1]:offs[e], by ``ffn_infer``."""
+    y = x.new_zeros((x.shape[0], w_down.shape[1]))
+    for e, (a, b) in enumerate(expert_rows(offs, x.shape[0])):
+        if a < b:
+            y[a:b] = ffn_infer(x[a:b], w_gate[e], None, _expert(w_up, e), None, w_down[e], None, f"{layer}.{e}",
+                               keep_stats, instance, path, act)
+    return y
+
+
+def experts_train_forward(x: Tensor, w_gate: Tensor, w_up: Optional[Tensor], w_down: Tensor, offs: Tensor,
+                          ell_width: int, backup_rows: int, layer: str, keep_stats: bool, instance: int = 0,
+                          path: str = "auto", l1_scale: float = 0.0, act: str = "relu") -> tuple[Tensor, ...]:
+    """(y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u, backup_offs): each
+    expert's ``ffn_train_forward`` state concatenated by rows (the per-row tensors cover all S
+    rows, zero past offs[-1]; the backup's rows are expert after expert, ``backup_offs`` [E]
+    int64 their cumulative ends, ``backup_idx`` local to each expert's rows)."""
+    m, n = x.shape[0], w_gate.shape[1]
+    y = x.new_zeros((m, w_down.shape[1]))
+    width = min(ell_width, n)
+    counts = x.new_zeros((m,), dtype=torch.int32)
+    cols = x.new_zeros((m, width), dtype=torch.int32)
+    ell_g = x.new_zeros((m, width))
+    ell_u = x.new_zeros((m, width if w_up is not None else 0))
+    backup: list[tuple[Tensor, Tensor, Tensor]] = []
+    ends: list[int] = []
+    for e, (a, b) in enumerate(expert_rows(offs, m)):
+        if a < b:
+            out = ffn_train_forward(x[a:b], w_gate[e], None, _expert(w_up, e), None, w_down[e], None, ell_width,
+                                    backup_rows, f"{layer}.{e}", keep_stats, instance, path, l1_scale, act)
+            y[a:b], counts[a:b], cols[a:b], ell_g[a:b], ell_u[a:b] = out[:5]
+            backup.append(out[5:8])
+        ends.append(sum(int(t[0].shape[0]) for t in backup))
+    idx = torch.cat([t[0] for t in backup]) if backup else x.new_zeros((0,), dtype=torch.int64)
+    bg = torch.cat([t[1] for t in backup]) if backup else x.new_zeros((0, n))
+    bu = torch.cat([t[2] for t in backup]) if backup else x.new_zeros((0, n if w_up is not None else 0))
+    return y, counts, cols, ell_g, ell_u, idx, bg, bu, torch.tensor(ends, dtype=torch.int64, device=x.device)
+
+
+def experts_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, w_up: Optional[Tensor], w_down: Tensor,
+                           offs: Tensor, counts: Tensor, cols: Tensor, ell_g: Tensor, ell_u: Tensor,
+                           backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, backup_offs: Tensor,
+                           l1_scale: float, act: str = "relu") -> tuple[Tensor, Tensor, Optional[Tensor], Tensor]:
+    """(dx, dw_gate, dw_up, dw_down) from ``experts_train_forward``'s state, expert by expert
+    (``ffn_train_backward``). The L1 term is the mean of |h| over every routed row: expert e's
+    share of ``l1_scale`` is its rows over all routed rows."""
+    dx = torch.zeros_like(x)
+    dwg, dwd = torch.zeros_like(w_gate), torch.zeros_like(w_down)
+    dwu = torch.zeros_like(w_up) if w_up is not None else None
+    rows = expert_rows(offs, x.shape[0])
+    kept = expert_rows(backup_offs, backup_idx.shape[0])
+    routed = max(rows[-1][1] if rows else 0, 1)
+    for e, ((a, b), (c, d)) in enumerate(zip(rows, kept)):
+        if a == b:
+            continue
+        g = ffn_train_backward(dy[a:b], x[a:b], w_gate[e], None, _expert(w_up, e), None, w_down[e], counts[a:b],
+                               cols[a:b], ell_g[a:b], ell_u[a:b], backup_idx[c:d], backup_g[c:d], backup_u[c:d],
+                               l1_scale=l1_scale * (b - a) / routed, act=act)
+        dx[a:b], dwg[e], dwd[e] = g[0], g[1], g[5]
+        if dwu is not None:
+            dwu[e] = g[3]
+    return dx, dwg, dwu, dwd
 
 
 def reset() -> None:
