@@ -397,8 +397,8 @@ def test_first_auto_call_compiles_every_paths_kernels(gated):
 @pytest.mark.parametrize("path", ["twell", "compact", "dense"])
 def test_a_coefficient_tensor_scales_the_penalty_on_the_device(path):
     """twell.target_density's coefficient reaches every CUDA backward as a [1] device tensor:
-    l1_scale s with l1_coef [c] gives the gradients of l1_scale s * c (bit for bit where the
-    product rounds alike: s = 0.25, c = 4), and a coefficient changed in place is read by the
+    l1_scale s with l1_coef [c] gives the gradients of l1_scale s * c (s = 0.25, c = 4: as close
+    as two runs of the same call, bit for bit on the dense path, whose sums take no atomics), and a coefficient changed in place is read by the
     next call, whose Triton kernels are the ones already built (no host sync, no recompile)."""
     x, wg, bg, wu, bu, wd, bd = _ffn(4096, 256, 1024, 256, 0.01, 0.0, seed=31)
     dy = torch.randn(4096, 256, device="cuda", dtype=x.dtype)
@@ -406,10 +406,17 @@ def test_a_coefficient_tensor_scales_the_penalty_on_the_device(path):
     state = list(out[1:8])
     assert out[8].shape == (0,)                          # not controlled: no coefficient tensor
     fixed = torch.ops.twell.ffn_train_bwd(dy, x, wg, bg, wu, bu, wd, *state, out[8], 1.0)
+    again = torch.ops.twell.ffn_train_bwd(dy, x, wg, bg, wu, bu, wd, *state, out[8], 1.0)
     coef = torch.full((1,), 4.0, device="cuda")
     scaled = torch.ops.twell.ffn_train_bwd(dy, x, wg, bg, wu, bu, wd, *state, coef, 0.25)
-    for a, b in zip(fixed, scaled):
-        assert torch.equal(a, b)
+    for a, r, b in zip(fixed, again, scaled):
+        if a is None:
+            assert b is None
+            continue
+        # the sparse paths' weight gradients sum with atomics: a repeat of the same call differs
+        # by a few ulps (H100: up to 0.0625 of the twell path's gradients); no more than that
+        spread = (a.float() - r.float()).abs().max().item()
+        assert (a.float() - b.float()).abs().max().item() <= 2 * spread, (path, spread)
     coef.fill_(0.0)                                      # the controller moved it, in place
     none = torch.ops.twell.ffn_train_bwd(dy, x, wg, bg, wu, bu, wd, *state, coef, 0.25)
     plain = torch.ops.twell.ffn_train_bwd(dy, x, wg, bg, wu, bu, wd, *state, out[8], 0.0)

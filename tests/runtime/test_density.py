@@ -57,7 +57,13 @@ def test_dynamo_reset_clears_every_instance():
 
 
 def _net(gate_bias: float, k: int = 256, n: int = 1024) -> nn.Module:
-    net = Block(GatedMLP(k, n, bias=True), k, norm=False)
+    """A fresh Block subclass per call: Dynamo guards on a module's class, so each model gets its
+    own graph and op instance (two models of one class share Dynamo's cached graph, and with it
+    the instance's density measurement)."""
+    class Net(Block):
+        pass
+
+    net = Net(GatedMLP(k, n, bias=True), k, norm=False)
     nn.init.constant_(net.mlp.gate.bias, gate_bias)    # -3: ~nothing fires; +3: ~everything
     return net.cuda().to(torch.bfloat16)
 
