@@ -9,8 +9,9 @@
 //   packed[m,t,s]  its first S non-zeros in column order, (column << 16) | bits(value).
 // A wgmma accumulator row is held by the four lanes of a quad, lane q holding columns 8j + 2q and
 // 8j + 2q + 1; each lane builds a 2-bit-per-group mask of its non-zeros and the quad exchanges
-// masks (6 shuffles), so every non-zero's rank in column order is a few popcounts: the slots are
-// in column order, deterministic, with no shared-memory atomics.
+// masks (4 or 8 shuffles, only where the warp holds a non-zero), so every non-zero's rank in
+// column order is a few popcounts: the slots are in column order, deterministic, with no
+// shared-memory atomics.
 #pragma once
 
 #include <cstdint>
@@ -98,7 +99,9 @@ struct TwellPackEpilogue {
     constexpr int NG = size<0, 2>(FrgLayout{});
     constexpr int MM = size<1>(FrgLayout{});
     constexpr int MN = size<2>(FrgLayout{});
-    static_assert(NG * MN <= 32, "one lane's columns of a row must fit a 64-bit mask");
+    constexpr int P = NG * MN;              // this lane's column pairs in a row
+    static_assert(P <= 32, "one lane's pairs of a row must fit a 64-bit mask");
+    using Mask = cute::conditional_t<(P <= 16), uint32_t, uint64_t>;
 
     const int M = get<0>(problem_shape_mnkl);
     const int N = get<1>(problem_shape_mnkl);
@@ -114,8 +117,35 @@ struct TwellPackEpilogue {
     const int quad0 = lane & ~3;
     const int tile = n_coord;
     const int S = params.slots;
-    const auto* bias = reinterpret_cast<const __nv_bfloat16*>(params.bias);
+    const bool pack = params.packed != nullptr;
     auto* g = reinterpret_cast<__nv_bfloat16*>(params.g);
+    // every column of this CTA tile in range: no per-pair column test (N % 8 == 0, so a pair
+    // is in range whole or not at all)
+    const bool full_n = (n_coord + 1) * int(size<1>(blk_shape_MNK)) <= N;
+
+    // the bias of this lane's pairs: loaded once per tile into registers (the same for every
+    // row) where they fit beside the accumulators (P <= 16), else per pair from L1
+    constexpr bool kHoist = P <= 16;
+    const auto* bias_ptr = reinterpret_cast<const __nv_bfloat162*>(params.bias);
+    float2 hoisted[kHoist ? P : 1];
+    auto load_bias = [&](int col) {
+      if (bias_ptr == nullptr || col >= N) return make_float2(0.f, 0.f);
+      const __nv_bfloat162 b = bias_ptr[col / 2];
+      return make_float2(__bfloat162float(b.x), __bfloat162float(b.y));
+    };
+    if constexpr (kHoist) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int mn = 0; mn < MN; ++mn) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < NG; ++j) {
+          hoisted[mn * NG + j] = load_bias(get<1>(tCcD(make_coord(make_coord(0, 0, j), 0, mn))));
+        }
+      }
+    }
+    auto bias_of = [&](int i, int col) {
+      if constexpr (kHoist) return hoisted[i];
+      else return load_bias(col);
+    };
 
     CUTLASS_PRAGMA_UNROLL
     for (int mm = 0; mm < MM; ++mm) {
@@ -123,45 +153,50 @@ struct TwellPackEpilogue {
       for (int r = 0; r < 2; ++r) {
         const int row = get<0>(tCcD(make_coord(make_coord(0, r, 0), mm, 0)));
         const bool row_ok = row < M;
+        __nv_bfloat16* grow = g + int64_t(row) * params.ldg;
         // 1. bias, rounding, the dense store, and this lane's mask: bit 2i + e for its i-th pair
-        uint64_t mask = 0;
+        Mask mask = 0;
         CUTLASS_PRAGMA_UNROLL
         for (int mn = 0; mn < MN; ++mn) {
           CUTLASS_PRAGMA_UNROLL
           for (int j = 0; j < NG; ++j) {
             const int i = mn * NG + j;
             const int col = get<1>(tCcD(make_coord(make_coord(0, r, j), mm, mn)));
-            const bool ok = row_ok && col < N;   // N % 8 == 0: col + 1 < N with it
-            float a0 = acc(make_coord(make_coord(0, r, j), mm, mn));
-            float a1 = acc(make_coord(make_coord(1, r, j), mm, mn));
-            if (bias != nullptr && ok) {
-              const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(bias + col);
-              a0 += __bfloat162float(b.x);
-              a1 += __bfloat162float(b.y);
-            }
-            const __nv_bfloat162 v = __floats2bfloat162_rn(a0, a1);
+            const bool ok = row_ok && (full_n || col < N);
+            const float2 b = bias_of(i, col);
+            const __nv_bfloat162 v = __floats2bfloat162_rn(acc(make_coord(make_coord(0, r, j), mm, mn)) + b.x,
+                                                           acc(make_coord(make_coord(1, r, j), mm, mn)) + b.y);
             if (g != nullptr && ok) {
-              *reinterpret_cast<__nv_bfloat162*>(g + int64_t(row) * params.ldg + col) = v;
+              *reinterpret_cast<__nv_bfloat162*>(grow + col) = v;
             }
             // relu(v) != 0: v > 0 or NaN
-            const bool nz0 = ok && !(__bfloat162float(v.x) <= 0.f);
-            const bool nz1 = ok && !(__bfloat162float(v.y) <= 0.f);
-            mask |= (uint64_t(nz0) << (2 * i)) | (uint64_t(nz1) << (2 * i + 1));
+            const Mask nz = Mask(!(__bfloat162float(v.x) <= 0.f)) | (Mask(!(__bfloat162float(v.y) <= 0.f)) << 1);
+            mask |= ok ? nz << (2 * i) : Mask(0);
           }
         }
-        if (params.packed == nullptr) continue;   // g only (tune_gate.py times the parts apart)
-        // 2. the quad's masks; the row's count in this tile
-        uint64_t qm[4];
+        if (!pack) continue;   // g only (tune_gate.py times the parts apart)
+        // 2. the row's count in this tile: the quad's masks' popcounts. Lanes whose quad holds
+        //    no non-zero (most, at low density) write 0 and are done.
+        const bool any = __any_sync(0xffffffffu, mask != 0);
+        if (!any) {
+          if (q == 0 && row_ok) params.tcnt[int64_t(row) * params.tiles + tile] = 0;
+          continue;
+        }
+        Mask qm[4];
         CUTLASS_PRAGMA_UNROLL
         for (int o = 0; o < 4; ++o) {
-          const unsigned lo = __shfl_sync(0xffffffffu, unsigned(mask), quad0 + o);
-          const unsigned hi = __shfl_sync(0xffffffffu, unsigned(mask >> 32), quad0 + o);
-          qm[o] = (uint64_t(hi) << 32) | lo;
+          if constexpr (sizeof(Mask) == 4) {
+            qm[o] = __shfl_sync(0xffffffffu, mask, quad0 + o);
+          } else {
+            const unsigned lo = __shfl_sync(0xffffffffu, unsigned(mask), quad0 + o);
+            const unsigned hi = __shfl_sync(0xffffffffu, unsigned(uint64_t(mask) >> 32), quad0 + o);
+            qm[o] = (uint64_t(hi) << 32) | lo;
+          }
         }
-        if (!row_ok) continue;   // uniform per quad: the shuffles above ran in every lane
+        if (!row_ok) continue;   // uniform per quad
+        auto popc = [](Mask m) { return sizeof(Mask) == 4 ? __popc(uint32_t(m)) : __popcll(uint64_t(m)); };
         if (q == 0) {
-          params.tcnt[int64_t(row) * params.tiles + tile] =
-              __popcll(qm[0]) + __popcll(qm[1]) + __popcll(qm[2]) + __popcll(qm[3]);
+          params.tcnt[int64_t(row) * params.tiles + tile] = popc(qm[0]) + popc(qm[1]) + popc(qm[2]) + popc(qm[3]);
         }
         if (mask == 0) continue;
         // 3. each non-zero's rank in column order: all earlier groups of the quad, then the
@@ -172,28 +207,23 @@ struct TwellPackEpilogue {
           CUTLASS_PRAGMA_UNROLL
           for (int j = 0; j < NG; ++j) {
             const int i = mn * NG + j;
-            if ((mask >> (2 * i)) & 3u) {
-              const uint64_t before = (uint64_t(1) << (2 * i)) - 1;   // i < 32
-              int rank = __popcll(qm[0] & before) + __popcll(qm[1] & before) + __popcll(qm[2] & before) +
-                         __popcll(qm[3] & before);
+            const unsigned bits = unsigned(mask >> (2 * i)) & 3u;
+            if (bits) {
+              const Mask before = (Mask(1) << (2 * i)) - 1;   // 2 * i < mask bits
+              int rank = popc(qm[0] & before) + popc(qm[1] & before) + popc(qm[2] & before) + popc(qm[3] & before);
               CUTLASS_PRAGMA_UNROLL
               for (int o = 0; o < 3; ++o) {
-                if (o < q) rank += __popcll((qm[o] >> (2 * i)) & 3u);
+                if (o < q) rank += __popc(unsigned(qm[o] >> (2 * i)) & 3u);
               }
               const int col = get<1>(tCcD(make_coord(make_coord(0, r, j), mm, mn)));
-              float a0 = acc(make_coord(make_coord(0, r, j), mm, mn));
-              float a1 = acc(make_coord(make_coord(1, r, j), mm, mn));
-              if (bias != nullptr) {
-                const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(bias + col);
-                a0 += __bfloat162float(b.x);
-                a1 += __bfloat162float(b.y);
-              }
-              const __nv_bfloat162 v = __floats2bfloat162_rn(a0, a1);
-              if ((mask >> (2 * i)) & 1u) {
+              const float2 b = bias_of(i, col);
+              const __nv_bfloat162 v = __floats2bfloat162_rn(acc(make_coord(make_coord(0, r, j), mm, mn)) + b.x,
+                                                             acc(make_coord(make_coord(1, r, j), mm, mn)) + b.y);
+              if (bits & 1u) {
                 if (rank < S) dst[rank] = (col << 16) | int32_t(__bfloat16_as_ushort(v.x));
                 ++rank;
               }
-              if (((mask >> (2 * i + 1)) & 1u) && rank < S) {
+              if ((bits & 2u) && rank < S) {
                 dst[rank] = ((col + 1) << 16) | int32_t(__bfloat16_as_ushort(v.y));
               }
             }
