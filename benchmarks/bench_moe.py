@@ -106,6 +106,44 @@ def time_ms(fn: Callable[[], object], reps: int, device: str) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def explain_table(block: torch.nn.Module, x: torch.Tensor, a: argparse.Namespace) -> str:
+    """``twell_compile.explain``'s report for the block on these tokens, with the twell run's
+    options and grad mode (what the backend matched, what it left and why)."""
+    import twell_compile
+
+    options = {"twell.skip_dense": False} if a.rewrite_all else None
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(a.train):
+        report = twell_compile.explain(block, x, options=options)
+    text = str(report)
+    if not report.rewrites and not report.rejections:
+        text += "\nno FFN-shaped block in the graph; Dynamo's calls:\n" + graph_calls(block, x, a)
+    return text
+
+
+def graph_calls(block: torch.nn.Module, x: torch.Tensor, a: argparse.Namespace) -> str:
+    """The calls of the Dynamo graph(s) of ``block(x)``, one a line (``name = target(args)``): what
+    the matcher was given."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(a.train):
+        torch.compile(block, backend=record)(x)
+    torch._dynamo.reset()
+    lines = []
+    for gm in graphs:
+        for n in gm.graph.nodes:
+            if n.op in ("call_function", "call_method", "call_module"):
+                target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+                args = ", ".join([str(v) for v in n.args] + [f"{k}={v}" for k, v in n.kwargs.items()])
+                lines.append(f"  {n.name} = {target}({args})")
+    return "\n".join(lines)
+
+
 def run(a: argparse.Namespace) -> dict:
     import twell_compile
 
@@ -134,8 +172,8 @@ def run(a: argparse.Namespace) -> dict:
         if backend == "twell":
             stats = twell_compile.layer_stats()
     if not stats:
-        raise RuntimeError("twell rewrote no experts (no layer_stats): see twell_compile.explain(block, x) for "
-                           "why (--rewrite-all overrides the compile-time speed rule)")
+        raise RuntimeError("twell rewrote no experts (no layer_stats; --rewrite-all overrides the compile-time "
+                           f"speed rule). twell_compile.explain(block, x):\n{explain_table(block, x, a)}")
     routed = sum(s.tokens for s in stats.values())
     density = sum(s.mean_nnz * s.tokens for s in stats.values()) / max(routed * a.ffn, 1)
     err = (outs["twell"].double() - outs["inductor"].double()).abs().max().item()

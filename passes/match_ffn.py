@@ -6,7 +6,9 @@ ReLU (``relu(.) ** 2`` in any spelling: ``squared_relu``) in place of ReLU, or d
 any spelling of a linear map (``F.linear``, ``x @ w.t()``, ``torch.matmul``, ``addmm``, matmul
 plus bias add), the gate and up may come from one fused projection split by ``chunk``,
 ``split`` or slicing, and identity-like nodes (eval-mode dropout, ``contiguous``, same-dtype
-casts, reshapes that keep the last dimension) may sit in between.
+casts, reshapes that keep the last dimension) may sit in between. Grouped (MoE experts)
+projections may reach the activation through ``masked_fill(out, row_mask, 0)`` when the down
+projection's output is masked the same way (``_masked_rows_problem``).
 
 Biases may be [N] or broadcast as one value per feature ([1], 0-d, [1, N]; the rewrite
 expands them). FFN-shaped blocks that are *not* rewritten come back as rejections with a plain
@@ -222,6 +224,10 @@ class Projection:
     # cumulative end row; ``weight`` is then [E, N, K] (one [N, K] map per expert; ``transposed``:
     # stored [E, K, N]) and ``rows`` selects rows of each expert's map.
     offs: Optional[fx.Node] = None
+    # A grouped projection whose output reaches the activation through ``masked_fill(out, mask,
+    # value)`` (transformers' expert-parallel sentinel rows): that masked_fill node, part of
+    # ``nodes``; ``check_block`` decides whether dropping it keeps the block's value.
+    masked: Optional[fx.Node] = None
 
     @property
     def width(self) -> Any:
@@ -319,6 +325,37 @@ def _grouped_projection(node: fx.Node) -> Optional[Projection]:
     if src is not None and example(src) is not None and len(w.users) == 1:
         return Projection(node, x, src, None, False, [node, w], offs=offs)
     return Projection(node, x, w, None, True, [node], offs=offs)
+
+
+_MASKED_FILL_FNS = {torch.masked_fill}
+
+
+def masked_fill_parts(node: Any) -> Optional[tuple[fx.Node, Any, Any]]:
+    """If ``node`` is an out-of-place ``masked_fill(src, mask, value)`` (method or function) of a
+    tensor: (src, mask, value)."""
+    if not isinstance(node, fx.Node) or not (is_method(node, {"masked_fill"}) or is_fn(node, _MASKED_FILL_FNS)):
+        return None
+    src, mask, value = arg(node, 0, "input"), arg(node, 1, "mask"), arg(node, 2, "value")
+    if not isinstance(src, fx.Node):
+        return None
+    return src, mask, value
+
+
+def _masked_grouped_projection(node: Any) -> Optional[Projection]:
+    """A grouped projection seen through an out-of-place ``masked_fill`` of its output (and
+    identity-like nodes between): the projection with ``masked`` set, else None. Only grouped
+    projections: the masked rows are then whole routed rows, which ``check_block`` can prove
+    are zeroed again after the down projection."""
+    parts = masked_fill_parts(node)
+    if parts is None:
+        return None
+    inner = skip(parts[0])
+    p = as_projection(inner)
+    if p is None or p.offs is None or p.out is not inner:
+        return None
+    p.masked = node
+    p.nodes = p.nodes + [node] + chain(parts[0], inner)
+    return p
 
 
 def as_projection(node: Any) -> Optional[Projection]:
@@ -420,7 +457,7 @@ def _split_nodes(node: fx.Node) -> list[fx.Node]:
 def resolve_projection(node: Any) -> Optional[Projection]:
     """A projection, possibly one half of a fused projection split by columns."""
     node = skip(node)
-    p = as_projection(node)
+    p = as_projection(node) or _masked_grouped_projection(node)
     if p is not None:
         return p
     if not isinstance(node, fx.Node):
@@ -430,7 +467,7 @@ def resolve_projection(node: Any) -> Optional[Projection]:
         return None
     base, start, stop = part
     inner = skip(base)
-    p = as_projection(inner)
+    p = as_projection(inner) or _masked_grouped_projection(inner)
     if p is None:
         return None
     p.whole, p.out = p.out, node
@@ -878,6 +915,62 @@ def match_plain(down_node: fx.Node, h: fx.Node, reject: Any) -> Optional[_Block 
     return _transformed(down_node, h, reject)
 
 
+def _zero(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
+
+def _row_mask(node: fx.Node, mask: Any) -> bool:
+    """Whether ``mask`` is a boolean mask that takes whole rows of ``node``'s [S, N] output
+    (its last dim 1 or none) and does not broadcast that output to another shape."""
+    me, out, src = example(mask), example(node), example(node.args[0] if node.args else None)
+    if me is None or out is None or src is None or me.dtype != torch.bool:
+        return False
+    return (me.dim() == 0 or str(me.shape[-1]) == "1") and me.dim() <= out.dim() and shape_key(out) == shape_key(src)
+
+
+def _masked_rows_problem(down_node: fx.Node, projections: list[Optional[Projection]]) -> Optional[str]:
+    """Why a grouped block whose gate/up output is masked before the activation
+    (``masked_fill(out, mask, 0)``: transformers' expert-parallel sentinel rows) cannot drop
+    that masking, or None.
+
+    Dropping it keeps the block's value when every masked_fill zeros whole rows with one mask
+    node, the down projection's only user zeros the same rows with the same mask (that one
+    stays, on the twell op's output), and nothing writes into the mask in between: a grouped
+    matmul and the activation work row by row, so a masked row's output is overwritten by
+    zeros either way, and the zero gradient the last masked_fill passes back for it adds
+    nothing to any weight's gradient (the row's values being finite)."""
+    masked = list(dict.fromkeys(p.masked for p in projections if p is not None and p.masked is not None))
+    if not masked:
+        return None
+    masks = []
+    for node in masked:
+        _, mask, value = masked_fill_parts(node)
+        if not _zero(value):
+            return f"a grouped projection's output is masked_fill-ed with {value!r} before the activation, not 0"
+        if not _row_mask(node, mask):
+            return "a grouped projection's output is masked_fill-ed by a mask that is not one value per row"
+        masks.append(mask)
+    if len(set(masks)) != 1:
+        return "the grouped gate and up outputs are masked_fill-ed by different masks"
+    mask = masks[0]
+    after = next(iter(down_node.users)) if len(down_node.users) == 1 else None
+    parts = masked_fill_parts(after)
+    if parts is None or parts[0] is not down_node or parts[1] is not mask or not _zero(parts[2]) \
+            or not _row_mask(after, mask):
+        return ("the grouped projections' output rows are masked_fill-ed before the activation but the down "
+                "projection's output is not masked_fill-ed with 0 by the same mask")
+    nodes = list(down_node.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    mask_roots, mask_external = alias_roots(mask)
+    for n in nodes[min(order[m] for m in masked):order[after]]:
+        for target in written(n):
+            roots, external = alias_roots(target)
+            if (external and mask_external) or roots & mask_roots:
+                return (f"a tensor that may alias the row mask is modified in place ({_describe(n)} on "
+                        f"{target.name}) between the masked_fill calls")
+    return None
+
+
 def check_block(down_node: fx.Node, down: Projection, blk: _Block) -> Optional[str]:
     """Why a matched block must not be rewritten, or None. ``blk.internal`` is completed (the
     nodes the rewrite removes, deduplicated) as a side effect."""
@@ -888,6 +981,9 @@ def check_block(down_node: fx.Node, down: Projection, blk: _Block) -> Optional[s
             return "mixes grouped (per-expert) and plain projections"
         if len(set(grouped)) != 1:
             return "its grouped projections take different expert offsets"
+        why = _masked_rows_problem(down_node, [gate, up])
+        if why is not None:
+            return why
     # Same input for gate and up.
     if up is not None:
         gx, ux = gate.x, up.x

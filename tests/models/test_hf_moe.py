@@ -96,6 +96,63 @@ def test_experts_rewritten_inference_and_training(name: str) -> None:
     compare_grads(model, got, want)
 
 
+def _grouped_mm_experts_forward_517(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers 5.17's grouped_mm experts forward (gated, no bias): as 5.24's, with the
+    expert-parallel sentinel masking always on: ``masked_fill`` of the sorted rows (in place)
+    and of both grouped projections' outputs."""
+    from transformers.integrations.moe import _grouped_linear
+
+    num_tokens, num_top_k = hidden_states.size(0), top_k_index.size(-1)
+    sample_weights, expert_ids = top_k_weights.reshape(-1), top_k_index.reshape(-1)
+    expert_ids_g, perm = torch.sort(expert_ids)
+    selected_hidden_states_g = hidden_states[perm // num_top_k]
+    sample_weights_g = sample_weights[perm]
+    tokens_per_expert = torch.histc(expert_ids_g.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+    offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+    sentinel_mask = (expert_ids_g >= self.num_experts).unsqueeze(-1)
+    expert_ids_g.clamp_(max=self.num_experts - 1)
+    selected_hidden_states_g.masked_fill_(sentinel_mask, 0.0)
+    proj_out = _grouped_linear(selected_hidden_states_g, self.gate_up_proj, offsets, is_transposed=self.is_transposed)
+    proj_out = proj_out.masked_fill(sentinel_mask, 0.0)
+    proj_out = self._apply_gate(proj_out)
+    proj_out = _grouped_linear(proj_out, self.down_proj, offsets, is_transposed=self.is_transposed)
+    proj_out = proj_out.masked_fill(sentinel_mask, 0.0)
+    weighted_out = proj_out * sample_weights_g.unsqueeze(-1)
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.size(0), device=hidden_states.device)
+    weighted_out = weighted_out[inv_perm]
+    return weighted_out.view(num_tokens, num_top_k, hidden_states.size(-1)).sum(dim=1).to(hidden_states.dtype)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "olmoe"])
+def test_sentinel_masked_experts_forward_rewritten(name: str, monkeypatch) -> None:
+    """transformers 5.17's grouped_mm forward (sentinel rows masked with masked_fill around both
+    grouped projections) in place of the installed one: one twell::experts op per block, the
+    masking after the down projection kept; logits and every gradient as eager's."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS, "grouped_mm", _grouped_mm_experts_forward_517)
+    model = _model(name, seed=5)
+    ids = token_ids(5)
+    with torch.no_grad():
+        report = twell_compile.explain(model, input_ids=ids, options=REWRITE_ALL)
+    assert [(r.layer, r.op, r.experts) for r in report.rewrites] == [
+        (la, "twell::experts", EXPERTS) for la in EXPERT_LAYERS], str(report)
+    assert not report.rejections, str(report)
+    backend, got, want = _run(model, ids, grad=False)
+    assert _twell_targets(backend).count("twell.experts.default") == LAYERS
+    _no_grouped_mm_left(backend)
+    fills = [n for n in backend.nodes() if n.op == "call_method" and n.target == "masked_fill"]
+    assert len(fills) == LAYERS and all("twell" in str(n.args[0].target) for n in fills), fills
+    check_close("logits", got, want)
+    backend, got, want = _run(model, ids, grad=True)
+    assert _twell_targets(backend).count("twell.experts_train.default") == LAYERS
+    _no_grouped_mm_left(backend)
+    check_close("logits", got, want)
+    compare_grads(model, got, want)
+
+
 class _DReLUGate:
     """TurboSparse-Mixtral's experts: both factors rectified (the class's own _apply_gate)."""
 
