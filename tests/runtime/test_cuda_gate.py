@@ -40,9 +40,15 @@ def test_configuration_table_matches_the_cuda_source():
         assert f"kTileN == {c.tile_n}" in (src / f"gate_pack_cfg{i}.cu").read_text()
 
 
-def test_unusable_on_the_cpu_says_why():
+def test_unusable_on_the_cpu_says_why(caplog):
     x = torch.randn(4, 64, dtype=torch.bfloat16)
-    assert cuda_gate.unusable(x, torch.randn(64, 64, dtype=torch.bfloat16), None) == "not a CUDA tensor"
+    w = torch.randn(64, 64, dtype=torch.bfloat16)
+    assert cuda_gate.unusable(x, w, None) == "not a CUDA tensor"
+    cuda_gate.reset_log()
+    with caplog.at_level("INFO", logger="twell_compile.runtime.cuda_gate"):
+        assert not cuda_gate.runs(x, w, None) and not cuda_gate.runs(x, w, None)
+    said = [r.getMessage() for r in caplog.records if "not a CUDA tensor" in r.getMessage()]
+    assert len(said) == 1 and "cuBLAS" in said[0]    # once per reason and process
 
 
 @gpu
