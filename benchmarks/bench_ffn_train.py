@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -51,41 +50,18 @@ if __package__ in (None, ""):                  # run as a file: python3 benchmar
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import reference  # noqa: E402
 from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
-from benchmarks.timing import gpu_name, median_ms, rel  # noqa: E402
+from benchmarks.timing import bench, gpu_name, peak_mib, rel, train_inputs  # noqa: E402
 
 import twell_compile.ops  # noqa: E402,F401  (registers torch.ops.twell)
 from twell_compile.config import TwellConfig  # noqa: E402
 from twell_compile.formats import backup_capacity  # noqa: E402
 from twell_compile.reference import ffn_dense  # noqa: E402
 from twell_compile.runtime import arch, density  # noqa: E402
-from twell_compile.testing import load_activity_profile, make_ffn, make_ffn_for, parse_activity  # noqa: E402
+from twell_compile.testing import load_activity_profile, make_ffn, parse_activity  # noqa: E402
 
 FULL_M = [1024, 16384, 65536]
 FULL_D = [0.005, 0.02, 0.05, 0.2, 1.0]
 FULL_T = [0.0, 0.2]
-
-
-def bench(fn, reps: int, cuda: bool) -> float:
-    if cuda:
-        return median_ms(fn, reps)
-    fn()
-    t = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        t.append(time.perf_counter() - t0)
-    return sorted(t)[1] * 1e3
-
-
-def train_inputs(m: int, k: int, n: int, d: float, t: float, seed: int, dev, dt, activity: str = "iid"):
-    """x, w_gate, w_up, w_down (leaves requiring grad) and dy of one point (the reference's
-    child, benchmarks/reference.py --train, builds the same from the same seed); ``activity``:
-    "iid" or a profile spec (testing.make_ffn_for)."""
-    p = make_ffn_for(activity, m, k, n, d, t, device=dev, seed=seed, dtype=dt)
-    x, wg, wu, wd = (p[a].requires_grad_() for a in ("x", "w_gate", "w_up", "w_down"))
-    dy = torch.randn(m, k, device=dev, dtype=torch.float32,
-                     generator=torch.Generator(dev).manual_seed(seed + 1)).to(dt)
-    return x, wg, wu, wd, dy
 
 
 def ref_cells(paper: dict, dense_ms: float) -> str:
@@ -98,19 +74,6 @@ def ref_cells(paper: dict, dense_ms: float) -> str:
 
 
 REF_HDR = f" {'ref':>7} {'x_ref':>6} {'r_MiB':>7} {'ref_err':>8}"
-
-
-def peak_mib(fn, cuda: bool) -> float:
-    if not cuda:
-        return float("nan")
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del out
-    return peak / 2**20
 
 
 # Launch configurations --parts compares (record fields; {} is the record's own): the wgrad

@@ -167,8 +167,7 @@ def _train(a) -> None:
 
     import sparse_ops_loader  # the paper's training kernels (sparser-faster-llms), not ours
 
-    from benchmarks.bench_ffn_train import bench, peak_mib, train_inputs
-    from benchmarks.timing import rel
+    from benchmarks.timing import bench, peak_mib, rel, train_inputs
     from twell_compile.reference import ffn_dense
 
     torch.backends.cuda.matmul.allow_tf32 = False

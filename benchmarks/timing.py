@@ -1,8 +1,10 @@
 """Helpers shared by the GPU benchmarks: the GPU's folder tag, relative error, do_bench
-medians (CUDA events), and --policy FIELD=VALUE changes to the GPU record. The rows they write: benchmarks/rows.py."""
+medians (CUDA events), peak memory, a training point's inputs, and --policy FIELD=VALUE changes
+to the GPU record. The rows they write: benchmarks/rows.py."""
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Mapping, Optional
 
 import torch
@@ -57,3 +59,41 @@ def policy_changes(pairs) -> dict:
             raise ValueError(f"--policy {kv!r}: expected FIELD=VALUE with FIELD a GpuPolicy field")
         out[field] = type(getattr(arch.H200, field))(value)
     return out
+
+
+def bench(fn, reps: int, cuda: bool) -> float:
+    """ms of ``fn``: median_ms on CUDA, else the median of three wall-clock calls after one."""
+    if cuda:
+        return median_ms(fn, reps)
+    fn()
+    t = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        t.append(time.perf_counter() - t0)
+    return sorted(t)[1] * 1e3
+
+def train_inputs(m: int, k: int, n: int, d: float, t: float, seed: int, dev, dt, activity: str = "iid"):
+    """x, w_gate, w_up, w_down (leaves requiring grad) and dy of one point (the reference's
+    child, benchmarks/reference.py --train, builds the same from the same seed); ``activity``:
+    "iid" or a profile spec (testing.make_ffn_for)."""
+    from twell_compile.testing import make_ffn_for
+
+    p = make_ffn_for(activity, m, k, n, d, t, device=dev, seed=seed, dtype=dt)
+    x, wg, wu, wd = (p[a].requires_grad_() for a in ("x", "w_gate", "w_up", "w_down"))
+    dy = torch.randn(m, k, device=dev, dtype=torch.float32,
+                     generator=torch.Generator(dev).manual_seed(seed + 1)).to(dt)
+    return x, wg, wu, wd, dy
+
+def peak_mib(fn, cuda: bool) -> float:
+    """MiB ``fn`` allocates above what was allocated before it, at its peak (NaN off CUDA)."""
+    if not cuda:
+        return float("nan")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 2**20

@@ -153,3 +153,23 @@ def test_the_compile_check_uses_the_standard_torchs_headers_need(monkeypatch, ve
     monkeypatch.setattr(torch, "__version__", version)
     assert build.std_flag() == flag
     assert not any(f.startswith("-std=") for f in build.CXX_FLAGS + build.CUDA_FLAGS)
+
+
+def test_cutlass_extensions_build_for_hopper_with_ndebug_and_cutlass_headers(tmp_path, monkeypatch):
+    """gate_pack (and the probe on CUTLASS) compile sm90a only, with NDEBUG (CuTe's device asserts
+    otherwise put a call into the mainloop and ptxas serializes its wgmma) and CUTLASS's include
+    directories; the other extensions keep the default flags. Without the headers: one line that
+    names the package to install."""
+    inc = tmp_path / "cutlass" / "include" / "cutlass"
+    inc.mkdir(parents=True)
+    (inc / "cutlass.h").write_text("")
+    monkeypatch.setenv("CUTLASS_PATH", str(tmp_path / "cutlass"))
+    flags = build.cuda_flags("gate_pack")
+    assert "-DNDEBUG" in flags and "-gencode=arch=compute_90a,code=sm_90a" in flags
+    assert not any("compute_80" in f for f in flags)
+    assert f"-I{tmp_path / 'cutlass' / 'include'}" in flags
+    assert build.cuda_flags("cutlass_gemm") == flags
+    assert build.cuda_flags("cpu_ffn") == build.CUDA_FLAGS
+    monkeypatch.setenv("CUTLASS_PATH", str(tmp_path / "nowhere"))
+    with pytest.raises(build.BuildError, match=re.escape(build.CUTLASS_PIN)):
+        build.cuda_flags("gate_pack")

@@ -78,7 +78,7 @@ class TwellConfig:
         the compile mode and Inductor's ``triton.cudagraphs`` (reduce-overhead: on); "on" when
         you capture CUDA graphs around the compiled model yourself; "off". Without CUDA graphs a
         static decode-sized CUDA FFN (<= 64 tokens) is left to Inductor under ``skip_dense``:
-        rewritten, its host-bound launches made generate() in the default mode run 0.63x of
+        rewritten, its host-bound launches held generate() in the default mode to 0.63x of
         Inductor's tokens/s at batch 1 (docs/design-notes/decode.md).
     """
 

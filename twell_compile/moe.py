@@ -5,10 +5,19 @@ transformers 5.x holds a block's experts in one module (``MixtralExperts``, ``Qw
 [E, K, N] parameters, decorated by ``use_experts_implementation``, which picks the forward by
 ``config._experts_implementation``. Every implementation computes the same function of
 (hidden_states [T, K], top_k_index [T, k], top_k_weights [T, k]), given the flags the
-decorator sets (``has_gate``, ``has_bias``, ``is_transposed``, ``is_concatenated``,
-``has_post_expert_norm``): ``prepare`` relies on that contract and gives a recognised module a
-forward of its own (``experts_forward``) that groups the routed rows by expert and calls
-``twell::experts`` / ``twell::experts_train``; the router before it stays the model's.
+decorator sets (``has_gate``, ``has_bias``, ``is_transposed``, ``is_concatenated``; decorators
+that support a norm after each expert add ``has_post_expert_norm``): ``prepare`` relies on that
+contract and gives a recognised module a forward of its own (``experts_forward``) that groups
+the routed rows by expert and calls ``twell::experts`` / ``twell::experts_train``; the router
+before it stays the model's.
+
+Under expert parallelism each rank holds a slice of the experts and the router marks the rows of
+other ranks' experts with the sentinel id ``num_experts`` (the local count); ``experts_reason``
+refuses such a module. Decorators that record it set ``_is_expert_parallel``; for the others the
+split shows as weights sharded into DTensors, a ``num_experts`` other than the weights' expert
+count, a forward installed on the instance by the parallel plan, or the config's
+``distributed_config.enable_expert_parallel``. A module with neither ``_is_expert_parallel`` nor
+``num_experts`` gives nothing to tell by, and is refused.
 
 The expert's activation is read by the backend's matcher: ``_apply_gate`` (the decorator's
 ``act_fn(gate) * up`` or the class's own) is traced with torch.fx between two linear maps of
@@ -31,8 +40,10 @@ from torch import Tensor, nn
 
 from twell_compile.config import path_for
 
-# The flags use_experts_implementation sets on each experts module.
-_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+# The flags every version of use_experts_implementation sets on each experts module; the
+# decorators with a post-expert norm option also set has_post_expert_norm, and those that record
+# expert parallelism set _is_expert_parallel.
+_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
 
 # Why the backend cannot match an implementation's graph (``grouped_mm`` it matches).
 _UNMATCHED = {
@@ -51,8 +62,10 @@ def _implementation(module: nn.Module) -> Optional[str]:
 
 def is_batched_experts(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers experts module of the batched form (the decorator's
-    flags, ``gate_up_proj`` or ``up_proj`` and ``down_proj`` 3-D parameters)."""
-    if not all(hasattr(module, f) for f in _FLAGS):
+    flags and ``_apply_gate``, ``gate_up_proj`` or ``up_proj`` and ``down_proj`` 3-D parameters)."""
+    if not all(isinstance(getattr(module, f, None), bool) for f in _FLAGS):
+        return False
+    if not callable(getattr(type(module), "_apply_gate", None)):
         return False
     up = getattr(module, "gate_up_proj", None)
     if up is None:
@@ -115,10 +128,41 @@ def experts_reason(module: nn.Module) -> Optional[str]:
         return "its experts have biases (added per routed row): not prepared"
     if not module.is_concatenated:
         return "its gate and up rows are interleaved (is_concatenated=False): not prepared"
-    if module.has_post_expert_norm:
+    # A decorator without the has_post_expert_norm option applies no norm after the experts.
+    if getattr(module, "has_post_expert_norm", False):
         return "a norm follows each expert (has_post_expert_norm): not prepared"
-    if getattr(module, "_is_expert_parallel", False):
-        return "expert parallel (sentinel expert ids): not prepared"
+    return _parallel_reason(module)
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def _parallel_reason(module: nn.Module) -> Optional[str]:
+    """Why this experts module may be split over ranks (its router then emits sentinel expert
+    ids, and a parallel plan wraps its forward), or None when it holds all its experts."""
+    recorded = getattr(module, "_is_expert_parallel", None)
+    if recorded:
+        return "expert parallel (_is_expert_parallel; sentinel expert ids): not prepared"
+    if any(_is_dtensor(p) for p in module.parameters(recurse=False)):
+        return "its expert weights are DTensors (sharded by a tensor- or expert-parallel plan): not prepared"
+    if "forward" in vars(module):
+        return ("its forward is set on the instance (a parallel plan's or a hook's wrapper, bound to the class "
+                "forward), so prepare's forward would not run: not prepared")
+    distributed = getattr(getattr(module, "config", None), "distributed_config", None)
+    if getattr(distributed, "enable_expert_parallel", False):
+        return "the config enables expert parallelism (distributed_config.enable_expert_parallel): not prepared"
+    held = module.gate_up_proj.shape[0]
+    count = getattr(module, "num_experts", None)
+    if isinstance(count, int) and count != held:
+        return (f"num_experts is {count} but its weights hold {held} experts (an expert-parallel split; "
+                "sentinel expert ids): not prepared")
+    if recorded is None and not isinstance(count, int):
+        return ("neither _is_expert_parallel nor num_experts is set: cannot tell whether its experts are split "
+                "by expert parallelism: not prepared")
     return None
 
 

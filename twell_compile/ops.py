@@ -74,6 +74,17 @@ from twell_compile.runtime.select import static_path, static_reason
 _TRAIN_TAGS = (torch.Tag.cudagraph_unsafe,)
 
 
+def _same_dtype_and_device(x: Tensor, named: dict) -> None:
+    """Raise unless every tensor of ``named`` (None skipped) has x's dtype and device."""
+    for name, t in named.items():
+        if t is None or t is x:
+            continue
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but x has {x.dtype}; cast them to one dtype")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+
+
 def _check(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
            b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor]) -> None:
     named = {"x": x, "w_gate": w_gate, "b_gate": b_gate, "w_up": w_up, "b_up": b_up,
@@ -85,13 +96,7 @@ def _check(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[T
         raise TypeError(f"x must be floating point, got {x.dtype}")
     if x.dim() < 1:
         raise ValueError("x must have at least one dimension (the feature dimension)")
-    for name, t in named.items():
-        if t is None:
-            continue
-        if t.dtype != x.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but x has {x.dtype}; cast them to one dtype")
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    _same_dtype_and_device(x, named)
     k = x.shape[-1]
     if w_gate.dim() != 2 or w_gate.shape[1] != k:
         raise ValueError(f"w_gate must be [N, K={k}], got {tuple(w_gate.shape)}")
@@ -307,13 +312,7 @@ def _check_experts(x: Tensor, w_gate: Tensor, w_up: Optional[Tensor], w_down: Te
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
     if not x.is_floating_point() or x.dim() != 2:
         raise ValueError(f"x must be a 2-D floating-point tensor [S, K], got {x.dtype} {tuple(x.shape)}")
-    for name, t in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-        if t is None:
-            continue
-        if t.dtype != x.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but x has {x.dtype}; cast them to one dtype")
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    _same_dtype_and_device(x, {"w_gate": w_gate, "w_up": w_up, "w_down": w_down})
     if w_gate.dim() != 3 or w_gate.shape[2] != x.shape[1]:
         raise ValueError(f"w_gate must be [E, N, K={x.shape[1]}], got {tuple(w_gate.shape)}")
     e, n = w_gate.shape[0], w_gate.shape[1]

@@ -228,6 +228,98 @@ def test_prepare_takes_the_eager_experts_loop() -> None:
     compare_grads(model, got, main_output(model(input_ids=ids)))
 
 
+def _experts_modules(model: nn.Module) -> list[nn.Module]:
+    return [model.get_submodule(la) for la in EXPERT_LAYERS]
+
+
+def test_prepare_takes_experts_of_a_decorator_without_the_newer_flags() -> None:
+    """transformers 5.17's use_experts_implementation sets neither has_post_expert_norm nor
+    _is_expert_parallel: the installed decorator's modules without them are still prepared, and
+    compute what they did."""
+    model = _model("olmoe", implementation="eager", seed=5)
+    for experts in _experts_modules(model):
+        vars(experts).pop("has_post_expert_norm", None)
+        vars(experts).pop("_is_expert_parallel", None)
+    ids = token_ids(2)
+    with torch.no_grad():
+        want = main_output(model(input_ids=ids))
+        report = twell_compile.prepare(model)
+        assert [(r.layer, r.experts, r.via) for r in report.rewrites] == [
+            (la, EXPERTS, "prepare") for la in EXPERT_LAYERS], str(report)
+        check_close("prepared, eager", main_output(model(input_ids=ids)), want)
+    assert twell_compile.unprepare(model) == LAYERS
+
+
+class _FlagsOnly(nn.Module):
+    """The decorator's four flags and 3-D weights, but no ``_apply_gate``: not an experts module."""
+
+    def __init__(self):
+        super().__init__()
+        self.has_gate, self.has_bias, self.is_transposed, self.is_concatenated = True, False, False, True
+        self.num_experts = EXPERTS
+        self.gate_up_proj = nn.Parameter(torch.zeros(EXPERTS, 8, 4))
+        self.down_proj = nn.Parameter(torch.zeros(EXPERTS, 4, 4))
+
+
+def test_flags_without_the_decorators_gate_are_not_experts() -> None:
+    from twell_compile import moe
+    assert not moe.is_batched_experts(_FlagsOnly())
+    model = _model("olmoe", implementation="eager")
+    assert all(moe.is_batched_experts(e) for e in _experts_modules(model))
+
+
+def _split_recorded(experts: nn.Module, model: nn.Module) -> None:
+    experts._is_expert_parallel = True
+
+
+def _split_by_count(experts: nn.Module, model: nn.Module) -> None:
+    # what the expert-parallel weight sharding leaves on a module whose decorator records nothing
+    vars(experts).pop("_is_expert_parallel", None)
+    experts.num_experts = EXPERTS // 2
+
+
+def _forward_on_instance(experts: nn.Module, model: nn.Module) -> None:
+    bound = experts.forward
+    experts.forward = lambda *args, **kwargs: bound(*args, **kwargs)
+
+
+def _config_enables_ep(experts: nn.Module, model: nn.Module) -> None:
+    from transformers.distributed import DistributedConfig
+    vars(experts).pop("_is_expert_parallel", None)
+    model.config.distributed_config = DistributedConfig()
+    model.config.distributed_config.enable_expert_parallel = True
+
+
+def _nothing_to_read(experts: nn.Module, model: nn.Module) -> None:
+    vars(experts).pop("_is_expert_parallel", None)
+    del experts.num_experts
+
+
+@pytest.mark.parametrize("split, reason", [
+    (_split_recorded, "expert parallel (_is_expert_parallel; sentinel expert ids): not prepared"),
+    (_split_by_count, f"num_experts is {EXPERTS // 2} but its weights hold {EXPERTS} experts (an expert-parallel "
+                      "split; sentinel expert ids): not prepared"),
+    (_forward_on_instance, "its forward is set on the instance (a parallel plan's or a hook's wrapper, bound to "
+                           "the class forward), so prepare's forward would not run: not prepared"),
+    (_config_enables_ep, "the config enables expert parallelism (distributed_config.enable_expert_parallel): "
+                         "not prepared"),
+    (_nothing_to_read, "neither _is_expert_parallel nor num_experts is set: cannot tell whether its experts are "
+                       "split by expert parallelism: not prepared"),
+], ids=["recorded", "num_experts", "instance_forward", "config", "cannot_tell"])
+def test_prepare_refuses_experts_split_over_ranks(split, reason: str) -> None:
+    """Expert parallelism read from the flag where the decorator records it, else from the
+    module's expert count, its forward, or the config; refused where none can be read."""
+    model = _model("olmoe", implementation="eager")
+    vars(model.config).pop("distributed_config", None)
+    for experts in _experts_modules(model):
+        vars(experts).pop("has_post_expert_norm", None)
+        split(experts, model)
+    report = twell_compile.prepare(model)
+    assert not report.rewrites
+    assert sorted((r.layer, r.reason) for r in report.rejections) == [(la, reason) for la in EXPERT_LAYERS], \
+        str(report)
+
+
 # ------------------------------------------------------------------------------ ModuleList
 class Expert(nn.Module):
     def __init__(self, k: int, n: int):

@@ -6,6 +6,9 @@ exact against eager. Skipped where the device is not sm90 or the extension canno
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,19 +18,41 @@ from tests.helpers import ffn_args, ffn_with_biases, poison, rel
 from twell_compile.reference import ffn_dense, pack_tiles
 from twell_compile.runtime import arch, cuda_gate, cuda_infer
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _built():
+@pytest.fixture(scope="module")
+def built():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the fused gate GEMM is sm90a")
-    cuda_gate.module()     # a failed build fails here, with the compiler's cause
+    return cuda_gate.module()     # a failed build fails here, with the compiler's cause
 
 
-def test_configuration_table_matches_the_extension():
+def test_configuration_table_matches_the_cuda_source():
+    """CONFIGS' tile widths are the C++ dispatch's kTileN, in order (read from the source, so the
+    CPU suite checks it), and each configuration file's static_assert names the same width."""
+    src = (Path(__file__).resolve().parents[2] / "csrc")
+    table = re.search(r"kTileN\[\] = \{([^}]*)\}", (src / "gate_pack.cu").read_text())
+    assert [int(v) for v in table.group(1).split(",")] == [c.tile_n for c in cuda_gate.CONFIGS]
+    for i, c in enumerate(cuda_gate.CONFIGS):
+        assert f"kTileN == {c.tile_n}" in (src / f"gate_pack_cfg{i}.cu").read_text()
+
+
+def test_unusable_on_the_cpu_says_why(caplog):
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    w = torch.randn(64, 64, dtype=torch.bfloat16)
+    assert cuda_gate.unusable(x, w, None) == "not a CUDA tensor"
+    cuda_gate.reset_log()
+    with caplog.at_level("INFO", logger="twell_compile.runtime.cuda_gate"):
+        assert not cuda_gate.runs(x, w, None) and not cuda_gate.runs(x, w, None)
+    said = [r.getMessage() for r in caplog.records if "not a CUDA tensor" in r.getMessage()]
+    assert len(said) == 1 and "cuBLAS" in said[0]    # once per reason and process
+
+
+@gpu
+def test_configuration_table_matches_the_extension(built):
     mod = cuda_gate.module()
     assert mod.configs() == len(cuda_gate.CONFIGS)
     assert [mod.tile_n(c) for c in range(mod.configs())] == [c.tile_n for c in cuda_gate.CONFIGS]
@@ -43,6 +68,7 @@ def _inputs(m, k, n, density, bias, nan_row, dense_rows, seed):
     return x, w, b
 
 
+@gpu
 @pytest.mark.parametrize("cfg", range(len(cuda_gate.CONFIGS)))
 @pytest.mark.parametrize("m, k, n, density, bias, nan_row, dense_rows", [
     (4096, 2048, 5632, 0.005, False, False, 0),     # the benchmark shape
@@ -50,7 +76,7 @@ def _inputs(m, k, n, density, bias, nan_row, dense_rows, seed):
     (1, 256, 256, 0.5, True, False, 0),             # one row, half the columns
     (130, 128, 64, 0.0, False, False, 0),           # nothing fires; N narrower than a tile
 ])
-def test_gate_pack_matches_its_oracle(cfg, m, k, n, density, bias, nan_row, dense_rows):
+def test_gate_pack_matches_its_oracle(built, cfg, m, k, n, density, bias, nan_row, dense_rows):
     x, w, b = _inputs(m, k, n, density, bias, nan_row, dense_rows, seed=m + n + cfg)
     slots = 16
     poison()
@@ -71,9 +97,10 @@ def test_gate_pack_matches_its_oracle(cfg, m, k, n, density, bias, nan_row, dens
         assert (tcnt > slots).any()       # tiles over their slots were exercised
 
 
+@gpu
 @pytest.mark.parametrize("cfg", range(len(cuda_gate.CONFIGS)))
 @pytest.mark.parametrize("raster, swizzle", [(1, 1), (2, 4)])
-def test_tile_order_changes_no_result(cfg, raster, swizzle):
+def test_tile_order_changes_no_result(built, cfg, raster, swizzle):
     x, w, b = _inputs(2048, 1024, 2048, 0.01, True, False, 0, seed=7)
     g0, p0, c0 = cuda_gate.gate_pack(x, w, b, cfg, 8)
     g1, p1, c1 = cuda_gate.gate_pack(x, w, b, cfg, 8, raster, swizzle)
@@ -82,10 +109,11 @@ def test_tile_order_changes_no_result(cfg, raster, swizzle):
     assert torch.equal(p0[valid], p1[valid])
 
 
+@gpu
 @pytest.mark.parametrize("cfg", [0, 2])
 @pytest.mark.parametrize("density, tail, gated, width", [(0.005, 0.0, True, 32), (0.005, 0.5, True, 8),
                                                          (0.2, 0.0, False, 32), (1.0, 0.0, True, 64)])
-def test_per_row_path_with_the_fused_gate_is_exact(cfg, density, tail, gated, width):
+def test_per_row_path_with_the_fused_gate_is_exact(built, cfg, density, tail, gated, width):
     p = ffn_with_biases(3000, 512, 2048, 384, density, tail, dtype=torch.bfloat16, gated=gated)
     args = ffn_args(p)
     x = args[0]
@@ -108,7 +136,8 @@ def test_per_row_path_with_the_fused_gate_is_exact(cfg, density, tail, gated, wi
         assert (counts > width).any()     # the exact tail over g ran
 
 
-def test_unusable_names_each_reason():
+@gpu
+def test_unusable_names_each_reason(built):
     x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
     assert cuda_gate.unusable(x, w, None) is None

@@ -37,6 +37,7 @@ CONFIGS = (
 )
 
 _build_error: list[str] = []
+_said: set[str] = set()     # reasons already logged (once each per process)
 
 
 def module():
@@ -80,10 +81,21 @@ def unusable(x2: Tensor, w: Tensor, b: Optional[Tensor]) -> Optional[str]:
     return None
 
 
+def reset_log() -> None:
+    """Forget which reasons ``runs`` has logged, so each is logged again once."""
+    _said.clear()
+
+
 def runs(x2: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
     """Whether twell::gate_pack runs this call: ``unusable`` says None and the extension is built
-    (built here on first use; a failed build warns once and answers False from then on)."""
-    if unusable(x2, w, b) is not None:
+    (built here on first use; a failed build warns once and answers False from then on). Where
+    it does not run, the reason is logged at INFO, once per reason."""
+    reason = unusable(x2, w, b)
+    if reason is not None:
+        if reason not in _said:
+            _said.add(reason)
+            log.info("twell: the record names the fused gate GEMM, but this call runs cuBLAS and the "
+                     "compaction pass: %s", reason)
         return False
     try:
         module()

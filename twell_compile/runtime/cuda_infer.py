@@ -77,17 +77,24 @@ def merge_rows(g: Tensor, packed: Tensor, tcnt: Tensor, width: int, buckets: int
     p = arch.launch_policy(g.device)
     m, n = g.shape
     t, s = packed.shape[1], packed.shape[2]
-    lst = torch.empty((m, width), dtype=torch.int32, device=g.device)
-    cnt = torch.empty((m,), dtype=torch.int32, device=g.device)
-    order = torch.empty((buckets * m,), dtype=torch.int32, device=g.device)
-    ctr = torch.zeros((buckets,), dtype=torch.int32, device=g.device)
+    r = _empty_rows(g, width, buckets)
+    lst, cnt, order, ctr = r.lst, r.cnt, r.order, r.ctr
     if m:
         launch(merge_tiles_kernel, (-(-m // p.merge_bm),),
                (packed, tcnt, g, g.stride(0), lst, cnt, order, ctr, m, n, width, t),
                dict(S=s, T_P=pow2(t), BM=p.merge_bm, CH=min(p.compact_ch, pow2(n)), NB=buckets,
                     STAGES=p.compact_stages, ASM=not INTERPRET),
                num_warps=p.compact_warps)
-    return Rows(g, lst, cnt, order, ctr)
+    return r
+
+
+def _empty_rows(g: Tensor, width: int, buckets: int, ctr: Optional[Tensor] = None) -> Rows:
+    """Rows' outputs for g [M, N], unwritten; the order's ``buckets`` counters zeroed (``ctr``
+    when given)."""
+    m = g.shape[0]
+    i32 = dict(dtype=torch.int32, device=g.device)
+    return Rows(g, torch.empty((m, width), **i32), torch.empty((m,), **i32), torch.empty((buckets * m,), **i32),
+                torch.zeros((buckets,), **i32) if ctr is None else ctr)
 
 
 def compact_rows(g: Tensor, width: int, ctr: Optional[Tensor] = None, buckets: int = 2) -> Rows:
@@ -97,18 +104,15 @@ def compact_rows(g: Tensor, width: int, ctr: Optional[Tensor] = None, buckets: i
     here when None. Inference and training both compact through this."""
     p = arch.launch_policy(g.device)
     m, n = g.shape
-    lst = torch.empty((m, width), dtype=torch.int32, device=g.device)
-    cnt = torch.empty((m,), dtype=torch.int32, device=g.device)
-    order = torch.empty((buckets * m,), dtype=torch.int32, device=g.device)
-    if ctr is None:
-        ctr = torch.zeros((buckets,), dtype=torch.int32, device=g.device)
+    r = _empty_rows(g, width, buckets, ctr)
+    lst, cnt, order, ctr = r.lst, r.cnt, r.order, r.ctr
     if m:
         bm = p.compact_rows_per_program(m)
         launch(compact_rows_kernel, (-(-m // bm),),
                (g, g.stride(0), lst, cnt, order, ctr, m, n, width),
                dict(BM=bm, CH=min(p.compact_ch, pow2(n)), NB=buckets, STAGES=p.compact_stages, ASM=not INTERPRET),
                num_warps=p.compact_warps)
-    return Rows(g, lst, cnt, order, ctr)
+    return r
 
 
 def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tensor],
