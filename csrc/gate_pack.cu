@@ -19,8 +19,8 @@ namespace {
 using twell_gate::GateArgs;
 
 // Columns per TwELL tile of each configuration (its CTA tile's N).
-constexpr int kTileN[] = {256, 256, 128, 256};
-constexpr int kConfigs = 4;
+constexpr int kTileN[] = {256, 256, 128, 256, 128, 128};
+constexpr int kConfigs = 6;
 
 const char* run_config(int64_t cfg, GateArgs const& a) {
   switch (cfg) {
@@ -28,6 +28,8 @@ const char* run_config(int64_t cfg, GateArgs const& a) {
     case 1: return twell_gate::run_cfg1(a);
     case 2: return twell_gate::run_cfg2(a);
     case 3: return twell_gate::run_cfg3(a);
+    case 4: return twell_gate::run_cfg4(a);
+    case 5: return twell_gate::run_cfg5(a);
   }
   return "unknown configuration";
 }
@@ -38,6 +40,8 @@ size_t workspace_config(int64_t cfg, GateArgs const& a) {
     case 1: return twell_gate::workspace_cfg1(a);
     case 2: return twell_gate::workspace_cfg2(a);
     case 3: return twell_gate::workspace_cfg3(a);
+    case 4: return twell_gate::workspace_cfg4(a);
+    case 5: return twell_gate::workspace_cfg5(a);
   }
   return 0;
 }

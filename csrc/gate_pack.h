@@ -34,9 +34,13 @@ const char* run_cfg0(GateArgs const& a);
 const char* run_cfg1(GateArgs const& a);
 const char* run_cfg2(GateArgs const& a);
 const char* run_cfg3(GateArgs const& a);
+const char* run_cfg4(GateArgs const& a);
+const char* run_cfg5(GateArgs const& a);
 size_t workspace_cfg0(GateArgs const& a);
 size_t workspace_cfg1(GateArgs const& a);
 size_t workspace_cfg2(GateArgs const& a);
 size_t workspace_cfg3(GateArgs const& a);
+size_t workspace_cfg4(GateArgs const& a);
+size_t workspace_cfg5(GateArgs const& a);
 
 }  // namespace twell_gate

@@ -33,7 +33,8 @@ void gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor out, int64_t cfg,
       c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(x.device()).native_handle());
 #endif
   const char* err = cfg == 0 ? probe::run0(a) : cfg == 1 ? probe::run1(a) : cfg == 2 ? probe::run2(a)
-                  : cfg == 3 ? probe::run3(a) : "cfg must be 0..3";
+                  : cfg == 3 ? probe::run3(a)
+                  : cfg == 4 ? probe::run4(a) : cfg == 5 ? probe::run5(a) : "cfg must be 0..5";
   TORCH_CHECK(err == nullptr, "probe gemm: ", err);
 }
 

@@ -22,5 +22,7 @@ const char* run0(ProbeArgs const& a);
 const char* run1(ProbeArgs const& a);
 const char* run2(ProbeArgs const& a);
 const char* run3(ProbeArgs const& a);
+const char* run4(ProbeArgs const& a);
+const char* run5(ProbeArgs const& a);
 
 }  // namespace probe

@@ -34,6 +34,8 @@ CONFIGS = (
     GateConfig(256, "128x256x64 CTA tile, 1x2 cluster, cooperative"),
     GateConfig(128, "256x128x64 CTA tile, 1x2 cluster, cooperative"),
     GateConfig(256, "64x256x64 tile per warpgroup, 2x1 cluster, ping-pong"),
+    GateConfig(128, "128x128x64 tile per warpgroup, 2x1 cluster, ping-pong"),
+    GateConfig(128, "128x128x64 tile per warpgroup, 1x2 cluster, ping-pong"),
 )
 
 _build_error: list[str] = []
