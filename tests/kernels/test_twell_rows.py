@@ -136,6 +136,8 @@ MERGE_CASES = [
 
 # the lists, counts and bucket order that merge_tiles_kernel makes from packed tiles equal
 # compact_rows_kernel's from g (blocks with a tile over its slots list from g)
+# (the slots read in one step of CH entries, and in several of 32, pipelined, 4 rows per program)
+@pytest.mark.parametrize("launch", [dict(merge_bm=16), dict(merge_bm=4, compact_ch=32, compact_stages=2)])
 @pytest.mark.parametrize("case", MERGE_CASES)
-def test_merge_tiles_matches_compaction_under_interpreter(case):
-    run_interpreted(MERGE_SCRIPT.format(seed=sum(case), case=case, launch=dict(merge_bm=16)), timeout=60)
+def test_merge_tiles_matches_compaction_under_interpreter(case, launch):
+    run_interpreted(MERGE_SCRIPT.format(seed=sum(case), case=case, launch=launch), timeout=60)

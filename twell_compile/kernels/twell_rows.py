@@ -130,27 +130,36 @@ def merge_tiles_kernel(packed_ptr, tcnt_ptr, g_ptr, sg_m, list_ptr, cnt_ptr, ord
                        S: tl.constexpr, T_P: tl.constexpr, BM: tl.constexpr, CH: tl.constexpr,
                        NB: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):
     """compact_rows_kernel's outputs from the gate GEMM's packed tiles (twell::gate_pack): per
-    row, tile t's slots go to list[m, P_t + s] (P_t: the non-zeros of tiles before t) while
-    P_t + s < W. Reads the counts [BM, T] and the listed slots only, not g. A block holding a
-    tile with more than S non-zeros (its slots keep only the first S) lists its rows from g
-    itself, as compact_rows_kernel does: exact either way."""
+    row, the packed slots [T, S] read as one flat run of T * S entries, CH per step (contiguous
+    loads, pipelined STAGES deep), slot s of tile t live where s < tcnt[m, t]; a live slot's
+    place in the list is its rank among the row's live slots (a running prefix count), so tile
+    t's slots land at list[m, P_t + s] (P_t: the non-zeros of tiles before t), while < W. Reads
+    the counts and the slots, not g. A block holding a tile with more than S non-zeros (its
+    slots keep only the first S) lists its rows from g itself, as compact_rows_kernel does:
+    exact either way."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     m_ok = rm < M
     tt = tl.arange(0, T_P)
     ok = m_ok[:, None] & (tt < T)[None, :]
-    tidx = rm.to(tl.int64)[:, None] * T + tt[None, :]
-    tc = tl.load(tcnt_ptr + tidx, mask=ok, other=0)
+    tc = tl.load(tcnt_ptr + rm.to(tl.int64)[:, None] * T + tt[None, :], mask=ok, other=0)
     spilled = tl.max(tl.max((tc > S).to(tl.int32), axis=1), axis=0)
     if spilled > 0:
         run = _compact_chunks(g_ptr, sg_m, list_ptr, rm, m_ok, N, W, CH, STAGES, ASM)
     else:
-        run = tl.sum(tc, axis=1)
-        start = tl.cumsum(tc, axis=1) - tc
-        lbase = list_ptr.to(tl.int64) + rm.to(tl.int64)[:, None] * (W * 4)
-        for s in tl.static_range(S):
-            take = ok & (s < tc) & (start + s < W)
-            v = tl.load(packed_ptr + tidx * S + s, mask=take, other=0)
-            _store_b32(lbase + (start + s).to(tl.int64) * 4, v, take, ASM)
+        run = tl.zeros(rm.shape, dtype=tl.int32)
+        r64 = rm.to(tl.int64)[:, None]
+        lbase = list_ptr.to(tl.int64) + r64 * (W * 4)
+        jj = tl.arange(0, CH)
+        for j0 in tl.range(0, T * S, CH, num_stages=STAGES):
+            j = j0 + jj
+            jok = m_ok[:, None] & (j < T * S)[None, :]
+            tcj = tl.load(tcnt_ptr + r64 * T + (j // S)[None, :], mask=jok, other=0)   # L1 hits
+            live = jok & ((j % S)[None, :] < tcj)
+            v = tl.load(packed_ptr + r64 * (T * S) + j[None, :], mask=live, other=0)
+            li = live.to(tl.int32)
+            rank = run[:, None] + tl.cumsum(li, axis=1) - li
+            _store_b32(lbase + rank.to(tl.int64) * 4, v, live & (rank < W), ASM)
+            run += tl.sum(li, axis=1)
     tl.store(cnt_ptr + rm, run, mask=m_ok)
     _file_rows(order_ptr, ctr_ptr, rm, m_ok, run, M, W, NB)
 
