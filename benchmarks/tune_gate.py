@@ -40,13 +40,17 @@ def point(a, m: int, variants: list[tuple[int, int, int]]) -> list[dict]:
     nnz = float((F.linear(x, wg) > 0).sum()) / m
     width = select.list_width(record, a.N, nnz)
     nb = record.row_buckets
+    g0 = F.linear(x, wg)
     fns = {"cublas": lambda: F.linear(x, wg),
-           "cublas+compact": lambda: cuda_infer.compact_rows(F.linear(x, wg), width, buckets=nb)}
+           "cublas+compact": lambda: cuda_infer.compact_rows(F.linear(x, wg), width, buckets=nb),
+           "compact": lambda: cuda_infer.compact_rows(g0, width, buckets=nb)}
     for cfg, raster, swz in variants:
         key = f"cfg{cfg}/r{raster}/s{swz}"
         fns[key] = (lambda c=cfg, r=raster, s=swz: cuda_gate.gate_pack(x, wg, None, c, a.slots, r, s))
         fns[key + "+merge"] = (lambda c=cfg, r=raster, s=swz: cuda_infer.merge_rows(
             *cuda_gate.gate_pack(x, wg, None, c, a.slots, r, s), width, nb))
+        tiles = cuda_gate.gate_pack(x, wg, None, cfg, a.slots, raster, swz)
+        fns[key + "/merge"] = (lambda t=tiles: cuda_infer.merge_rows(*t, width, nb))
         if a.parts:
             out_buf = torch.empty((m, a.N), dtype=x.dtype, device=x.device)
             probe = load("cutlass_gemm", directory=PROBES)
@@ -64,9 +68,9 @@ def point(a, m: int, variants: list[tuple[int, int, int]]) -> list[dict]:
     with arch.patched(gate_cfg=-1):
         y = cuda_infer.twell_forward(x[:rr], wg, None, wu, None, wd, None, width)[0]
     out.append(stamp(dict(base, variant="cublas", gate_ms=ms["cublas"], lists_ms=ms["cublas+compact"],
-                          gate_vs_cublas=1.0, err=rel(y, ref), eager_err=eager_err)))
-    print(f"M={m} nnz/row {nnz:.1f} W={width}: cuBLAS {ms['cublas']:.4f} ms, +compact {ms['cublas+compact']:.4f}",
-          flush=True)
+                          pass_ms=ms["compact"], gate_vs_cublas=1.0, err=rel(y, ref), eager_err=eager_err)))
+    print(f"M={m} nnz/row {nnz:.1f} W={width}: cuBLAS {ms['cublas']:.4f} ms, +compact {ms['cublas+compact']:.4f} "
+          f"(compact_rows alone {ms['compact']:.4f})", flush=True)
     for cfg, raster, swz in variants:
         key = f"cfg{cfg}/r{raster}/s{swz}"
         g, packed, tcnt = cuda_gate.gate_pack(x, wg, None, cfg, a.slots, raster, swz)
@@ -76,6 +80,7 @@ def point(a, m: int, variants: list[tuple[int, int, int]]) -> list[dict]:
             whole[key] = (lambda c=cfg, r=raster, s=swz: _patched_forward(x, wg, wu, wd, width, c, r, s, a.slots))
         err = rel(y, ref)
         row = dict(base, variant=key, config=cuda_gate.CONFIGS[cfg].what, gate_ms=ms[key], lists_ms=ms[key + "+merge"],
+                   pass_ms=ms[key + "/merge"],
                    gate_vs_cublas=ms[key] / ms["cublas"], spilled_tiles=spilled, err=err, eager_err=eager_err)
         if a.parts:
             row.update(stock_ms=ms[key + "/stock"], g_only_ms=ms[key + "/g-only"], pack_only_ms=ms[key + "/pack-only"])
@@ -83,7 +88,8 @@ def point(a, m: int, variants: list[tuple[int, int, int]]) -> list[dict]:
                   f"packing only {ms[key + '/pack-only']:.4f}", flush=True)
         out.append(stamp(row))
         print(f"    {key}: gate+pack {ms[key]:.4f} ms = {ms[key] / ms['cublas']:.3f}x cuBLAS; +merge "
-              f"{ms[key + '+merge']:.4f} (cuBLAS+compact {ms['cublas+compact']:.4f}); err {err:.2e} eager "
+              f"{ms[key + '+merge']:.4f} (merge_rows alone {ms[key + '/merge']:.4f}; cuBLAS+compact "
+              f"{ms['cublas+compact']:.4f}); err {err:.2e} eager "
               f"{eager_err:.2e}{'  ERR>2x' if err > 2 * eager_err else ''}; tiles over slots {spilled}", flush=True)
         del g, packed, tcnt
     if a.whole:

@@ -131,12 +131,13 @@ MERGE_CASES = [
     (40, 300, 128, 8, 64, 8, 0),       # tiles over 8 slots in many blocks: those list from g
     (37, 256, 64, 16, 256, 8, 3),      # dense rows in the first block only; lists wide enough
     (5, 96, 256, 4, 8, 1, 1),          # one tile narrower than tile_n, one bucket
+    (24, 520, 32, 6, 48, 2, 0),        # 17 tiles of 6 slots (not a power of 2)
 ]
 
 
 # the lists, counts and bucket order that merge_tiles_kernel makes from packed tiles equal
 # compact_rows_kernel's from g (blocks with a tile over its slots list from g)
-# (the slots read in one step of CH entries, and in several of 32, pipelined, 4 rows per program)
+# (the tiles read in one step of CH slots, and in several of 32, 4 rows per program)
 @pytest.mark.parametrize("launch", [dict(merge_bm=16), dict(merge_bm=4, compact_ch=32, compact_stages=2)])
 @pytest.mark.parametrize("case", MERGE_CASES)
 def test_merge_tiles_matches_compaction_under_interpreter(case, launch):

@@ -127,39 +127,39 @@ def compact_rows_kernel(g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N
 
 @triton.jit
 def merge_tiles_kernel(packed_ptr, tcnt_ptr, g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N, W, T,
-                       S: tl.constexpr, T_P: tl.constexpr, BM: tl.constexpr, CH: tl.constexpr,
-                       NB: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):
-    """compact_rows_kernel's outputs from the gate GEMM's packed tiles (twell::gate_pack): per
-    row, the packed slots [T, S] read as one flat run of T * S entries, CH per step (contiguous
-    loads, pipelined STAGES deep), slot s of tile t live where s < tcnt[m, t]; a live slot's
-    place in the list is its rank among the row's live slots (a running prefix count), so tile
-    t's slots land at list[m, P_t + s] (P_t: the non-zeros of tiles before t), while < W. Reads
+                       S: tl.constexpr, S_P: tl.constexpr, T_P: tl.constexpr, CT: tl.constexpr, BM: tl.constexpr,
+                       CH: tl.constexpr, NB: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):
+    """compact_rows_kernel's outputs from the gate GEMM's packed tiles (twell::gate_pack): a
+    row's tiles CT at a time, as a [BM, CT, S_P] block of slots (S_P: S to a power of 2); slot s
+    of tile t is live where s < tcnt[m, t] and goes to list[m, P_t + s] while < W (P_t: the non-zeros of the row's tiles
+    before t, a running prefix count over the counts alone). Per step one load of the counts and
+    one of the live slots (masked: a dead slot moves no bytes), no scan over the slots. Reads
     the counts and the slots, not g. A block holding a tile with more than S non-zeros (its
     slots keep only the first S) lists its rows from g itself, as compact_rows_kernel does:
     exact either way."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     m_ok = rm < M
+    r64 = rm.to(tl.int64)[:, None]
     tt = tl.arange(0, T_P)
-    ok = m_ok[:, None] & (tt < T)[None, :]
-    tc = tl.load(tcnt_ptr + rm.to(tl.int64)[:, None] * T + tt[None, :], mask=ok, other=0)
+    tc = tl.load(tcnt_ptr + r64 * T + tt[None, :], mask=m_ok[:, None] & (tt < T)[None, :], other=0)
     spilled = tl.max(tl.max((tc > S).to(tl.int32), axis=1), axis=0)
     if spilled > 0:
         run = _compact_chunks(g_ptr, sg_m, list_ptr, rm, m_ok, N, W, CH, STAGES, ASM)
     else:
         run = tl.zeros(rm.shape, dtype=tl.int32)
-        r64 = rm.to(tl.int64)[:, None]
         lbase = list_ptr.to(tl.int64) + r64 * (W * 4)
-        jj = tl.arange(0, CH)
-        for j0 in tl.range(0, T * S, CH, num_stages=STAGES):
-            j = j0 + jj
-            jok = m_ok[:, None] & (j < T * S)[None, :]
-            tcj = tl.load(tcnt_ptr + r64 * T + (j // S)[None, :], mask=jok, other=0)   # L1 hits
-            live = jok & ((j % S)[None, :] < tcj)
-            v = tl.load(packed_ptr + r64 * (T * S) + j[None, :], mask=live, other=0)
-            li = live.to(tl.int32)
-            rank = run[:, None] + tl.cumsum(li, axis=1) - li
-            _store_b32(lbase + rank.to(tl.int64) * 4, v, live & (rank < W), ASM)
-            run += tl.sum(li, axis=1)
+        ct = tl.arange(0, CT)
+        ss = tl.arange(0, S_P)[None, None, :]          # (tcnt <= S here: ss < tcnt is in range)
+        for t0 in range(0, T, CT):
+            t = t0 + ct
+            tcs = tl.load(tcnt_ptr + r64 * T + t[None, :], mask=m_ok[:, None] & (t < T)[None, :], other=0)
+            start = run[:, None] + tl.cumsum(tcs, axis=1) - tcs
+            live = ss < tcs[:, :, None]
+            rank = start[:, :, None] + ss
+            slot = (r64 * T + t[None, :]).to(tl.int64)[:, :, None] * S + ss
+            v = tl.load(packed_ptr + slot, mask=live, other=0)
+            _store_b32(lbase[:, :, None] + rank.to(tl.int64) * 4, v, live & (rank < W), ASM)
+            run += tl.sum(tcs, axis=1)
     tl.store(cnt_ptr + rm, run, mask=m_ok)
     _file_rows(order_ptr, ctr_ptr, rm, m_ok, run, M, W, NB)
 

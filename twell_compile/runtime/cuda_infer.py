@@ -82,8 +82,9 @@ def merge_rows(g: Tensor, packed: Tensor, tcnt: Tensor, width: int, buckets: int
     if m:
         launch(merge_tiles_kernel, (-(-m // p.merge_bm),),
                (packed, tcnt, g, g.stride(0), lst, cnt, order, ctr, m, n, width, t),
-               dict(S=s, T_P=pow2(t), BM=p.merge_bm, CH=min(p.compact_ch, pow2(n)), NB=buckets,
-                    STAGES=p.compact_stages, ASM=not INTERPRET),
+               dict(S=s, S_P=pow2(s), T_P=pow2(t), CT=min(max(p.compact_ch // pow2(s), 1), pow2(t)),
+                    BM=p.merge_bm, CH=min(p.compact_ch, pow2(n)), NB=buckets, STAGES=p.compact_stages,
+                    ASM=not INTERPRET),
                num_warps=p.compact_warps)
     return r
 
