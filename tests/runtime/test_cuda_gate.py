@@ -110,7 +110,7 @@ def test_tile_order_changes_no_result(built, cfg, raster, swizzle):
 
 
 @gpu
-@pytest.mark.parametrize("cfg", [0, 2])
+@pytest.mark.parametrize("cfg", [0, 2, 4])
 @pytest.mark.parametrize("density, tail, gated, width", [(0.005, 0.0, True, 32), (0.005, 0.5, True, 8),
                                                          (0.2, 0.0, False, 32), (1.0, 0.0, True, 64)])
 def test_per_row_path_with_the_fused_gate_is_exact(built, cfg, density, tail, gated, width):
@@ -118,7 +118,7 @@ def test_per_row_path_with_the_fused_gate_is_exact(built, cfg, density, tail, ga
     args = ffn_args(p)
     x = args[0]
     x[5, 3] = float("nan")
-    with arch.patched(gate_cfg=cfg, gate_slots=16):
+    with arch.patched(gate_cfg=cfg, gate_slots=16, gate_min_m=0):
         assert cuda_gate.runs(x, args[1], args[2])
         poison()
         y, counts, hsum = cuda_infer.twell_forward(*args, width)
@@ -134,6 +134,27 @@ def test_per_row_path_with_the_fused_gate_is_exact(built, cfg, density, tail, ga
     assert (counts[fin] - counts_cublas[fin]).abs().sum() <= max(8, int(counts_cublas[fin].sum()) // 1000)
     if density >= 0.2:
         assert (counts > width).any()     # the exact tail over g ran
+
+
+@gpu
+def test_the_fused_gate_runs_from_gate_min_m_tokens(built):
+    """gate_min_m: calls with fewer tokens take cuBLAS and the compaction pass (no CUTLASS kernel
+    launched), calls with as many take twell::gate_pack."""
+    from torch.profiler import ProfilerActivity, profile
+
+    p = ffn_with_biases(1024, 512, 2048, 384, 0.01, 0.0, dtype=torch.bfloat16)
+    args = ffn_args(p)
+
+    def kernels(m):
+        with arch.patched(gate_cfg=4, gate_min_m=1024), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            cuda_infer.twell_forward(args[0][:m], *args[1:], 32)
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    fused = [k for k in kernels(1024) if "cutlass" in k.lower()]
+    assert fused and not any("compact_rows" in k for k in kernels(1024))
+    below = kernels(1023)
+    assert not any("cutlass" in k.lower() for k in below) and any("compact_rows" in k for k in below)
 
 
 @gpu

@@ -151,6 +151,7 @@ class GpuPolicy:
     gate_cfg: int = -1               # the per-row path's gate GEMM: -1 cuBLAS, then a compaction
                                      # pass over g; c >= 0 twell::gate_pack's configuration c
                                      # (cuda_gate.CONFIGS), packing in its epilogue (bf16, sm90)
+    gate_min_m: int = 0              # ... from this many tokens (fewer: cuBLAS and the compaction)
     gate_slots: int = 16             # ... slots per row and tile of its packed output
     gate_raster: int = 0             # ... tile order: 0 CUTLASS's heuristic, 1 along M, 2 along N
     gate_swizzle: int = 1            # ... CUTLASS's tile swizzle (1, 2, 4, 8)

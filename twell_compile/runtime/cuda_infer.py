@@ -60,10 +60,11 @@ class Rows(NamedTuple):
 
 def gate_rows(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], width: int) -> Rows:
     """g = x2 W_g^T + b_g and its per-row lists: by twell::gate_pack, which packs them in its
-    epilogue, then merge_rows, where the record names a configuration (gate_cfg) and the call
-    can run it (cuda_gate.runs); else by cuBLAS, then one compaction pass over g."""
+    epilogue, then merge_rows, where the record names a configuration (gate_cfg) for this many
+    tokens (gate_min_m) and the call can run it (cuda_gate.runs); else by cuBLAS, then one
+    compaction pass over g."""
     p = arch.launch_policy(x2.device)
-    if p.gate_cfg >= 0 and cuda_gate.runs(x2, w_gate, b_gate):
+    if p.gate_cfg >= 0 and x2.shape[0] >= p.gate_min_m and cuda_gate.runs(x2, w_gate, b_gate):
         g, packed, tcnt = cuda_gate.gate_pack(x2, w_gate, b_gate, p.gate_cfg, p.gate_slots, p.gate_raster,
                                               p.gate_swizzle)
         return merge_rows(g, packed, tcnt, width, p.row_buckets)
