@@ -277,6 +277,12 @@ H200 = GpuPolicy(
     # 0.040, 4096 0.034 / 0.035, 8192 0.055 / 0.058 (H200, tune_ffn.py --M 2048 4096 8192 --density
     # 0.005 --tail 0 --compact 4,256,4,1 4,256,4,3; results/h200/tune_compact.json)
     compact_stages=3,
+    # Gate GEMM from 16384 tokens: twell::gate_pack's configuration 4 (128x128 tile per warpgroup,
+    # ping-pong, so one warpgroup's packing epilogue overlaps the other's mainloop), then
+    # merge_rows: the per-row forward 1.125 ms against cuBLAS + compaction's 1.178 at 16384
+    # tokens, 4.498 / 4.555 at 65536, 0.304 / 0.307 at 4096, 0.199 / 0.169 at 2048
+    # (results/h200/gate_whole.json; H100: 1.184 / 1.195 and 4.794 / 4.920, h100/gate_whole.json).
+    gate_cfg=4, gate_min_m=16384,
     # Launch sizes: the fastest of the probes of bench_ffn.py / bench_ffn_train.py at M=16384
     # K=2048 d=0.005 (the fused row kernel at 1 pair / 2 warps: 493 us against 531 at 4 / 4),
     # the wgrad passes' by the whole model's step (bench_e2e.py --train).
@@ -334,7 +340,7 @@ H100 = dataclasses.replace(
 FALLBACK = dataclasses.replace(
     H200, name="fallback",
     measured_on="constants of the H200 with narrower margins; never measured on this GPU",
-    margin=0.8, decode_margin=0.75, sparse_max_density=0.008, min_tokens=8192, rows_graph_max_m=0)
+    margin=0.8, decode_margin=0.75, sparse_max_density=0.008, min_tokens=8192, rows_graph_max_m=0, gate_cfg=-1)
 
 # The C++ kernel against eager's dense calls (what an FFN costs inside a compiled graph) and
 # Inductor's compiled FFN, fp32, 2 threads, d = 0.005, path="cpu", 2-core AMD EPYC (AVX2): from
