@@ -5,6 +5,7 @@ carried to the GPU machine (../shared/anchor/README.md).
 
     python3 -m benchmarks.reference DIR M K N DENSITY TAIL SEED [--reps MS] [--rounds R]
     python3 -m benchmarks.reference --train DIR M K N DENSITY TAIL SEED [--reps MS] [--device D]
+    python3 -m benchmarks.reference --train-parts DIR M K N DENSITY TAIL SEED [--reps MS] [--rounds R]
 
 Inference (TwELLGatedMLP) prints one line ``REF {"ref_ms": ..., "ref_rel_err": ...,
 "ref_nan": ...}`` for the inputs twell_compile.testing.make_ffn(M, K, N, DENSITY, TAIL,
@@ -19,6 +20,15 @@ bench_ffn_train.py's inputs (``train_inputs``: x, weights and dy), timed, its pe
 and its gradients checked as bench_ffn_train.py does ours. bench_ffn_train.py --reference DIR
 calls ``run_train_point`` per point and ``build_train`` once. (--device cpu: for the tests'
 stand-in reference only.)
+
+--train-parts (benchmarks/train_parts.py --reference DIR) prints ``REF {"parts": [{"part": ...,
+"ms": ..., "method": ..., "launches": ...}, ...]}`` for the same op on the same inputs: its
+forward alone (under no_grad; do_bench), forward + backward (do_bench), the backward alone
+after a fresh forward each sample (CUDA events, ``timing.after_ms``: their backward consumes
+the forward's saved state, so it cannot be repeated on one) and step - forward; then, unless
+--no-kernels, the device time of each part of a step from torch.profiler (``timing.kernel_phases``:
+their launches labelled by ``classify_paper``, PAPER_KERNEL_PARTS), the only way into the pieces
+of their op, which exposes the forward and the backward whole.
 
 A point that dies reads ``ref_status`` "crashed rc=N: <last stderr line>" (rc < 0: killed by
 a signal, named), one past its timeout "timeout"; its figures are NaN.
@@ -134,6 +144,139 @@ def run_train_point(ref_dir: str, m: int, k: int, n: int, d: float, t: float, se
     return _child(cmd, timeout, dict(ref_ms=NAN, ref_mib=NAN, ref_grad_rel_err=NAN, ref_grad_rel_errs=None))
 
 
+# The parts of the paper's training step (--train-parts): (part, method, what it covers). Their
+# op: ff_forward_gated(X, G, K, V) with G = W_gate, K = W_up, V = W_down^T, state P (relu of the
+# gate, hybrid ELL + dense tail), R (up at P's pattern), T (P * R); ff_backward_gated from it.
+PAPER_PARTS = (
+    ("fwd", "do_bench", "ff_forward_gated under no_grad: gate GEMM with the packing epilogue, overflow tail, "
+                        "up at the pattern, relu*up, ELL spmm down (+ the tail's cuBLAS GEMM)"),
+    ("bwd", "events", "ff_backward_gated through autograd after a fresh forward (CUDA events around the backward "
+                      "only): transposes, dT, dR/dU, dx spmm x2, weight-gradient spmm x3"),
+    ("bwd_derived", "derived", "step - fwd (do_bench medians)"),
+    ("step", "do_bench", "forward + backward through autograd (torch.autograd.grad of y, dy), as bench_ffn_train.py"),
+)
+# Device-time parts of one step (torch.profiler, classify_paper's labels), in table order.
+PAPER_KERNEL_PARTS = (
+    ("fwd.gate_pack", "wgmma gate GEMM with the TwELL-packing epilogue, packed -> ELL conversion, overflow tail"),
+    ("fwd.up_down", "up at the pattern (dense_ab_as_sparse), relu*up (sparse_elementwise), ELL spmm down, "
+                    "tail GEMM + scatter"),
+    ("fwd.fill_copy", "the forward's fills, memsets and copies (zeroed outputs and state)"),
+    ("bwd.dh", "dT = dy V^T at the pattern, the L1 shift, dR = dT*P, dU = dT*R (before the first spmm)"),
+    ("bwd.transpose", "the three hybrid transposes (T, dR, dU) the weight gradients read"),
+    ("bwd.dx", "dx = dR K + dU G: two ELL spmm (+ tail GEMMs, scatters) and their sum"),
+    ("bwd.wgrad_up", "dW_up = dR^T X: ELL spmm over the transpose (+ tail)"),
+    ("bwd.wgrad_gate", "dW_gate = dU^T X: ELL spmm over the transpose (+ tail)"),
+    ("bwd.wgrad_down", "dW_down = T^T dy: ELL spmm over the transpose (+ tail)"),
+    ("bwd.fill_copy", "the backward's fills, memsets and copies (zeroed gradients, tail maps)"),
+    ("bwd.unattributed", "launches past the fifth ELL spmm of the backward (none expected)"),
+    ("kernels", "every launch of the step, summed"),
+)
+_WGRAD = ("bwd.dx", "bwd.dx", "bwd.wgrad_up", "bwd.wgrad_gate", "bwd.wgrad_down")
+
+
+def fill_or_copy(name: str) -> bool:
+    """A fill, memset or memcpy (torch's zeros, cudaMemsetAsync, cudaMemcpyAsync)."""
+    low = name.lower()
+    return "fill" in low or "memset" in low or "memcpy" in low
+
+
+def classify_paper(phase: int, names: list[str]) -> list[str]:
+    """Labels (PAPER_KERNEL_PARTS) of the launches of one phase of the paper's step: phase 0 the
+    forward, 1 the backward (in launch order). Forward: everything before the first up-at-the-
+    pattern kernel (dense_ab_as_sparse...) is the gate + packing, the rest up + down. Backward
+    (ff_backward_cuda_gated's order): the transposes by name; before the first ELL spmm, dh;
+    from the 1st and 2nd spmm (with their tails and the dX sum), dx; the 3rd, 4th and 5th are
+    dW_up, dW_gate, dW_down. Fills, memsets and copies by name in either."""
+    out = []
+    if phase == 0:
+        up = False
+        for name in names:
+            up = up or "dense_ab_as_sparse" in name
+            out.append("fwd.fill_copy" if fill_or_copy(name) else "fwd.up_down" if up else "fwd.gate_pack")
+        return out
+    spmm = 0
+    for name in names:
+        if "ell_spmm" in name:
+            spmm += 1
+        if fill_or_copy(name):
+            out.append("bwd.fill_copy")
+        elif "transpose_hybrid" in name or "promote_overflow" in name:
+            out.append("bwd.transpose")
+        elif spmm == 0:
+            out.append("bwd.dh")
+        else:
+            out.append(_WGRAD[spmm - 1] if spmm <= len(_WGRAD) else "bwd.unattributed")
+    return out
+
+
+def run_train_parts_point(ref_dir: str, m: int, k: int, n: int, d: float, t: float, seed: int,
+                          reps: int = 300, rounds: int = 3, timeout: float = 240, kernels: bool = True,
+                          activity: str = "iid") -> dict:
+    """The paper's training step part by part on one point, in a child process: {"parts": [...],
+    "ref_status": ...}; a child that dies or times out gives no parts and its status."""
+    _train_path(ref_dir)
+    cmd = [sys.executable, "-m", "benchmarks.reference", "--train-parts", ref_dir, *_point(m, k, n, d, t, seed),
+           "--reps", str(reps), "--rounds", str(rounds)] + ([] if kernels else ["--no-kernels"]) \
+        + (["--activity", activity] if activity != "iid" else [])
+    return _child(cmd, timeout, dict(parts=[]))
+
+
+def _train_parts(a) -> None:
+    sys.path.insert(0, str(_train_path(a.dir)))
+    import torch
+
+    import sparse_ops_loader  # the paper's training kernels (sparser-faster-llms), not ours
+
+    from benchmarks.timing import after_ms, bench, interleaved_ms, kernel_parts, kernel_phases, mark_phase, \
+        train_inputs
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    sparse_ops_loader.load_sparse_ops()
+    m, k = a.M, a.K
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    x, wg, wu, wd, dy = train_inputs(m, k, a.N, a.density, a.tail, a.seed, dev, torch.bfloat16, a.activity)
+    leaves = (x.detach().view(1, m, k).requires_grad_(), wg.detach().requires_grad_(),
+              wu.detach().requires_grad_(), wd.detach().t().contiguous().requires_grad_())
+    dy3 = dy.view(1, m, k)
+    op = torch.ops.sparse_ops.ff_forward_gated
+
+    def fwd():
+        with torch.no_grad():
+            return op(*leaves)
+
+    def step():
+        return torch.autograd.grad(op(*leaves)[0], leaves, dy3)
+
+    def bwd(y):
+        return torch.autograd.grad(y, leaves, dy3)
+
+    for _ in range(3):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    if cuda:
+        t = interleaved_ms({"fwd": fwd, "step": step}, a.reps, a.rounds,
+                           timers={"bwd": lambda rep: after_ms(lambda: op(*leaves)[0], bwd, rep)})
+    else:                      # the tests' stand-in reference: the host's wall clock
+        t = dict(fwd=bench(fwd, a.reps, False), step=bench(step, a.reps, False),
+                 bwd=after_ms(lambda: op(*leaves)[0], bwd, a.reps, cuda=False))
+    t["bwd_derived"] = t["step"] - t["fwd"]
+    parts = [dict(part=p, ms=t[p], method=meth, launches=what) for p, meth, what in PAPER_PARTS]
+    if cuda and a.kernels:
+        def marked():
+            mark_phase()
+            y = op(*leaves)[0]
+            mark_phase()
+            bwd(y)
+
+        marked()
+        got = kernel_parts(kernel_phases(marked, a.kernel_steps), 2, classify_paper)
+        got["kernels"] = sum(got.values())
+        parts += [dict(part=p, ms=got.get(p, 0.0), method="kernels", launches=what) for p, what in PAPER_KERNEL_PARTS]
+    print("REF " + json.dumps(dict(parts=parts)), flush=True)
+
+
 def _infer(a) -> None:
     sys.path.insert(0, str(_ref_path(a.dir)))
     import torch
@@ -206,6 +349,10 @@ def _main(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train", action="store_true", help="the training op, forward + backward")
+    ap.add_argument("--train-parts", action="store_true", help="the training op part by part (train_parts.py)")
+    ap.add_argument("--no-kernels", dest="kernels", action="store_false",
+                    help="--train-parts: no torch.profiler breakdown")
+    ap.add_argument("--kernel-steps", type=int, default=5, help="--train-parts: steps profiled")
     ap.add_argument("dir")
     ap.add_argument("M", type=int)
     ap.add_argument("K", type=int)
@@ -215,10 +362,10 @@ def _main(argv: list[str]) -> int:
     ap.add_argument("seed", type=int)
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (inference)")
-    ap.add_argument("--device", default="cuda", help="--train's device (cpu: the tests' stand-in reference)")
+    ap.add_argument("--device", default="cuda", help="--train / --train-parts' device (cpu: the tests' stand-in reference)")
     ap.add_argument("--activity", default="iid", help="the inputs' activity spec (bench_ffn / bench_ffn_train --activity)")
     a = ap.parse_args(argv)
-    (_train if a.train else _infer)(a)
+    (_train_parts if a.train_parts else _train if a.train else _infer)(a)
     return 0
 
 

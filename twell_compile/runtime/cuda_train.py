@@ -29,12 +29,16 @@ products. Eager's nine GEMMs either way (docs/design-notes/training.md: a backwa
 g and u, eleven GEMMs, lost).
 
 Which path runs is select.plan_train's choice; launch sizes come from the device's record.
+The sparse path's stages are public functions the op composes (``gate_gemm``, ``pack_gate``,
+``packed_forward``; ``sparse_bwd_setup``, ``sparse_bwd_dy_pass``, ``sparse_bwd_x_pass``,
+``sparse_bwd_dx``, ``sparse_bwd_outputs``), so benchmarks/train_parts.py times each one as the
+op calls it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +53,7 @@ from twell_compile.kernels.twell_train_fwd import train_fwd_kernel
 from twell_compile.kernels.twell_train_wgrad import chunk_map_kernel, scatter_kernel, wgrad_kernel
 from twell_compile.reference import ACTS
 from twell_compile.runtime import arch, density
-from twell_compile.runtime.cuda_infer import compact_rows, record_stats, relu_mul_rows
+from twell_compile.runtime.cuda_infer import Rows, compact_rows, record_stats, relu_mul_rows
 from twell_compile.runtime.launch import pow2, sm_count, transposed, unit_rows, warps_by_width
 from twell_compile.runtime.select import TrainPlan
 
@@ -118,15 +122,27 @@ def _warps(k: int, k_out: int) -> int:
     return 8 if pow2(max(k, k_out)) > 2048 else 4
 
 
-def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b_up: Optional[Tensor],
-           w_down: Tensor, b_down: Optional[Tensor], width: int, cap: int, compute_y: bool, act: str = "relu"):
-    """Compaction + train_fwd_kernel. Returns (y or None, hsum or None, counts, cols, ell_g,
-    ell_u, backup_idx, backup_g, backup_u, missing rows [0-d])."""
-    p = arch.launch_policy(x2.device)
-    m, k = x2.shape
-    n, k_out = g.shape[1], w_down.shape[0]
-    dev, dt = x2.device, x2.dtype
-    gated = w_up is not None
+class Packed(NamedTuple):
+    """The sparse state's buffers after the compaction (``pack_gate``), before
+    ``packed_forward`` fills the ELL slots and the dense backup."""
+    rows: Rows            # compact_rows' per-row lists, counts and order
+    cols: Tensor          # [M, W] int32 ELL columns (zeros)
+    ell_g: Tensor         # [M, W] relu(g) at the slots (zeros)
+    ell_u: Tensor         # [M, W] u at the slots ([M, 0] non-gated)
+    bidx: Tensor          # [C] int64 dense-backup rows (-1)
+    bg: Tensor            # [C, N] backup g (zeros)
+    bu: Tensor            # [C, N] backup u ([C, 0] non-gated)
+    ctr: Tensor           # [3] int32: backup slots taken, the order's two buckets
+
+
+def pack_gate(g: Tensor, width: int, cap: int, gated: bool) -> Packed:
+    """The compaction of the gate output g [M, N]: the state's buffers allocated (zeroed: a few
+    memsets) and ``cuda_infer.compact_rows`` (one launch: each row's non-zero count of relu(g)
+    and its first ``width`` as packed (col, value) pairs, the rows' order by cost). The first
+    half of the training forward's state (``_state``); public so benchmarks/train_parts.py
+    times the calls the op makes."""
+    m, n = g.shape
+    dev, dt = g.device, g.dtype
     cols = torch.zeros((m, width), dtype=torch.int32, device=dev)
     ell_g = torch.zeros((m, width), dtype=dt, device=dev)
     ell_u = torch.zeros((m, width if gated else 0), dtype=dt, device=dev)
@@ -135,7 +151,27 @@ def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b
     bu = torch.zeros((cap, n if gated else 0), dtype=dt, device=dev)
     ctr = torch.zeros((3,), dtype=torch.int32, device=dev)     # backup slots; the order's two
     rows = compact_rows(g, width, ctr[1:])
-    lst, cnt, order = rows.lst, rows.cnt, rows.order
+    return Packed(rows, cols, ell_g, ell_u, bidx, bg, bu, ctr)
+
+
+def packed_forward(x2: Tensor, g: Tensor, u: Optional[Tensor], pk: Packed, w_up: Optional[Tensor],
+                   b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], compute_y: bool,
+                   act: str = "relu"):
+    """``train_fwd_kernel`` over a ``pack_gate`` result (one launch): per row, u at the listed
+    pairs (read from ``u`` where given, else from W_up rows), y when ``compute_y``, the ELL
+    slots, and a dense-backup slot for each row over the width (the slot counter pk.ctr[0] is
+    atomic: calling this twice on one pack gives the second call's busy rows no slot, so a
+    benchmark repeating it measures the same work only where no row is busy). Returns (y or
+    None, hsum or None, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u, missing
+    rows [0-d])."""
+    p = arch.launch_policy(x2.device)
+    m, k = x2.shape
+    n, k_out = g.shape[1], w_down.shape[0]
+    dev, dt = x2.device, x2.dtype
+    gated = w_up is not None
+    width, cap = pk.cols.shape[1], pk.bidx.shape[0]
+    lst, cnt, order = pk.rows.lst, pk.rows.cnt, pk.rows.order
+    cols, ell_g, ell_u, bidx, bg, bu, ctr = pk.cols, pk.ell_g, pk.ell_u, pk.bidx, pk.bg, pk.bu, pk.ctr
     y = torch.empty((m, k_out), dtype=dt, device=dev) if compute_y else None
     hsum = torch.empty((m,), dtype=torch.float32, device=dev) if compute_y else None
     if m:
@@ -158,9 +194,24 @@ def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b
     return y, hsum, cnt, cols, ell_g, ell_u, bidx, bg, bu, missing
 
 
+def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b_up: Optional[Tensor],
+           w_down: Tensor, b_down: Optional[Tensor], width: int, cap: int, compute_y: bool, act: str = "relu"):
+    """Compaction + train_fwd_kernel (``pack_gate`` then ``packed_forward``). Returns (y or
+    None, hsum or None, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u, missing
+    rows [0-d])."""
+    pk = pack_gate(g, width, cap, w_up is not None)
+    return packed_forward(x2, g, u, pk, w_up, b_up, w_down, b_down, compute_y, act)
+
+
+def gate_gemm(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor]) -> Tensor:
+    """g = x W_g^T + b_g by cuBLAS: the first launch of both training forwards (public so
+    benchmarks/train_parts.py times the call the op makes)."""
+    return F.linear(x2, w_gate, b_gate)
+
+
 def forward_sparse(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap, act="relu"):
     w_up = None if w_up is None else unit_rows(w_up)
-    g = F.linear(x2, w_gate, b_gate)
+    g = gate_gemm(x2, w_gate, b_gate)
     return _state(x2, g, None, w_up, b_up, w_down, b_down, width, cap, True, act)
 
 
@@ -181,7 +232,7 @@ def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap, co
     ``backward_densify``; taken while the layer's last measurement lost no rows."""
     m = x2.shape[0]
     dev, dt = x2.device, x2.dtype
-    g = F.linear(x2, w_gate, b_gate)
+    g = gate_gemm(x2, w_gate, b_gate)
     u = None if w_up is None else F.linear(x2, w_up, b_up)
     h, cnt, hsum = relu_mul_rows(g, u, act)
     y = F.linear(h, w_down, b_down)
@@ -248,12 +299,23 @@ def fired_units(cnt: Tensor, cols: Tensor, bg: Tensor, n: int, dense: bool) -> T
     return fired
 
 
-def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_g, ell_u,
-                    bidx, bg, bu, l1c, act="relu", l1_coef=None):
-    """(dx, dW_g, db_g, dW_u, db_u, dW_d): ranks and the busy rows, counting sort, the
-    per-neuron DY pass (dh, d_g, d_u, dW_d, bias grads), the per-neuron X pass (dW_g, dW_u),
-    then dx of the quiet rows. Each gathering pass reads rows of one tensor only (dy; x;
-    W_g and W_u), so its working set is about the L2's size."""
+class SparseBwd:
+    """The sparse backward between its stages (``sparse_bwd_setup`` makes it; the DY pass, the
+    X pass and dx read and fill it; ``sparse_bwd_outputs`` casts its results). Stage by stage so
+    that benchmarks/train_parts.py times the launches the op makes, one stage at a time."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+def sparse_bwd_setup(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_g, ell_u,
+                     bidx, bg, bu, l1c, act="relu", l1_coef=None) -> SparseBwd:
+    """The sparse backward up to its per-neuron passes: ``rank_kernel`` (the quiet rows' ELL
+    slots ranked in their columns, the busy rows listed), ``train_bwd_kernel`` (busy rows whole:
+    dense backup, or listed for recompute), the counting sort by neuron (cumsum +
+    ``scatter_kernel``), the dense-backup rows' three cuBLAS products (fp32, into the weight
+    gradients the passes complete), and the chunk map of the neurons' lists
+    (``chunk_map_kernel``); with the buffers' allocations and memsets."""
     p = arch.launch_policy(x2.device)
     m, k = x2.shape
     n, k_out = w_gate.shape[0], w_down.shape[0]
@@ -315,6 +377,9 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
     dwdt = _mm_f32(sh.t(), dyb)
     del xb, dyb
     db = torch.zeros((2, n), dtype=f32, device=dev)
+    st = SparseBwd(m=m, k=k, n=n, k_out=k_out, dt=dt, gated=gated, b_gate=b_gate, b_up=b_up, dx=dx, eg=eg,
+                   eu=eu, q=q, cols=cols, width=width, w_gate=w_gate, wu=wu, sg=sg, su=su, dwg=dwg, dwu=dwu,
+                   dwdt=dwdt, db=db, dx_pairs=p.dx_pairs)
     if n:
         # each neuron's entries in chunks of `chunk` (a device scalar: wg_chunk_over_mean mean
         # lists, at least wg_chunk), chunk -> neuron, persistent programs taking chunks from a
@@ -330,36 +395,76 @@ def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_
         nid = torch.empty((bound,), dtype=i32, device=dev)
         chunk = chunk.to(i32).reshape(1)
         chunk_map_kernel[(n,)](hist, coff, nid, chunk, BJ=32, num_warps=1)
-        programs = min(bound, sm_count(dev) * p.wg_programs_per_sm)
-        bkw = min(p.wg_bk, pow2(k))
-        tickets = torch.zeros((1 + -(-k // bkw),), dtype=i32, device=dev)   # DY pass, X pass per K chunk
-        common = dict(GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
-                      L1_DEV=l1_coef is not None, ACT=ACTS.index(act))
+        st.programs = min(bound, sm_count(dev) * p.wg_programs_per_sm)
+        st.bkw = min(p.wg_bk, pow2(k))
+        st.tickets = torch.zeros((1 + -(-k // st.bkw),), dtype=i32, device=dev)   # DY pass, X pass per K chunk
+        st.common = dict(GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
+                         L1_DEV=l1_coef is not None, ACT=ACTS.index(act))
+        # wgrad_kernel's arguments on either side of its ticket
+        st.head = (order, off, hist, nid, coff, cend[n - 1:])
+        st.tail = (chunk, width, ell_g, ell_u if gated else ell_g, eg, eu, x2, x2.stride(0),
+                   dy2, dy2.stride(0), mlist, mctr, w_gate, w_gate.stride(0),
+                   b_gate if b_gate is not None else w_gate, wu, wu.stride(0),
+                   b_up if b_up is not None else w_gate, wdt, wdt.stride(0), float(l1c),
+                   l1_coef if l1_coef is not None else hist,
+                   dwg, dwu if gated else dwg, dwdt, db[0], db[1], k, k_out)
+        st.wg = (p.wg_dy_entries, warps_by_width(k_out, p.wg_dy_cols_per_warp), p.wg_x_entries, p.wg_x_warps)
+    return st
 
-        def args(ticket):
-            return (order, off, hist, nid, coff, cend[n - 1:], ticket, chunk, width,
-                    ell_g, ell_u if gated else ell_g, eg, eu, x2, x2.stride(0),
-                    dy2, dy2.stride(0), mlist, mctr, w_gate, w_gate.stride(0),
-                    b_gate if b_gate is not None else w_gate, wu, wu.stride(0),
-                    b_up if b_up is not None else w_gate, wdt, wdt.stride(0), float(l1c),
-                    l1_coef if l1_coef is not None else hist,
-                    dwg, dwu if gated else dwg, dwdt, db[0], db[1], k, k_out)
 
-        bk_dy = pow2(k_out)                       # the DY pass needs whole dy rows for dh
-        wgrad_kernel[(programs, 1)](*args(tickets[:1]), DY=True, BKW=bk_dy, E=p.wg_dy_entries,
-                                    num_warps=warps_by_width(k_out, p.wg_dy_cols_per_warp), **common)
-        wgrad_kernel[(programs, -(-k // bkw))](*args(tickets[1:]), DY=False, BKW=bkw, E=p.wg_x_entries,
-                                               num_warps=p.wg_x_warps, **common)
-    if m:
-        dx_rows_kernel[(m,)](q, cols, eg, eu, width, w_gate, w_gate.stride(0), wu, wu.stride(0),
-                             dx, dx.stride(0), k, GATED=gated, K_P=pow2(k), PAIRS=p.dx_pairs,
-                             num_warps=_warps(k, k))
-    dwg = dwg.to(dt)
-    dwu = dwu.to(dt) if gated else None
-    dwdt = dwdt.to(dt)
-    db_gate = (db[0] + sg.float().sum(0)).to(dt) if b_gate is not None else None
-    db_up = (db[1] + su.float().sum(0)).to(dt) if (gated and b_up is not None) else None
-    return dx, dwg, db_gate, dwu, db_up, transposed(dwdt)
+def sparse_bwd_dy_pass(st: SparseBwd) -> None:
+    """``wgrad_kernel`` DY pass (one launch, persistent programs over the neurons' chunks, dy
+    rows gathered): dh, d_g and d_u at each slot (kept for dx and the X pass), dW_d^T[n] and the
+    bias sums. It takes its chunks from st.tickets[0] (zeroed by the setup: a repeat needs it
+    zeroed again, else it finds no chunk left)."""
+    if st.n:
+        entries, warps = st.wg[0], st.wg[1]
+        wgrad_kernel[(st.programs, 1)](*st.head, st.tickets[:1], *st.tail, DY=True, BKW=pow2(st.k_out),
+                                       E=entries, num_warps=warps, **st.common)   # whole dy rows for dh
+
+
+def sparse_bwd_x_pass(st: SparseBwd) -> None:
+    """``wgrad_kernel`` X pass (one launch, a program column per K chunk, x rows gathered):
+    dW_g[n] and dW_u[n] from the DY pass's d_g, d_u. Tickets st.tickets[1:], as the DY pass's."""
+    if st.n:
+        wgrad_kernel[(st.programs, -(-st.k // st.bkw))](*st.head, st.tickets[1:], *st.tail, DY=False, BKW=st.bkw,
+                                                        E=st.wg[2], num_warps=st.wg[3], **st.common)
+
+
+def sparse_bwd_dx(st: SparseBwd) -> None:
+    """``dx_rows_kernel`` (one launch): the quiet rows' dx from the W_g and W_u rows of their
+    slots (the busy rows' dx came from train_bwd_kernel in the setup)."""
+    if st.m:
+        dx_rows_kernel[(st.m,)](st.q, st.cols, st.eg, st.eu, st.width, st.w_gate, st.w_gate.stride(0), st.wu,
+                                st.wu.stride(0), st.dx, st.dx.stride(0), st.k, GATED=st.gated, K_P=pow2(st.k),
+                                PAIRS=st.dx_pairs, num_warps=_warps(st.k, st.k))
+
+
+def sparse_bwd_outputs(st: SparseBwd):
+    """(dx, dW_g, db_g, dW_u, db_u, dW_d): the fp32 weight gradients cast to the dtype, the bias
+    sums completed with the backup rows'."""
+    dt = st.dt
+    dwg = st.dwg.to(dt)
+    dwu = st.dwu.to(dt) if st.gated else None
+    dwdt = st.dwdt.to(dt)
+    db_gate = (st.db[0] + st.sg.float().sum(0)).to(dt) if st.b_gate is not None else None
+    db_up = (st.db[1] + st.su.float().sum(0)).to(dt) if (st.gated and st.b_up is not None) else None
+    return st.dx, dwg, db_gate, dwu, db_up, transposed(dwdt)
+
+
+def backward_sparse(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_g, ell_u,
+                    bidx, bg, bu, l1c, act="relu", l1_coef=None):
+    """(dx, dW_g, db_g, dW_u, db_u, dW_d): ranks and the busy rows, counting sort, the
+    per-neuron DY pass (dh, d_g, d_u, dW_d, bias grads), the per-neuron X pass (dW_g, dW_u),
+    then dx of the quiet rows. Each gathering pass reads rows of one tensor only (dy; x;
+    W_g and W_u), so its working set is about the L2's size. Stage by stage: sparse_bwd_setup,
+    sparse_bwd_dy_pass, sparse_bwd_x_pass, sparse_bwd_dx, sparse_bwd_outputs."""
+    st = sparse_bwd_setup(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_g, ell_u,
+                          bidx, bg, bu, l1c, act, l1_coef)
+    sparse_bwd_dy_pass(st)
+    sparse_bwd_x_pass(st)
+    sparse_bwd_dx(st)
+    return sparse_bwd_outputs(st)
 
 
 def backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, g, u, l1c, act="relu", l1_coef=None):
