@@ -37,8 +37,9 @@ recompile each block, past Dynamo's limit of 8 (the rest then ran eager).
 
 ``act`` (after ``path`` and ``tag``; ffn_train_bwd's last; default "relu"; reference.ACTS): the activation. "relu2" is squared ReLU,
 h = relu(g)^2 [* u]; "drelu" (gated only) h = relu(g) * relu(u). All share relu(g)'s zero
-pattern, which every path skips; the training state saves relu(g) and u at its non-zeros and
-the backward forms the activation's derivative from them. Anything else raises ``ValueError``.
+pattern, which every path skips; the training state saves relu(g) and u at its non-zeros (for
+dReLU the plain-PyTorch path only where relu(u) is non-zero too: runtime/torch_impl.py) and the
+backward forms the activation's derivative from them. Anything else raises ``ValueError``.
 
 ``l1_control`` (twell::ffn_train only, last, default False): the layer's L1 coefficient is
 adapted by the controller of ``twell.target_density`` (``twell_compile/control.py``): each call
