@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import fx
 
 from twell_compile.passes.pass_utils import (ACTIVATION_METHODS, ACTIVATIONS, ADD_FNS, ADD_METHODS, CHUNK_FNS,
                                              DROPOUT_FNS, LINEAR_FNS, MATMUL_FNS, MATMUL_METHODS, MUL_FNS,
