@@ -4,6 +4,7 @@
     python3 benchmarks/bench_ffn.py --decode                       # M 1..64 x 4 densities x 2 shapes
     python3 benchmarks/bench_ffn.py --decode --M 64 128 256 512 2048 8192 --density 0.005 \\
         --shapes 2048x5632 --out /tmp/crossover.json               # where each path wins
+    python3 benchmarks/bench_ffn.py --decode --act drelu --M 1 16 --density 0.005   # dReLU (relu2: squared ReLU)
 
 Per (shape, density) LAYERS weight sets are drawn (twell_compile/testing.py, bf16), enough that
 one pass reads > ROTATE_MB of weights (several times the 50-60 MB L2): each timed CUDA graph
@@ -24,7 +25,9 @@ path the op ran. rel_err / dense_rel_err: ||y - y_fp32|| / ||y_fp32|| of the op 
 bf16 (fp32 reference with TF32 off). Rows as benchmarks/rows.py stamps them, to --out (default
 runs/<gpu>/ffn_decode.json; the canonical files: benchmarks/results/README.md).
 --configs / --policy run with tuned decode configs / cost-model constants (tune_decode.py's
-files) in place of the record's, through arch.patched.
+files) in place of the record's, through arch.patched. --act (rows: act): the activation of
+eager's calls, the op's and the fp32 reference: relu, relu2 (relu(g)^2 * u) or drelu
+(relu(g) * relu(u)); nnz_per_row and union stay relu(g)'s, the neurons the op reads.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
 from benchmarks.timing import gpu_name, median_ms, rel  # noqa: E402
 
 import twell_compile.ops  # noqa: E402,F401  (registers torch.ops.twell)
-from twell_compile.reference import ffn_dense  # noqa: E402
+from twell_compile.reference import ACTS, ffn_dense  # noqa: E402
 from twell_compile.runtime import arch, cuda_decode, decode_state, select  # noqa: E402
 from twell_compile.testing import make_ffn  # noqa: E402
 
@@ -99,7 +102,7 @@ def layers_for(k: int, n: int, k_out: int, gated: bool, rotate_mb: float) -> int
     return max(2, math.ceil(rotate_mb / per))
 
 
-def run_point(sets, m: int, d: float, reps: int, tag: str) -> dict:
+def run_point(sets, m: int, d: float, reps: int, tag: str, act: str = "relu") -> dict:
     k, n, k_out = sets[0]["w_gate"].shape[1], sets[0]["w_gate"].shape[0], sets[0]["w_down"].shape[0]
     gated = sets[0]["w_up"] is not None
     layers = len(sets)
@@ -109,11 +112,11 @@ def run_point(sets, m: int, d: float, reps: int, tag: str) -> dict:
 
     def dense():
         for a in args:
-            ffn_dense(*a)
+            ffn_dense(*a, act)
 
     def op(path="auto"):
         for a, name in zip(args, names):
-            torch.ops.twell.ffn(*a, name, False, path=path)
+            torch.ops.twell.ffn(*a, name, False, path=path, act=act)
 
     for _ in range(3):                      # the rules: first call probes, later calls decide
         op()
@@ -136,18 +139,18 @@ def run_point(sets, m: int, d: float, reps: int, tag: str) -> dict:
     else:                      # the per-row path forced: list width from each layer's measurement
         kform, kpath = None, "twell"
         kernel_ms = graph_ms(lambda: op(kpath), reps) / layers
-    y_k = torch.ops.twell.ffn(*a0, names[0], False, path=kpath)
+    y_k = torch.ops.twell.ffn(*a0, names[0], False, path=kpath, act=act)
     # accuracy (layer 0, fresh outputs)
-    ref = ffn_dense(*(None if t is None else t.float() for t in a0))
-    y_op = torch.ops.twell.ffn(*a0, names[0], False)
+    ref = ffn_dense(*(None if t is None else t.float() for t in a0), act)
+    y_op = torch.ops.twell.ffn(*a0, names[0], False, act=act)
     union = sum(float((F.linear(x, p["w_gate"]) > 0).any(0).sum()) for x, p in zip(xs, sets)) / layers
     g = 1 if gated else 0
     dense_bytes = 2 * n * (k * (1 + g) + k_out)
     dec_bytes = 2 * (n * k + union * (g * k + k_out))
     op_bytes = dec_bytes if path.startswith("decode") else dense_bytes
-    return dict(M=m, K=k, N=n, density=d, dense_ms=dense_ms, twell_ms=twell_ms, kernel_ms=kernel_ms,
+    return dict(M=m, K=k, N=n, density=d, act=act, dense_ms=dense_ms, twell_ms=twell_ms, kernel_ms=kernel_ms,
                 kernel=kname, kernel_form=kform, form_ms=form_ms, path=path, rel_err=rel(y_op, ref),
-                dense_rel_err=rel(ffn_dense(*a0), ref), kernel_rel_err=rel(y_k, ref), nnz_per_row=sum(nnz) / layers,
+                dense_rel_err=rel(ffn_dense(*a0, act), ref), kernel_rel_err=rel(y_k, ref), nnz_per_row=sum(nnz) / layers,
                 union=union, union_frac=union / n, dense_GBps=dense_bytes / (dense_ms * 1e-3) / 1e9,
                 twell_GBps=op_bytes / (twell_ms * 1e-3) / 1e9,
                 kernel_GBps=dec_bytes / (kernel_ms * 1e-3) / 1e9 if kname == "decode" else float("nan"),
@@ -198,6 +201,8 @@ def main(argv=None) -> int:
                     help="weight bytes one timed pass reads (sets the number of layers)")
     ap.add_argument("--configs", default=None, help="JSON of decode configs to use (tune_decode.py --out)")
     ap.add_argument("--policy", default=None, help="JSON of decode-rule constants to use (tune_decode.py --policy-out)")
+    ap.add_argument("--act", choices=ACTS, default="relu",
+                    help="the activation (rows: act): relu2 = relu(gate)**2 * up, drelu = relu(gate) * relu(up)")
     ap.add_argument("--out", default=None, help="JSON path (default runs/<gpu>/ffn_decode.json)")
     args = ap.parse_args(argv)
     for m in args.M:
@@ -235,7 +240,8 @@ def grid(args, shapes) -> int:
             layers = layers_for(k, n, k, True, args.rotate_mb)
             sets = weight_sets(max(args.M), k, n, d, args.tail, layers, seed=hash((k, n, d)) & 0xFFFF)
             for m in args.M:
-                row = stamp({**run_point(sets, m, d, args.reps, f"bench_decode/{k}/{n}/{d}"), "tail": args.tail,
+                row = stamp({**run_point(sets, m, d, args.reps, f"bench_decode/{k}/{n}/{d}/{args.act}", args.act),
+                             "tail": args.tail,
                              "peak_GBps": peak}, "cuda")
                 rows.append(row)
                 print(f"{m:>5} {k:>5} {n:>6} {d:>6} {100 * row['union_frac']:>6.1f} {row['dense_ms'] * 1e3:>6.1f}u "

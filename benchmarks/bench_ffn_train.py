@@ -3,9 +3,14 @@
     python3 benchmarks/bench_ffn_train.py                  # the training grid (K=2048, N=5632)
     python3 benchmarks/bench_ffn_train.py --M 16384 --density 0.005 --tail 0
     python3 benchmarks/bench_ffn_train.py --quick          # CPU smoke test, tiny shapes
+    python3 benchmarks/bench_ffn_train.py --act relu2 --M 16384 --density 0.005 --tail 0   # squared ReLU
+    python3 benchmarks/bench_ffn_train.py --act drelu --M 16384 --density 0.005 --tail 0   # relu(gate) * relu(up)
 
 Inputs: twell_compile/testing.py (anchors.md's generator), bf16, gated, no biases; dy random.
-One step = y = FFN(x) and torch.autograd.grad(y, (x, W_g, W_u, W_d), dy). Times are medians of
+One step = y = FFN(x) and torch.autograd.grad(y, (x, W_g, W_u, W_d), dy). --act (rows: act):
+the activation of every column (eager, Inductor, the op and its forced paths, the fp32
+reference): relu, relu2 (relu(g)^2 * u) or drelu (relu(g) * relu(u)); nnz/r and busy% stay
+relu(g)'s, the count the state's lists follow. Times are medians of
 triton.testing.do_bench (CUDA events). twell_ms is the op as the backend calls it (the rules
 included, after warm-up calls that let the layer's density land; ``path`` is the path its last
 call took: "twell", "compact" or "dense"); sparse_ms, compact_ms and densepath_ms force its
@@ -39,6 +44,7 @@ training kernels (record fields, through arch.patched); --config runs the grid u
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -55,7 +61,7 @@ from benchmarks.timing import bench, gpu_name, peak_mib, rel, train_inputs  # no
 import twell_compile.ops  # noqa: E402,F401  (registers torch.ops.twell)
 from twell_compile.config import TwellConfig  # noqa: E402
 from twell_compile.formats import backup_capacity  # noqa: E402
-from twell_compile.reference import ffn_dense  # noqa: E402
+from twell_compile.reference import ACTS, ffn_dense  # noqa: E402
 from twell_compile.runtime import arch, density  # noqa: E402
 from twell_compile.testing import load_activity_profile, make_ffn, parse_activity  # noqa: E402
 
@@ -101,7 +107,7 @@ def config_name(c: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in c.items()) or "record"
 
 
-def parts(ms, ds, ts, k, n, cfg, reps) -> int:
+def parts(ms, ds, ts, k, n, cfg, reps, act="relu") -> int:
     """Stage times of the sparse path (forced) for the launch configurations of PART_CONFIGS."""
     from twell_compile.runtime import cuda_train
 
@@ -116,14 +122,14 @@ def parts(ms, ds, ts, k, n, cfg, reps) -> int:
                 dy = torch.randn(m, k, device="cuda", dtype=x.dtype)
                 w, cap = min(cfg.ell_width, n), int(backup_capacity(m, cfg.backup_rows))
                 g = F.linear(x, wg)
-                fwd = lambda: cuda_train.forward_sparse(x, wg, None, wu, None, wd, None, w, cap)
+                fwd = lambda: cuda_train.forward_sparse(x, wg, None, wu, None, wd, None, w, cap, act)
                 _, _, *st, _ = fwd()
-                bwd = lambda: cuda_train.backward_sparse(dy, x, wg, None, wu, None, wd, *st, 0.0)
+                bwd = lambda: cuda_train.backward_sparse(dy, x, wg, None, wu, None, wd, *st, 0.0, act)
                 t_gate = bench(lambda: F.linear(x, wg), reps, True)
                 for i, changes in enumerate(PART_CONFIGS):
                     with arch.patched(**changes):
-                        t_state = bench(lambda: cuda_train._state(x, g, None, wu, None, wd, None, w, cap, True),
-                                        reps, True)
+                        t_state = bench(lambda: cuda_train._state(x, g, None, wu, None, wd, None, w, cap, True,
+                                                                  act), reps, True)
                         t_fwd = bench(fwd, reps, True)
                         t_bwd = bench(bwd, reps, True)
                     totals[i] += t_fwd + t_bwd
@@ -167,6 +173,8 @@ def main(argv=None) -> int:
     ap.add_argument("--activity", default="iid", metavar="iid|PROFILE.json[:LAYER]",
                     help="the inputs' activity: anchors.md's i.i.d. generator, or a trained layer's profile "
                          "(benchmarks/activity_profile.py; the grid's density then the profile's)")
+    ap.add_argument("--act", choices=ACTS, default="relu",
+                    help="the activation (rows: act): relu2 = relu(gate)**2 * up, drelu = relu(gate) * relu(up)")
     ap.add_argument("--out", default=None, help="JSON path (default runs/<gpu>/ffn_training.json)")
     args = ap.parse_args(argv)
     kind, path, layer = parse_activity(args.activity)
@@ -183,6 +191,8 @@ def main(argv=None) -> int:
     if args.reference:
         if args.quick or args.parts:
             ap.error("--reference runs on CUDA, on the grid: not with --quick or --parts")
+        if args.act != "relu":
+            ap.error("--reference: the paper's training op is ReLU-gated only: not with --act relu2 / drelu")
         # a folder without the reference raises ValueError here, naming the fix
         print(f"reference {args.reference}: {reference.build_train(args.reference)}", flush=True)
     cuda = not args.quick
@@ -196,7 +206,7 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = TwellConfig()
     if args.parts:
-        return parts(ms, ds, ts, k, n, cfg, args.reps)
+        return parts(ms, ds, ts, k, n, cfg, args.reps, args.act)
     changes = parse_config(args.config) if args.config else {}
     if changes:
         print("launch config", config_name(changes))
@@ -210,12 +220,14 @@ def main(argv=None) -> int:
 
 def grid(args, ms, ds, ts, k, n, cfg, dev, dt, cuda, out) -> list[dict]:
     rows = []
+    act = args.act
+    dense_fn = functools.partial(ffn_dense, act=act)
     hdr = (f"{'M':>6} {'dens':>6} {'tail':>4} {'nnz/r':>6} {'busy%':>5} {'dense':>7} {'induct':>7} {'twell':>7} "
            f"{'sparse':>7} {'compct':>7} {'dpath':>7} {'x_dns':>6} {'x_ind':>6} {'d_MiB':>7} {'t_MiB':>7} {'mem%':>5} "
            f"{'err':>8} {'d_err':>8}" + (REF_HDR if args.reference else "") + " path")
     print(hdr, flush=True)
     for m in ms:
-        inductor = None if args.no_inductor or not cuda else torch.compile(ffn_dense, dynamic=False)
+        inductor = None if args.no_inductor or not cuda else torch.compile(dense_fn, dynamic=False)
         for d in ds:
             for t in ts:
                 seed = hash((m, k, n, d, t)) & 0xFFFF
@@ -228,9 +240,9 @@ def grid(args, ms, ds, ts, k, n, cfg, dev, dt, cuda, out) -> list[dict]:
 
                 def op(name, path="auto"):
                     return lambda *a: torch.ops.twell.ffn_train(*a, cfg.ell_width, cfg.backup_rows, 0.0, name, False,
-                                                                path=path)[0]
+                                                                path=path, act=act)[0]
 
-                dense = step(ffn_dense)
+                dense = step(dense_fn)
                 twell = step(op(layer))
                 for _ in range(3):                       # let the layer's density land
                     twell()
@@ -258,8 +270,8 @@ def grid(args, ms, ds, ts, k, n, cfg, dev, dt, cuda, out) -> list[dict]:
                 twell_peak = peak_mib(twell, cuda)
                 ind_peak = peak_mib(step(inductor), cuda) if inductor else float("nan")
                 # accuracy: the four gradients against fp32 autograd
-                ref = torch.autograd.grad(ffn_dense(*(a.float() if a is not None else None
-                                                      for a in (x, wg, None, wu, None, wd, None))),
+                ref = torch.autograd.grad(dense_fn(*(a.float() if a is not None else None
+                                                     for a in (x, wg, None, wu, None, wd, None))),
                                           params, dy.float())
                 got = twell()
                 eag = dense()
@@ -280,7 +292,7 @@ def grid(args, ms, ds, ts, k, n, cfg, dev, dt, cuda, out) -> list[dict]:
                                  twell_ms=twell_ms, sparse_ms=sparse_ms, compact_ms=compact_ms, densepath_ms=dpath_ms,
                                  dense_peak_mib=dense_peak, twell_peak_mib=twell_peak, inductor_peak_mib=ind_peak,
                                  grad_rel_err=err, dense_grad_rel_err=derr, nnz_per_row=nnz, busy_row_pct=busy,
-                                 ell_width=cfg.ell_width, path=path, activity=args.activity, **paper), dev)
+                                 ell_width=cfg.ell_width, path=path, activity=args.activity, act=act, **paper), dev)
                 rows.append(row)
                 write_json(out, rows)       # after every row: partial runs keep theirs
                 print(f"{m:>6} {d:>6} {t:>4} {nnz:>6.1f} {busy:>5.1f} {dense_ms:>7.3f} {ind_ms:>7.3f} "

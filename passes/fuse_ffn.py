@@ -10,7 +10,10 @@ time or nothing requiring grad), else ``twell::ffn_train``, whose backward is ou
 are cast to the dtype the projections produced, so autocast regions keep their numerics;
 outside autocast a projection whose operands differ in dtype is left to Inductor, which
 raises as eager's F.linear does. Each op gets an ``instance`` number of its own (its runtime
-state, e.g. the density measurements, is not shared with other compiles). Where the plan's
+state, e.g. the density measurements, is not shared with other compiles). Where the down
+projection's weight is a parameter the graph takes as input (Dynamo's lifted module
+parameters), the op also takes it as ``owner``: every module that runs this graph then reports
+under its own module path and instance (``runtime/names.py``). Where the plan's
 compile-time twin (``ops.static_reason``) says the op would surely run slower than Inductor's
 code, the FFN is left to Inductor with that reason (``twell.skip_dense``).
 """
@@ -24,10 +27,11 @@ import torch
 from torch import fx
 
 from twell_compile.config import TwellConfig
-from twell_compile.ops import next_instance, static_path, static_reason
-from twell_compile.passes.match_ffn import Match, Projection, Rejection, find_ffns, module_roots, transform_reason
+from twell_compile.ops import declare, next_instance, static_path, static_reason
+from twell_compile.passes.match_ffn import (Match, Projection, Rejection, find_ffns, module_path, module_roots,
+                                            source_root, transform_reason)
 from twell_compile.passes.pass_utils import example, graph_modules, report_of, tokens_str
-from twell_compile.report import RejectionEntry, RewriteEntry
+from twell_compile.report import ROOT_LAYER, RejectionEntry, RewriteEntry
 
 
 def _cast(graph: fx.Graph, node: Optional[fx.Node], dtype: torch.dtype) -> Optional[fx.Node]:
@@ -79,9 +83,8 @@ def _expert_weight(graph: fx.Graph, p: Projection, dtype: torch.dtype) -> fx.Nod
 
 
 def _experts_call(graph: fx.Graph, m: Match, config: TwellConfig, layer: str, dtype: torch.dtype,
-                  training: bool) -> tuple[torch._ops.OpOverload, fx.Node]:
+                  training: bool, instance: int, act: dict[str, Any]) -> tuple[torch._ops.OpOverload, fx.Node]:
     """The twell::experts(_train) call replacing a grouped (MoE experts) match; its output y."""
-    act = {"act": m.act} if m.act != "relu" else {}
     x = _cast(graph, m.x, dtype)
     wg = _expert_weight(graph, m.gate, dtype)
     wu = _expert_weight(graph, m.up, dtype) if m.up is not None else None
@@ -89,23 +92,48 @@ def _experts_call(graph: fx.Graph, m: Match, config: TwellConfig, layer: str, dt
     if training:
         op = torch.ops.twell.experts_train.default
         call = graph.call_function(op, (x, wg, wu, wd, m.down.offs, config.ell_width, config.backup_rows, 0.0, layer,
-                                        config.stats, next_instance(), config.path_for(True)), act)
+                                        config.stats, instance, config.path_for(True)), act)
         return op, graph.call_function(operator.getitem, (call, 0))
     op = torch.ops.twell.experts.default
-    return op, graph.call_function(op, (x, wg, wu, wd, m.down.offs, layer, config.stats, next_instance(),
+    return op, graph.call_function(op, (x, wg, wu, wd, m.down.offs, layer, config.stats, instance,
                                         config.path_for(False)), act)
 
 
-def _rewrite(graph: fx.Graph, m: Match, config: TwellConfig, layer: str) -> tuple[str, fx.Node]:
+def owner_of(m: Match, layer: str, roots: dict[str, str]) -> Optional[tuple[fx.Node, str]]:
+    """The down projection's weight as the Dynamo graph receives it (a lifted module
+    parameter), by which each call names its own module (runtime/names.py), and that weight's
+    path below ``layer``; None where the weight is not a parameter input of the graph (an fx or
+    export graph holds it as an attribute: one module per graph) or its path is not below
+    ``layer``."""
+    w = m.down.weight
+    grapharg = w.meta.get("grapharg") if w.op == "placeholder" else None
+    source = getattr(getattr(grapharg, "source", None), "name", None)
+    if not isinstance(source, str) or "_parameters[" not in source or not source_root(source):
+        return None
+    path = ".".join(p for p in (roots.get(source_root(source), ""), module_path(source)) if p)
+    if layer == ROOT_LAYER:         # the compiled frame's own forward holds the FFN
+        return w, path
+    if not path.startswith(layer + "."):
+        return None
+    return w, path[len(layer) + 1:]
+
+
+def _rewrite(graph: fx.Graph, m: Match, config: TwellConfig, layer: str,
+             owner: Optional[tuple[fx.Node, str]]) -> tuple[str, fx.Node]:
     down_node = m.down.out
     out = example(down_node)
     dtype = out.dtype
     training = out.requires_grad
+    instance = next_instance()
+    kwargs: dict[str, Any] = {"act": m.act} if m.act != "relu" else {}     # (ReLU graphs keep the default)
+    if owner is not None:
+        kwargs["owner"] = owner[0]
+        declare(instance, layer, owner[1])
     with graph.inserting_before(down_node):
         if m.down.offs is not None:
-            op, y = _experts_call(graph, m, config, layer, dtype, training)
+            op, y = _experts_call(graph, m, config, layer, dtype, training, instance, kwargs)
         else:
-            op, y = _ffn_call(graph, m, config, layer, dtype, training)
+            op, y = _ffn_call(graph, m, config, layer, dtype, training, instance, kwargs)
         if example(m.x).dim() != example(m.down.x).dim():
             y = graph.call_method("reshape", (y, -1, out.shape[-1]))
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
@@ -121,9 +149,8 @@ def _rewrite(graph: fx.Graph, m: Match, config: TwellConfig, layer: str) -> tupl
 
 
 def _ffn_call(graph: fx.Graph, m: Match, config: TwellConfig, layer: str, dtype: torch.dtype,
-              training: bool) -> tuple[torch._ops.OpOverload, fx.Node]:
+              training: bool, instance: int, act: dict[str, Any]) -> tuple[torch._ops.OpOverload, fx.Node]:
     """The twell::ffn(_train) call replacing a match; its output y."""
-    act = {"act": m.act} if m.act != "relu" else {}        # (ReLU graphs keep the schema's default)
     x = _cast(graph, m.x, dtype)
     wg, bg = _weight(graph, m.gate, dtype)
     wu, bu = _weight(graph, m.up, dtype) if m.up is not None else (None, None)
@@ -132,10 +159,10 @@ def _ffn_call(graph: fx.Graph, m: Match, config: TwellConfig, layer: str, dtype:
         op = torch.ops.twell.ffn_train.default
         # l1_scale (0.0 here) is filled in by the scale_l1 pass once all FFNs are known.
         call = graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, config.ell_width, config.backup_rows,
-                                        0.0, layer, config.stats, next_instance(), config.path_for(True)), act)
+                                        0.0, layer, config.stats, instance, config.path_for(True)), act)
         return op, graph.call_function(operator.getitem, (call, 0))
     op = torch.ops.twell.ffn.default
-    return op, graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, layer, config.stats, next_instance(),
+    return op, graph.call_function(op, (x, wg, bg, wu, bu, wd, bd, layer, config.stats, instance,
                                         config.path_for(False)), act)
 
 
@@ -273,7 +300,8 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
                     continue
             layer = _unique(found.layer, used)
             down_node = found.down.out
-            op_name, y = _rewrite(sub.graph, found, config, layer)
+            op_name, y = _rewrite(sub.graph, found, config, layer,
+                                  owner_of(found, layer, roots) if layer == found.layer else None)
             replaced[down_node] = y
             changed = True
             runs = static_path(out.device, out.dtype, tokens, int(xe.shape[-1]),

@@ -23,20 +23,21 @@ from __future__ import annotations
 import inspect
 import operator
 import re
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import fx
 
 from twell_compile.passes.pass_utils import (ACTIVATION_METHODS, ACTIVATIONS, ADD_FNS, ADD_METHODS, CHUNK_FNS,
                                              DROPOUT_FNS, LINEAR_FNS, MATMUL_FNS, MATMUL_METHODS, MUL_FNS,
                                              MUL_METHODS, RELU_FNS, RELU_METHODS, arg, chain, example, is_fn,
                                              is_method, real_value, shape_key, skip)
 from twell_compile.report import ROOT_LAYER
+from twell_compile.ops import caller_modules
+
 
 def is_relu(node: fx.Node) -> bool:
     return is_fn(node, RELU_FNS) or is_method(node, RELU_METHODS)
@@ -558,33 +559,6 @@ def layer_name(nodes: list[fx.Node], roots: Optional[dict[str, str]] = None) -> 
     return ".".join(p for p in (prefix, module_path(common)) if p) or ROOT_LAYER
 
 
-# Modules that wrap the user's model and add their own prefix to its parameters' names.
-def _unwrap(module: nn.Module) -> nn.Module:
-    while True:
-        inner = getattr(module, "_orig_mod", None)        # torch.compile's OptimizedModule
-        if not isinstance(inner, nn.Module) and isinstance(module, (nn.parallel.DistributedDataParallel,
-                                                                    nn.DataParallel)):
-            inner = module.module
-        if not isinstance(inner, nn.Module):
-            return module
-        module = inner
-
-
-def _caller_modules() -> list[nn.Module]:
-    """The modules whose methods are running on this thread's Python stack (their ``self``),
-    outermost first, wrappers unwrapped. A backend runs while Dynamo compiles a frame, inside
-    the calls that reached it: the model's own call is among them."""
-    out: dict[int, nn.Module] = {}
-    frame = sys._getframe(1)
-    while frame is not None:
-        me = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        if isinstance(me, nn.Module):
-            me = _unwrap(me)
-            out.setdefault(id(me), me)
-        frame = frame.f_back
-    return list(reversed(out.values()))
-
-
 def module_roots(gm: fx.GraphModule) -> dict[str, str]:
     """For each source root of a Dynamo graph (``L['self']``, ``L['args'][0]``) whose
     parameters it lifts as inputs: that root module's path in the outermost module on the
@@ -608,7 +582,7 @@ def module_roots(gm: fx.GraphModule) -> dict[str, str]:
             params.setdefault(root, []).append((t, module_path(source)))
     roots: dict[str, str] = {}
     if params:
-        for model in _caller_modules():
+        for model in caller_modules():
             names = {}
             for name, p in model.named_parameters(remove_duplicate=False):
                 names.setdefault(id(p), []).append(name)

@@ -115,6 +115,57 @@ def test_layer_stats_after_a_step():
         assert 0 < s.density < 1
 
 
+def test_blocks_sharing_one_graph_run_under_their_own_names_and_instances(monkeypatch):
+    """``module.compile()`` on every block: Dynamo compiles one graph for all of them (their
+    parameters are its inputs). Each call names its FFN by the module holding its weights, so
+    layer_stats, the L1 controller and the op instance (its runtime state) are each block's, in
+    inference and training; a second model of the class runs the same graph under instances of
+    its own."""
+    from torch._dynamo.utils import counters
+
+    from twell_compile import control
+    from twell_compile.runtime import execute
+
+    seen = []          # (layer, instance) of every call
+    for fn, at in (("ffn_infer", (7, 9)), ("ffn_train_forward", (9, 11))):
+        def spy(*args, _real=getattr(execute, fn), _at=at, **kwargs):
+            seen.append((args[_at[0]], args[_at[1]]))
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(execute, fn, spy)
+
+    def compiled_net():
+        net = Net(layers=3)
+        for mlp in net.mlps:
+            mlp.compile(backend="twell", options={**REWRITE_ALL, "twell.target_density": 0.3})
+        return net
+
+    names = ["mlps.0", "mlps.1", "mlps.2"]
+    torch.manual_seed(0)
+    net = compiled_net()
+    x = torch.randn(4, 3, 16)
+    twell_compile.reset_stats()
+    counters.clear()
+    with torch.no_grad():
+        y = net(x)
+    assert counters["stats"]["unique_graphs"] == 1          # one graph, run by the three blocks
+    ref, hs = hidden(net, x)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    stats = twell_compile.layer_stats()
+    assert sorted(stats) == names
+    for name, h in zip(names, hs):
+        assert stats[name].mean_nnz == pytest.approx((h.reshape(-1, 40) != 0).sum(-1).float().mean().item())
+    assert [layer for layer, _ in seen] == names and len({i for _, i in seen}) == 3
+    seen.clear()
+    net(x).sum().backward()
+    assert [layer for layer, _ in seen] == names and len({i for _, i in seen}) == 3
+    assert sorted(twell_compile.layer_stats()) == names and control.layers() == names
+    first = {i for _, i in seen}
+    seen.clear()
+    other = compiled_net()
+    other(x).sum().backward()
+    assert [layer for layer, _ in seen] == names and not {i for _, i in seen} & first
+
+
 def test_autocast_region_keeps_autocast_numerics():
     torch.manual_seed(3)
     net = Net()

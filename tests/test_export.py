@@ -135,6 +135,47 @@ def test_hf_model_with_cache_gets_the_use_cache_fix():
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_grouped_moe_experts_export(dynamic):
+    """A tiny Mixtral (transformers' batched experts, experts_implementation="grouped_mm"): the
+    program runs one twell::experts per MoE block in place of the grouped GEMMs (the routing
+    stays stock), its logits on other tokens (another routing) match eager, and a dynamic
+    batch shows in the report as the routed rows' expression in the Dim's name."""
+    pytest.importorskip("transformers")
+    from tests.models.hf_tiny import LAYERS, token_ids
+    from tests.models.test_hf_moe import _model
+
+    model = _model("mixtral")
+    kw = {"dynamic_batch": True} if dynamic else {}
+    ep, report = twell_compile.export(model, (token_ids(shape=(2, 7)),), {"use_cache": False}, options=REWRITE, **kw)
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.twell.experts.default) == LAYERS
+    assert torch.ops.aten._grouped_mm.default not in targets
+    assert [r.tokens_shape for r in report.rewrites] == ["[14*batch]" if dynamic else "[28]"] * LAYERS
+    ids = token_ids(seed=3, shape=(3 if dynamic else 2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(ep.module()(ids, use_cache=False).logits, model(ids, use_cache=False).logits,
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_module_list_experts_export():
+    """The per-expert nn.ModuleList MoE block: each expert's FFN on its routed rows (a
+    data-dependent count) is one twell::ffn in the program; other inputs route differently and
+    still match eager."""
+    pytest.importorskip("transformers")
+    from tests.models.test_hf_moe import EXPERTS, ListNet
+
+    torch.manual_seed(4)
+    net = ListNet().eval()
+    ep, report = twell_compile.export(net, (torch.randn(2, 7, 16),), options=REWRITE)
+    assert [r.layer for r in report.rewrites] == [f"moe.experts.{i}" for i in range(EXPERTS)]
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.twell.ffn.default) == EXPERTS
+    x = torch.randn(2, 7, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(ep.module()(x), net(x), atol=1e-5, rtol=1e-5)
+
+
 def test_export_argument_errors():
     with pytest.raises(TypeError, match="model must be"):
         twell_compile.export(lambda x: x, (torch.randn(2),))

@@ -229,8 +229,9 @@ def test_training_op_refuses_a_non_finite_or_negative_l1_scale(l1):
 
 
 def test_instance_and_path_arguments_default_and_reach_the_runtime(monkeypatch):
-    """The op's last three arguments name its instance (per-op runtime state; direct calls: 0),
-    the path it must take ("auto": the plan's choice) and the activation ("relu")."""
+    """The op's arguments after ``stats`` name its instance (per-op runtime state; direct calls:
+    0), the path it must take ("auto": the plan's choice), the activation ("relu") and the owner
+    weight that names the calling module (None: the op's own layer and instance)."""
     from twell_compile.runtime import execute
 
     seen = []
@@ -241,9 +242,9 @@ def test_instance_and_path_arguments_default_and_reach_the_runtime(monkeypatch):
     OPS.ffn(*args, "t", False, 9, "torch")
     OPS.ffn(*args, "t", False, 9, "torch", act="relu2")
     assert seen == [(0, "auto", "relu"), (9, "torch", "relu"), (9, "torch", "relu2")]
-    assert [a.name for a in OPS.ffn.default._schema.arguments[-3:]] == ["instance", "path", "act"]
-    assert [a.name for a in OPS.ffn_train.default._schema.arguments[-5:]] == ["instance", "path", "tag", "act",
-                                                                               "l1_control"]
+    assert [a.name for a in OPS.ffn.default._schema.arguments[-4:]] == ["instance", "path", "act", "owner"]
+    assert [a.name for a in OPS.ffn_train.default._schema.arguments[-6:]] == ["instance", "path", "tag", "act",
+                                                                               "l1_control", "owner"]
     assert [a.name for a in OPS.ffn_train_bwd.default._schema.arguments[-3:]] == ["l1_coef", "l1_scale", "act"]
 
 

@@ -19,7 +19,7 @@ from twell_compile import __version__, control, stats
 from twell_compile.config import TwellConfig, inductor_patches
 from twell_compile.ops import arg_index
 from twell_compile.passes import graph_modules, run_passes
-from twell_compile.runtime import decode_state, execute, select
+from twell_compile.runtime import decode_state, execute, names, select
 
 
 def with_cudagraphs(config: TwellConfig, patches: dict[str, Any]) -> TwellConfig:
@@ -73,6 +73,12 @@ def reserve_stats(gm: fx.GraphModule) -> None:
                 stats.reserve(node.args[arg_index(node.target, "layer")], device)
 
 
+def _configure(config: TwellConfig, layer: str) -> None:
+    target = config.target_for(layer)
+    if target is not None:
+        control.configure(layer, target, config.target_steps, config.target_l1_init)
+
+
 def declare_targets(gm: fx.GraphModule, config: TwellConfig) -> None:
     """Give the controller (control.py) the target of every training op the scale_l1 pass set
     to ``l1_control``: its coefficient is adapted from the op's first call."""
@@ -87,6 +93,9 @@ def declare_targets(gm: fx.GraphModule, config: TwellConfig) -> None:
             target = config.target_for(layer)
             if on and target is not None:
                 control.configure(layer, target, config.target_steps, config.target_l1_init)
+            if on and node.kwargs.get("owner") is not None:
+                # another module running this graph resolves its own layer name at run time
+                names.on_new_layer(node.args[arg_index(op, "instance")], functools.partial(_configure, config))
 
 
 _VIEWS = {torch.t, "t", operator.getitem}

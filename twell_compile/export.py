@@ -130,7 +130,8 @@ def _program_report(report: Report, ep: torch.export.ExportedProgram, specs: dic
             if getattr(dim, "__name__", None) and d < val.dim():
                 dim_names.setdefault(str(val.shape[d]), dim.__name__)
     shapes: dict[str, deque[str]] = defaultdict(deque)
-    ops = (torch.ops.twell.ffn.default, torch.ops.twell.ffn_train.default)
+    ops = (torch.ops.twell.ffn.default, torch.ops.twell.ffn_train.default, torch.ops.twell.experts.default)
+    symbols = re.compile(r"\b(?:" + "|".join(map(re.escape, dim_names)) + r")\b") if dim_names else None
     for sub in ep.graph_module.modules():
         if not isinstance(sub, fx.GraphModule):
             continue
@@ -138,8 +139,10 @@ def _program_report(report: Report, ep: torch.export.ExportedProgram, specs: dic
             if node.op == "call_function" and node.target in ops:
                 x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
                 if isinstance(x, torch.Tensor):
-                    shapes[str(node.args[arg_index(node.target, "layer")])].append(
-                        "[" + ", ".join(dim_names.get(str(s), str(s)) for s in x.shape[:-1]) + "]")
+                    # an expert op's rows are a product of the program's dims (tokens x top-k)
+                    dims = [str(s) if symbols is None else symbols.sub(lambda m: dim_names[m.group(0)], str(s))
+                            for s in x.shape[:-1]]
+                    shapes[str(node.args[arg_index(node.target, "layer")])].append("[" + ", ".join(dims) + "]")
     return dataclasses.replace(report, rewrites=[
         dataclasses.replace(r, tokens_shape=shapes[r.layer].popleft()) if shapes[r.layer] else r
         for r in report.rewrites])

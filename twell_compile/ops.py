@@ -21,6 +21,13 @@ layer name. ``path`` (after ``instance``, default "auto") forces a path (runtime
 for training); a forced path that cannot run the call raises ``ValueError``. (Not named
 ``kernel``: Inductor's fallback lowering takes that keyword itself.)
 
+``owner`` (last, default None; twell::ffn, ffn_train, experts, experts_train): the down
+projection's weight as the compiled graph received it, a parameter of the module that runs the
+call. The backend passes it where Dynamo lifts parameters as graph inputs: one graph then serves
+every module of the same code (``module.compile()`` on each block, a second model of the class),
+and the call's ``layer`` and ``instance`` are those of the module holding ``owner``
+(``runtime/names.py``: a cached lookup keyed on the weight object), not the first module's.
+
 ``tag`` (twell::ffn_train only, after ``path``, default None): a 0-d int64 CPU tensor made by ``tag``,
 holding an instance number; when given it replaces ``instance`` and ``layer`` (the name ``tag``
 recorded) at run time. ``prepare`` gives each prepared module one, so the op's per-layer
@@ -30,8 +37,9 @@ recompile each block, past Dynamo's limit of 8 (the rest then ran eager).
 
 ``act`` (after ``path`` and ``tag``; ffn_train_bwd's last; default "relu"; reference.ACTS): the activation. "relu2" is squared ReLU,
 h = relu(g)^2 [* u]; "drelu" (gated only) h = relu(g) * relu(u). All share relu(g)'s zero
-pattern, which every path skips; the training state saves relu(g) and u at its non-zeros and
-the backward forms the activation's derivative from them. Anything else raises ``ValueError``.
+pattern, which every path skips; the training state saves relu(g) and u at its non-zeros (for
+dReLU the plain-PyTorch path only where relu(u) is non-zero too: runtime/torch_impl.py) and the
+backward forms the activation's derivative from them. Anything else raises ``ValueError``.
 
 ``l1_control`` (twell::ffn_train only, last, default False): the layer's L1 coefficient is
 adapted by the controller of ``twell.target_density`` (``twell_compile/control.py``): each call
@@ -53,7 +61,6 @@ Inductor's code (or None), and what it will run, in words.
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Optional, Sequence
 
@@ -63,7 +70,8 @@ from torch import Tensor
 from twell_compile.config import PATHS
 from twell_compile.formats import backup_capacity
 from twell_compile.reference import check_act
-from twell_compile.runtime import execute, select
+from twell_compile.runtime import execute, names, select
+from twell_compile.runtime.names import caller_modules, declare, next_instance
 from twell_compile.runtime.select import static_path, static_reason
 
 # The CUDA bf16/fp16 training path (kernels/cuda_train.py) is sync-free and captures in a CUDA
@@ -112,14 +120,6 @@ def _check(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[T
             raise ValueError(f"{name} must be [{size}], got {tuple(b.shape)}")
 
 
-_instances = itertools.count(1)
-
-
-def next_instance() -> int:
-    """A fresh op instance number (ops' ``instance`` argument), unique in this process."""
-    return next(_instances)
-
-
 _tag_layers: dict[int, str] = {}       # tag's instance number -> its layer name
 
 
@@ -164,13 +164,15 @@ def _check_positive(**knobs: int) -> None:
 # need a gradient is refused up front (the backend rewrites to ffn_train when one is needed).
 _lib = torch.library.Library("twell", "FRAGMENT")
 _lib.define("ffn(Tensor x, Tensor w_gate, Tensor? b_gate, Tensor? w_up, Tensor? b_up, Tensor w_down, "
-            "Tensor? b_down, str layer, bool stats, int instance=0, str path='auto', str act='relu') -> Tensor",
+            "Tensor? b_down, str layer, bool stats, int instance=0, str path='auto', str act='relu', Tensor? owner=None) "
+            "-> Tensor",
             tags=(torch.Tag.pt2_compliant_tag,))
 
 
 def _ffn(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
          b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
-         layer: str, stats: bool, instance: int = 0, path: str = "auto", act: str = "relu") -> Tensor:
+         layer: str, stats: bool, instance: int = 0, path: str = "auto", act: str = "relu",
+         owner: Optional[Tensor] = None) -> Tensor:
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
     check_act(act, w_up is not None)
     select.check_path(path, select.INFER_PATHS, "inference")
@@ -181,6 +183,7 @@ def _ffn(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Ten
                 raise ValueError(f"{name} requires grad, and twell::ffn is inference only: call it "
                                  f"under torch.no_grad() / torch.inference_mode(), or use "
                                  f"twell::ffn_train, whose backward is ours")
+    instance, layer = names.resolve(owner, instance, layer)
     return execute.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, stats, instance, path, act)
 
 
@@ -189,7 +192,7 @@ _lib.impl("ffn", torch.library.fallthrough_kernel, "Autograd")
 
 
 @torch.library.register_fake("twell::ffn", lib=_lib)
-def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, stats, instance=0, path="auto", act="relu"):
+def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, stats, instance=0, path="auto", act="relu", owner=None):
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
     check_act(act, w_up is not None)
     select.check_path(path, select.INFER_PATHS, "inference")
@@ -215,7 +218,7 @@ def ffn_train(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
               ell_width: int, backup_rows: int, l1_scale: float, layer: str, stats: bool,
               instance: int = 0, path: str = "auto", tag: Optional[Tensor] = None, act: str = "relu",
-              l1_control: bool = False
+              l1_control: bool = False, owner: Optional[Tensor] = None
               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u, l1_coef); see
     formats.Hybrid and, for l1_coef, the module docstring."""
@@ -223,6 +226,8 @@ def ffn_train(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     check_act(act, w_up is not None)
     if tag is not None:
         instance, layer = tagged(tag)
+    else:
+        instance, layer = names.resolve(owner, instance, layer)
     _check_positive(ell_width=ell_width, backup_rows=backup_rows)
     select.check_path(path, select.TRAIN_PATHS, "training")
     if not math.isfinite(l1_scale) or l1_scale < 0:
@@ -253,7 +258,7 @@ def _backup_rows(capacity):
 
 @ffn_train.register_fake
 def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, ell_width, backup_rows, l1_scale, layer, stats, instance=0,
-      path="auto", tag=None, act="relu", l1_control=False):
+      path="auto", tag=None, act="relu", l1_control=False, owner=None):
     _check(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
     check_act(act, w_up is not None)
     if tag is not None:
@@ -327,11 +332,13 @@ def _check_experts(x: Tensor, w_gate: Tensor, w_up: Optional[Tensor], w_down: Te
 
 
 _lib.define("experts(Tensor x, Tensor w_gate, Tensor? w_up, Tensor w_down, Tensor offs, str layer, bool stats, "
-            "int instance=0, str path='auto', str act='relu') -> Tensor", tags=(torch.Tag.pt2_compliant_tag,))
+            "int instance=0, str path='auto', str act='relu', Tensor? owner=None) -> Tensor",
+            tags=(torch.Tag.pt2_compliant_tag,))
 
 
 def _experts(x: Tensor, w_gate: Tensor, w_up: Optional[Tensor], w_down: Tensor, offs: Tensor, layer: str,
-             stats: bool, instance: int = 0, path: str = "auto", act: str = "relu") -> Tensor:
+             stats: bool, instance: int = 0, path: str = "auto", act: str = "relu",
+             owner: Optional[Tensor] = None) -> Tensor:
     _check_experts(x, w_gate, w_up, w_down, offs)
     check_act(act, w_up is not None)
     select.check_path(path, select.INFER_PATHS, "inference")
@@ -340,6 +347,7 @@ def _experts(x: Tensor, w_gate: Tensor, w_up: Optional[Tensor], w_down: Tensor, 
             if t is not None and t.requires_grad:
                 raise ValueError(f"{name} requires grad, and twell::experts is inference only: call it under "
                                  f"torch.no_grad() / torch.inference_mode(), or use twell::experts_train")
+    instance, layer = names.resolve(owner, instance, layer)
     return execute.experts_infer(x, w_gate, w_up, w_down, offs, layer, stats, instance, path, act)
 
 
@@ -348,7 +356,7 @@ _lib.impl("experts", torch.library.fallthrough_kernel, "Autograd")
 
 
 @torch.library.register_fake("twell::experts", lib=_lib)
-def _(x, w_gate, w_up, w_down, offs, layer, stats, instance=0, path="auto", act="relu"):
+def _(x, w_gate, w_up, w_down, offs, layer, stats, instance=0, path="auto", act="relu", owner=None):
     _check_experts(x, w_gate, w_up, w_down, offs)
     check_act(act, w_up is not None)
     select.check_path(path, select.INFER_PATHS, "inference")
@@ -358,7 +366,7 @@ def _(x, w_gate, w_up, w_down, offs, layer, stats, instance=0, path="auto", act=
 @torch.library.custom_op("twell::experts_train", mutates_args=(), tags=_TRAIN_TAGS)
 def experts_train(x: Tensor, w_gate: Tensor, w_up: Optional[Tensor], w_down: Tensor, offs: Tensor,
                   ell_width: int, backup_rows: int, l1_scale: float, layer: str, stats: bool,
-                  instance: int = 0, path: str = "auto", act: str = "relu"
+                  instance: int = 0, path: str = "auto", act: str = "relu", owner: Optional[Tensor] = None
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (y, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u, backup_offs):
     every expert's hybrid state, concatenated by rows (execute.experts_train_forward)."""
@@ -368,13 +376,14 @@ def experts_train(x: Tensor, w_gate: Tensor, w_up: Optional[Tensor], w_down: Ten
     select.check_path(path, select.TRAIN_PATHS, "training")
     if not math.isfinite(l1_scale) or l1_scale < 0:
         raise ValueError(f"l1_scale must be a finite number >= 0, got {l1_scale}")
+    instance, layer = names.resolve(owner, instance, layer)
     return execute.experts_train_forward(x, w_gate, w_up, w_down, offs, ell_width, backup_rows, layer, stats,
                                          instance, path, l1_scale, act)
 
 
 @experts_train.register_fake
 def _(x, w_gate, w_up, w_down, offs, ell_width, backup_rows, l1_scale, layer, stats, instance=0, path="auto",
-      act="relu"):
+      act="relu", owner=None):
     _check_experts(x, w_gate, w_up, w_down, offs)
     check_act(act, w_up is not None)
     select.check_path(path, select.TRAIN_PATHS, "training")
@@ -434,7 +443,7 @@ def _experts_backward(ctx, dy: Optional[Tensor], *_unused: Optional[Tensor]):
                                                           ctx.act)
     need = ctx.needs_input_grad
     return (dx if need[0] else None, dwg if need[1] else None, dwu if w_up is not None and need[2] else None,
-            dwd if need[3] else None, None, None, None, None, None, None, None, None, None)
+            dwd if need[3] else None, None, None, None, None, None, None, None, None, None, None)
 
 
 experts_train.register_autograd(_experts_backward, setup_context=_experts_setup_context)
@@ -470,11 +479,11 @@ def _train_backward(ctx, dy: Optional[Tensor], *_unused: Optional[Tensor]):
                                                ctx.act))
     present = [True, True, b_gate is not None, w_up is not None, b_up is not None, True, ctx.has_b_down]
     out = [g if keep and need else None for g, keep, need in zip(grads, present, ctx.needs_input_grad)]
-    return (*out, None, None, None, None, None, None, None, None, None, None)      # ell_width .. l1_control
+    return (*out, None, None, None, None, None, None, None, None, None, None, None)      # ell_width .. owner
 
 
 ffn_train.register_autograd(_train_backward, setup_context=_train_setup_context)
 
 
-__all__ = ["PATHS", "arg_index", "experts_train", "experts_train_bwd", "ffn_train", "ffn_train_bwd", "next_instance", "static_path", "static_reason", "tag",
-           "tagged"]
+__all__ = ["PATHS", "arg_index", "caller_modules", "declare", "experts_train", "experts_train_bwd", "ffn_train",
+           "ffn_train_bwd", "next_instance", "static_path", "static_reason", "tag", "tagged"]

@@ -1,6 +1,7 @@
 """bench_ffn.py --decode's host side on the CPU: flags rejected before any GPU work, the layer
 count, and the configs / cost-model files it runs under (arch.patched)."""
 
+import inspect
 import json
 
 import pytest
@@ -73,3 +74,19 @@ def test_shipped_decode_configs_by_width():
     assert (arch.pairs_bn(c32), arch.pairs_pb(c32), c32.pwarps or c32.warps) == (32, 4, 4)
     assert p.decode_config(16, 4096).lbn == 64 and p.decode_config(32, 4096).koc == 1024
     assert p.decode_config(1, 4096).vec_m == p.decode_config(1, 2048).vec_m
+
+
+def test_act_reaches_the_grid_and_unknown_ones_are_refused(monkeypatch, capsys):
+    """--act (bench_ffn.py --decode --act relu2 / drelu) reaches the grid, which hands it to
+    run_point (the op's, eager's and the reference's activation, the row's act); the grid needs a
+    GPU, so it is stood in for here."""
+    got = []
+    monkeypatch.setattr(bench_decode.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_decode, "grid", lambda args, shapes: got.append(args.act) or 0)
+    for act in ("relu", "relu2", "drelu"):
+        assert bench_ffn.main(["--decode", "--act", act, "--M", "1"]) == 0
+    assert got == ["relu", "relu2", "drelu"]
+    with pytest.raises(SystemExit):
+        bench_ffn.main(["--decode", "--act", "gelu"])
+    assert "invalid choice" in capsys.readouterr().err
+    assert "act" in inspect.signature(bench_decode.run_point).parameters

@@ -156,7 +156,8 @@ def test_the_training_child_runs_on_the_benchmarks_inputs(tmp_path):
 
 
 def _grid_args(ref: str, **kw):
-    return argparse.Namespace(**dict(dict(no_inductor=True, reps=10, reference=ref, ref_timeout=7.0, activity="iid"), **kw))
+    return argparse.Namespace(**dict(dict(no_inductor=True, reps=10, reference=ref, ref_timeout=7.0, activity="iid",
+                                          act="relu"), **kw))
 
 
 def test_bench_ffn_train_rows_carry_the_reference(tmp_path, monkeypatch, capsys):

@@ -123,9 +123,9 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
     try:
         plan = select.plan_train(x, n, k_out, w_up is not None, ell_width, backup_rows, layer, path)
         if plan.path == "torch":
-            out = torch_impl.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
-                                               ell_width, backup_rows, layer, keep_stats, act)
-            return (*out, _coef(out[1], n, layer, l1_control))
+            *out, gate_counts = torch_impl.ffn_train_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down,
+                                                             ell_width, backup_rows, layer, keep_stats, act)
+            return (*out, _coef(gate_counts, n, layer, l1_control))
         if path == "auto" and plan.tick:    # a plan that may switch path: every path's kernels built now
             warm_coef = x.new_ones((1,), dtype=torch.float32) if l1_control else None
             _cuda_train().warm_paths(plan, x, w_gate, b_gate, w_up, b_up, w_down, b_down, l1_scale, keep_stats,

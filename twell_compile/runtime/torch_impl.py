@@ -4,6 +4,13 @@ Inference computes densely, in the same calls eager PyTorch makes, so results ma
 bit for bit. Training saves the hidden activations in the hybrid format (ELL + fixed-capacity
 dense backup) and its backward rebuilds them from that format, recomputing exactly the busy
 rows the backup could not hold, so the format is exercised on every training step.
+
+The saved pairs are those where h is non-zero: relu(g)'s non-zeros for ReLU and squared ReLU,
+and for dReLU (h = relu(g) relu(u)) only the columns where both factors are non-zero. Both of
+dReLU's derivatives (d_g = dh relu(u) [g > 0], d_u = dh relu(g) [u > 0]) and the L1 term's
+sign(h) vanish at the other columns, so the backward is the same without them. The layer's
+statistics and the L1 controller count relu(g)'s non-zeros on every path (the CUDA kernels'
+state keeps relu(g)'s pairs: their lists are built before u is known).
 """
 
 from __future__ import annotations
@@ -36,8 +43,9 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
                       b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor],
                       ell_width: int, backup_rows: int, layer: str, keep_stats: bool, act: str = "relu"
                       ) -> tuple[Tensor, ...]:
-    """Returns y and the saved state: counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u
-    (relu(g) and u at relu(g)'s non-zeros, whatever the activation)."""
+    """Returns y, the saved state: counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u
+    (relu(g) and u at h's non-zeros: relu(g)'s, for dReLU where relu(u) is non-zero too), and
+    the per-row non-zero counts of relu(g) (what the statistics and the L1 controller count)."""
     k = x.shape[-1]
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
     m, n = x2.shape[0], w_gate.shape[0]
@@ -45,7 +53,12 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
     h = activate(hg, hu, act)
     y = F.linear(h, w_down, b_down)
     width = min(ell_width, n)
-    hyb = pack_hybrid(hg, width, backup_capacity(m, backup_rows))
+    fired = nonzero_mask(hg)
+    gate_counts = fired.sum(-1, dtype=torch.int32)
+    # dReLU: relu(g) only where h's value is non-zero too (NaN kept; masked_fill writes +0.0,
+    # which packing skips, where relu(u) is zero)
+    kept = hg.masked_fill((h == 0) & ~h.isnan(), 0) if act == "drelu" else hg
+    hyb = pack_hybrid(kept, width, backup_capacity(m, backup_rows))
     # with no rows (M = 0) the backup is all padding (-1), and row 0 does not exist to index
     filled = hyb.backup_rows >= 0
     rows = hyb.backup_rows.clamp(min=0) if m else None
@@ -61,10 +74,10 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
         stored = busy.new_zeros(busy.shape)
         if m:
             stored[rows] = filled
-        stats.record(layer, hyb.counts, h.abs().float().sum(), (busy & ~stored).sum(), n)
-        stats.record_fired(layer, nonzero_mask(hg).any(0), m)
+        stats.record(layer, gate_counts, h.abs().float().sum(), (busy & ~stored).sum(), n)
+        stats.record_fired(layer, fired.any(0), m)
     out = (y.reshape(*x.shape[:-1], w_down.shape[0]), hyb.counts, hyb.cols, hyb.values, ell_u,
-           hyb.backup_rows, hyb.backup, backup_u)
+           hyb.backup_rows, hyb.backup, backup_u, gate_counts)
     return tuple(t.contiguous() for t in out)
 
 
