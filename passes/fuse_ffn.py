@@ -293,7 +293,7 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
                                     int(out.shape[-1]), gated=found.gated, training=out.requires_grad,
                                     l1=config.l1 or float(config.target_for(found.layer) is not None),
                                     cudagraphs=config.cudagraphs != "off",
-                                    path=config.path_for(out.requires_grad))
+                                    path=config.path_for(out.requires_grad), experts=experts)
                 if why is not None:
                     report.add_rejection(RejectionEntry(found.layer, f"{why}; Inductor's dense FFN is faster "
                                                         "(twell.skip_dense=False rewrites it anyway)", sub_name))

@@ -100,6 +100,8 @@ class ExpertsSpec:
     stats: bool
     path: str
     instance: int = 0
+    skip_dense: bool = True     # twell.skip_dense: where the compile-time rule says the experts
+                                # run slower than their own grouped form, that form runs
 
 
 class _ExpertBody(nn.Module):

@@ -554,9 +554,23 @@ def _prepared_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_inde
                               top_k_weights: Tensor) -> Tensor:
     """A prepared MoE experts module's forward (moe.experts_forward); under a torch.func
     transform the module's own forward runs, as for prepared FFNs."""
-    if _transform_depth() > 0:
+    spec = getattr(self, _SPEC)
+    if _transform_depth() > 0 or (spec.skip_dense and _experts_dense_reason(
+            hidden_states.device, hidden_states.dtype, spec.experts, spec.l1_scale,
+            torch.is_grad_enabled() and self.gate_up_proj.requires_grad,
+            path_for(spec.path, torch.is_grad_enabled())) is not None):
         return _ORIGINALS[type(self)].forward(self, hidden_states, top_k_index, top_k_weights)
-    return moe.experts_forward(self, getattr(self, _SPEC), hidden_states, top_k_index, top_k_weights)
+    return moe.experts_forward(self, spec, hidden_states, top_k_index, top_k_weights)
+
+
+@torch.compiler.assume_constant_result
+def _experts_dense_reason(device: torch.device, dtype: torch.dtype, experts: int, l1: float, training: bool,
+                          path: str) -> Optional[str]:
+    """select.static_reason's rule for a grouped-experts block on CUDA (it reads no shape; the
+    experts keep the twell op elsewhere), a constant to Dynamo as _dense_reason is."""
+    if device.type != "cuda":
+        return None
+    return static_reason(device, dtype, None, 1, 1, 1, training=training, l1=l1, path=path, experts=experts)
 
 
 def _prepared_experts_class(cls: type) -> type:
@@ -666,7 +680,7 @@ def prepare(model: nn.Module, options: Optional[Mapping[str, Any]] = None, *,
             n = module.gate_up_proj.shape[-1 if module.is_transposed else -2] // 2
             experts.append((module, moe.ExpertsSpec(name or ROOT_LAYER, int(module.gate_up_proj.shape[0]), int(n),
                                                     act, config.ell_width, config.backup_rows, 0.0, config.stats,
-                                                    config.path)))
+                                                    config.path, skip_dense=config.skip_dense)))
             taken.append(name)
             continue
         if any(t.startswith(name + ".") or not name for t in taken) or not _candidate(module):

@@ -46,6 +46,19 @@ def test_cuda_static_tokens_between_the_sparse_paths_are_dense_but_dynamic_token
         assert reason(CUDA, torch.bfloat16, m) is None
 
 
+def test_cuda_grouped_experts_stay_dense_unless_forced_or_penalised():
+    """Experts run one single-FFN call each after a host read of the routing: Inductor's
+    grouped_mm wins on CUDA (results/h200/moe.json), so the compile-time rule leaves them; one
+    FFN of the same size is rewritten, and the CPU, a forced path and an L1 penalty rewrite."""
+    why = reason(CUDA, torch.bfloat16, P.min_tokens, experts=8)
+    assert why and "8 grouped experts" in why and "moe.json" in why
+    assert reason(CUDA, torch.bfloat16, P.min_tokens) is None
+    assert reason(CUDA, torch.bfloat16, 65536, training=True, experts=8)
+    assert reason(CUDA, torch.bfloat16, 65536, training=True, l1=1e-3, experts=8) is None
+    assert reason(CUDA, torch.bfloat16, P.min_tokens, path="twell", experts=8) is None
+    assert reason(CPU, torch.float32, 4096, experts=8) == reason(CPU, torch.float32, 4096)
+
+
 def test_cuda_width_limits_apply_at_prefill_sizes_only():
     big = P.min_tokens
     narrow = reason(CUDA, torch.bfloat16, big, 512, 1408, 512)
