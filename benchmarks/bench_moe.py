@@ -12,7 +12,9 @@ take the bias-free ``testing.make_ffn`` shift there, so each expert's ReLU fires
 measured density, from ``layer_stats``). The router stays Inductor's in both runs; twell
 replaces the experts' grouped matmuls with ``twell::experts``. Each row: ms per call for both
 backends, the ratio, the routed rows per expert, the max error of twell's output against
-Inductor's. Rows go to runs/<gpu>/moe.json unless ``--out`` names a file.
+Inductor's. Rows go to runs/<gpu>/moe.json unless ``--out`` names a file. Without
+``--rewrite-all`` on CUDA the compile-time rule leaves grouped experts to Inductor (they run
+expert by expert: results/h200/moe.json), so the run stops with explain's reason.
 """
 
 from __future__ import annotations
