@@ -221,24 +221,34 @@ def run_train_parts_point(ref_dir: str, m: int, k: int, n: int, d: float, t: flo
     return _child(cmd, timeout, dict(parts=[]))
 
 
-def _train_parts(a) -> None:
+def _paper_train_inputs(a):
+    """In a child: the paper's training ops loaded and the point's inputs in their layout (x
+    [1, M, K], all three weights [N, K], W_down transposed): (x, wg, wu, wd, dy, leaves, dy3)."""
     sys.path.insert(0, str(_train_path(a.dir)))
     import torch
 
     import sparse_ops_loader  # the paper's training kernels (sparser-faster-llms), not ours
 
-    from benchmarks.timing import after_ms, bench, interleaved_ms, kernel_parts, kernel_phases, mark_phase, \
-        train_inputs
+    from benchmarks.timing import train_inputs
 
     torch.backends.cuda.matmul.allow_tf32 = False
     sparse_ops_loader.load_sparse_ops()
     m, k = a.M, a.K
-    dev = torch.device(a.device)
-    cuda = dev.type == "cuda"
-    x, wg, wu, wd, dy = train_inputs(m, k, a.N, a.density, a.tail, a.seed, dev, torch.bfloat16, a.activity)
+    x, wg, wu, wd, dy = train_inputs(m, k, a.N, a.density, a.tail, a.seed, torch.device(a.device), torch.bfloat16,
+                                     a.activity)
     leaves = (x.detach().view(1, m, k).requires_grad_(), wg.detach().requires_grad_(),
               wu.detach().requires_grad_(), wd.detach().t().contiguous().requires_grad_())
-    dy3 = dy.view(1, m, k)
+    return x, wg, wu, wd, dy, leaves, dy.view(1, m, k)
+
+
+def _train_parts(a) -> None:
+    import torch
+
+    from benchmarks.timing import after_ms, bench, interleaved_ms, kernel_parts, kernel_phases, mark_phase
+
+    x, wg, wu, wd, dy, leaves, dy3 = _paper_train_inputs(a)
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
     op = torch.ops.sparse_ops.ff_forward_gated
 
     def fwd():
@@ -305,24 +315,15 @@ def _infer(a) -> None:
 
 
 def _train(a) -> None:
-    sys.path.insert(0, str(_train_path(a.dir)))
     import torch
 
-    import sparse_ops_loader  # the paper's training kernels (sparser-faster-llms), not ours
-
-    from benchmarks.timing import bench, peak_mib, rel, train_inputs
+    from benchmarks.timing import bench, peak_mib, rel
     from twell_compile.reference import ffn_dense
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    sparse_ops_loader.load_sparse_ops()
+    x, wg, wu, wd, dy, leaves, dy3 = _paper_train_inputs(a)
     m, k = a.M, a.K
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
-    x, wg, wu, wd, dy = train_inputs(m, k, a.N, a.density, a.tail, a.seed, dev, torch.bfloat16, a.activity)
-    # their layout: x [B, S, K], all three weights [N, K] (w_down transposed)
-    leaves = (x.detach().view(1, m, k).requires_grad_(), wg.detach().requires_grad_(),
-              wu.detach().requires_grad_(), wd.detach().t().contiguous().requires_grad_())
-    dy3 = dy.view(1, m, k)
 
     def step():
         return torch.autograd.grad(torch.ops.sparse_ops.ff_forward_gated(*leaves)[0], leaves, dy3)
