@@ -28,9 +28,11 @@ from torch import fx
 
 from twell_compile.config import TwellConfig
 from twell_compile.ops import declare, next_instance, static_path, static_reason
-from twell_compile.passes.match_ffn import (Match, Projection, Rejection, find_ffns, module_path, module_roots,
-                                            source_root, transform_reason)
+from twell_compile.passes.match_ffn import Match, Rejection, find_ffns
+from twell_compile.passes.naming import module_path, module_roots, source_root
 from twell_compile.passes.pass_utils import example, graph_modules, report_of, tokens_str
+from twell_compile.passes.projections import Projection
+from twell_compile.passes.transforms import transform_reason
 from twell_compile.report import ROOT_LAYER, RejectionEntry, RewriteEntry
 
 
@@ -254,7 +256,7 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
     used = {r.layer for r in report.rewrites}
     scopes = autocast_scopes(gm)
     # Subgraphs (higher-order ops) of a graph running a torch.func transform, or taking
-    # forward-mode dual inputs, are left alone as a whole (match_ffn.transform_reason).
+    # forward-mode dual inputs, are left alone as a whole (transforms.transform_reason).
     outer = transform_reason(gm.graph)
     roots = module_roots(gm)            # layer names as the whole model's frame gives them
     for sub_name, sub in graph_modules(gm):

@@ -1,6 +1,7 @@
 """Graph helpers shared by the passes, ``prepare`` and ``explain``: node kinds (the spellings
-Dynamo records for linear maps, ReLU, products, casts), identity-like nodes, the report the
-passes write, and the graph with its subgraphs.
+Dynamo records for linear maps, ReLU, products, casts; the names of known activations that
+rejections give), identity-like nodes, the report the passes write, and the graph with its
+subgraphs.
 """
 
 from __future__ import annotations
@@ -50,6 +51,37 @@ def is_fn(node: fx.Node, fns: set) -> bool:
 
 def is_method(node: fx.Node, names: set) -> bool:
     return node.op == "call_method" and node.target in names
+
+
+def is_relu(node: fx.Node) -> bool:
+    return is_fn(node, RELU_FNS) or is_method(node, RELU_METHODS)
+
+
+def activation_name(node: fx.Node) -> Optional[str]:
+    """Name of a known non-ReLU activation, else None."""
+    if node.op == "call_function":
+        name = ACTIVATIONS.get(node.target)
+        if name is None and node.target in (torch.nn.functional.gelu,):
+            name = "GELU"
+        return name
+    if node.op == "call_method":
+        return ACTIVATION_METHODS.get(node.target)
+    if node.op == "call_module":
+        return str(node.target)
+    return None
+
+
+def describe(node: Any) -> str:
+    """A node as a rejection reason names it: its activation's name, its function's name, or
+    its op and target."""
+    if not isinstance(node, fx.Node):
+        return repr(node)
+    act = activation_name(node)
+    if act:
+        return act
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", str(node.target))
+    return f"{node.op} {node.target}"
 
 
 def arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:

@@ -15,8 +15,10 @@ import torch
 from torch import fx
 
 from twell_compile.config import TwellConfig
-from twell_compile.passes.match_ffn import as_projection, is_relu, layer_name, module_roots, resolve_projection
-from twell_compile.passes.pass_utils import MUL_FNS, MUL_METHODS, graph_modules, is_fn, is_method, is_transparent, report_of
+from twell_compile.passes.naming import layer_name, module_roots
+from twell_compile.passes.pass_utils import (MUL_FNS, MUL_METHODS, graph_modules, is_fn, is_method, is_relu,
+                                             is_transparent, report_of)
+from twell_compile.passes.projections import as_projection, resolve_projection
 from twell_compile.report import RejectionEntry
 
 

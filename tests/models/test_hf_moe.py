@@ -61,7 +61,7 @@ def _twell_targets(backend: PassBackend) -> list[str]:
 
 
 def _no_grouped_mm_left(backend: PassBackend) -> None:
-    from twell_compile.passes.match_ffn import is_grouped_mm
+    from twell_compile.passes.projections import is_grouped_mm
 
     assert not [n for n in backend.nodes() if is_grouped_mm(n)], "a grouped_mm of the experts stayed in the graph"
 

@@ -4,6 +4,8 @@
 ``down(relu(up(x)))`` written the way ``spec`` says, with squared ReLU (``act="relu2"``, the
 square spelled as ``spec.square`` says) or dReLU (``act="drelu"``: relu(gate) * relu(up)). Used by the hypothesis tests of the
 matcher and the rewrite; ``specs()`` is the strategy over the whole variant space.
+``NearMiss`` holds the parameters (K -> N -> K) for the near-miss bodies the matcher's tests
+write out, each ``body(module, x, x2)``.
 """
 
 from __future__ import annotations
@@ -222,5 +224,22 @@ def specs(draw, linears=LINEARS) -> Spec:
     )
 
 
+K, N = 8, 12
+
+
+class NearMiss(nn.Module):
+    """Parameters for a near-miss body ``body(module, x, x2)``: gate, up, down, and a spare fused
+    gate+up projection."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(K, N), nn.Linear(K, N), nn.Linear(N, K)
+        self.fused = nn.Linear(K, 2 * N)
+        self.body = body
+
+    def forward(self, x, x2):
+        return self.body(self, x, x2)
+
+
 __all__ = ["Spec", "FFN", "Proj", "build", "eager_allows", "specs", "LINEARS", "RELUS", "MULS", "SPLITS", "DROPOUTS",
-           "ACTS", "SQUARES", "replace"]
+           "ACTS", "SQUARES", "replace", "K", "N", "NearMiss"]
