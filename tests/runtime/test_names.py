@@ -64,3 +64,19 @@ def test_new_layer_hook_runs_once_per_other_layer():
         for i in range(3):
             net(i, op)
     assert new == ["layers.1", "layers.2"]
+
+
+def test_a_new_parameter_object_at_a_known_place_keeps_its_instance():
+    """A module's weight re-assigned each call (a new Parameter, as stateless calls make) keeps
+    the instance of its (model, layer): no fresh runtime state per call."""
+    net = Stack()
+    op = names.next_instance()
+    names.declare(op, "layers.0", "down.weight")
+    first = [net(i, op) for i in range(3)]
+    for _ in range(3):
+        net.layers[1]["down"].weight = nn.Parameter(torch.randn(4, 4))
+        assert net(1, op) == first[1]
+    other = Stack()                                   # a second model: its own instances
+    again = [other(i, op) for i in range(3)]
+    assert [layer for _, layer in again] == ["layers.0", "layers.1", "layers.2"]
+    assert not {i for i, _ in again} & {i for i, _ in first}

@@ -14,9 +14,10 @@ op) and cached per op instance: a hit is one dict read and a check that the cach
 this one; nothing is read from the device, and a parameter whose storage changes (``.data =``,
 FSDP2's resized unsharded parameters) keeps its entry. A miss (a parameter first seen) names the
 parameters of the modules on the Python call stack (the model's own call is among them, as it is
-at compile time for the passes' names) and caches every one of them. The first parameter an op
-instance sees keeps the op's instance number; every other one gets a fresh number, so each layer
-(and each model) keeps its own runtime state, as separately compiled ops do. A weight that no
+at compile time for the passes' names) and caches every one of them. Instance numbers go by
+(model, layer): the first an op instance sees keeps the op's number, every other one gets a
+fresh number once, so each layer (and each model) keeps its own runtime state, as separately
+compiled ops do, and a new Parameter object at a known place keeps its place's. A weight that no
 module on the stack holds runs under the op's own instance and compile-time layer.
 """
 
@@ -72,7 +73,7 @@ class _Declared:
     layer: str                               # the compile-time name
     suffix: str                              # the owner weight's path below the layer
     on_layer: Optional[Callable[[str], None]] = None    # called once per other layer resolved
-    first: Optional[weakref.ref] = None      # the first owner seen: keeps the op's instance
+    numbers: dict[tuple[int, str], int] = field(default_factory=dict)   # (model, layer) -> instance
     layers: set[str] = field(default_factory=set)
 
 
@@ -80,7 +81,7 @@ MAX_RESOLVED = 1 << 16              # cached owners (cleared past this: paramete
 _declared: dict[int, _Declared] = {}
 # (op instance, id(owner)) -> (owner, the call's instance, its layer)
 _resolved: dict[tuple[int, int], tuple[weakref.ref, int, str]] = {}
-_params: dict[int, tuple[weakref.ref, str]] = {}    # id(parameter) -> (parameter, its name in its model)
+_params: dict[int, tuple[weakref.ref, str, int]] = {}   # id(parameter) -> (parameter, its name, id(its model))
 
 
 def declare(instance: int, layer: str, suffix: str) -> None:
@@ -94,21 +95,23 @@ def on_new_layer(instance: int, fn: Callable[[str], None]) -> None:
     _declared[instance].on_layer = fn
 
 
-def _param_name(owner: Tensor) -> Optional[str]:
+def _param_name(owner: Tensor) -> tuple[Optional[str], int]:
+    """The owner's name in the outermost model on the stack holding it, and that model's id;
+    (None, 0) where none holds it."""
     hit = _params.get(id(owner))
     if hit is not None and hit[0]() is owner:
-        return hit[1]
+        return hit[1], hit[2]
     if len(_params) >= MAX_RESOLVED:
         _params.clear()
     for model in caller_modules():
         for name, p in model.named_parameters(remove_duplicate=False):
             old = _params.get(id(p))
             if old is None or old[0]() is not p:
-                _params[id(p)] = (weakref.ref(p), name)
+                _params[id(p)] = (weakref.ref(p), name, id(model))
         hit = _params.get(id(owner))
         if hit is not None and hit[0]() is owner:
-            return hit[1]
-    return None
+            return hit[1], hit[2]
+    return None, 0
 
 
 def _layer_of(d: _Declared, path: Optional[str]) -> str:
@@ -127,11 +130,14 @@ def _resolve_miss(owner: Tensor, instance: int, layer: str) -> tuple[int, str]:
     d = _declared.get(instance)
     if d is None:                   # an op not inserted by the passes of this process
         return instance, layer
-    name = _layer_of(d, _param_name(owner))
-    first = d.first() if d.first is not None else None
-    if first is None:
-        d.first, first = weakref.ref(owner), owner
-    number = instance if first is owner else next_instance()
+    path, model = _param_name(owner)
+    name = _layer_of(d, path)
+    # one instance per (model, layer): the first pair keeps the op's own number, and a new
+    # Parameter object at a known place (a module's weight re-assigned) keeps its place's
+    number = d.numbers.get((model, name))
+    if number is None:
+        number = instance if not d.numbers else next_instance()
+        d.numbers[(model, name)] = number
     if name != d.layer and name not in d.layers:
         d.layers.add(name)
         if d.on_layer is not None:
@@ -158,7 +164,7 @@ def reset() -> None:
     _resolved.clear()
     _params.clear()
     for d in _declared.values():
-        d.first = None
+        d.numbers.clear()
         d.layers.clear()
 
 
