@@ -74,7 +74,6 @@ class _Declared:
     suffix: str                              # the owner weight's path below the layer
     on_layer: Optional[Callable[[str], None]] = None    # called once per other layer resolved
     numbers: dict[tuple[int, str], int] = field(default_factory=dict)   # (model, layer) -> instance
-    layers: set[str] = field(default_factory=set)
 
 
 MAX_RESOLVED = 1 << 16              # cached owners (cleared past this: parameters made per call)
@@ -136,11 +135,10 @@ def _resolve_miss(owner: Tensor, instance: int, layer: str) -> tuple[int, str]:
     # Parameter object at a known place (a module's weight re-assigned) keeps its place's
     number = d.numbers.get((model, name))
     if number is None:
+        new_layer = name != d.layer and all(seen != name for _, seen in d.numbers)
         number = instance if not d.numbers else next_instance()
         d.numbers[(model, name)] = number
-    if name != d.layer and name not in d.layers:
-        d.layers.add(name)
-        if d.on_layer is not None:
+        if new_layer and d.on_layer is not None:
             d.on_layer(name)
     if len(_resolved) >= MAX_RESOLVED:
         _resolved.clear()
@@ -165,7 +163,6 @@ def reset() -> None:
     _params.clear()
     for d in _declared.values():
         d.numbers.clear()
-        d.layers.clear()
 
 
 __all__ = ["caller_modules", "declare", "next_instance", "on_new_layer", "resolve", "reset", "unwrap"]
