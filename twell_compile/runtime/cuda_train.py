@@ -379,7 +379,7 @@ def sparse_bwd_setup(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
     db = torch.zeros((2, n), dtype=f32, device=dev)
     st = SparseBwd(m=m, k=k, n=n, k_out=k_out, dt=dt, gated=gated, b_gate=b_gate, b_up=b_up, dx=dx, eg=eg,
                    eu=eu, q=q, cols=cols, width=width, w_gate=w_gate, wu=wu, sg=sg, su=su, dwg=dwg, dwu=dwu,
-                   dwdt=dwdt, db=db, dx_pairs=p.dx_pairs)
+                   dwdt=dwdt, db=db, p=p)
     if n:
         # each neuron's entries in chunks of `chunk` (a device scalar: wg_chunk_over_mean mean
         # lists, at least wg_chunk), chunk -> neuron, persistent programs taking chunks from a
@@ -408,7 +408,6 @@ def sparse_bwd_setup(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
                    b_up if b_up is not None else w_gate, wdt, wdt.stride(0), float(l1c),
                    l1_coef if l1_coef is not None else hist,
                    dwg, dwu if gated else dwg, dwdt, db[0], db[1], k, k_out)
-        st.wg = (p.wg_dy_entries, warps_by_width(k_out, p.wg_dy_cols_per_warp), p.wg_x_entries, p.wg_x_warps)
     return st
 
 
@@ -418,9 +417,9 @@ def sparse_bwd_dy_pass(st: SparseBwd) -> None:
     bias sums. It takes its chunks from st.tickets[0] (zeroed by the setup: a repeat needs it
     zeroed again, else it finds no chunk left)."""
     if st.n:
-        entries, warps = st.wg[0], st.wg[1]
+        warps = warps_by_width(st.k_out, st.p.wg_dy_cols_per_warp)
         wgrad_kernel[(st.programs, 1)](*st.head, st.tickets[:1], *st.tail, DY=True, BKW=pow2(st.k_out),
-                                       E=entries, num_warps=warps, **st.common)   # whole dy rows for dh
+                                       E=st.p.wg_dy_entries, num_warps=warps, **st.common)   # whole dy rows for dh
 
 
 def sparse_bwd_x_pass(st: SparseBwd) -> None:
@@ -428,7 +427,7 @@ def sparse_bwd_x_pass(st: SparseBwd) -> None:
     dW_g[n] and dW_u[n] from the DY pass's d_g, d_u. Tickets st.tickets[1:], as the DY pass's."""
     if st.n:
         wgrad_kernel[(st.programs, -(-st.k // st.bkw))](*st.head, st.tickets[1:], *st.tail, DY=False, BKW=st.bkw,
-                                                        E=st.wg[2], num_warps=st.wg[3], **st.common)
+                                                        E=st.p.wg_x_entries, num_warps=st.p.wg_x_warps, **st.common)
 
 
 def sparse_bwd_dx(st: SparseBwd) -> None:
@@ -437,7 +436,7 @@ def sparse_bwd_dx(st: SparseBwd) -> None:
     if st.m:
         dx_rows_kernel[(st.m,)](st.q, st.cols, st.eg, st.eu, st.width, st.w_gate, st.w_gate.stride(0), st.wu,
                                 st.wu.stride(0), st.dx, st.dx.stride(0), st.k, GATED=st.gated, K_P=pow2(st.k),
-                                PAIRS=st.dx_pairs, num_warps=_warps(st.k, st.k))
+                                PAIRS=st.p.dx_pairs, num_warps=_warps(st.k, st.k))
 
 
 def sparse_bwd_outputs(st: SparseBwd):
