@@ -72,7 +72,7 @@ from twell_compile.formats import backup_capacity
 from twell_compile.reference import check_act
 from twell_compile.runtime import execute, names, select
 from twell_compile.runtime.names import caller_modules, declare, next_instance
-from twell_compile.runtime.select import static_path, static_reason
+from twell_compile.runtime.select import experts_reason, static_path, static_reason
 
 # The CUDA bf16/fp16 training path (kernels/cuda_train.py) is sync-free and captures in a CUDA
 # graph (tests/kernels/test_cuda_train.py), but tags are per op, not per device or dtype: CUDA
@@ -486,4 +486,4 @@ ffn_train.register_autograd(_train_backward, setup_context=_train_setup_context)
 
 
 __all__ = ["PATHS", "arg_index", "caller_modules", "declare", "experts_train", "experts_train_bwd", "ffn_train",
-           "ffn_train_bwd", "next_instance", "static_path", "static_reason", "tag", "tagged"]
+           "ffn_train_bwd", "next_instance", "experts_reason", "static_path", "static_reason", "tag", "tagged"]

@@ -43,7 +43,7 @@ from torch import Tensor, fx, nn
 
 from twell_compile import control, moe
 from twell_compile.config import PREFIX, TwellConfig, did_you_mean, path_for
-from twell_compile.ops import static_reason, tag
+from twell_compile.ops import experts_reason, static_reason, tag
 from twell_compile.passes.match_ffn import Match, find_ffns
 from twell_compile.passes.pass_utils import CAST_METHODS, DROPOUT_FNS, arg, chain, example, skip
 from twell_compile.reference import activate
@@ -556,7 +556,7 @@ def _prepared_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_inde
     transform the module's own forward runs, as for prepared FFNs."""
     spec = getattr(self, _SPEC)
     if _transform_depth() > 0 or (spec.skip_dense and _experts_dense_reason(
-            hidden_states.device, hidden_states.dtype, spec.experts, spec.l1_scale,
+            hidden_states.device, spec.experts, spec.l1_scale,
             torch.is_grad_enabled() and self.gate_up_proj.requires_grad,
             path_for(spec.path, torch.is_grad_enabled())) is not None):
         return _ORIGINALS[type(self)].forward(self, hidden_states, top_k_index, top_k_weights)
@@ -564,13 +564,10 @@ def _prepared_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_inde
 
 
 @torch.compiler.assume_constant_result
-def _experts_dense_reason(device: torch.device, dtype: torch.dtype, experts: int, l1: float, training: bool,
+def _experts_dense_reason(device: torch.device, experts: int, l1: float, training: bool,
                           path: str) -> Optional[str]:
-    """select.static_reason's rule for a grouped-experts block on CUDA (it reads no shape; the
-    experts keep the twell op elsewhere), a constant to Dynamo as _dense_reason is."""
-    if device.type != "cuda":
-        return None
-    return static_reason(device, dtype, None, 1, 1, 1, training=training, l1=l1, path=path, experts=experts)
+    """select.experts_reason, a constant to Dynamo as _dense_reason is."""
+    return experts_reason(device, experts, training=training, l1=l1, path=path)
 
 
 def _prepared_experts_class(cls: type) -> type:

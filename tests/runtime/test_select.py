@@ -57,6 +57,11 @@ def test_cuda_grouped_experts_stay_dense_unless_forced_or_penalised():
     assert reason(CUDA, torch.bfloat16, 65536, training=True, l1=1e-3, experts=8) is None
     assert reason(CUDA, torch.bfloat16, P.min_tokens, path="twell", experts=8) is None
     assert reason(CPU, torch.float32, 4096, experts=8) == reason(CPU, torch.float32, 4096)
+    # the rule alone, as prepared experts modules ask it: no shape read
+    assert select.experts_reason(CUDA, 8) == why
+    assert select.experts_reason(CUDA, 8, training=True, l1=1e-3) is None
+    assert select.experts_reason(CUDA, 8, path="twell") is None
+    assert select.experts_reason(CPU, 8) is None and select.experts_reason(CUDA, 0) is None
 
 
 def test_cuda_width_limits_apply_at_prefill_sizes_only():

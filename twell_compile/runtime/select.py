@@ -538,12 +538,9 @@ def static_reason(device: torch.device, dtype: torch.dtype, m: Optional[Union[in
     if path != "auto":
         return None
     device, dtype = _rules_target(device, dtype)
-    if experts and device.type == "cuda" and not (training and l1):
-        # execute.experts_infer / experts_train_forward: the routed offsets read on the host,
-        # then one call of the single-FFN op per expert, against Inductor's one grouped_mm
-        return (f"{experts} grouped experts run expert by expert on CUDA (a host read of the routing, one "
-                f"launch sequence per expert): 0.67x of Inductor inference, 0.81x training (8 experts, 16384 "
-                f"tokens, H200, results/h200/moe.json)")
+    why = experts_reason(device, experts, training=training, l1=l1)
+    if why is not None:
+        return why
     if training:
         return None if l1 else _train_reason(device, dtype, m, k, n, k_out)
     if device.type == "cuda":
@@ -552,6 +549,21 @@ def static_reason(device: torch.device, dtype: torch.dtype, m: Optional[Union[in
     if device.type == "cpu":
         return _cpu_infer_reason(arch.policy_for(device), dtype, m, k, n, k_out)  # type: ignore[arg-type]
     return None
+
+
+def experts_reason(device: torch.device, experts: int, *, training: bool = False, l1: float = 0.0,
+                   path: str = "auto") -> Optional[str]:
+    """Why a grouped-experts block of ``experts`` experts would run slower on our ops than in its
+    own grouped form (whatever its shapes), or None: on CUDA, unless a path is forced or an L1
+    penalty needs our backward. static_reason's first rule; prepared experts modules ask it
+    alone."""
+    if path != "auto" or not experts or device.type != "cuda" or (training and l1):
+        return None
+    # execute.experts_infer / experts_train_forward: the routed offsets read on the host, then
+    # one call of the single-FFN op per expert, against Inductor's one grouped_mm
+    return (f"{experts} grouped experts run expert by expert on CUDA (a host read of the routing, one "
+            f"launch sequence per expert): 0.67x of Inductor inference, 0.81x training (8 experts, 16384 "
+            f"tokens, H200, results/h200/moe.json)")
 
 
 def static_path(device: torch.device, dtype: torch.dtype, m: Optional[Union[int, torch.SymInt]], k: int,
