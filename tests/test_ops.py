@@ -245,7 +245,7 @@ def test_instance_and_path_arguments_default_and_reach_the_runtime(monkeypatch):
     assert [a.name for a in OPS.ffn.default._schema.arguments[-4:]] == ["instance", "path", "act", "owner"]
     assert [a.name for a in OPS.ffn_train.default._schema.arguments[-6:]] == ["instance", "path", "tag", "act",
                                                                                "l1_control", "owner"]
-    assert [a.name for a in OPS.ffn_train_bwd.default._schema.arguments[-3:]] == ["l1_coef", "l1_scale", "act"]
+    assert [a.name for a in OPS.ffn_train_bwd.default._schema.arguments[-4:]] == ["l1_coef", "l1_scale", "act", "db_down"]
 
 
 @pytest.mark.parametrize("act", ["relu2", "drelu"])

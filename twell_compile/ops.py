@@ -287,27 +287,28 @@ def ffn_train_bwd(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor
                   w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor,
                   counts: Tensor, cols: Tensor, ell_g: Tensor, ell_u: Tensor,
                   backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, l1_coef: Tensor, l1_scale: float,
-                  act: str = "relu") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  act: str = "relu", db_down: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down); absent ones are empty tensors.
-    ``l1_coef``: the forward's ninth output ([1]: multiplies ``l1_scale``; [0]: none)."""
+    ``l1_coef``: the forward's ninth output ([1]: multiplies ``l1_scale``; [0]: none).
+    ``db_down``: whether to sum dy for the down projection's bias (False: no bias, no pass over dy)."""
     check_act(act, w_up is not None)
     _check_coef(l1_coef, x)
     grads = execute.ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, counts, cols,
                                        ell_g, ell_u, backup_idx, backup_g, backup_u, l1_scale=l1_scale,
-                                       l1_coef=l1_coef if l1_coef.numel() else None, act=act)
+                                       l1_coef=l1_coef if l1_coef.numel() else None, act=act, db_down=db_down)
     return tuple(g if g is not None else x.new_empty(0) for g in grads)
 
 
 @ffn_train_bwd.register_fake
 def _(dy, x, w_gate, b_gate, w_up, b_up, w_down, counts, cols, ell_g, ell_u, backup_idx,
-      backup_g, backup_u, l1_coef, l1_scale, act="relu"):
+      backup_g, backup_u, l1_coef, l1_scale, act="relu", db_down=True):
     check_act(act, w_up is not None)
     _check_coef(l1_coef, x)
     def like(t: Optional[Tensor]) -> Tensor:
         return x.new_empty(0) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
 
     return (like(x), like(w_gate), like(b_gate), like(w_up), like(b_up), like(w_down),
-            x.new_empty((w_down.shape[0],)))
+            x.new_empty((w_down.shape[0],) if db_down else (0,)))
 
 
 # ---------------------------------------------------------------------------- MoE experts
@@ -476,7 +477,7 @@ def _train_backward(ctx, dy: Optional[Tensor], *_unused: Optional[Tensor]):
     if dy is None:              # grads are not materialised (setup_context)
         dy = x.new_zeros(ctx.y_shape)
     grads = list(torch.ops.twell.ffn_train_bwd(dy, x, w_gate, b_gate, w_up, b_up, w_down, *saved, ctx.l1_scale,
-                                               ctx.act))
+                                               ctx.act, ctx.has_b_down))
     present = [True, True, b_gate is not None, w_up is not None, b_up is not None, True, ctx.has_b_down]
     out = [g if keep and need else None for g, keep, need in zip(grads, present, ctx.needs_input_grad)]
     return (*out, None, None, None, None, None, None, None, None, None, None, None)      # ell_width .. owner

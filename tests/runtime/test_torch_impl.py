@@ -79,3 +79,16 @@ def test_drelu_backward_from_the_paired_state_is_autograds(dtype):
     eager, ref = grads(lambda t: t), grads(lambda t: t.double())
     for name, a, e, r in zip(("dx", "dw_gate", "db_gate", "dw_up", "db_up", "dw_down"), got, eager, ref):
         check_close(name, a, e, r)
+
+
+def test_db_down_false_skips_the_sum_over_dy_and_changes_no_other_gradient():
+    """``db_down=False`` (a down projection without bias): db_down is None, the rest as with it."""
+    args = _ffn(torch.float32, seed=3)
+    y, *state, _ = _state(args, "relu")
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(4))
+    full = torch_impl.ffn_train_backward(dy, *args[:6], *state, 0.3, "relu")
+    lean = torch_impl.ffn_train_backward(dy, *args[:6], *state, 0.3, "relu", None, False)
+    torch.testing.assert_close(full[6], dy.reshape(-1, dy.shape[-1]).sum(0))
+    assert lean[6] is None
+    for a, b in zip(full[:6], lean[:6]):
+        assert (a is None and b is None) or torch.equal(a, b)

@@ -54,7 +54,7 @@ from twell_compile.kernels.twell_train_wgrad import chunk_map_kernel, scatter_ke
 from twell_compile.reference import ACTS
 from twell_compile.runtime import arch, density
 from twell_compile.runtime.cuda_infer import Rows, compact_rows, record_stats, relu_mul_rows
-from twell_compile.runtime.launch import pow2, sm_count, transposed, unit_rows, warps_by_width
+from twell_compile.runtime.launch import launch, pow2, sm_count, transposed, unit_rows, warps_by_width
 from twell_compile.runtime.select import TrainPlan
 
 CH = 256          # columns per scan step over g / backup rows
@@ -178,7 +178,7 @@ def packed_forward(x2: Tensor, g: Tensor, u: Optional[Tensor], pk: Packed, w_up:
         wdt = transposed(w_down) if compute_y else g
         wu = w_up if (compute_y and gated) else g
         pairs, cpw = (p.fwd_pairs, p.fwd_cols_per_warp) if compute_y else (p.state_pairs, p.state_cols_per_warp)
-        train_fwd_kernel[(m,)](
+        launch(train_fwd_kernel, (m,), (
             x2, x2.stride(0), g, g.stride(0), lst, cnt, order,
             u if u is not None else g, u.stride(0) if u is not None else 0,
             wu, wu.stride(0), b_up if b_up is not None else g,
@@ -186,9 +186,9 @@ def packed_forward(x2: Tensor, g: Tensor, u: Optional[Tensor], pk: Packed, w_up:
             y if y is not None else g, y.stride(0) if y is not None else 0,
             hsum if hsum is not None else cnt,
             cols, ell_g, ell_u, bidx, bg, bu, ctr,
-            m, k, n, k_out, width, cap,
-            GATED=gated, HAS_BU=b_up is not None, HAS_BD=b_down is not None, Y=compute_y,
-            K_P=pow2(k), KO_P=pow2(k_out), PAIRS=pairs, CH=min(CH, pow2(n)), ACT=ACTS.index(act),
+            m, k, n, k_out, width, cap),
+            dict(GATED=gated, HAS_BU=b_up is not None, HAS_BD=b_down is not None, Y=compute_y,
+                 K_P=pow2(k), KO_P=pow2(k_out), PAIRS=pairs, CH=min(CH, pow2(n)), ACT=ACTS.index(act)),
             num_warps=warps_by_width(max(k, k_out), cpw))
     missing = (ctr[0] - cap).clamp(min=0)
     return y, hsum, cnt, cols, ell_g, ell_u, bidx, bg, bu, missing
@@ -329,40 +329,43 @@ def sparse_bwd_setup(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
     # quiet rows: ranks in their columns, per-column counts; d_g, d_u per slot (fp32)
     rk = torch.empty((m, width), dtype=i32, device=dev)
     q = torch.empty((m,), dtype=i32, device=dev)
-    hist = torch.zeros((n,), dtype=i32, device=dev)
+    bkw = min(p.wg_bk, pow2(k))
+    # the zeroed buffers in one allocation per dtype (one memset each): int32 per-column counts,
+    # the two list counters and the passes' tickets (DY pass, X pass per K chunk); the backup
+    # rows' dense d_g, d_u, dh [C, N]; the fp32 bias sums
+    nt = 1 + -(-k // bkw)
+    hist, mctr, bctr, tickets = torch.zeros(n + 2 + nt, dtype=i32, device=dev).split_with_sizes([n, 1, 1, nt])
+    backup = torch.zeros((3 if gated else 2, cap, n), dtype=dt, device=dev).unbind(0)
+    sg, sh = backup[0], backup[-1]
+    su = backup[1] if gated else sg
+    db = torch.zeros((2, n), dtype=f32, device=dev)
     eg = torch.empty((m, width), dtype=f32, device=dev)
     eu = torch.empty((m, width), dtype=f32, device=dev) if gated else eg
-    # backup rows: dense [C, N]; rows past it: listed for the per-neuron recompute
-    sg = torch.zeros((cap, n), dtype=dt, device=dev)
-    su = torch.zeros((cap, n), dtype=dt, device=dev) if gated else sg
-    sh = torch.zeros((cap, n), dtype=dt, device=dev)
     mlist = torch.empty((max(m, 1),), dtype=i32, device=dev)
-    mctr = torch.zeros((1,), dtype=i32, device=dev)
     w_gate = unit_rows(w_gate)
     wu = unit_rows(w_up) if gated else w_gate
     wdt = transposed(w_down)
     blist = torch.empty((max(m, 1),), dtype=i32, device=dev)
-    bctr = torch.zeros((1,), dtype=i32, device=dev)
     if m:
-        rank_kernel[(-(-m // p.rank_bm),)](
-            x2, x2.stride(0), dy2, dy2.stride(0), cnt, cols, width, q, rk, hist, blist, bctr, m, k, k_out,
-            BM=p.rank_bm, BK=min(256, pow2(max(k, k_out))), BP=p.rank_bp, num_warps=4)
-        train_bwd_kernel[(min(m, p.busy_programs),)](
-            dy2, dy2.stride(0), x2, x2.stride(0), blist, bctr,
-            slot_of, bg, bu if gated else bg,
-            w_gate, w_gate.stride(0), b_gate if b_gate is not None else w_gate,
-            wu, wu.stride(0), b_up if b_up is not None else w_gate, wdt, wdt.stride(0),
-            dx, dx.stride(0), sg, su, sh, mlist, mctr,
-            k, n, k_out, float(l1c), l1_coef if l1_coef is not None else cnt,
-            GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
-            L1_DEV=l1_coef is not None,
-            K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.train_pairs, CH=min(CH, pow2(n)),
-            BK=RBK, ACT=ACTS.index(act), num_warps=_warps(k, k_out))
+        launch(rank_kernel, (-(-m // p.rank_bm),),
+               (x2, x2.stride(0), dy2, dy2.stride(0), cnt, cols, width, q, rk, hist, blist, bctr, m, k, k_out),
+               dict(BM=p.rank_bm, BK=min(256, pow2(max(k, k_out))), BP=p.rank_bp), num_warps=4)
+        launch(train_bwd_kernel, (min(m, p.busy_programs),),
+               (dy2, dy2.stride(0), x2, x2.stride(0), blist, bctr,
+                slot_of, bg, bu if gated else bg,
+                w_gate, w_gate.stride(0), b_gate if b_gate is not None else w_gate,
+                wu, wu.stride(0), b_up if b_up is not None else w_gate, wdt, wdt.stride(0),
+                dx, dx.stride(0), sg, su, sh, mlist, mctr,
+                k, n, k_out, float(l1c), l1_coef if l1_coef is not None else cnt),
+               dict(GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
+                    L1_DEV=l1_coef is not None, K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.train_pairs,
+                    CH=min(CH, pow2(n)), BK=RBK, ACT=ACTS.index(act)),
+               num_warps=_warps(k, k_out))
     csum = torch.cumsum(hist, 0, dtype=i32)
     off = csum - hist
     order = torch.empty((max(m * width, 1),), dtype=i32, device=dev)
     if m:
-        scatter_kernel[(m,)](cols, rk, q, off, order, width, WP=pow2(width), num_warps=1)
+        launch(scatter_kernel, (m,), (cols, rk, q, off, order, width), dict(WP=pow2(width)), num_warps=1)
     # the backup rows' parts: cuBLAS on the gathered x / dy rows (padding slots: zero rows),
     # fp32, written into the outputs that wgrad_kernel then completes in place
     valid = (bidx >= 0).unsqueeze(1)
@@ -376,7 +379,6 @@ def sparse_bwd_setup(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
     dwu = _mm_f32(su.t(), xb) if gated else None
     dwdt = _mm_f32(sh.t(), dyb)
     del xb, dyb
-    db = torch.zeros((2, n), dtype=f32, device=dev)
     st = SparseBwd(m=m, k=k, n=n, k_out=k_out, dt=dt, gated=gated, b_gate=b_gate, b_up=b_up, dx=dx, eg=eg,
                    eu=eu, q=q, cols=cols, width=width, w_gate=w_gate, wu=wu, sg=sg, su=su, dwg=dwg, dwu=dwu,
                    dwdt=dwdt, db=db, p=p)
@@ -394,12 +396,14 @@ def sparse_bwd_setup(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
         bound = n + -(-(m * width) // floor_)         # chunks: at most N + entries / chunk
         nid = torch.empty((bound,), dtype=i32, device=dev)
         chunk = chunk.to(i32).reshape(1)
-        chunk_map_kernel[(n,)](hist, coff, nid, chunk, BJ=32, num_warps=1)
+        launch(chunk_map_kernel, (n,), (hist, coff, nid, chunk), dict(BJ=32), num_warps=1)
         st.programs = min(bound, sm_count(dev) * p.wg_programs_per_sm)
-        st.bkw = min(p.wg_bk, pow2(k))
-        st.tickets = torch.zeros((1 + -(-k // st.bkw),), dtype=i32, device=dev)   # DY pass, X pass per K chunk
-        st.common = dict(GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
-                         L1_DEV=l1_coef is not None, ACT=ACTS.index(act))
+        st.bkw = bkw
+        st.tickets = tickets
+        # wgrad_kernel's constexprs in signature order, DY, BKW and E filled in per pass
+        st.consts = lambda dy, bk, e: dict(  # noqa: E731
+            GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
+            L1_DEV=l1_coef is not None, DY=dy, BKW=bk, E=e, ACT=ACTS.index(act))
         # wgrad_kernel's arguments on either side of its ticket
         st.head = (order, off, hist, nid, coff, cend[n - 1:])
         st.tail = (chunk, width, ell_g, ell_u if gated else ell_g, eg, eu, x2, x2.stride(0),
@@ -418,25 +422,25 @@ def sparse_bwd_dy_pass(st: SparseBwd) -> None:
     zeroed again, else it finds no chunk left)."""
     if st.n:
         warps = warps_by_width(st.k_out, st.p.wg_dy_cols_per_warp)
-        wgrad_kernel[(st.programs, 1)](*st.head, st.tickets[:1], *st.tail, DY=True, BKW=pow2(st.k_out),
-                                       E=st.p.wg_dy_entries, num_warps=warps, **st.common)   # whole dy rows for dh
+        launch(wgrad_kernel, (st.programs, 1), (*st.head, st.tickets[:1], *st.tail),    # whole dy rows for dh
+               st.consts(True, pow2(st.k_out), st.p.wg_dy_entries), num_warps=warps)
 
 
 def sparse_bwd_x_pass(st: SparseBwd) -> None:
     """``wgrad_kernel`` X pass (one launch, a program column per K chunk, x rows gathered):
     dW_g[n] and dW_u[n] from the DY pass's d_g, d_u. Tickets st.tickets[1:], as the DY pass's."""
     if st.n:
-        wgrad_kernel[(st.programs, -(-st.k // st.bkw))](*st.head, st.tickets[1:], *st.tail, DY=False, BKW=st.bkw,
-                                                        E=st.p.wg_x_entries, num_warps=st.p.wg_x_warps, **st.common)
+        launch(wgrad_kernel, (st.programs, -(-st.k // st.bkw)), (*st.head, st.tickets[1:], *st.tail),
+               st.consts(False, st.bkw, st.p.wg_x_entries), num_warps=st.p.wg_x_warps)
 
 
 def sparse_bwd_dx(st: SparseBwd) -> None:
     """``dx_rows_kernel`` (one launch): the quiet rows' dx from the W_g and W_u rows of their
     slots (the busy rows' dx came from train_bwd_kernel in the setup)."""
     if st.m:
-        dx_rows_kernel[(st.m,)](st.q, st.cols, st.eg, st.eu, st.width, st.w_gate, st.w_gate.stride(0), st.wu,
-                                st.wu.stride(0), st.dx, st.dx.stride(0), st.k, GATED=st.gated, K_P=pow2(st.k),
-                                PAIRS=st.p.dx_pairs, num_warps=_warps(st.k, st.k))
+        launch(dx_rows_kernel, (st.m,), (st.q, st.cols, st.eg, st.eu, st.width, st.w_gate, st.w_gate.stride(0),
+                                         st.wu, st.wu.stride(0), st.dx, st.dx.stride(0), st.k),
+               dict(GATED=st.gated, K_P=pow2(st.k), PAIRS=st.p.dx_pairs), num_warps=_warps(st.k, st.k))
 
 
 def sparse_bwd_outputs(st: SparseBwd):
@@ -481,11 +485,11 @@ def backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, g, u, l1c, act="
     bias = b_gate is not None or (gated and b_up is not None)
     db = torch.zeros((2, n), dtype=torch.float32, device=g.device) if bias else None
     if g.numel():
-        train_dense_bwd_kernel[(-(-m // EW_BM), -(-n // EW_BN))](
-            g, u if gated else g, h, dg, du if gated else dg, db if bias else g, m, n, float(l1c),
-            l1_coef if l1_coef is not None else g,
-            GATED=gated, L1=bool(l1c), L1_DEV=l1_coef is not None, BIAS=bias, BM=EW_BM, BN=EW_BN,
-            ACT=ACTS.index(act), num_warps=4)
+        launch(train_dense_bwd_kernel, (-(-m // EW_BM), -(-n // EW_BN)),
+               (g, u if gated else g, h, dg, du if gated else dg, db if bias else g, m, n, float(l1c),
+                l1_coef if l1_coef is not None else g),
+               dict(GATED=gated, L1=bool(l1c), L1_DEV=l1_coef is not None, BIAS=bias, BM=EW_BM, BN=EW_BN,
+                    ACT=ACTS.index(act)), num_warps=4)
     dw_down = dy2.t().mm(h)
     del h
     dx, dw_gate, db_gate, dw_up, db_up = _products(x2, w_gate, None, w_up, None, dg, du)
@@ -541,15 +545,14 @@ def backward_densify(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
     wg = unit_rows(w_gate)
     wu = unit_rows(w_up) if gated else wg
     if m and n:
-        train_densify_kernel[(m,)](
+        launch(train_densify_kernel, (m,), (
             h, dg, du if gated else dg, cnt, cols, ell_g, ell_u if gated else ell_g, width,
             slot_of, bg, bu if gated else bg, x2, x2.stride(0), wg, wg.stride(0),
             b_gate if b_gate is not None else wg, wu, wu.stride(0),
-            b_up if b_up is not None else wg, n, k, float(l1c), l1_coef if l1_coef is not None else cnt,
-            GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
-            L1_DEV=l1_coef is not None,
-            W_P=pow2(max(width, 1)), K_P=pow2(k), CH=min(CH, pow2(n)), BK=RBK,
-            DCH=min(DENSIFY_CH, pow2(n)), ACT=ACTS.index(act), num_warps=4)
+            b_up if b_up is not None else wg, n, k, float(l1c), l1_coef if l1_coef is not None else cnt),
+            dict(GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
+                 L1_DEV=l1_coef is not None, W_P=pow2(max(width, 1)), K_P=pow2(k), CH=min(CH, pow2(n)), BK=RBK,
+                 DCH=min(DENSIFY_CH, pow2(n)), ACT=ACTS.index(act)), num_warps=4)
     dw_down = dy2.t().mm(h)
     del h
     return (*_products(x2, w_gate, b_gate, w_up, b_up, dg, du), dw_down)
@@ -568,9 +571,10 @@ def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[T
                        w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor,
                        counts: Tensor, cols: Tensor, ell_g: Tensor, ell_u: Tensor,
                        backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, l1_scale: float,
-                       act: str = "relu", l1_coef: Optional[Tensor] = None):
+                       act: str = "relu", l1_coef: Optional[Tensor] = None, db_down: bool = True):
     """``l1_scale`` / (M N) goes to the kernels as a float; ``l1_coef`` (the controller's [1]
-    fp32 coefficient, or None) multiplies it on the device (L1_DEV)."""
+    fp32 coefficient, or None) multiplies it on the device (L1_DEV). ``db_down`` False: no sum
+    of dy (a pass over [M, K_out]), db_down None."""
     k, n, k_out = x.shape[-1], w_gate.shape[0], w_down.shape[0]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -592,4 +596,4 @@ def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[T
         out = backward_dense(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, backup_g,
                              backup_u if w_up is not None else None, l1c, act, l1_coef if l1c else None)
     dx, dw_gate, db_gate, dw_up, db_up, dw_down = out
-    return dx.reshape(x.shape), dw_gate, db_gate, dw_up, db_up, dw_down, dy2.sum(0)
+    return dx.reshape(x.shape), dw_gate, db_gate, dw_up, db_up, dw_down, dy2.sum(0) if db_down else None

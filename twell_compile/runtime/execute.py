@@ -152,16 +152,17 @@ def _coef(counts: Tensor, n: int, layer: str, l1_control: bool) -> Tensor:
 
 def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],
                        w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor, *state: Tensor,
-                       l1_scale: float, l1_coef: Optional[Tensor] = None, act: str = "relu"
-                       ) -> tuple[Optional[Tensor], ...]:
+                       l1_scale: float, l1_coef: Optional[Tensor] = None, act: str = "relu",
+                       db_down: bool = True) -> tuple[Optional[Tensor], ...]:
     """Gradients (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down) from the saved state:
     the CUDA backward where the CUDA training kernels take the call (its path follows the
     state's shapes), plain PyTorch otherwise. ``l1_coef`` ([1] device tensor, or None)
-    multiplies ``l1_scale``."""
+    multiplies ``l1_scale``. ``db_down`` False: db_down is None (no bias: no pass over dy)."""
     if select.cuda_train_supported(x, w_gate.shape[0], w_down.shape[0]):
         return _cuda_train().ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *state, l1_scale,
-                                                act, l1_coef)
-    return torch_impl.ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *state, l1_scale, act, l1_coef)
+                                                act, l1_coef, db_down)
+    return torch_impl.ffn_train_backward(dy, x, w_gate, b_gate, w_up, b_up, w_down, *state, l1_scale, act, l1_coef,
+                                         db_down)
 
 
 def expert_rows(offs: Tensor, rows: int) -> list[tuple[int, int]]:
@@ -240,7 +241,7 @@ def experts_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, w_up: Optional
             continue
         g = ffn_train_backward(dy[a:b], x[a:b], w_gate[e], None, _expert(w_up, e), None, w_down[e], counts[a:b],
                                cols[a:b], ell_g[a:b], ell_u[a:b], backup_idx[c:d], backup_g[c:d], backup_u[c:d],
-                               l1_scale=l1_scale * (b - a) / routed, act=act)
+                               l1_scale=l1_scale * (b - a) / routed, act=act, db_down=False)
         dx[a:b], dwg[e], dwd[e] = g[0], g[1], g[5]
         if dwu is not None:
             dwu[e] = g[3]

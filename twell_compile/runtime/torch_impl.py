@@ -85,9 +85,11 @@ def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[T
                        w_up: Optional[Tensor], b_up: Optional[Tensor], w_down: Tensor,
                        counts: Tensor, cols: Tensor, ell_g: Tensor, ell_u: Tensor,
                        backup_idx: Tensor, backup_g: Tensor, backup_u: Tensor, l1_scale: float,
-                       act: str = "relu", l1_coef: Optional[Tensor] = None
-                       ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
-    """Gradients (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down), as dense autograd.
+                       act: str = "relu", l1_coef: Optional[Tensor] = None, db_down: bool = True
+                       ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor], Tensor,
+                                  Optional[Tensor]]:
+    """Gradients (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down), as dense autograd
+    (``db_down`` False: db_down None).
 
     ``l1_scale`` adds the gradient of ``l1_scale * mean(|h|)`` (mean over this call's tokens and
     hidden units) for h the activation fed to the down projection; the backend passes coef /
@@ -112,7 +114,7 @@ def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[T
     b = (torch.relu(hu) if act == "drelu" else hu) if gated else None
     h = a * b if gated else a
     dw_down = dy2.t().mm(h)
-    db_down = dy2.sum(0)
+    db_down = dy2.sum(0) if db_down else None
     dh = dy2.mm(w_down)
     if l1_scale:
         if l1_coef is None:
