@@ -9,6 +9,7 @@ own fields and figures:
     commit   ``git rev-parse HEAD`` of the checkout that ran, or "unknown" (no git, no repository);
              $TWELL_COMMIT where set (a copy whose .git is not the checkout's, as on the device)
     time     when the row was stamped, UTC, ISO 8601 ("2026-11-25T17:29:12Z")
+(each a string, or null in a committed row whose run did not record it).
 A results file is a JSON list of such rows and nothing else: what a run shares between its
 rows (bench_e2e.py's flags, a summary's settings) is a field of each row, and what a point
 measured several times (per step, per rank) is a list or object inside its row or one row
