@@ -33,8 +33,9 @@ measured on the timed batch (eager, hooks on gate_proj) and printed; twell's own
 
 Backend options: ``--twell-opt twell.stats=false`` (repeatable) goes to
 ``torch.compile(..., backend="twell", options={...})``. Results go to --out as JSON (default
-runs/<gpu>/e2e_<mode>.json; the canonical files: benchmarks/results/README.md): mode, config,
-env and one entry per density in "runs", each stamped as benchmarks/rows.py stamps rows.
+runs/<gpu>/e2e_<mode>.json; the canonical files: benchmarks/results/README.md): one row per
+density (benchmarks/rows.py's schema), each with the mode, ``config`` (every flag) and ``env``
+(device, versions, the run's start time) beside its figures.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ import contextlib
 import copy
 import ctypes
 import gc
-import json
 import math
 import statistics
 import sys
@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 if __package__ in (None, ""):                  # run as a file: python3 benchmarks/bench_e2e.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.rows import out_path, stamp  # noqa: E402
+from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
 from benchmarks.timing import gpu_name, policy_changes  # noqa: E402
 
 FULL = dict(layers=16, hidden=2048, ffn=5632, heads=16, kv_heads=16, vocab=32000, batch=8, seq=2048,
@@ -531,10 +531,9 @@ def env_info(a: argparse.Namespace) -> dict[str, Any]:
                 time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
-def write(out: Optional[str], result: dict[str, Any]) -> None:
+def write(out: Optional[str], rows: list[dict[str, Any]]) -> None:
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=1))
+        write_json(out, rows)
 
 
 def print_density(d: float, calib: list[float], timed: list[float]) -> None:
@@ -544,7 +543,7 @@ def print_density(d: float, calib: list[float], timed: list[float]) -> None:
 
 # ----------------------------------------------------------------------------- modes
 
-def run_forward(a: argparse.Namespace, result: dict[str, Any]) -> None:
+def run_forward(a: argparse.Namespace, rows: list[dict[str, Any]], shared: dict[str, Any]) -> None:
     dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
     amp = contextlib.nullcontext
     model = build_model(a, dtype, a.seed).eval()
@@ -557,7 +556,6 @@ def run_forward(a: argparse.Namespace, result: dict[str, Any]) -> None:
         import twell_compile
 
         twell_compile.prepare(copies["twell"], down_layout="transposed")
-    result["down_layout"] = a.down_layout
     compiled = {b: torch.compile(copies[b], dynamic=False, **compile_kwargs(b, a, None)) for b in a.backends}
     for d in a.density:
         achieved = calibrate(model, calib, d, amp, a.batch)
@@ -565,9 +563,9 @@ def run_forward(a: argparse.Namespace, result: dict[str, Any]) -> None:
             copy_params(m, model)
         dens = measure_density(model, ids, amp)
         print_density(d, achieved, dens)
-        run = stamp(dict(density_target=d, density_calibration=achieved, density_measured=dens,
-                         density_measured_mean=statistics.mean(dens), backends={}), dev)
-        result["runs"].append(run)
+        run = stamp(dict(mode=a.mode, density_target=d, density_calibration=achieved, density_measured=dens,
+                         density_measured_mean=statistics.mean(dens), backends={}, **shared), dev)
+        rows.append(run)
         with torch.no_grad():
             ref = model(input_ids=ids, use_cache=False).logits
             fns = {"eager": lambda: model(input_ids=ids, use_cache=False).logits}
@@ -597,13 +595,13 @@ def run_forward(a: argparse.Namespace, result: dict[str, Any]) -> None:
                 print(f"  {name:>8}: {row['median_ms']:8.2f} ms  {row['tokens_per_s']:12.0f} tok/s  "
                       f"max|dlogit| {mx:.3g}  rel {rel:.2e}  first call {first_s:.1f} s  "
                       f"energy/token {row['energy_j_per_token']}", flush=True)
-                write(a.out, result)
+                write(a.out, rows)
             del ref
         b = run["backends"]
         if "inductor" in b and "twell" in b:
             run["speedup_twell_over_inductor"] = b["inductor"]["median_ms"] / b["twell"]["median_ms"]
             print(f"  twell / inductor: {run['speedup_twell_over_inductor']:.3f}x tokens/s", flush=True)
-        write(a.out, result)
+        write(a.out, rows)
 
 
 class StepTimer:
@@ -670,7 +668,7 @@ def step_loop_ms(m, compiled, prompt: torch.Tensor, steps: int, reps: int) -> fl
     return statistics.median(times)
 
 
-def run_generate(a: argparse.Namespace, result: dict[str, Any]) -> None:
+def run_generate(a: argparse.Namespace, rows: list[dict[str, Any]], shared: dict[str, Any]) -> None:
     import transformers
 
     dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
@@ -687,9 +685,9 @@ def run_generate(a: argparse.Namespace, result: dict[str, Any]) -> None:
         achieved = calibrate(model, calib, d, amp, max(a.batch, 16))   # 16 sequences per forward
         dens = measure_density(model, prompt, amp)
         print_density(d, achieved, dens)
-        run = stamp(dict(density_target=d, density_calibration=achieved, density_measured=dens,
-                         density_measured_mean=statistics.mean(dens), backends={}), dev)
-        result["runs"].append(run)
+        run = stamp(dict(mode=a.mode, density_target=d, density_calibration=achieved, density_measured=dens,
+                         density_measured_mean=statistics.mean(dens), backends={}, **shared), dev)
+        rows.append(run)
         ref_ids = None
         for name in ["eager"] + a.backends:
             m = model if name == "eager" else copy.deepcopy(model)
@@ -752,7 +750,7 @@ def run_generate(a: argparse.Namespace, result: dict[str, Any]) -> None:
                   f"ms/step)  generate {timing['median_ms']:.1f} ms  first {first_s:.1f} s  greedy first {k} "
                   f"same as eager: {row['greedy_same_as_eager_first_k']} (leading {row['greedy_leading_agreement']})",
                   flush=True)
-            write(a.out, result)
+            write(a.out, rows)
             if m is not model:
                 # the compiled copy and its CUDA-graph pool would otherwise stay resident and
                 # count in the next backend's peak (H200, 2026-11-22: twell's 6.2 GB vs Inductor's
@@ -771,10 +769,10 @@ def run_generate(a: argparse.Namespace, result: dict[str, Any]) -> None:
                                                                / b["inductor"]["step_loop_tokens_per_s"])
                 print(f"  twell / inductor: {run['step_loop_speedup_twell_over_inductor']:.3f}x step-loop tokens/s",
                       flush=True)
-        write(a.out, result)
+        write(a.out, rows)
 
 
-def run_train(a: argparse.Namespace, result: dict[str, Any]) -> None:
+def run_train(a: argparse.Namespace, rows: list[dict[str, Any]], shared: dict[str, Any]) -> None:
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
@@ -788,11 +786,11 @@ def run_train(a: argparse.Namespace, result: dict[str, Any]) -> None:
         print_density(d, achieved, dens)
         state = cpu_state(master)
         del master
-        run = stamp(dict(density_target=d, density_calibration=achieved, density_measured=dens,
+        run = stamp(dict(mode=a.mode, density_target=d, density_calibration=achieved, density_measured=dens,
                          density_measured_mean=statistics.mean(dens),
                          autocast="bfloat16" if cuda and not a.pure_bf16 else None,
-                         weights=str(wdt).replace("torch.", ""), backends={}), dev)
-        result["runs"].append(run)
+                         weights=str(wdt).replace("torch.", ""), backends={}, **shared), dev)
+        rows.append(run)
         for name in ["eager"] + a.backends:
             model, opt, fwd = training_setup(a, state, name, wdt)
             reset_peak(dev)
@@ -840,7 +838,7 @@ def run_train(a: argparse.Namespace, result: dict[str, Any]) -> None:
             if name != "eager":
                 torch._dynamo.reset()
             gc.collect()           # as --generate: nothing of this backend stays resident
-            write(a.out, result)
+            write(a.out, rows)
         b = run["backends"]
         ref = b["eager"]["losses"]
         for name in a.backends:
@@ -850,41 +848,43 @@ def run_train(a: argparse.Namespace, result: dict[str, Any]) -> None:
             if cuda:
                 run["peak_mem_twell_over_inductor"] = b["twell"]["peak_mem_bytes"] / b["inductor"]["peak_mem_bytes"]
             print(f"  twell / inductor: {run['speedup_twell_over_inductor']:.3f}x step speed", flush=True)
-        write(a.out, result)
+        write(a.out, rows)
 
 
-def summary(result: dict[str, Any]) -> None:
+def summary(mode: str, device: str, rows: list[dict[str, Any]]) -> None:
     key = {"forward": ("median_ms", "tokens_per_s"), "generate": ("decode_ms_per_step", "decode_tokens_per_s"),
-           "train": ("step_median_ms", "tokens_per_s")}[result["mode"]]
-    print(f"\n{result['mode']} on {result['env']['device']}: {key[0]} / {key[1]} per backend")
-    for run in result["runs"]:
+           "train": ("step_median_ms", "tokens_per_s")}[mode]
+    print(f"\n{mode} on {device}: {key[0]} / {key[1]} per backend")
+    for run in rows:
         cells = "  ".join(f"{n} {r[key[0]]:.3f} / {r[key[1]]:.0f}" for n, r in run["backends"].items())
         speed = run.get("speedup_twell_over_inductor")
         print(f"density {run['density_target']} (measured {run['density_measured_mean']:.4f}): {cells}"
               + (f"  twell/inductor {speed:.3f}x" if speed else ""))
 
 
-def main(argv=None) -> dict[str, Any]:
+def main(argv=None) -> list[dict[str, Any]]:
     a = parse_args(argv)
     a.out = str(out_path(a.out, gpu_name() if a.device.startswith("cuda") else "cpu", f"e2e_{a.mode}.json"))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
     config = {k: v for k, v in vars(a).items() if k not in ("twell_opt",)}
-    result: dict[str, Any] = dict(mode=a.mode, config=config, env=env_info(a), runs=[])
+    # every row carries the run's flags and environment: a row read alone says how it was made
+    shared = dict(config=config, env=env_info(a))
+    rows: list[dict[str, Any]] = []
     print(f"bench_e2e --{a.mode}: {a.layers} layers, hidden {a.hidden}, ffn {a.ffn}, vocab {a.vocab}, "
           f"batch {a.batch} x seq {a.seq}, {a.dtype if a.mode != 'train' else 'bfloat16' if a.pure_bf16 else 'float32+autocast'} on "
-          f"{result['env']['device']}", flush=True)
+          f"{shared['env']['device']}", flush=True)
     import twell_compile
 
     from twell_compile.runtime import arch
 
     twell_compile.reset_stats()     # report only this run's layers (stats are process-wide)
     with arch.patched(**policy_changes(a.policy)):
-        {"forward": run_forward, "generate": run_generate, "train": run_train}[a.mode](a, result)
-    write(a.out, result)
-    summary(result)
+        {"forward": run_forward, "generate": run_generate, "train": run_train}[a.mode](a, rows, shared)
+    write(a.out, rows)
+    summary(a.mode, shared["env"]["device"], rows)
     print(f"wrote {a.out}")
-    return result
+    return rows
 
 
 if __name__ == "__main__":

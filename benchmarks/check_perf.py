@@ -24,7 +24,6 @@ Writes one row per point (stamped; fields below) to --out (default runs/<tag>/ch
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -35,7 +34,7 @@ import torch
 
 if __package__ in (None, ""):                  # run as a file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
+from benchmarks.rows import load_rows, out_path, stamp, write_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KEY = ("M", "K", "N", "density", "tail")
@@ -82,11 +81,6 @@ def machine_tag() -> str:
     from benchmarks.bench_ffn_cpu import cpu_model
 
     return f"cpu-{cpu_model()}"
-
-
-def load_rows(path: Path) -> list[dict]:
-    data = json.loads(path.read_text())
-    return data if isinstance(data, list) else data.get("rows") or data.get("runs") or []
 
 
 def key_of(row: dict) -> tuple:

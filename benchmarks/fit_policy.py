@@ -46,6 +46,7 @@ import torch
 
 if __package__ in (None, ""):                  # run as a file: python3 benchmarks/fit_policy.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.rows import load_rows as load_results  # noqa: E402
 from twell_compile.runtime import arch, select  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,13 +88,8 @@ def _resolve(path: Path | str) -> Path:
 
 
 def load_rows(path: Path | str) -> list[dict[str, Any]]:
-    """The rows of a results file: a JSON list, or an object's "rows" / "runs" list."""
-    data = json.loads(_resolve(path).read_text())
-    if isinstance(data, dict):
-        data = data.get("rows", data.get("runs"))
-    if not isinstance(data, list):
-        raise ValueError(f"{path}: no list of rows")
-    return data
+    """The rows of a results file (benchmarks/rows.py's schema; ValueError for any other shape)."""
+    return load_results(_resolve(path))
 
 
 def _finite(v: Any) -> bool:

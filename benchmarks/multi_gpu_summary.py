@@ -2,15 +2,17 @@
 
     python3 benchmarks/multi_gpu_summary.py --runs OUT/runs --log OUT/run.log --out OUT/multi_gpu_summary.json
 
-Reads one examples/train_ddp.py JSON per configuration (``runs/<wrap>_<backend>.json``, wrap in
-single / ddp / fsdp2, backend in inductor / twell) and the ``### end <config> rc=...`` lines of
-the script's log. Per configuration: median step time, tokens/s, peak memory (the largest over
-ranks), FFNs rewritten per rank, and the largest |loss - loss of the 1-GPU run of the same
-backend| over the steps both ran. Per wrapper: the speed-up twell over Inductor (step time
-ratio), its ratio to the 1-GPU speed-up (CRITERION: >= 0.95, "within 5%"), and twell's peak
-memory over Inductor's. A configuration that failed or was cut keeps its row, with the rc and
-``complete: false`` (its numbers are then from the steps it finished, if any). Rows as
-benchmarks/rows.py stamps them (gpu and torch from the run's JSON where it has them).
+Reads one examples/train_ddp.py results file per configuration (``runs/<wrap>_<backend>.json``,
+one row; wrap in single / ddp / fsdp2, backend in inductor / twell) and the ``### end <config>
+rc=...`` lines of the script's log. One row per configuration: median step time, tokens/s, peak
+memory (the largest over ranks), FFNs rewritten per rank, the largest |loss - loss of the 1-GPU
+run of the same backend| over the steps both ran (``loss_vs_1gpu``: the comparison in full), and
+``settings``, what the runs share. The twell row of each wrapper also carries the speed-up twell
+over Inductor (step time ratio), its ratio to the 1-GPU speed-up (CRITERION: >= 0.95, "within
+5%") and twell's peak memory over Inductor's. A configuration that failed or was cut keeps its
+row, with the rc and ``complete: false`` (its numbers are then from the steps it finished, if
+any). Rows as benchmarks/rows.py stamps them (gpu, torch, triton and commit from the run's row
+where it has them); the table and the report are printed from the rows (``report``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any, Optional
 
 if __package__ in (None, ""):                  # run as a file: python3 benchmarks/multi_gpu_summary.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.rows import stamp, write_json  # noqa: E402
+from benchmarks.rows import schema_errors, stamp, write_json  # noqa: E402
 
 WRAPS = ("single", "ddp", "fsdp2")
 BACKENDS = ("inductor", "twell")
@@ -47,14 +49,18 @@ def read_rcs(log: Optional[Path]) -> dict[str, dict[str, Any]]:
 
 
 def read_runs(runs: Path) -> dict[str, dict[str, Any]]:
+    """Per configuration the one row of its train_ddp.py results file, or {"error": why not}."""
     out = {}
     for name in CONFIGS:
         path = runs / f"{name}.json"
         if path.exists():
             try:
-                out[name] = json.loads(path.read_text())
+                data = json.loads(path.read_text())
             except json.JSONDecodeError as e:   # cut while writing
                 out[name] = {"error": f"unreadable JSON: {e}"}
+                continue
+            errors = schema_errors(data) or ([] if len(data) == 1 else [f"{len(data)} rows, not one"])
+            out[name] = {"error": f"not a one-row results file: {'; '.join(errors)}"} if errors else data[0]
     return out
 
 
@@ -81,7 +87,7 @@ def row_of(name: str, run: Optional[dict[str, Any]], rc: Optional[dict[str, Any]
     row: dict[str, Any] = {"config": name, "wrap": wrap, "backend": backend,
                            "gpus": 1 if wrap == "single" else nproc,
                            "rc": None if rc is None else rc["rc"], "wall_s": None if rc is None else rc["wall_s"]}
-    measured = {"gpu": (run or {}).get("gpu"), "torch": (run or {}).get("torch")}
+    measured = {k: (run or {}).get(k) for k in ("gpu", "torch", "triton", "commit")}
     if not run or "error" in run or "losses" not in run:
         row.update(complete=False, error=(run or {}).get("error", "no JSON (run did not reach its first step)"))
         return stamp(row, **measured)
@@ -123,11 +129,17 @@ def table(rows: list[dict[str, Any]], gpu: str) -> str:
     return "\n".join(lines)
 
 
-def summarize(runs_dir: Path, log: Optional[Path], nproc: int = 2, loss_tol: float = LOSS_TOL) -> dict[str, Any]:
+def short_gpu(gpu: Any) -> str:
+    """The table's device label: "H200" of "NVIDIA H200", "cpu" of "cpu: <processor>"."""
+    return gpu.replace("NVIDIA ", "").split(":")[0] if isinstance(gpu, str) else "?"
+
+
+def summarize(runs_dir: Path, log: Optional[Path], nproc: int = 2,
+              loss_tol: float = LOSS_TOL) -> list[dict[str, Any]]:
+    """One stamped row per configuration found (its run file or its rc line)."""
     runs, rcs = read_runs(runs_dir), read_rcs(log)
     rows = [row_of(n, runs.get(n), rcs.get(n), nproc) for n in CONFIGS if n in runs or n in rcs]
     by = {r["config"]: r for r in rows}
-    agreement: dict[str, Any] = {}
     for wrap in WRAPS[1:]:
         for b in BACKENDS:
             name, ref = f"{wrap}_{b}", f"single_{b}"
@@ -136,22 +148,22 @@ def summarize(runs_dir: Path, log: Optional[Path], nproc: int = 2, loss_tol: flo
                 if d is not None:
                     d["within_tol"] = d["max_abs"] <= loss_tol
                     d["steps_both"] = [len(runs[name]["losses"]), len(runs[ref]["losses"])]
-                    agreement[name] = d
                     by[name]["loss_vs_1gpu_max_abs"] = d["max_abs"]
-    speedup, vs_single, criterion, mem_ratio = {}, {}, {}, {}
+                    by[name]["loss_vs_1gpu"] = d
     for wrap in WRAPS:
         i, t = by.get(f"{wrap}_inductor"), by.get(f"{wrap}_twell")
         if i and t and i.get("median_step_ms") and t.get("median_step_ms"):
-            speedup[wrap] = round(i["median_step_ms"] / t["median_step_ms"], 4)
+            t["speedup_twell_over_inductor"] = round(i["median_step_ms"] / t["median_step_ms"], 4)
         if i and t and i.get("peak_memory_mb") and t.get("peak_memory_mb"):
-            mem_ratio[wrap] = round(t["peak_memory_mb"] / i["peak_memory_mb"], 4)
+            t["peak_memory_twell_over_inductor"] = round(t["peak_memory_mb"] / i["peak_memory_mb"], 4)
+    single = by.get("single_twell", {}).get("speedup_twell_over_inductor")
     for wrap in WRAPS[1:]:
-        if wrap in speedup and "single" in speedup:
-            vs_single[wrap] = round(speedup[wrap] / speedup["single"], 4)
-            criterion[wrap] = vs_single[wrap] >= CRITERION
+        t = by.get(f"{wrap}_twell", {})
+        if "speedup_twell_over_inductor" in t and single is not None:
+            t["speedup_vs_single_gpu"] = round(t["speedup_twell_over_inductor"] / single, 4)
+            t["criterion_speedup_ge_95pct_of_single"] = t["speedup_vs_single_gpu"] >= CRITERION
     any_run = next((r for r in runs.values() if "size" in r), {})
     gpu = next((r["gpu"] for r in runs.values() if r.get("gpu")), None) or any_run.get("device", "?")
-    gpu_short = gpu.replace("NVIDIA ", "") if isinstance(gpu, str) else "?"
     keys = ("size", "global_batch", "tokens_per_step", "micro_batch_tokens", "steps", "warmup", "fixed_batch",
             "density_target", "density_calibration_mean", "l1", "bf16", "bucket_cap_mb", "torch", "device")
     settings = {k: any_run.get(k) for k in keys}
@@ -159,38 +171,40 @@ def summarize(runs_dir: Path, log: Optional[Path], nproc: int = 2, loss_tol: flo
     first = runs.get("single_inductor", {}).get("density_first_batch")
     if first:
         settings["density_first_batch_mean"] = round(sum(first) / len(first), 6)
-    return {"settings": settings, "rows": rows, "loss_agreement": agreement,
-            "speedup_twell_over_inductor": speedup, "speedup_vs_single_gpu": vs_single,
-            "criterion_speedup_ge_95pct_of_single": criterion, "peak_memory_twell_over_inductor": mem_ratio,
-            "table_markdown": table(rows, gpu_short)}
+    for row in rows:
+        row["settings"] = dict(settings)
+    return rows
 
 
-def report(s: dict[str, Any]) -> str:
-    st = s["settings"]
+def report(rows: list[dict[str, Any]]) -> str:
+    """The printed summary: the runs' settings, the table, per wrapper the speed-ups, the loss agreement."""
+    st = rows[0]["settings"] if rows else {}
     size = st.get("size") or {}
+    by = {r["config"]: r for r in rows}
     out = [f"multi-GPU training: {size.get('layers')} layers, hidden {size.get('hidden')}, ffn {size.get('ffn')}, "
            f"{st.get('tokens_per_step')} tokens/step ({st.get('micro_batch_tokens')} per GPU per call), "
            f"{st.get('steps')} steps, density target {st.get('density_target')} (first batch "
-           f"{st.get('density_first_batch_mean')}), l1 {st.get('l1')}, {st.get('gpu')}", "", s["table_markdown"], ""]
+           f"{st.get('density_first_batch_mean')}), l1 {st.get('l1')}, {st.get('gpu')}", "",
+           table(rows, short_gpu(st.get("gpu"))), ""]
     for wrap in WRAPS:
-        sp = s["speedup_twell_over_inductor"].get(wrap)
-        line = f"speed-up twell / inductor, {wrap}: {_fmt(sp, '.3f', 'x')}"
-        if wrap in s["speedup_vs_single_gpu"]:
-            ok = s["criterion_speedup_ge_95pct_of_single"][wrap]
-            line += (f" = {s['speedup_vs_single_gpu'][wrap]:.3f} of the 1-GPU speed-up "
-                     f"({'>=' if ok else '<'} {s['settings']['criterion']})")
-        mem = s["peak_memory_twell_over_inductor"].get(wrap)
+        t = by.get(f"{wrap}_twell", {})
+        line = f"speed-up twell / inductor, {wrap}: {_fmt(t.get('speedup_twell_over_inductor'), '.3f', 'x')}"
+        if "speedup_vs_single_gpu" in t:
+            ok = t["criterion_speedup_ge_95pct_of_single"]
+            line += (f" = {t['speedup_vs_single_gpu']:.3f} of the 1-GPU speed-up "
+                     f"({'>=' if ok else '<'} {st['criterion']})")
+        mem = t.get("peak_memory_twell_over_inductor")
         if mem is not None:
             line += f"; peak memory twell / inductor {mem:.3f}"
         out.append(line)
-    for name, d in s["loss_agreement"].items():
+    for name, d in ((r["config"], r["loss_vs_1gpu"]) for r in rows if "loss_vs_1gpu" in r):
         out.append(f"loss {name} vs 1 GPU: max |diff| {d['max_abs']:.2e} (step {d['worst_step']}), max rel "
                    f"{d['max_rel']:.2e} over {d['steps_compared']} steps: "
                    f"{'within' if d['within_tol'] else 'OUTSIDE'} {st['loss_tol']}")
     return "\n".join(out)
 
 
-def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", required=True, type=Path, help="folder of <config>.json from examples/train_ddp.py")
     ap.add_argument("--log", type=Path, default=None, help="the script's log (### end <config> rc=... lines)")
@@ -198,14 +212,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--loss-tol", type=float, default=LOSS_TOL)
     a = ap.parse_args(argv)
-    s = summarize(a.runs, a.log, a.nproc, a.loss_tol)
-    text = report(s)
-    s["report"] = text
-    print(text, flush=True)
+    rows = summarize(a.runs, a.log, a.nproc, a.loss_tol)
+    print(report(rows), flush=True)
     if a.out:
-        write_json(a.out, s)
+        write_json(a.out, rows)
         print(f"wrote {a.out}")
-    return s
+    return rows
 
 
 if __name__ == "__main__":

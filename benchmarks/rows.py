@@ -9,10 +9,15 @@ own fields and figures:
     commit   ``git rev-parse HEAD`` of the checkout that ran, or "unknown" (no git, no repository);
              $TWELL_COMMIT where set (a copy whose .git is not the checkout's, as on the device)
     time     when the row was stamped, UTC, ISO 8601 ("2026-11-25T17:29:12Z")
-A file that is one JSON object (bench_e2e.py, multi_gpu_summary.py) stamps the rows of its
-"runs" / "rows" list. Benchmarks write under runs/<tag>/ (gitignored) unless ``--out`` names a
-path: a canonical file under benchmarks/results/ is refreshed only by naming it
-(benchmarks/results/README.md lists each one's command).
+(each a string, or null in a committed row whose run did not record it).
+A results file is a JSON list of such rows and nothing else: what a run shares between its
+rows (bench_e2e.py's flags, a summary's settings) is a field of each row, and what a point
+measured several times (per step, per rank) is a list or object inside its row or one row
+each. ``load_rows`` reads a file and refuses any other shape; ``schema_errors`` says what
+breaks it (tests/benchmarks/test_results_schema.py holds every committed file to it).
+Benchmarks write under runs/<tag>/ (gitignored) unless ``--out`` names a path: a canonical file
+under benchmarks/results/ is refreshed only by naming it (benchmarks/results/README.md lists
+each one's command).
 """
 
 from __future__ import annotations
@@ -107,8 +112,41 @@ def out_path(given: Optional[str], tag: str, name: str) -> Path:
     return path
 
 
+def schema_errors(data: Any) -> list[str]:
+    """What keeps ``data`` (a parsed results file) from the schema: not a list, an entry that is
+    not an object, a row without one of STAMP's fields, a row not starting with them in their
+    order, or one of them neither a string nor null (null: not recorded). Empty when it follows it."""
+    if not isinstance(data, list):
+        return [f"a JSON {type(data).__name__}, not a list of rows"]
+    errors = []
+    for i, row in enumerate(data):
+        if not isinstance(row, dict):
+            errors.append(f"row {i}: a JSON {type(row).__name__}, not an object")
+        elif missing := [k for k in STAMP if k not in row]:
+            errors.append(f"row {i}: no {missing}")
+        elif list(row)[:len(STAMP)] != list(STAMP):
+            errors.append(f"row {i}: starts {list(row)[:len(STAMP)]}, not {list(STAMP)}")
+        elif typed := [k for k in STAMP if row[k] is not None and not isinstance(row[k], str)]:
+            errors.append(f"row {i}: {typed} neither a string nor null")
+    return errors
+
+
+def load_rows(path: Union[Path, str]) -> list[dict[str, Any]]:
+    """The rows of a results file; ValueError naming the first few breaks of the schema."""
+    data = json.loads(Path(path).read_text())
+    errors = schema_errors(data)
+    if errors:
+        more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+        raise ValueError(f"{path}: not a results file of rows: {'; '.join(errors[:3])}{more}")
+    return data
+
+
 def write_json(path: Union[Path, str], data: Any) -> None:
-    """JSON with one space of indent (the results files' layout), folder made."""
+    """Rows as JSON with one space of indent (the results files' layout), folder made;
+    ValueError, nothing written, where ``data`` breaks the schema."""
+    errors = schema_errors(data)
+    if errors:
+        raise ValueError(f"{path}: not written, not a list of rows: {'; '.join(errors[:3])}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")

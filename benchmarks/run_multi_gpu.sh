@@ -103,7 +103,7 @@ run() {   # run NAME WRAP BACKEND
     elif [ -s "$json" ]; then
         python3 - "$json" <<'EOF'
 import json, sys
-d = json.load(open(sys.argv[1]))
+(d,) = json.load(open(sys.argv[1]))   # train_ddp.py --out: a results file of one row
 print(f"    loss {d['losses'][0]:.4f} -> {d['losses'][-1]:.4f}, median step {d['median_step_ms']} ms, "
       f"first step {d['first_step_s']} s, peak {d['peak_memory_mb_max']} MB, rewritten per rank "
       f"{[len(r['rewritten']) for r in d['ranks']]}")

@@ -12,7 +12,8 @@ first GPU activity to the last:
   sync_calls   host calls that wait for the GPU (cuda*Synchronize, blocking cudaMemcpy), and
                their total time, the step's closing synchronize included
 plus the time of each kernel class (twell's Triton kernels, GEMMs, Inductor's, NCCL, copies)
-and the top kernels, so two configurations' compute can be compared kernel by kernel.
+and the top kernels, so two configurations' compute can be compared kernel by kernel. --out
+writes one row per (config, rank) in benchmarks/rows.py's schema (``gpu`` from the trace).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any, Iterable, Optional
 
 if __package__ in (None, ""):                  # run as a file: python3 benchmarks/trace_overlap.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.rows import stamp  # noqa: E402
+from benchmarks.rows import stamp, write_json  # noqa: E402
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 # Host calls that block until the GPU catches up (cudaStreamWaitEvent only orders streams).
@@ -135,42 +136,39 @@ def analyze(events: list[dict[str, Any]], steps: int, top: int = 20) -> dict[str
     }
 
 
-def summarize(traces: Path, steps: int) -> dict[str, Any]:
-    """One stamped object (gpu from the traces): ``steps`` and per config and rank ``analyze``'s."""
-    out: dict[str, Any] = {}
-    gpu = None
-    for path in sorted(traces.glob("*/rank*.json*")):
-        events, name = load(path)
-        gpu = gpu or name
-        out.setdefault(path.parent.name, {})[path.name.split(".")[0]] = analyze(events, steps)
-    if not out:
+def summarize(traces: Path, steps: int) -> list[dict[str, Any]]:
+    """One stamped row per trace, ``config`` and ``rank`` (its folder and file) then ``analyze``'s
+    fields; ``gpu`` the trace's own device (else the first trace's that names one)."""
+    found = [(path, *load(path)) for path in sorted(traces.glob("*/rank*.json*"))]
+    if not found:
         raise ValueError(f"no <config>/rank<r>.json[.gz] traces under {traces}")
-    return stamp({"steps": steps, "configs": out}, gpu=gpu)
+    first = next((name for _, _, name in found if name), None)
+    return [stamp({"config": path.parent.name, "rank": path.name.split(".")[0], **analyze(events, steps)},
+                  gpu=name or first) for path, events, name in found]
 
 
-def report(s: dict[str, Any]) -> str:
+def report(rows: list[dict[str, Any]]) -> str:
     lines = ["| config | rank | window | compute | NCCL | exposed NCCL | idle | syncs | twell | GEMM | Inductor |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for config, ranks in s["configs"].items():
-        for rank, r in ranks.items():
-            c = r["class_ms"]
-            lines.append(f"| {config} | {rank} | {r['window_ms']:.2f} | {r['compute_ms']:.2f} | {r['nccl_ms']:.2f} "
-                         f"| {r['exposed_ms']:.2f} | {r['idle_ms']:.2f} | {r['sync_calls']:g} ({r['sync_ms']:.2f}) "
-                         f"| {c.get('twell', 0):.2f} | {c.get('gemm', 0):.2f} | {c.get('inductor', 0):.2f} |")
-    return f"ms per step, {s['gpu']}\n" + "\n".join(lines)
+    for r in rows:
+        c = r["class_ms"]
+        lines.append(f"| {r['config']} | {r['rank']} | {r['window_ms']:.2f} | {r['compute_ms']:.2f} | {r['nccl_ms']:.2f} "
+                     f"| {r['exposed_ms']:.2f} | {r['idle_ms']:.2f} | {r['sync_calls']:g} ({r['sync_ms']:.2f}) "
+                     f"| {c.get('twell', 0):.2f} | {c.get('gemm', 0):.2f} | {c.get('inductor', 0):.2f} |")
+    return f"ms per step, {rows[0]['gpu']}\n" + "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", required=True, type=Path, help="folder of <config>/rank<r>.json.gz")
     ap.add_argument("--steps", type=int, default=2, help="profiled steps per trace (train_ddp --profile)")
     ap.add_argument("--out", type=Path, default=None, help="write the breakdown JSON here")
     a = ap.parse_args(argv)
-    s = summarize(a.traces, a.steps)
-    print(report(s))
+    rows = summarize(a.traces, a.steps)
+    print(report(rows))
     if a.out:
-        a.out.write_text(json.dumps(s, indent=1) + "\n")
-    return s
+        write_json(a.out, rows)
+    return rows
 
 
 if __name__ == "__main__":

@@ -32,17 +32,24 @@ python3 examples/plot_training.py "$OUT/sparse" "$OUT/dense" --out "$OUT/plots" 
 # Small outputs to copy into docs/ (checkpoints stay in $OUT/*/ckpt).
 python3 - "$OUT" <<'PY'
 import json, sys
+
+from benchmarks.rows import stamp, write_json   # run from the checkout's root: the results row schema
+
 out = sys.argv[1]
 def recs(run, kind):
     return [json.loads(l) for l in open(f"{out}/{run}/metrics.jsonl") if json.loads(l)["kind"] == kind]
 s, d = recs("sparse", "final")[-1], recs("dense", "final")[-1]
-summary = dict(val_loss_sparse=s["val_loss"], val_loss_dense=d["val_loss"],
-               val_loss_rel=(s["val_loss"] - d["val_loss"]) / d["val_loss"],
-               mean_nnz_sparse=s["mean_nnz_per_token"], mean_density_sparse=s["mean_density"],
-               mean_nnz_dense=d["mean_nnz_per_token"], per_layer_nnz_sparse={k: v["mean"] for k, v in s["nnz"].items()},
-               dead_frac_final_probe_sparse=s["dead_frac_final_probe"], dead_checks_sparse=recs("sparse", "dead"),
-               wall_s_sparse=s["wall_s"], wall_s_dense=d["wall_s"],
-               bench_sparse=(recs("sparse", "bench") or [None])[-1], bench_dense=(recs("dense", "bench") or [None])[-1])
-json.dump(summary, open(f"{out}/summary.json", "w"), indent=1)
-print(json.dumps({k: v for k, v in summary.items() if k != "dead_checks_sparse"}, indent=1))
+# One row per run (benchmarks/rows.py's schema; torch from the run's config record), the sparse
+# run's against the dense one on its row.
+rows = [stamp(dict(run="sparse", val_loss=s["val_loss"], val_loss_rel_vs_dense=(s["val_loss"] - d["val_loss"]) / d["val_loss"],
+                   mean_nnz_per_token=s["mean_nnz_per_token"], mean_density=s["mean_density"],
+                   per_layer_nnz={k: v["mean"] for k, v in s["nnz"].items()},
+                   dead_frac_final_probe=s["dead_frac_final_probe"], dead_checks=recs("sparse", "dead"),
+                   wall_s=s["wall_s"], bench=(recs("sparse", "bench") or [None])[-1]),
+              torch=recs("sparse", "config")[-1]["torch"]),
+        stamp(dict(run="dense", val_loss=d["val_loss"], mean_nnz_per_token=d["mean_nnz_per_token"],
+                   wall_s=d["wall_s"], bench=(recs("dense", "bench") or [None])[-1]),
+              torch=recs("dense", "config")[-1]["torch"])]
+write_json(f"{out}/summary.json", rows)
+print(json.dumps([{k: v for k, v in r.items() if k != "dead_checks"} for r in rows], indent=1))
 PY

@@ -78,6 +78,8 @@ PY
 import json, statistics, sys
 from pathlib import Path
 
+from benchmarks.rows import stamp, write_json   # run from the checkout's root: the results row schema
+
 out = Path(sys.argv[1])
 
 def load(p):
@@ -103,7 +105,7 @@ def run_summary(recs):
         ffns_on_twell_op=len(train[-1]["nnz_per_token"]) if train else None,   # 0: all left to Inductor
         tokens_per_s_median=statistics.median(x["tokens_per_s"] for x in train) if train else None,
         compile_s=comp["compile_s"] if comp else None, wall_s=f.get("wall_s"),
-        backend=cfg["backend"], l1=cfg["l1"], torch=cfg["torch"])
+        backend=cfg["backend"], l1=cfg["l1"])
 
 runs = {r: load(out / f"{r}_metrics.jsonl") for r in ("dense", "sparse", "inductor")}
 runs = {r: v for r, v in runs.items() if v}
@@ -113,7 +115,10 @@ cfgs = {r: last(v, "config") for r, v in runs.items()}
 intended = {"out", "baseline", "l1", "backend", "bench_forward", "bench_batch", "bench_iters", "step", "resumed_from"}
 diff = {k: {r: c.get(k) for r, c in cfgs.items()} for k in set().union(*cfgs.values())
         if k not in intended and len({json.dumps(c.get(k)) for c in cfgs.values()}) > 1}
-summary = dict(runs=s, config_differences_besides_l1_backend=diff)
+# One row per run (benchmarks/rows.py's schema; torch from the run's own config record): the
+# comparisons go on the row they compare (the sparse run against the dense one, the dense twell
+# run against the inductor one), the forward benchmark on the sparse run's row.
+summary = {}
 d, sp = s.get("dense", {}).get("val_loss"), s.get("sparse", {}).get("val_loss")
 if d and sp:
     summary["val_loss_rel_sparse_vs_dense"] = (sp - d) / d
@@ -121,12 +126,16 @@ if d and sp:
 if d and s.get("inductor", {}).get("val_loss"):
     summary["val_loss_rel_dense_twell_vs_inductor"] = (d - s["inductor"]["val_loss"]) / s["inductor"]["val_loss"]
 bench = last(runs["sparse"], "bench") if "sparse" in runs else None
-summary["bench_sparse"] = bench
-# No comparison with earlier trainings: the logs of the first dense and L1 = 3 trainings (H200,
-# 2026-11-22, older code) are no longer in the checkout (git history only), so the summary holds
-# this invocation's trainings alone (benchmarks/results/h200/recipe/summary.json, written by an
-# earlier version of this script, still has their final losses under "reference").
-(out / "summary.json").write_text(json.dumps(summary, indent=1))
+rows = []
+for r, v in s.items():
+    row = stamp(dict(run=r, **v, config_differences_besides_l1_backend=diff), torch=cfgs[r]["torch"])
+    if r == "sparse":
+        row.update({k: summary[k] for k in ("val_loss_rel_sparse_vs_dense", "within_3pct") if k in summary},
+                   bench=bench)
+    if r == "dense" and "val_loss_rel_dense_twell_vs_inductor" in summary:
+        row["val_loss_rel_dense_twell_vs_inductor"] = summary["val_loss_rel_dense_twell_vs_inductor"]
+    rows.append(row)
+write_json(out / "summary.json", rows)
 
 fmt = lambda v, f=".4f": "-" if v is None else format(v, f)
 print("\n== summary (" + str(out / "summary.json") + ")")

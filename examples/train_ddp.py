@@ -7,7 +7,8 @@
 Each step prints the loss (mean over ranks) and the step time; at the end rank 0 prints one
 JSON object: settings, per-step losses and times, median step time after the compile steps,
 peak memory per rank, and per rank the FFNs the twell backend rewrote (prepared or found in
-the graph) or left to Inductor with the reason. With ``--backend twell`` the model is
+the graph) or left to Inductor with the reason (``--out``: the same object as the one row of a
+results file, benchmarks/rows.py's fields first). With ``--backend twell`` the model is
 ``twell_compile.prepare``-d before wrapping (``--no-prepare`` shows what DDP's graph split does
 without it). Tokens are random: this measures speed and memory, and that training runs; it
 does not train a useful model. Every step draws one global batch of ``--global-batch``
@@ -90,6 +91,16 @@ def build_model(size: dict[str, int], seed: int) -> torch.nn.Module:
                       tie_word_embeddings=False, attn_implementation="sdpa")
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
+
+
+def _rows():
+    """benchmarks/rows.py, the results files' row schema (the checkout's root added to sys.path:
+    run as a file, this script's own folder is sys.path[0])."""
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
+    from benchmarks import rows
+
+    return rows
 
 
 def _bench_e2e():
@@ -194,8 +205,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket size (default: DDP's 25 MB)")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", help="also write the JSON summary here (rank 0; rewritten after every step, "
-                                  "'complete': false until the end)")
+    ap.add_argument("--out", help="also write the summary here as a results file of one row (benchmarks/rows.py; "
+                                  "rank 0; rewritten after every step, 'complete': false until the end)")
     ap.add_argument("--global-batch", type=int, default=None,
                     help="sequences per step over all ranks and micro-batches (default: batch x world x accum)")
     ap.add_argument("--fixed-batch", action="store_true",
@@ -317,10 +328,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)
     setup_s = time.perf_counter() - t_start
 
-    summary: dict[str, Any] = {
+    # the run's one results row (benchmarks/rows.py: gpu, torch, triton, commit, time first),
+    # filled in as the steps go
+    summary: dict[str, Any] = _rows().stamp({
         "wrap": args.wrap, "backend": args.backend, "prepare": bool(prep is not None), "device": str(device.type),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "world": world,
-        "torch": torch.__version__, "bf16": amp, "l1": args.l1, "l1_per_call": l1_call, "size": size, "global_batch": global_batch,
+        "world": world, "bf16": amp, "l1": args.l1, "l1_per_call": l1_call, "size": size, "global_batch": global_batch,
         "accum": args.accum, "tokens_per_step": global_batch * size["seq"],
         "micro_batch_tokens": size["batch"] * size["seq"], "bucket_cap_mb": args.bucket_cap_mb,
         "steps": args.steps, "warmup": args.warmup, "fixed_batch": args.fixed_batch, "density_target": args.density,
@@ -329,13 +341,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "calibration_source": calib.get("calibration_source"), "calibration_s": calib.get("calibration_s"),
         "density_first_batch": [round(v, 6) for v in measured] if measured is not None else None,
         "setup_s": round(setup_s, 2), "complete": False,
-    }
+    }, device)
     losses, times = [], []
 
     def write_out() -> None:
         if rank == 0 and args.out:
-            with open(args.out, "w") as f:
-                f.write(json.dumps(summary, indent=1) + "\n")
+            _rows().write_json(args.out, [summary])
 
     def fill_times() -> None:
         timed = times[args.warmup:] or times

@@ -13,16 +13,20 @@ import pytest
 pytest.importorskip("transformers")
 
 from benchmarks import bench_e2e as E2E  # noqa: E402
+from benchmarks.rows import STAMP, load_rows  # noqa: E402
 
 DENSITY = 0.1
 CALIB_TOKENS = 64 * 64  # --tiny: 64 calibration sequences of 64 tokens
 
 
 def run(tmp_path_factory, *argv):
+    """The one row (one density) of a --tiny run, after checking the file holds the rows returned."""
     out = tmp_path_factory.mktemp("e2e") / "result.json"
-    result = E2E.main(["--tiny", "--device", "cpu", "--density", str(DENSITY), "--out", str(out), *argv])
-    assert json.loads(out.read_text()) == json.loads(json.dumps(result))  # the file holds the whole result
-    return result
+    rows = E2E.main(["--tiny", "--device", "cpu", "--density", str(DENSITY), "--out", str(out), *argv])
+    assert load_rows(out) == json.loads(json.dumps(rows))  # the file holds the rows, in the schema
+    (row,) = rows
+    assert list(row)[:5] == list(STAMP) and row["gpu"].startswith("cpu: ") and row["env"]["device"] == "cpu"
+    return row
 
 
 # The CPU rules leave the tiny model's FFNs to Inductor (under the C++ kernel's width and token
@@ -71,10 +75,9 @@ def check_twell_ran(row, layers):
 
 
 def test_forward_matches_eager_and_reports_everything(forward):
-    layers = forward["config"]["layers"]
-    assert forward["mode"] == "forward" and forward["env"]["device"] == "cpu"
-    (run_,) = forward["runs"]
-    assert list(run_)[:5] == ["gpu", "torch", "triton", "commit", "time"] and run_["gpu"].startswith("cpu: ")
+    run_ = forward
+    layers = run_["config"]["layers"]
+    assert run_["mode"] == "forward" and run_["config"]["down_layout"] == "linear"
     check_calibration(run_, layers)
     b = run_["backends"]
     assert set(b) == {"eager", "inductor", "twell"}
@@ -95,8 +98,9 @@ def test_forward_matches_eager_and_reports_everything(forward):
 
 
 def test_generate_gives_eager_greedy_tokens(generate):
-    layers = generate["config"]["layers"]
-    (run_,) = generate["runs"]
+    run_ = generate
+    layers = run_["config"]["layers"]
+    assert run_["mode"] == "generate"
     check_calibration(run_, layers)
     b = run_["backends"]
     assert set(b) == {"eager", "twell"}
@@ -119,8 +123,9 @@ def test_generate_gives_eager_greedy_tokens(generate):
 
 
 def test_train_follows_the_eager_loss_curve(train):
-    layers = train["config"]["layers"]
-    (run_,) = train["runs"]
+    run_ = train
+    layers = run_["config"]["layers"]
+    assert run_["mode"] == "train"
     check_calibration(run_, layers)
     b = run_["backends"]
     eager, twell = b["eager"]["losses"], b["twell"]["losses"]
@@ -134,7 +139,7 @@ def test_train_follows_the_eager_loss_curve(train):
 
 def test_pure_bf16_training_has_no_autocast_and_takes_policy_changes(train_bf16):
     assert train_bf16["config"]["pure_bf16"] and train_bf16["config"]["policy"] == ["compact_max_lost=-1"]
-    (run_,) = train_bf16["runs"]
+    run_ = train_bf16
     assert run_["weights"] == "bfloat16" and run_["autocast"] is None
     b = run_["backends"]
     eager, twell = b["eager"]["losses"], b["twell"]["losses"]

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from benchmarks import fit_policy
+from benchmarks.rows import stamp
 from twell_compile.runtime import arch, select
 
 P = arch.H200
@@ -114,9 +115,9 @@ def test_decode_fit_recovers_the_constants_behind_the_times():
 
 def test_main_checks_files_and_exits_nonzero_on_a_violation(tmp_path, capsys):
     infer, dec = tmp_path / "infer.json", tmp_path / "decode.json"
-    infer.write_text(json.dumps(_infer_rows() * 2))
-    rows = _decode_rows()
-    dec.write_text(json.dumps({"rows": rows}))                    # an object with a rows list reads too
+    infer.write_text(json.dumps([stamp(r) for r in _infer_rows() * 2]))   # results files: stamped rows
+    rows = [stamp(r) for r in _decode_rows()]
+    dec.write_text(json.dumps(rows))
     argv = ["--check", "--inference", str(infer), "--decode", str(dec), "--min-decode-picks", "1"]
     assert fit_policy.main(argv) == 0
     assert capsys.readouterr().out.strip().endswith("check: ok")
@@ -124,3 +125,6 @@ def test_main_checks_files_and_exits_nonzero_on_a_violation(tmp_path, capsys):
     dec.write_text(json.dumps(rows))
     assert fit_policy.main(argv) == 1
     assert "FAILED: decode rule (H200)" in capsys.readouterr().out
+    dec.write_text(json.dumps({"rows": rows}))                    # any other shape is refused, named
+    with pytest.raises(ValueError, match="not a results file of rows: a JSON dict"):
+        fit_policy.main(argv)

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from benchmarks import trace_overlap as TO
+from benchmarks.rows import STAMP, load_rows
 
 
 def _k(name, ts, dur, cat="kernel", stream=7):
@@ -58,10 +59,12 @@ def test_summary_reads_gzipped_traces_per_config(tmp_path):
         for rank in (0, 1):
             with gzip.open(tmp_path / config / f"rank{rank}.json.gz", "wt") as f:
                 json.dump({"traceEvents": EVENTS, "deviceProperties": [{"name": "NVIDIA H200"}]}, f)
-    s = TO.summarize(tmp_path, steps=1)
-    assert list(s)[:5] == ["gpu", "torch", "triton", "commit", "time"] and s["gpu"] == "NVIDIA H200"
-    assert sorted(s["configs"]) == ["ddp_inductor", "ddp_twell"] and sorted(s["configs"]["ddp_twell"]) == ["rank0", "rank1"]
-    text = TO.report(s)
+    rows = TO.main(["--traces", str(tmp_path), "--steps", "1", "--out", str(tmp_path / "overlap.json")])
+    assert load_rows(tmp_path / "overlap.json") == rows
+    assert [(r["config"], r["rank"]) for r in rows] == [("ddp_inductor", "rank0"), ("ddp_inductor", "rank1"),
+                                                        ("ddp_twell", "rank0"), ("ddp_twell", "rank1")]
+    assert all(list(r)[:5] == list(STAMP) and r["gpu"] == "NVIDIA H200" and r["steps"] == 1 for r in rows)
+    text = TO.report(rows)
     assert text.startswith("ms per step, NVIDIA H200") and "| ddp_twell | rank1 | 0.03 |" in text
 
 

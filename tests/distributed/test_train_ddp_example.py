@@ -9,8 +9,17 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.rows import schema_errors
+
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def one_row(path: Path) -> dict:
+    """The summary: the one row of the results file --out wrote (benchmarks/rows.py's schema)."""
+    rows = json.loads(path.read_text())
+    assert not schema_errors(rows) and len(rows) == 1, rows
+    return rows[0]
 
 
 def _run(cmd: list[str], out: Path, **kw) -> dict:
@@ -22,7 +31,7 @@ def _run(cmd: list[str], out: Path, **kw) -> dict:
         out.unlink(missing_ok=True)
         proc = subprocess.run(cmd, cwd=ROOT, timeout=600, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, **kw)
-        summary = json.loads(out.read_text()) if out.exists() else None
+        summary = one_row(out) if out.exists() else None
         if proc.returncode == 0:
             return summary
         if attempt or summary is None or not summary.get("complete"):
