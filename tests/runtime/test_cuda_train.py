@@ -414,9 +414,12 @@ def test_a_coefficient_tensor_scales_the_penalty_on_the_device(path):
             assert b is None
             continue
         # the sparse paths' weight gradients sum with atomics: a repeat of the same call differs
-        # by a few ulps (H100: up to 0.0625 of the twell path's gradients); no more than that
+        # by a few ulps (H100: up to 0.0625 of the twell path's gradients), each element by at
+        # most a rounding at its own magnitude; no more than that
         spread = (a.float() - r.float()).abs().max().item()
-        assert (a.float() - b.float()).abs().max().item() <= 2 * spread, (path, spread)
+        ulp = torch.finfo(a.dtype).eps * a.float().abs()
+        err = (a.float() - b.float()).abs()
+        assert (err <= 2 * spread + 2 * ulp).all(), (path, spread, err.max().item())
     coef.fill_(0.0)                                      # the controller moved it, in place
     none = torch.ops.twell.ffn_train_bwd(dy, x, wg, bg, wu, bu, wd, *state, coef, 0.25)
     plain = torch.ops.twell.ffn_train_bwd(dy, x, wg, bg, wu, bu, wd, *state, out[8], 0.0)
