@@ -45,7 +45,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from twell_compile import stats
-from twell_compile.config import TRAIN_PATHS
 from twell_compile.kernels.twell_train_bwd import dx_rows_kernel, rank_kernel, train_bwd_kernel
 from twell_compile.kernels.twell_train_dense import train_dense_bwd_kernel
 from twell_compile.kernels.twell_train_densify import train_densify_kernel
@@ -55,6 +54,7 @@ from twell_compile.reference import ACTS
 from twell_compile.runtime import arch, density
 from twell_compile.runtime.cuda_infer import Rows, compact_rows, record_stats, relu_mul_rows
 from twell_compile.runtime.launch import pow2, sm_count, transposed, unit_rows, warps_by_width
+from twell_compile.runtime.paths import TRAIN_PATHS
 from twell_compile.runtime.select import TrainPlan
 
 CH = 256          # columns per scan step over g / backup rows
