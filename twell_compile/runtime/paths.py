@@ -180,15 +180,21 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def have(need: Need) -> bool:
-    """Whether ``need`` is present now (the C++ CPU kernel: builds on first ask)."""
+def missing(need: Need) -> Optional[str]:
+    """Why ``need`` is not present now, or None (the C++ CPU kernel: builds on first ask)."""
     if need is Need.TRITON:
-        return triton_available()
+        return None if triton_available() else "Triton is not installed"
     if need is Need.CPU_KERNEL:
         from twell_compile.runtime import cpu_ffn       # builds on first use; not at import
 
-        return cpu_ffn.extension() is not None
+        if cpu_ffn.extension() is None:
+            return f"the C++ CPU kernel must build, and did not ({cpu_ffn.active_impl()})"
+        return None
     raise ValueError(f"{need!r} is used where present, not checked")
+
+
+def have(need: Need) -> bool:
+    return missing(need) is None
 
 
 def runs_on(c: Caps, device_type: str) -> bool:
@@ -271,8 +277,9 @@ def refusal(c: Caps, device: torch.device, dtype: torch.dtype, m: int, k: int, n
     if not dtype_ok(c, dtype):
         return take
     for need in sorted(c.needs):
-        if not have(need):
-            return f"{c.what} {'need' if c.what.endswith('s') else 'needs'} {need}, which is not available here"
+        why = missing(need)
+        if why is not None:
+            return f"x is on {device}, and {why}"
     if not fits_widths(c, k, n, k_out) or (c.max_m and not 1 <= m <= c.max_m):
         return take
     if c.max_m_from and m > max_tokens(c, p, m, k):
