@@ -57,7 +57,7 @@ class Need(str, enum.Enum):
     """What a path's kernels need present (``Caps.needs``) or use where present (``Caps.uses``)."""
 
     TRITON = "Triton"
-    CPU_KERNEL = "the C++ CPU kernel (csrc/cpu_ffn.cpp, built on first use)"
+    CPU_KERNEL = "its C++ extension built (csrc/cpu_ffn.cpp, on first use)"
     GATE_EXTENSION = "the CUDA gate extension (csrc/gate_pack*.cu, where the record names a gate_cfg)"
     DECODE_STATE = "a registered decode state (decode_state.register; else a zero-filled one per call)"
     OP_GRAPH = "the op's own CUDA graph (decode_graphs.py, where the record's rules ask for it)"
@@ -118,8 +118,8 @@ class PathRow:
 
 _CUDA, _CPU = frozenset(("cuda",)), frozenset(("cpu",))
 _RULES = Caps("path='auto'", nonzero=False)
-_DENSE = Caps("the dense path", "dense", devices=_CUDA, needs=frozenset((Need.TRITON,)), uses=frozenset((Need.OP_GRAPH,)),
-              nonzero=False)
+_DENSE = Caps("the dense path", "dense", devices=_CUDA, needs=frozenset((Need.TRITON,)),
+              uses=frozenset((Need.OP_GRAPH,)), nonzero=False)
 _ROWS = Caps("the per-row path", "twell", devices=_CUDA, dtypes=DTYPES, needs=frozenset((Need.TRITON,)),
              uses=frozenset((Need.GATE_EXTENSION, Need.OP_GRAPH)), max_width=MAX_WIDTH, max_n=MAX_N,
              min_width_from="min_width", tokens_from=("min_tokens", ""))
@@ -130,7 +130,8 @@ _CPU_KERNEL = Caps("the C++ CPU kernel", "cpu", devices=_CPU, dtypes=CPU_DTYPES,
 _TORCH = Caps("plain PyTorch", "torch", nonzero=False)
 _TRAIN = Caps("the CUDA training kernels", "dense", devices=_CUDA, dtypes=DTYPES, needs=frozenset((Need.TRITON,)),
               max_width=MAX_WIDTH, max_n=MAX_N)
-_TRAIN_COMPACT = dataclasses.replace(_TRAIN, runs="compact", backup=True, tokens_from=("train_min_tokens", ""), atomics=True)
+_TRAIN_COMPACT = dataclasses.replace(_TRAIN, runs="compact", backup=True, tokens_from=("train_min_tokens", ""),
+                                     atomics=True)
 
 
 def _form(form: str, atomics: bool, **limits) -> PathRow:
@@ -157,7 +158,8 @@ PATHS = tuple(p.value for p in TABLE)
 FORMS = tuple(row.inference.form for row in TABLE.values() if row.inference is not None and row.inference.form)
 DETERMINISTIC_FORMS = tuple(row.inference.form for row in TABLE.values()
                             if row.inference is not None and row.inference.form and not row.inference.atomics)
-DECODE_PATHS = tuple(p.value for p, row in TABLE.items() if row.inference is not None and row.inference.runs == "decode")
+DECODE_PATHS = tuple(p.value for p, row in TABLE.items()
+                     if row.inference is not None and row.inference.runs == "decode")
 
 
 def caps(path: str, training: bool) -> Caps:

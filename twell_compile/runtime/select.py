@@ -1,4 +1,5 @@
-"""Which kernel runs: the one home of every rule. Constants come from ``arch.py``'s records.
+"""Which kernel runs: the one home of every rule. What each path can take comes from the
+capability table (``paths.py``), constants from ``arch.py``'s records.
 
 Per call, ``plan_infer`` / ``plan_train`` return a plan (path, its sizing, whether to measure
 density); ``static_reason`` is their compile-time twin, used by the graph pass (fuse_ffn),
@@ -66,7 +67,8 @@ from twell_compile.formats import backup_capacity, ell_width_for
 from twell_compile.runtime import arch, decode_graphs, density, paths
 from twell_compile.runtime.arch import CpuPolicy, GpuPolicy
 # MAX_WIDTH, MAX_N (the kernels' width limits) are read here by tests and benchmarks
-from twell_compile.runtime.paths import DETERMINISTIC_FORMS, INFER_PATHS, MAX_N, MAX_WIDTH, TRAIN_PATHS, Path  # noqa: F401
+from twell_compile.runtime.paths import (DETERMINISTIC_FORMS, INFER_PATHS, MAX_N, MAX_WIDTH,  # noqa: F401
+                                         TRAIN_PATHS, Path)
 
 # Each path's record in the capability table (runtime/paths.py): what the rules below check.
 _ROWS = paths.caps(Path.TWELL, training=False)
@@ -251,8 +253,8 @@ def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
     if 0 in (k, n, k_out):
         raise _refuse(path, f"a width of 0 (K={k}, N={n}, K_out={k_out})")
     if path != Path.AUTO:
-        why = paths.refusal(c, x.device, x.dtype, m, k, n, k_out,
-                            arch.policy_for(x.device) if c.max_m_from else None)
+        sized = c.max_m_from and paths.runs_on(c, x.device.type)     # a limit of the record's decode config
+        why = paths.refusal(c, x.device, x.dtype, m, k, n, k_out, arch.policy_for(x.device) if sized else None)
         if why is not None:
             raise _refuse(path, why)
     if x.device.type == "cpu":
