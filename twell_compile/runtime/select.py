@@ -229,7 +229,8 @@ def _graphs_usable(x: Tensor) -> bool:
 def _graph_dense(p: GpuPolicy, x: Tensor, m: int, k: int, n: int, k_out: int, gated: bool) -> bool:
     """Whether a dense call replays the op's own graph: decode sizes where eager's calls are
     host-bound."""
-    return m <= p.decode_max_m and _graphs_usable(x) and dense_host_bound(p, k, n, k_out, gated, x.element_size())
+    return (m <= paths.token_range(_DECODE, p)[1] and _graphs_usable(x)
+            and dense_host_bound(p, k, n, k_out, gated, x.element_size()))
 
 
 def _graph_rows(p: GpuPolicy, x: Tensor, m: int) -> bool:
@@ -540,10 +541,10 @@ def static_reason(device: torch.device, dtype: torch.dtype, m: Optional[Union[in
         return why
     if training:
         return None if l1 else _train_reason(device, dtype, m, k, n, k_out)
-    if device.type == "cuda":
+    if paths.runs_on(_DENSE, device.type):      # the CUDA paths' device
         p = _static_policy(device)
         return _cuda_infer_reason(p, dtype, m, k, n, k_out, gated, cudagraphs)
-    if device.type == "cpu":
+    if paths.runs_on(_CPU, device.type):
         return _cpu_infer_reason(arch.policy_for(device), dtype, m, k, n, k_out)  # type: ignore[arg-type]
     return None
 
