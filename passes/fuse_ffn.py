@@ -306,8 +306,8 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
                                   owner_of(found, layer, roots) if layer == found.layer else None)
             replaced[down_node] = y
             changed = True
-            runs = static_path(out.device, out.dtype, tokens, int(xe.shape[-1]),
-                               int(out.shape[-1]), n, training=out.requires_grad,
+            runs = static_path(out.device, out.dtype, tokens, int(xe.shape[-1]), n,
+                               int(out.shape[-1]), training=out.requires_grad,
                                path=config.path_for(out.requires_grad))
             report.add_rewrite(RewriteEntry(layer, found.gated, op_name, tokens_str(xe.shape), int(xe.shape[-1]),
                                             n, int(out.shape[-1]), str(out.dtype).replace("torch.", ""), sub_name,

@@ -15,13 +15,11 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Iterable, Mapping, Optional
 
+from twell_compile.runtime.paths import INFER_PATHS, PATHS, TRAIN_PATHS
+
 PREFIX = "twell."
-# The paths ``twell.path`` (and the ops' ``path`` argument) can force; runtime/select.py says
-# what each runs.
-INFER_PATHS = ("auto", "dense", "twell", "decode", "decode-rows", "decode-tiles", "decode-list",
-               "decode-pairs", "cpu", "torch")
-TRAIN_PATHS = ("auto", "dense", "compact", "twell")
-PATHS = tuple(dict.fromkeys(INFER_PATHS + TRAIN_PATHS))
+# The paths ``twell.path`` (and the ops' ``path`` argument) can force: runtime/paths.py's Path,
+# each op's from its rows of the capability table; runtime/select.py says what each runs.
 
 
 @dataclass(frozen=True)

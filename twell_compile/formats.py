@@ -172,6 +172,12 @@ def backup_capacity(m: int, backup_rows: int) -> int:
     return torch.sym_max((m + backup_rows - 1) // backup_rows, 2)
 
 
+def ell_width_for(ell_width: int, n: int) -> int:
+    """The ELL part's width for N hidden units: ``ell_width`` (twell.ell_width), at most N. Every
+    training path's state and its fakes take this width."""
+    return min(ell_width, n)
+
+
 def pack_hybrid(h: Tensor, width: int = 64, capacity: Optional[int] = None) -> Hybrid:
     """Pack h [M, N]; ``capacity`` bounds the dense backup (None: every busy row fits)."""
     _check_2d(h)

@@ -68,7 +68,7 @@ import torch
 from torch import Tensor
 
 from twell_compile.config import PATHS
-from twell_compile.formats import backup_capacity
+from twell_compile.formats import backup_capacity, ell_width_for
 from twell_compile.reference import check_act
 from twell_compile.runtime import execute, names, select
 from twell_compile.runtime.names import caller_modules, declare, next_instance
@@ -266,7 +266,7 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, ell_width, backup_rows, l1_
     select.check_path(path, select.TRAIN_PATHS, "training")
     m = math.prod(x.shape[:-1])
     n = w_gate.shape[0]
-    width = min(ell_width, n)
+    width = ell_width_for(ell_width, n)
     rows = _backup_rows(backup_capacity(m, backup_rows))
     nu = 0 if w_up is None else None
     return (
@@ -389,7 +389,7 @@ def _(x, w_gate, w_up, w_down, offs, ell_width, backup_rows, l1_scale, layer, st
     check_act(act, w_up is not None)
     select.check_path(path, select.TRAIN_PATHS, "training")
     m, n = x.shape[0], w_gate.shape[1]
-    width = min(ell_width, n)
+    width = ell_width_for(ell_width, n)
     rows = _backup_rows(backup_capacity(m, backup_rows))      # summed over experts: known at run time only
     nu = n if w_up is not None else 0
     return (

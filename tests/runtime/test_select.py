@@ -253,7 +253,7 @@ def test_list_width_grows_with_the_measured_density_within_bounds():
 ])
 def test_static_path_says_what_a_rewritten_ffn_runs(device, dtype, m, k, training, path, want):
     """explain's "runs" column: which implementation the op takes, from compile-time facts."""
-    assert select.static_path(device, dtype, m, k, k, 4 * k, training=training, path=path).startswith(want)
+    assert select.static_path(device, dtype, m, k, 4 * k, k, training=training, path=path).startswith(want)
 
 
 def test_compaction_takes_fewer_rows_per_program_at_small_token_counts():

@@ -34,6 +34,7 @@ from twell_compile.reference import ACTS
 from twell_compile.runtime import arch, decode_graphs, decode_state
 from twell_compile.runtime.arch import MAX_M, MAX_MB, DecodeConfig, m_pad, m_pad_rows, pairs_bn, pairs_pb, rows_bn, rows_gemv
 from twell_compile.runtime.launch import INTERPRET, launch, pow2
+from twell_compile.runtime.paths import FORMS
 
 FINISH_BLOCK = 1024   # accumulator elements per step of a finishing program
 STAT_BLOCKS = 256     # neuron blocks per step of the list form's statistics sum
@@ -73,9 +74,6 @@ class Decoded(NamedTuple):
     y: Tensor        # [M, K_out]
     tok: Tensor      # [M + 1] int32: non-zeros of relu(g) per token, then their total
     hsum: Tensor     # [1] fp32: sum |h|
-
-
-FORMS = ("rows", "tiles", "list", "pairs")
 
 
 def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],

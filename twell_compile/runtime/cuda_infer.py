@@ -31,6 +31,7 @@ from twell_compile.kernels.twell_rows import compact_rows_kernel, merge_tiles_ke
 from twell_compile.reference import ACTS, activate
 from twell_compile.runtime import arch, cuda_decode, cuda_gate, decode_graphs, density
 from twell_compile.runtime.launch import INTERPRET, launch, pow2, transposed, unit_rows, warps_by_width
+from twell_compile.runtime.paths import MAX_N
 from twell_compile.runtime.select import InferPlan
 
 TAIL_CH = 256         # columns per step of the exact tail over g
@@ -148,8 +149,8 @@ def twell_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
     """(y [M, K_out], non-zeros of relu(g) per row [M] int32, sum|h| per row [M] fp32). x2 is
     [M, K]; ``width``: the per-row list width W (select.list_width)."""
     n = w_gate.shape[0]
-    if n > 65536:
-        raise ValueError(f"per-row TwELL path packs columns in 16 bits: N={n} > 65536")
+    if n > MAX_N:
+        raise ValueError(f"per-row TwELL path packs columns in 16 bits: N={n} > {MAX_N}")
     w_up = None if w_up is None else unit_rows(w_up)
     r = gate_rows(x2, w_gate, b_gate, width)
     y, hsum = fused_rows(x2, r, w_up, b_up, w_down, b_down, act)

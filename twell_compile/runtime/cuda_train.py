@@ -3,7 +3,8 @@ no host sync. The sparse forward saves the compact hybrid state (formats.Hybrid)
 forward saves either the same compact state or g and u whole, as a backup of all M rows
 (backup_idx = 0..M-1; the ELL part unwritten). The backward reads g-and-u from the backup's
 row count (M; a compact state needs cap < M), and densify-or-sparse for a compact state from
-a hint keyed on its backup_idx (both exact on any compact state).
+the state itself: the forward marks its backup_idx with the backward it takes (``mark_backward``;
+both exact on any compact state).
 
 Sparse forward, for x [M, K]:
   1. cuBLAS gate GEMM g = x W_g^T + b_g, then ``cuda_infer.compact_rows`` (twell_rows.py): the
@@ -37,7 +38,6 @@ op calls it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import NamedTuple, Optional
 
 import torch
@@ -45,7 +45,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from twell_compile import stats
-from twell_compile.config import TRAIN_PATHS
 from twell_compile.kernels.twell_train_bwd import dx_rows_kernel, rank_kernel, train_bwd_kernel
 from twell_compile.kernels.twell_train_dense import train_dense_bwd_kernel
 from twell_compile.kernels.twell_train_densify import train_densify_kernel
@@ -55,6 +54,7 @@ from twell_compile.reference import ACTS
 from twell_compile.runtime import arch, density
 from twell_compile.runtime.cuda_infer import Rows, compact_rows, record_stats, relu_mul_rows
 from twell_compile.runtime.launch import launch, pow2, sm_count, transposed, unit_rows, warps_by_width
+from twell_compile.runtime.paths import TRAIN_PATHS
 from twell_compile.runtime.select import TrainPlan
 
 CH = 256          # columns per scan step over g / backup rows
@@ -62,26 +62,26 @@ RBK = 64          # K per recompute step in the backward (CH columns x RBK)
 EW_BM, EW_BN = 32, 128   # tile of the dense backward's elementwise pass (and its bias sums)
 DENSIFY_CH = 2048   # columns per streamed step of train_densify_kernel (16 per thread at 4 warps)
 
-# A compact state's backward: densify (the forward ran dense) or sparse, by the saved
-# backup_idx's address. Only a speed hint: both backward paths are exact for any hybrid state,
-# and a miss (an address reused, a table overflow) takes the sparse one.
-_densify: "OrderedDict[int, bool]" = OrderedDict()
-MAX_HINTS = 4096
+# A compact state's backward: densify (the forward ran dense) or sparse, carried by the state:
+# an attribute of its backup_idx tensor, which reaches ffn_train_bwd as the same tensor object
+# (saved by the op's autograd as a non-differentiable output; AOTAutograd passes its saved
+# tensors through; activation checkpointing's recompute marks the state it makes). Only a speed
+# choice: both backward paths are exact for any hybrid state, and an unmarked state (one made
+# anew from others, e.g. the experts op's concatenation) takes the sparse one.
+BACKWARD = "twell_backward"        # the attribute's name
+COMPACT_BACKWARDS = ("densify", "sparse")
 
 
-def densify_hint(bidx: Tensor, densify: bool) -> None:
-    """Note whether the compact state whose backup_idx is ``bidx`` came from the dense forward
-    (its backward then densifies); read once by ``backward_path``."""
-    if bidx.numel():
-        _densify[bidx.data_ptr()] = densify
-        _densify.move_to_end(bidx.data_ptr())
-        while len(_densify) > MAX_HINTS:
-            _densify.popitem(last=False)
+def mark_backward(bidx: Tensor, backward: str) -> None:
+    """Mark the compact state whose backup_idx is ``bidx`` with the backward it takes
+    ("densify": the dense forward saved it; "sparse"), read by ``backward_path``."""
+    if backward not in COMPACT_BACKWARDS:
+        raise ValueError(f"backward must be one of {COMPACT_BACKWARDS}, got {backward!r}")
+    setattr(bidx, BACKWARD, backward)
 
 
 def clear_hints() -> None:
-    """Forget the densify hints and which layers' kernels are warm (runtime reset)."""
-    _densify.clear()
+    """Forget which layers' kernels are warm (runtime reset)."""
     _warm.clear()
 
 
@@ -278,8 +278,8 @@ def ffn_train_forward(plan: TrainPlan, x: Tensor, w_gate: Tensor, b_gate: Option
         density.submit(plan.lost_key, missing, 1)
     if keep_stats and layer is not None:
         stats.record_fired(layer, fired_units(cnt, rest[0], rest[4], n, dense=not (sparse or compact)), m)
-    if sparse or compact:                  # a compact state: tell its backward which way
-        densify_hint(rest[3], compact)
+    if sparse or compact:                  # a compact state: it carries its backward
+        mark_backward(rest[3], "densify" if compact else "sparse")
     return (y.reshape(*x.shape[:-1], k_out), cnt, *rest[:-1])
 
 
@@ -560,11 +560,11 @@ def backward_densify(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
 
 def backward_path(backup_idx: Tensor, m: int) -> str:
     """The backward a saved state of ``m`` tokens takes: "dense" for a backup of at least M
-    rows (the dense forward's g and u), else a compact state: "densify" where the dense forward
-    saved it (its hint, read once and dropped), else "sparse"."""
+    rows (the dense forward's g and u), else a compact state: the backward its forward marked
+    it with (``mark_backward``), "sparse" where unmarked."""
     if backup_idx.shape[0] >= m:
         return "dense"
-    return "densify" if backup_idx.numel() and _densify.pop(backup_idx.data_ptr(), False) else "sparse"
+    return getattr(backup_idx, BACKWARD, "sparse")
 
 
 def ffn_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor],

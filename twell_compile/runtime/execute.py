@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from twell_compile import control
+from twell_compile.formats import ell_width_for
 from twell_compile.runtime import arch, density, select, torch_impl
 
 log = logging.getLogger("twell_compile")
@@ -203,7 +204,7 @@ def experts_train_forward(x: Tensor, w_gate: Tensor, w_up: Optional[Tensor], w_d
     int64 their cumulative ends, ``backup_idx`` local to each expert's rows)."""
     m, n = x.shape[0], w_gate.shape[1]
     y = x.new_zeros((m, w_down.shape[1]))
-    width = min(ell_width, n)
+    width = ell_width_for(ell_width, n)
     counts = x.new_zeros((m,), dtype=torch.int32)
     cols = x.new_zeros((m, width), dtype=torch.int32)
     ell_g = x.new_zeros((m, width))

@@ -1,4 +1,5 @@
-"""Which kernel runs: the one home of every rule. Constants come from ``arch.py``'s records.
+"""Which kernel runs: the one home of every rule. What each path can take comes from the
+capability table (``paths.py``), constants from ``arch.py``'s records.
 
 Per call, ``plan_infer`` / ``plan_train`` return a plan (path, its sizing, whether to measure
 density); ``static_reason`` is their compile-time twin, used by the graph pass (fuse_ffn),
@@ -56,24 +57,26 @@ the CPU. A dynamic token count is answered as its current value is, under a guar
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib.util
 import math
 from typing import Iterator, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
 
-from twell_compile.config import INFER_PATHS, TRAIN_PATHS
-from twell_compile.formats import backup_capacity
-from twell_compile.runtime import arch, decode_graphs, density
+from twell_compile.formats import backup_capacity, ell_width_for
+from twell_compile.runtime import arch, decode_graphs, density, paths
 from twell_compile.runtime.arch import CpuPolicy, GpuPolicy
+# MAX_WIDTH, MAX_N (the kernels' width limits) are read here by tests and benchmarks
+from twell_compile.runtime.paths import (DETERMINISTIC_FORMS, INFER_PATHS, MAX_N, MAX_WIDTH,  # noqa: F401
+                                         TRAIN_PATHS, Path)
 
-DTYPES = (torch.bfloat16, torch.float16)    # the CUDA sparse kernels' dtypes
-CPU_DTYPES = (torch.float32, torch.bfloat16)  # the C++ CPU kernel's
-MAX_WIDTH = 8192        # K and K_out of the per-row and training kernels (a row in registers)
-MAX_N = 65536           # hidden units: the per-row lists pack the column in 16 bits
-DETERMINISTIC_FORMS = ("list",)   # the decode forms that sum without atomics
+# Each path's record in the capability table (runtime/paths.py): what the rules below check.
+_ROWS = paths.caps(Path.TWELL, training=False)
+_DECODE = paths.caps(Path.DECODE, training=False)
+_CPU = paths.caps(Path.CPU, training=False)
+_DENSE = paths.caps(Path.DENSE, training=False)
+_TRAIN = paths.caps(Path.DENSE, training=True)          # the training kernels' limits
+_TRAIN_SPARSE = paths.caps(Path.TWELL, training=True)
 
 
 # --------------------------------------------------------------------------- cost models
@@ -200,20 +203,10 @@ class InferPlan(NamedTuple):
     every: int = 0
 
 
-@functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def _cuda_kernels(x: Tensor) -> bool:
-    """CUDA bf16/fp16 with Triton: the sparse kernels can run at all."""
-    return x.is_cuda and x.dtype in DTYPES and triton_available()
-
-
-def _cpu_kernel_ok(x: Tensor) -> bool:
-    from twell_compile.runtime import cpu_ffn       # builds on first use; not at import
-
-    return x.device.type == "cpu" and x.dtype in CPU_DTYPES and cpu_ffn.extension() is not None
+def _can_run(c: paths.Caps, x: Tensor) -> bool:
+    """x's device and dtype are the record's and what it needs is present (dtype first: the
+    C++ CPU kernel builds on first ask)."""
+    return paths.runs_on(c, x.device.type) and paths.dtype_ok(c, x.dtype) and all(map(paths.have, c.needs))
 
 
 def _refuse(path: str, why: str) -> ValueError:
@@ -236,7 +229,8 @@ def _graphs_usable(x: Tensor) -> bool:
 def _graph_dense(p: GpuPolicy, x: Tensor, m: int, k: int, n: int, k_out: int, gated: bool) -> bool:
     """Whether a dense call replays the op's own graph: decode sizes where eager's calls are
     host-bound."""
-    return m <= p.decode_max_m and _graphs_usable(x) and dense_host_bound(p, k, n, k_out, gated, x.element_size())
+    return (m <= paths.token_range(_DECODE, p)[1] and _graphs_usable(x)
+            and dense_host_bound(p, k, n, k_out, gated, x.element_size()))
 
 
 def _graph_rows(p: GpuPolicy, x: Tensor, m: int) -> bool:
@@ -248,65 +242,52 @@ def _graph_rows(p: GpuPolicy, x: Tensor, m: int) -> bool:
 def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stats: bool,
                path: str = "auto") -> InferPlan:
     """The plan for one ``twell::ffn`` call on x [..., K] with N hidden units and K_out outputs.
-    Reads the layer's lagged density (never syncs)."""
+    Reads the layer's lagged density (never syncs). Eligibility is the capability table's
+    (runtime/paths.py): a forced path's record refuses or runs the call; "auto" runs a path
+    where its record and the record's measured bounds take the call."""
     check_path(path, INFER_PATHS, "inference")
+    c = paths.caps(path, training=False)
     k = x.shape[-1]
     m = math.prod(x.shape[:-1])
-    if path == "torch" or (0 in (k, n, k_out) and path in ("auto", "dense")):
+    if path == Path.TORCH or (0 in (k, n, k_out) and not c.nonzero):
         return InferPlan("torch")           # a width of 0: eager's calls (y is b_down, or zeros, at N=0)
     if 0 in (k, n, k_out):
         raise _refuse(path, f"a width of 0 (K={k}, N={n}, K_out={k_out})")
+    if path != Path.AUTO:
+        sized = c.max_m_from and paths.runs_on(c, x.device.type)     # a limit of the record's decode config
+        why = paths.refusal(c, x.device, x.dtype, m, k, n, k_out, arch.policy_for(x.device) if sized else None)
+        if why is not None:
+            raise _refuse(path, why)
     if x.device.type == "cpu":
-        if path in ("auto", "cpu"):
-            p = arch.policy_for(x.device)
-            if (path == "cpu" or (m >= p.min_tokens and k >= p.min_width)) and _cpu_kernel_ok(x):
-                return InferPlan("cpu", p)
-            if path == "cpu":
-                raise _refuse(path, f"the C++ CPU kernel takes {', '.join(map(str, CPU_DTYPES))} "
-                                      f"and must build (x is {x.dtype})")
-            return InferPlan("torch")
-        raise _refuse(path, f"x is on {x.device}; {path!r} is a CUDA path")
-    if not x.is_cuda or not triton_available():
-        if path == "auto":
-            return InferPlan("torch")
-        raise _refuse(path, f"x is on {x.device}{'' if triton_available() else ' and Triton is not installed'}")
+        p = arch.policy_for(x.device)
+        if path == Path.CPU or (paths.auto_ok(_CPU, p, x.dtype, m, k, n, k_out) and _can_run(_CPU, x)):
+            return InferPlan("cpu", p)
+        return InferPlan("torch")
+    if not _can_run(_DENSE, x):            # eager's calls need the relu pass's kernel (Triton) on CUDA
+        return InferPlan("torch")
     p = arch.policy_for(x.device)
-    sparse_ok = x.dtype in DTYPES
     key = (layer, x.device, x.dtype, k, n, k_out, gated)
-    if path == "cpu":
-        raise _refuse(path, "x is on CUDA")
-    if path == "dense":      # eager's calls, replayed from the op's graph where host-bound
+    if c.runs == "dense":       # eager's calls, replayed from the op's graph where host-bound
         return InferPlan("dense", p, graphed=not keep_stats and _graph_dense(p, x, m, k, n, k_out, gated),
                          counts=keep_stats)
-    if path.startswith("decode"):
-        if not (sparse_ok and 1 <= m <= arch.MAX_M):
-            raise _refuse(path, f"the decode path takes bf16/fp16 and 1-{arch.MAX_M} tokens "
-                                  f"({m} tokens of {x.dtype})")
+    if c.runs == "decode":
         d = density.poll(key) or 0.0
-        form = path[len("decode-"):] if path != "decode" else decode_form(
+        form = c.form or decode_form(
             p, d, m, k, n, k_out, DETERMINISTIC_FORMS if torch.are_deterministic_algorithms_enabled() else None)
-        if form == "rows" and m > p.decode_config(m, k).vec_m:
-            raise _refuse(path, f"the rows form takes up to {p.decode_config(m, k).vec_m} tokens, got {m}")
         return InferPlan("decode", p, key, form=form, probe=density.wants_probe(key, p.refresh_every), tick=True,
                          every=p.refresh_every)
-    if path == "twell":
-        if not (sparse_ok and k <= MAX_WIDTH and k_out <= MAX_WIDTH and 1 <= n <= MAX_N):
-            raise _refuse(path, f"the per-row path takes bf16/fp16, K and K_out <= {MAX_WIDTH}, "
-                                  f"N <= {MAX_N} (got {x.dtype}, K={k}, K_out={k_out}, N={n})")
-        d = density.poll(key)
-        return InferPlan("twell", p, key, width=list_width(p, n, None if d is None else d * n),
-                         probe=density.wants_probe(key, p.refresh_every), tick=True,
-                         graphed=_graph_rows(p, x, m), every=p.refresh_every)
+    if c.runs == "twell":
+        return _rows_plan(p, x, key, m, n, density.poll(key), density.wants_probe(key, p.refresh_every),
+                          p.refresh_every)
     # auto
-    decode = sparse_ok and 1 <= m <= p.decode_max_m and n >= 1
+    decode = paths.auto_ok(_DECODE, p, x.dtype, m, k, n, k_out)
     form = None
     if decode:
         d = density.poll(key)
         forms = DETERMINISTIC_FORMS if torch.are_deterministic_algorithms_enabled() else None
         form = decode_pick(p, 0.0 if d is None else d, m, k, n, k_out, gated, forms)
         decode = form is not None or decode_wins(p, 0.0, m, k, n, k_out, gated)
-    rows_ok = (sparse_ok and m >= p.min_tokens and p.min_width <= k <= MAX_WIDTH and k_out <= MAX_WIDTH
-               and 1 <= n <= MAX_N)
+    rows_ok = paths.auto_ok(_ROWS, p, x.dtype, m, k, n, k_out)
     if not decode and not rows_ok:
         # eager's calls (fp32, M between the sparse paths, unsupported shapes): no bookkeeping
         return InferPlan("dense", p, graphed=not keep_stats and _graph_dense(p, x, m, k, n, k_out, gated),
@@ -321,10 +302,16 @@ def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
     if sparse and decode:
         return InferPlan("decode", p, key, form=form, probe=probe, tick=True, every=every)
     if sparse:
-        return InferPlan("twell", p, key, width=list_width(p, n, density.measured(key) * n), probe=probe, tick=True,
-                         graphed=_graph_rows(p, x, m), every=every)
+        return _rows_plan(p, x, key, m, n, d, probe, every)
     graphed = not keep_stats and not probe and _graph_dense(p, x, m, k, n, k_out, gated)
     return InferPlan("dense", p, key, probe=probe, graphed=graphed, counts=not graphed, tick=True, every=every)
+
+
+def _rows_plan(p: GpuPolicy, x: Tensor, key: tuple, m: int, n: int, d: Optional[float], probe: bool,
+               every: int) -> InferPlan:
+    """A per-row TwELL plan: its list width from the layer's density ``d`` (None: none measured)."""
+    return InferPlan("twell", p, key, width=list_width(p, n, None if d is None else d * n), probe=probe, tick=True,
+                     graphed=_graph_rows(p, x, m), every=every)
 
 
 class TrainPlan(NamedTuple):
@@ -343,8 +330,9 @@ class TrainPlan(NamedTuple):
 
 
 def cuda_train_supported(x: Tensor, n: int, k_out: int) -> bool:
-    """The CUDA training kernels take this call: bf16/fp16 CUDA with Triton, within widths."""
-    return _cuda_kernels(x) and 1 <= x.shape[-1] <= MAX_WIDTH and 1 <= k_out <= MAX_WIDTH and 1 <= n <= MAX_N
+    """The CUDA training kernels take this call (their record: bf16/fp16 CUDA with Triton,
+    within widths)."""
+    return _can_run(_TRAIN, x) and paths.fits_widths(_TRAIN, x.shape[-1], n, k_out)
 
 
 def plan_train(x: Tensor, n: int, k_out: int, gated: bool, ell_width: int, backup_rows: int,
@@ -353,33 +341,34 @@ def plan_train(x: Tensor, n: int, k_out: int, gated: bool, ell_width: int, backu
     checkpointing's recompute) the measurements are not polled, so the recompute takes the path
     its forward took and saves tensors of the same shapes (non-reentrant checkpointing checks)."""
     check_path(path, TRAIN_PATHS, "training")
-    if not cuda_train_supported(x, n, k_out):
-        if path != "auto":
-            raise _refuse(path, "the CUDA training kernels take bf16/fp16 CUDA tensors with Triton, "
-                                  f"K and K_out <= {MAX_WIDTH}, N <= {MAX_N}; this call trains on plain PyTorch")
-        return TrainPlan("torch")
+    c = paths.caps(path, training=True)
     k = x.shape[-1]
     m = math.prod(x.shape[:-1])
+    if not cuda_train_supported(x, n, k_out):
+        if path != Path.AUTO:
+            why = paths.refusal(c, x.device, x.dtype, m, k, n, k_out)
+            raise _refuse(path, f"{why}; this call trains on plain PyTorch")
+        return TrainPlan("torch")
     p = arch.policy_for(x.device)
-    width = min(ell_width, n)
+    width = ell_width_for(ell_width, n)
     cap = int(backup_capacity(m, backup_rows))
     key = ("train", layer, x.device, x.dtype, k, n, k_out, gated)
     lkey = ("train-lost",) + key[1:]
     compact_ok = cap < m                    # a compact state needs a backup smaller than M
-    if path != "auto":
-        if path in ("twell", "compact") and not compact_ok:
+    if path != Path.AUTO:
+        if c.backup and not compact_ok:
             raise _refuse(path, f"{m} tokens fit the dense backup ({cap} rows, backup_rows={backup_rows}); "
                                   "the sparse and compact states need more tokens than backup rows")
-        return TrainPlan(path, p, key, lkey, probe=density.wants_probe(key, p.train_probe_every),
+        return TrainPlan(c.runs, p, key, lkey, probe=density.wants_probe(key, p.train_probe_every),
                          tick=compact_ok, width=width, cap=cap)
-    if not (m >= p.train_min_tokens and compact_ok) or torch.are_deterministic_algorithms_enabled():
+    if not (paths.in_range(_TRAIN_SPARSE, p, m) and compact_ok) or torch.are_deterministic_algorithms_enabled():
         # (deterministic mode: eager's path; the sparse and compact states use atomic counters)
         return TrainPlan("dense", p, key, lkey, width=width, cap=cap)
     if torch._C._current_graph_task_id() == -1:      # not in a backward
         density.poll(key)
         density.poll(lkey)
     d, lost = density.measured(key), density.measured(lkey)
-    sparse = d is not None and d < p.sparse_max_density and k >= p.train_min_width
+    sparse = d is not None and d < p.sparse_max_density and k >= paths.min_width(_TRAIN_SPARSE, p)
     compact = not sparse and lost is not None and lost <= p.compact_max_lost
     return TrainPlan("twell" if sparse else "compact" if compact else "dense", p, key, lkey,
                      probe=density.wants_probe(key, p.train_probe_every), tick=True, width=width, cap=cap)
@@ -413,63 +402,70 @@ def _guarded(m: torch.SymInt, where: str, why: Optional[str]) -> Optional[str]:
 
 def _cuda_count_reason(p: GpuPolicy, m: int, k: int, n: int, k_out: int, gated: bool,
                        cudagraphs: bool) -> Optional[str]:
-    """The CUDA inference rules on a static token count (bf16/fp16)."""
-    if p.decode_max_m < m < p.min_tokens:
-        return (f"{m} tokens: above the decode path's {p.decode_max_m} and below the per-row path's "
-                f"{p.min_tokens}, where the CUDA sparse kernels lose to dense")
-    if 1 <= m <= p.decode_max_m and not cudagraphs:
+    """The CUDA inference rules on a static token count (bf16/fp16): the decode and per-row
+    records' token ranges and widths."""
+    decode_max = paths.token_range(_DECODE, p)[1]
+    rows_min = paths.token_range(_ROWS, p)[0]
+    if decode_max < m < rows_min:
+        return (f"{m} tokens: above the decode path's {decode_max} and below the per-row path's "
+                f"{rows_min}, where the CUDA sparse kernels lose to dense")
+    if paths.in_range(_DECODE, p, m) and not cudagraphs:
         return (f"{m} tokens without CUDA graphs: the step is host-bound, and with these FFNs "
                 f"rewritten generate() ran 0.63x of Inductor's speed at batch 1 (H200); compile with "
                 f"mode='reduce-overhead', or set twell.cudagraphs='on' if you capture CUDA graphs yourself")
-    if 1 <= m <= p.decode_max_m and not decode_wins(p, 0.0, m, k, n, k_out, gated):
+    if paths.in_range(_DECODE, p, m) and not decode_wins(p, 0.0, m, k, n, k_out, gated):
         return (f"{m} tokens: the CUDA decode path's cost model ({p.name}) has dense faster for this "
                 f"layer even at density 0")
-    if m >= p.min_tokens and (k > MAX_WIDTH or k_out > MAX_WIDTH or n > MAX_N):
+    if paths.in_range(_ROWS, p, m) and paths.too_wide(_ROWS, k, n, k_out):
         return f"layer too wide for the CUDA sparse kernels (K={k}, K_out={k_out}, N={n})"
-    if m >= p.min_tokens and k < p.min_width:
-        return (f"K={k}: below the {p.min_width} where the CUDA per-row kernels beat dense at "
+    if paths.in_range(_ROWS, p, m) and k < paths.min_width(_ROWS, p):
+        return (f"K={k}: below the {paths.min_width(_ROWS, p)} where the CUDA per-row kernels beat dense at "
                 f"{m} tokens ({p.name})")
     return None
 
 
 def _cuda_infer_reason(p: GpuPolicy, dtype: torch.dtype, m, k: int, n: int, k_out: int, gated: bool,
                        cudagraphs: bool) -> Optional[str]:
-    if dtype not in DTYPES:
-        return f"{str(dtype).replace('torch.', '')} on CUDA runs dense (the sparse kernels take bf16/fp16)"
+    if not (paths.dtype_ok(_ROWS, dtype) or paths.dtype_ok(_DECODE, dtype)):
+        return (f"{str(dtype).replace('torch.', '')} on CUDA runs dense (the sparse kernels take "
+                f"{paths.dtype_names(_ROWS)})")
     if isinstance(m, torch.SymInt):
-        decode = _sym_lt(m, p.decode_max_m + 1) if m.node.has_hint() else None
-        band = _sym_lt(m, p.min_tokens) if decode is False else False
+        decode_max = paths.token_range(_DECODE, p)[1]
+        rows_min = paths.token_range(_ROWS, p)[0]
+        decode = _sym_lt(m, decode_max + 1) if m.node.has_hint() else None
+        band = _sym_lt(m, rows_min) if decode is False else False
         if decode is None or band is None:
             return None                  # unbacked, or a user's range spans two ranges: the op decides
-        where = (f"<= {p.decode_max_m}" if decode else f"{p.decode_max_m + 1}-{p.min_tokens - 1}" if band
-                 else f">= {p.min_tokens}")
+        where = (f"<= {decode_max}" if decode else f"{decode_max + 1}-{rows_min - 1}" if band
+                 else f">= {rows_min}")
         return _guarded(m, where, _cuda_count_reason(p, int(m.node.hint), k, n, k_out, gated, cudagraphs))
     return None if m is None else _cuda_count_reason(p, m, k, n, k_out, gated, cudagraphs)
 
 
 def _cpu_infer_reason(p: CpuPolicy, dtype: torch.dtype, m, k: int, n: int, k_out: int) -> Optional[str]:
-    if dtype not in CPU_DTYPES:
+    if not paths.dtype_ok(_CPU, dtype):
         return (f"{str(dtype).replace('torch.', '')} on CPU runs plain PyTorch (the C++ kernel takes "
-                f"float32/bfloat16), slower than Inductor's code")
-    if k < p.min_width:
-        return (f"K={k}: under the K >= {p.min_width} where the CPU kernel beats Inductor (narrower layers: "
-                f"Inductor's dense code is faster)")
+                f"{paths.dtype_names(_CPU)}), slower than Inductor's code")
+    if k < paths.min_width(_CPU, p):
+        return (f"K={k}: under the K >= {paths.min_width(_CPU, p)} where the CPU kernel beats Inductor (narrower "
+                f"layers: Inductor's dense code is faster)")
+    few_below = paths.token_range(_CPU, p)[0]
 
     def few(count: int) -> str:
-        return (f"{count} tokens: under the {p.min_tokens} from which the CPU kernel beats Inductor (plain "
+        return (f"{count} tokens: under the {few_below} from which the CPU kernel beats Inductor (plain "
                 f"PyTorch is slower than Inductor)")
 
     if isinstance(m, torch.SymInt):
-        if m.node.has_hint() and _sym_lt(m, p.min_tokens):
-            return _guarded(m, f"< {p.min_tokens}", few(int(m.node.hint)))
+        if m.node.has_hint() and _sym_lt(m, few_below):
+            return _guarded(m, f"< {few_below}", few(int(m.node.hint)))
         return None
     if m is None:
         return None                      # unknown count (prepare): the op decides per call
-    if m < p.min_tokens:
+    if m < few_below:
         return few(m)
-    from twell_compile.runtime import cpu_ffn       # builds on first use; not at import
+    if not all(map(paths.have, _CPU.needs)):
+        from twell_compile.runtime import cpu_ffn       # builds on first use; not at import
 
-    if cpu_ffn.extension() is None:
         return f"the C++ CPU kernel is unavailable ({cpu_ffn.active_impl()}); plain PyTorch is slower than Inductor"
     return None
 
@@ -481,30 +477,32 @@ def _static_policy(device: torch.device) -> GpuPolicy:
 
 
 def _train_reason(device: torch.device, dtype: torch.dtype, m, k: int, n: int, k_out: int) -> Optional[str]:
-    if device.type != "cuda":
+    """The sparse training kernels' record: device, dtype, widths, the record's K and token bounds."""
+    if not paths.runs_on(_TRAIN_SPARSE, device.type):
         return ("training on CPU runs the plain-PyTorch implementation (exact, slower than Inductor's "
                 "code); set twell.l1 to train with the sparsity penalty, which needs it")
     p = _static_policy(device)
-    if dtype not in DTYPES:
+    if not paths.dtype_ok(_TRAIN_SPARSE, dtype):
         return (f"{str(dtype).replace('torch.', '')} training on CUDA runs the plain-PyTorch path "
-                f"(the sparse training kernels take bf16/fp16, e.g. under autocast)")
-    if k > MAX_WIDTH or k_out > MAX_WIDTH or n > MAX_N:
+                f"(the sparse training kernels take {paths.dtype_names(_TRAIN_SPARSE)}, e.g. under autocast)")
+    if paths.too_wide(_TRAIN_SPARSE, k, n, k_out):
         return f"layer too wide for the CUDA sparse training kernels (K={k}, K_out={k_out}, N={n})"
-
-    if k < p.train_min_width:
-        return (f"K={k}: under the {p.train_min_width} where the CUDA sparse training kernels can win "
+    min_k = paths.min_width(_TRAIN_SPARSE, p)
+    if k < min_k:
+        return (f"K={k}: under the {min_k} where the CUDA sparse training kernels can win "
                 f"(no twell.l1 penalty needs our backward)")
+    min_m = paths.token_range(_TRAIN_SPARSE, p)[0]
 
     def below(count: int) -> str:
-        return (f"{count} tokens: below the {p.train_min_tokens} where the CUDA sparse training kernels "
+        return (f"{count} tokens: below the {min_m} where the CUDA sparse training kernels "
                 f"can win (no twell.l1 penalty needs our backward)")
 
     if isinstance(m, torch.SymInt):
         # guarded either way; None: unbacked, or a user's range spanning train_min_tokens
-        if m.node.has_hint() and _sym_lt(m, p.train_min_tokens):
-            return _guarded(m, f"< {p.train_min_tokens}", below(int(m.node.hint)))
+        if m.node.has_hint() and _sym_lt(m, min_m):
+            return _guarded(m, f"< {min_m}", below(int(m.node.hint)))
         return None
-    return below(m) if m is not None and m < p.train_min_tokens else None
+    return below(m) if m is not None and m < min_m else None
 
 
 _rules_for: list[tuple[torch.device, torch.dtype]] = []   # compile_rules_for blocks open, innermost last
@@ -543,10 +541,10 @@ def static_reason(device: torch.device, dtype: torch.dtype, m: Optional[Union[in
         return why
     if training:
         return None if l1 else _train_reason(device, dtype, m, k, n, k_out)
-    if device.type == "cuda":
+    if paths.runs_on(_DENSE, device.type):      # the CUDA paths' device
         p = _static_policy(device)
         return _cuda_infer_reason(p, dtype, m, k, n, k_out, gated, cudagraphs)
-    if device.type == "cpu":
+    if paths.runs_on(_CPU, device.type):
         return _cpu_infer_reason(arch.policy_for(device), dtype, m, k, n, k_out)  # type: ignore[arg-type]
     return None
 
@@ -567,47 +565,51 @@ def experts_reason(device: torch.device, experts: int, *, training: bool = False
 
 
 def static_path(device: torch.device, dtype: torch.dtype, m: Optional[Union[int, torch.SymInt]], k: int,
-                k_out: int, n: int, *, training: bool = False, path: str = "auto") -> str:
-    """What a rewritten FFN's op will run, in words, for ``explain`` (compile-time facts; the
-    final choice is per call). Adds no guard: a dynamic count is described, not decided."""
+                n: int, k_out: int, *, training: bool = False, path: str = "auto") -> str:
+    """What a rewritten FFN's op will run, in words, for ``explain`` (compile-time facts, in
+    ``static_reason``'s order; the final choice is per call). Adds no guard: a dynamic count is
+    described, not decided."""
     device, dtype = _rules_target(device, dtype)
     if path != "auto":
         return f"forced: {path}"
     static_m = m if isinstance(m, int) else None
     if training:
-        if device.type == "cuda" and dtype in DTYPES and k <= MAX_WIDTH and k_out <= MAX_WIDTH and n <= MAX_N:
-            p = _static_policy(device)
-            if k < p.train_min_width:
-                return f"CUDA dense training path (K={k} under the sparse kernels' {p.train_min_width})"
+        c = _TRAIN_SPARSE
+        if paths.runs_on(c, device.type) and paths.dtype_ok(c, dtype) and not paths.too_wide(c, k, n, k_out):
+            min_k = paths.min_width(c, _static_policy(device))
+            if k < min_k:
+                return f"CUDA dense training path (K={k} under the sparse kernels' {min_k})"
             return "CUDA sparse training kernels or dense, by measured density"
-        return "plain PyTorch (exact; the sparse training kernels take CUDA bf16/fp16)"
-    if device.type == "cuda":
-        if dtype not in DTYPES:
+        return f"plain PyTorch (exact; the sparse training kernels take CUDA {paths.dtype_names(c)})"
+    if paths.runs_on(_DENSE, device.type):
+        if not (paths.dtype_ok(_DECODE, dtype) or paths.dtype_ok(_ROWS, dtype)):
             return "dense (eager's calls)"
         p = _static_policy(device)
-        if static_m is not None and static_m <= p.decode_max_m:
+        if static_m is not None and static_m <= paths.token_range(_DECODE, p)[1]:
             return "CUDA decode or dense, by measured density"
         if static_m is not None:
             return "CUDA TwELL or dense, by measured density"
         return "CUDA decode, TwELL or dense, by token count and measured density"
-    if device.type == "cpu" and dtype in CPU_DTYPES:
+    if paths.runs_on(_CPU, device.type) and paths.dtype_ok(_CPU, dtype):
         p = arch.policy_for(device)
-        if k < p.min_width:
+        if k < paths.min_width(_CPU, p):
             return "plain PyTorch"
-        if p.min_tokens <= 1:
+        min_m = paths.token_range(_CPU, p)[0]
+        if min_m <= 1:
             return "C++ CPU kernel"
         if static_m is None:
-            return f"C++ CPU kernel from {p.min_tokens} tokens, else plain PyTorch"
-        return "C++ CPU kernel" if static_m >= p.min_tokens else "plain PyTorch"
+            return f"C++ CPU kernel from {min_m} tokens, else plain PyTorch"
+        return "C++ CPU kernel" if static_m >= min_m else "plain PyTorch"
     return "plain PyTorch"
 
 
 def decode_state_wanted(device: torch.device, dtype: torch.dtype, k: int, n: int, k_out: int,
                         gated: bool) -> bool:
     """Whether an inference FFN's decode path can ever win (M=1, density 0: its best case), so
-    the backend should make its persistent decode state at compile time."""
+    the backend should make its persistent decode state at compile time (the decode record
+    uses one: ``Need.DECODE_STATE``)."""
     device = torch.device(device)
-    if device.type != "cuda" or dtype not in DTYPES:
+    if not (paths.runs_on(_DECODE, device.type) and paths.dtype_ok(_DECODE, dtype)):
         return False
     p = _static_policy(device)
     return decode_wins(p, 0.0, 1, k, n, k_out, gated)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from twell_compile import stats
-from twell_compile.formats import Hybrid, backup_capacity, nonzero_mask, pack_hybrid, unpack_hybrid
+from twell_compile.formats import Hybrid, backup_capacity, ell_width_for, nonzero_mask, pack_hybrid, unpack_hybrid
 from twell_compile.reference import activate, ffn_hidden
 
 
@@ -52,7 +52,7 @@ def ffn_train_forward(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up:
     hg, hu = ffn_hidden(x2, w_gate, b_gate, w_up, b_up)
     h = activate(hg, hu, act)
     y = F.linear(h, w_down, b_down)
-    width = min(ell_width, n)
+    width = ell_width_for(ell_width, n)
     fired = nonzero_mask(hg)
     gate_counts = fired.sum(-1, dtype=torch.int32)
     # dReLU: relu(g) only where h's value is non-zero too (NaN kept; masked_fill writes +0.0,
