@@ -19,7 +19,7 @@ PREFIX = "twell."
 # The paths ``twell.path`` (and the ops' ``path`` argument) can force; runtime/select.py says
 # what each runs.
 INFER_PATHS = ("auto", "dense", "twell", "decode", "decode-rows", "decode-tiles", "decode-list",
-               "decode-pairs", "cpu", "torch")
+               "decode-pairs", "decode-union", "cpu", "torch")
 TRAIN_PATHS = ("auto", "dense", "compact", "twell")
 PATHS = tuple(dict.fromkeys(INFER_PATHS + TRAIN_PATHS))
 
@@ -69,7 +69,7 @@ class TwellConfig:
         backward).
     path ["auto"]: force one path for every rewritten FFN instead of the measured rules
         (runtime/select.py): "dense", "twell", "decode", "decode-rows", "decode-tiles",
-        "decode-list", "decode-pairs", "cpu", "torch" for inference; "dense", "compact",
+        "decode-list", "decode-pairs", "decode-union", "cpu", "torch" for inference; "dense", "compact",
         "twell" for training. For tests and benchmarks: FFNs are then always rewritten, and a
         call the forced path cannot run (e.g. "decode" at 1000 tokens) raises ``ValueError``.
         A path one op lacks ("cpu", "torch", "decode*" for training, "compact" for inference)
