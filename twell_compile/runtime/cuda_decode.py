@@ -101,6 +101,9 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
         raise ValueError(f"decode path takes M <= {MAX_M} rows, got x with {m}")
     if form not in (None,) + FORMS:
         raise ValueError(f"form must be one of {FORMS} or None, got {form!r}")
+    if form == "union" and x2.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"form='union' takes x2 in float16 or bfloat16 (its list holds h in x's dtype), "
+                         f"got {x2.dtype}")
     if m == 0:
         dev = x2.device
         return Decoded(torch.empty((0, w_down.shape[0]), dtype=x2.dtype, device=dev),
@@ -119,7 +122,7 @@ class Prepared(NamedTuple):
     warps and stages. Holds no tensors, so ``execute`` keeps these in a plain dict."""
     int_sizes: tuple         # int32 scratch: list neurons, list counts, non-zeros per block row, tok
     int_total: int
-    float_sizes: tuple       # fp32 scratch: list h (union form: its h in x's dtype, 2 per word), sum |h| per block, total
+    float_sizes: tuple       # fp32 scratch: list h (union form: h in x's dtype, 2 per word), sum |h| per block, total
     float_total: int
     launch1: tuple           # (kernel, grid, static ints, constexprs, warps, stages)
     launch2: Optional[tuple]  # the same for the finishing / gather / down launch (None: in-kernel finish)
