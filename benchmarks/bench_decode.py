@@ -31,7 +31,8 @@ path the op ran. rel_err / dense_rel_err: ||y - y_fp32|| / ||y_fp32|| of the op 
 bf16 (fp32 reference with TF32 off). Rows as benchmarks/rows.py stamps them, to --out (default
 runs/<gpu>/ffn_decode.json; the canonical files: benchmarks/results/README.md).
 --configs / --policy run with tuned decode configs / cost-model constants (tune_decode.py's
-files) in place of the record's, through arch.patched. --act (rows: act): the activation of
+files; --configs also takes {padded M: {field: value}}, those fields replaced in the record's
+config, e.g. {"64": {"union_s": 8}}) in place of the record's, through arch.patched. --act (rows: act): the activation of
 eager's calls, the op's and the fp32 reference: relu, relu2 (relu(g)^2 * u) or drelu
 (relu(g) * relu(u)); nnz_per_row and union stay relu(g)'s, the neurons the op reads.
 """
@@ -190,13 +191,23 @@ def load_policy(path: str) -> dict[str, Any]:
 
 def load_configs(path: str) -> dict[str, Any]:
     """Record fields for arch.patched from a configs file ({padded M: [arch.DecodeConfig fields in
-    order, the first 8 at least]}, tune_decode.py --out; keys "wide:<padded M>" set the
-    configs for K >= the record's wide_k); buckets not given keep the record's."""
+    order, the first 8 at least]}, tune_decode.py --out, or {padded M: {field: value}}: those
+    fields replaced in the record's config; keys "wide:<padded M>" set the configs for K >= the
+    record's wide_k); buckets not given keep the record's."""
     base = arch.cuda_default()
     tables = {"decode_configs": dict(base.decode_configs), "wide_decode_configs": dict(base.wide_decode_configs)}
     for mp, vals in json.loads(Path(path).read_text()).items():
         table = tables["wide_decode_configs" if mp.startswith("wide:") else "decode_configs"]
-        table[int(mp.removeprefix("wide:"))] = arch.DecodeConfig(*vals)
+        key = int(mp.removeprefix("wide:"))
+        if isinstance(vals, dict):
+            unknown = sorted(set(vals) - set(arch.DecodeConfig._fields))
+            if unknown:
+                raise ValueError(f"--configs: unknown DecodeConfig fields {unknown} in {path}")
+            if key not in table:
+                raise ValueError(f"--configs: no record config at padded M {mp} to replace fields of, in {path}")
+            table[key] = table[key]._replace(**vals)
+        else:
+            table[key] = arch.DecodeConfig(*vals)
     return tables
 
 

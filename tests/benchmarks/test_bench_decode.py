@@ -108,3 +108,21 @@ def test_forms_and_down_layout_reach_the_grid(monkeypatch, capsys):
         assert "invalid choice" in capsys.readouterr().err
     assert "forms" in inspect.signature(bench_decode.run_point).parameters
     assert "down_layout" in inspect.signature(bench_decode.weight_sets).parameters
+
+
+def test_configs_file_replaces_named_fields(tmp_path):
+    """{padded M: {field: value}}: those fields replaced in the record's config (union-form sweeps)."""
+    base = arch.cuda_default()
+    path = tmp_path / "c.json"
+    path.write_text('{"64": {"union_s": 8, "union_c": 32}, "wide:16": {"union_bo": 16}}')
+    with arch.patched(**bench_decode.load_configs(str(path))):
+        p = arch.cuda_default()
+        assert p.decode_configs[64] == base.decode_configs[64]._replace(union_s=8, union_c=32)
+        assert p.wide_decode_configs[16] == base.wide_decode_configs[16]._replace(union_bo=16)
+        assert p.decode_configs[16] == base.decode_configs[16]
+    path.write_text('{"64": {"union_splits": 8}}')
+    with pytest.raises(ValueError, match="unknown DecodeConfig fields"):
+        bench_decode.load_configs(str(path))
+    path.write_text('{"48": {"union_s": 8}}')
+    with pytest.raises(ValueError, match="padded M 48"):
+        bench_decode.load_configs(str(path))
