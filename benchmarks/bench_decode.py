@@ -5,6 +5,8 @@
     python3 benchmarks/bench_ffn.py --decode --M 64 128 256 512 2048 8192 --density 0.005 \\
         --shapes 2048x5632 --out /tmp/crossover.json               # where each path wins
     python3 benchmarks/bench_ffn.py --decode --act drelu --M 1 16 --density 0.005   # dReLU (relu2: squared ReLU)
+    python3 benchmarks/bench_ffn.py --decode --M 16 64 128 256 --density 0.005 --shapes 2048x5632 \
+        --forms pairs union --down-layout transposed                 # W_down stored [N, K_out]
 
 Per (shape, density) LAYERS weight sets are drawn (twell_compile/testing.py, bf16), enough that
 one pass reads > ROTATE_MB of weights (several times the 50-60 MB L2): each timed CUDA graph
@@ -17,7 +19,11 @@ up front (runtime/decode_state.py), as the backend does at compile time.
              "twell" for the per-row path, "dense")
   kernel_ms  the op with its sparse path forced (path=): decode for M <= arch.MAX_M (each of
              its up/down forms timed, form_ms; kernel_ms is the fastest, kernel_form), else the
-             per-row path (kernel column: "decode" or "twell")
+             per-row path (kernel column: "decode" or "twell"). --forms: only these forms
+             (default every form of cuda_decode.FORMS; "rows" only where M <= vec_m)
+--down-layout transposed (rows: down_layout): every W_down stored [N, K_out] (w_down.t()
+contiguous, as twell_compile.prepare(down_layout="transposed") stores it): the decode kernels'
+W_d^T rows are then contiguous; eager's calls read the same tensors.
 Bandwidth: peak_GBps is a 1 GiB device-to-device copy (read + write bytes) in the same run;
 dense_GBps counts W_gate + W_up + W_down once; twell_GBps counts W_gate plus the W_up and
 W_down^T rows of the neurons active in any of the M rows (union, measured per layer), for the
@@ -25,7 +31,8 @@ path the op ran. rel_err / dense_rel_err: ||y - y_fp32|| / ||y_fp32|| of the op 
 bf16 (fp32 reference with TF32 off). Rows as benchmarks/rows.py stamps them, to --out (default
 runs/<gpu>/ffn_decode.json; the canonical files: benchmarks/results/README.md).
 --configs / --policy run with tuned decode configs / cost-model constants (tune_decode.py's
-files) in place of the record's, through arch.patched. --act (rows: act): the activation of
+files; --configs also takes {padded M: {field: value}}, those fields replaced in the record's
+config, e.g. {"64": {"union_s": 8}}) in place of the record's, through arch.patched. --act (rows: act): the activation of
 eager's calls, the op's and the fp32 reference: relu, relu2 (relu(g)^2 * u) or drelu
 (relu(g) * relu(u)); nnz_per_row and union stay relu(g)'s, the neurons the op reads.
 """
@@ -88,10 +95,13 @@ def graph_ms(fn, reps: int) -> float:
     return ms
 
 
-def weight_sets(m_max: int, k: int, n: int, density: float, tail: float, layers: int, seed: int) -> list[dict]:
+def weight_sets(m_max: int, k: int, n: int, density: float, tail: float, layers: int, seed: int,
+                down_layout: str = "linear") -> list[dict]:
     sets = []
     for r in range(layers):
         p = make_ffn(m_max, k, n, density, tail, device="cuda", seed=seed + r)
+        if down_layout == "transposed":        # [N, K_out] storage: w_down.t() is contiguous
+            p["w_down"] = p["w_down"].t().contiguous().t()
         decode_state.register(p["w_down"])
         sets.append(p)
     return sets
@@ -102,7 +112,8 @@ def layers_for(k: int, n: int, k_out: int, gated: bool, rotate_mb: float) -> int
     return max(2, math.ceil(rotate_mb / per))
 
 
-def run_point(sets, m: int, d: float, reps: int, tag: str, act: str = "relu") -> dict:
+def run_point(sets, m: int, d: float, reps: int, tag: str, act: str = "relu",
+              forms: tuple = cuda_decode.FORMS) -> dict:
     k, n, k_out = sets[0]["w_gate"].shape[1], sets[0]["w_gate"].shape[0], sets[0]["w_down"].shape[0]
     gated = sets[0]["w_up"] is not None
     layers = len(sets)
@@ -131,7 +142,7 @@ def run_point(sets, m: int, d: float, reps: int, tag: str, act: str = "relu") ->
     form_ms = {}
     if kname == "decode":      # every up/down form the decode path has for this M, forced
         vec_m = arch.policy_for(xs[0].device).decode_config(m, k).vec_m
-        for f in (f for f in cuda_decode.FORMS if f != "rows" or m <= vec_m):
+        for f in (f for f in forms if f != "rows" or m <= vec_m):
             form_ms[f] = graph_ms(lambda: op(f"decode-{f}"), reps) / layers
         kform = min(form_ms, key=form_ms.get)
         kernel_ms = form_ms[kform]
@@ -180,13 +191,23 @@ def load_policy(path: str) -> dict[str, Any]:
 
 def load_configs(path: str) -> dict[str, Any]:
     """Record fields for arch.patched from a configs file ({padded M: [arch.DecodeConfig fields in
-    order, the first 8 at least]}, tune_decode.py --out; keys "wide:<padded M>" set the
-    configs for K >= the record's wide_k); buckets not given keep the record's."""
+    order, the first 8 at least]}, tune_decode.py --out, or {padded M: {field: value}}: those
+    fields replaced in the record's config; keys "wide:<padded M>" set the configs for K >= the
+    record's wide_k); buckets not given keep the record's."""
     base = arch.cuda_default()
     tables = {"decode_configs": dict(base.decode_configs), "wide_decode_configs": dict(base.wide_decode_configs)}
     for mp, vals in json.loads(Path(path).read_text()).items():
         table = tables["wide_decode_configs" if mp.startswith("wide:") else "decode_configs"]
-        table[int(mp.removeprefix("wide:"))] = arch.DecodeConfig(*vals)
+        key = int(mp.removeprefix("wide:"))
+        if isinstance(vals, dict):
+            unknown = sorted(set(vals) - set(arch.DecodeConfig._fields))
+            if unknown:
+                raise ValueError(f"--configs: unknown DecodeConfig fields {unknown} in {path}")
+            if key not in table:
+                raise ValueError(f"--configs: no record config at padded M {mp} to replace fields of, in {path}")
+            table[key] = table[key]._replace(**vals)
+        else:
+            table[key] = arch.DecodeConfig(*vals)
     return tables
 
 
@@ -203,6 +224,11 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default=None, help="JSON of decode-rule constants to use (tune_decode.py --policy-out)")
     ap.add_argument("--act", choices=ACTS, default="relu",
                     help="the activation (rows: act): relu2 = relu(gate)**2 * up, drelu = relu(gate) * relu(up)")
+    ap.add_argument("--forms", nargs="+", choices=cuda_decode.FORMS, default=list(cuda_decode.FORMS),
+                    help="the decode forms timed forced (form_ms; kernel_ms is the fastest of them)")
+    ap.add_argument("--down-layout", choices=("linear", "transposed"), default="linear",
+                    help="W_down storage: nn.Linear's [K_out, N], or [N, K_out] (w_down.t() contiguous, "
+                         "as twell_compile.prepare(down_layout='transposed') stores it)")
     ap.add_argument("--out", default=None, help="JSON path (default runs/<gpu>/ffn_decode.json)")
     args = ap.parse_args(argv)
     for m in args.M:
@@ -238,10 +264,12 @@ def grid(args, shapes) -> int:
     for k, n in shapes:
         for d in args.density:
             layers = layers_for(k, n, k, True, args.rotate_mb)
-            sets = weight_sets(max(args.M), k, n, d, args.tail, layers, seed=hash((k, n, d)) & 0xFFFF)
+            sets = weight_sets(max(args.M), k, n, d, args.tail, layers, seed=hash((k, n, d)) & 0xFFFF,
+                               down_layout=args.down_layout)
             for m in args.M:
-                row = stamp({**run_point(sets, m, d, args.reps, f"bench_decode/{k}/{n}/{d}/{args.act}", args.act),
-                             "tail": args.tail,
+                row = stamp({**run_point(sets, m, d, args.reps, f"bench_decode/{k}/{n}/{d}/{args.act}", args.act,
+                                         tuple(args.forms)),
+                             "tail": args.tail, "down_layout": args.down_layout,
                              "peak_GBps": peak}, "cuda")
                 rows.append(row)
                 print(f"{m:>5} {k:>5} {n:>6} {d:>6} {100 * row['union_frac']:>6.1f} {row['dense_ms'] * 1e3:>6.1f}u "

@@ -90,3 +90,39 @@ def test_act_reaches_the_grid_and_unknown_ones_are_refused(monkeypatch, capsys):
         bench_ffn.main(["--decode", "--act", "gelu"])
     assert "invalid choice" in capsys.readouterr().err
     assert "act" in inspect.signature(bench_decode.run_point).parameters
+
+
+def test_forms_and_down_layout_reach_the_grid(monkeypatch, capsys):
+    """--forms (the forms timed forced) and --down-layout (W_down's storage) reach the grid, which
+    hands them to run_point and weight_sets; the grid needs a GPU, so it is stood in for here."""
+    got = []
+    monkeypatch.setattr(bench_decode.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_decode, "grid", lambda args, shapes: got.append((args.forms, args.down_layout)) or 0)
+    assert bench_ffn.main(["--decode", "--M", "16"]) == 0
+    assert bench_ffn.main(["--decode", "--forms", "pairs", "union", "--down-layout", "transposed"]) == 0
+    assert got == [(list(bench_decode.cuda_decode.FORMS), "linear"), (["pairs", "union"], "transposed")]
+    assert "union" in bench_decode.cuda_decode.FORMS
+    for argv in (["--forms", "unions"], ["--down-layout", "column"]):
+        with pytest.raises(SystemExit):
+            bench_ffn.main(["--decode", *argv])
+        assert "invalid choice" in capsys.readouterr().err
+    assert "forms" in inspect.signature(bench_decode.run_point).parameters
+    assert "down_layout" in inspect.signature(bench_decode.weight_sets).parameters
+
+
+def test_configs_file_replaces_named_fields(tmp_path):
+    """{padded M: {field: value}}: those fields replaced in the record's config (union-form sweeps)."""
+    base = arch.cuda_default()
+    path = tmp_path / "c.json"
+    path.write_text('{"64": {"union_s": 8, "union_c": 32}, "wide:16": {"union_bo": 16}}')
+    with arch.patched(**bench_decode.load_configs(str(path))):
+        p = arch.cuda_default()
+        assert p.decode_configs[64] == base.decode_configs[64]._replace(union_s=8, union_c=32)
+        assert p.wide_decode_configs[16] == base.wide_decode_configs[16]._replace(union_bo=16)
+        assert p.decode_configs[16] == base.decode_configs[16]
+    path.write_text('{"64": {"union_splits": 8}}')
+    with pytest.raises(ValueError, match="unknown DecodeConfig fields"):
+        bench_decode.load_configs(str(path))
+    path.write_text('{"48": {"union_s": 8}}')
+    with pytest.raises(ValueError, match="padded M 48"):
+        bench_decode.load_configs(str(path))

@@ -31,7 +31,14 @@ SCRIPT = textwrap.dedent("""
     torch.manual_seed({seed})
     m, k, n, ko, gated, bias, density, bad, cfg, form = {case}
     act = {act!r}
+    down_t = {down_t}
     dt = torch.float16
+    if form == "union":      # scratch and outputs poisoned: what a kernel leaves unwritten shows
+        _empty = torch.empty
+        def _poisoned(*a, **kw):
+            t = _empty(*a, **kw)
+            return t.fill_(float("nan") if t.is_floating_point() else -(1 << 30) if t.dtype == torch.int32 else 0)
+        torch.empty = _poisoned
     x = torch.randn(m, k)
     x[:, 0] = 1.0
     wg = torch.randn(n, k) / k ** .5
@@ -45,6 +52,8 @@ SCRIPT = textwrap.dedent("""
     wu = (torch.randn(n, k) / k ** .5).to(dt) if gated else None
     bu = torch.randn(n).to(dt) if bias and gated else None
     wd = (torch.randn(ko, n) / (n * max(density, 0.01)) ** .5).to(dt)
+    if down_t:               # W_down stored transposed (prepare(down_layout="transposed")): wd.t() contiguous
+        wd = wd.t().contiguous().t()
     bd = torch.randn(ko).to(dt) if bias else None
     if bad:
         x[1, 3] = float("nan"); x[0, 5] = float("inf")
@@ -52,7 +61,11 @@ SCRIPT = textwrap.dedent("""
     from twell_compile.runtime import decode_state
     if m % 2:    # odd M: through the registered W_down's persistent state
         assert decode_state.register(wd)
-    cfg = None if cfg is None else Config(*cfg)
+    if isinstance(cfg, dict):    # fields replaced in the record's config for this M
+        from twell_compile.runtime.cuda_decode import config_for
+        cfg = config_for(m, k, x.device)._replace(**cfg)
+    elif cfg is not None:
+        cfg = Config(*cfg)
     st = torch.full((4,), float("nan"), dtype=torch.float64)
     y, tok, hsum = decode_forward(*args, cfg=cfg, stats_buf=st, form=form, act=act)
     if m % 2:    # the persistent state is zero again, and a second call agrees
@@ -63,6 +76,12 @@ SCRIPT = textwrap.dedent("""
             assert torch.equal(y2, y) or bad, "list form not repeatable"
     eager = ffn_dense(*args, act)
     assert torch.equal(torch.isnan(y), torch.isnan(eager)), "nan pattern"
+    if form == "union":     # the statistics the pairs form gives (g's rounding at 0 may differ)
+        st2 = torch.full((4,), float("nan"), dtype=torch.float64)
+        _, tok2, hsum2 = decode_forward(*args, stats_buf=st2, form="pairs", act=act)
+        assert (tok - tok2).abs().sum() <= 2 and abs(int(tok[m]) - int(tok2[m])) <= 2, (tok, tok2)
+        assert torch.allclose(hsum, hsum2, rtol=1e-3, atol=1e-3, equal_nan=True), (hsum, hsum2)
+        assert torch.allclose(st, st2, rtol=1e-3, atol=2, equal_nan=True), (st, st2)
     hg = torch.relu(F.linear(x, wg, bg))
     cnt = (hg != 0).sum(1).int()
     assert (tok[:m] - cnt).abs().sum() <= 2, (tok, cnt)
@@ -123,6 +142,23 @@ CASES = [
     (5, 72, 257, 65, True, False, 0.3, True, (32, 32, 32, 16, 0, 0, 4, 1, 4, 32, 16, 16, 4, 32, True, 0, 0, 32), "pairs"),  # udot, NaN/Inf
 ]
 
+# the union form (each neuron block's union over all rows listed, then the down launch over the
+# union); config: union_* fields replaced in the record's config (dict), or None; W_down stored
+# as nn.Linear keeps it or transposed
+UNION_CASES = [
+    # m, k, n, k_out, gated, bias, density, nan/inf rows, config, form, W_down transposed
+    (16, 64, 200, 40, True, True, 0.005, False, dict(union_bn=16, union_c=16, union_bo=16), "union", False),
+    (17, 72, 130, 33, True, False, 0.3, True, dict(union_c=16, union_bo=16, union_s=3), "union", True),
+    (33, 96, 150, 24, False, True, 0.3, False, dict(union_s=1, union_c=32, union_bo=16), "union", True),   # y direct
+    (64, 64, 96, 40, True, True, 1.0, False, dict(union_bn=16, union_c=32, union_mb=16), "union", False),  # 4 row tiles
+    (16, 80, 120, 40, True, True, 0.0, False, None, "union", False),           # density 0, biases, the record's config
+    (33, 64, 200, 17, True, True, 0.005, True, dict(union_s=1, union_bn=16, union_c=16), "union", False),
+    (64, 96, 177, 65, False, False, 0.005, False, dict(union_s=2, union_mb=32), "union", True),  # odd N, 2 row tiles
+    (17, 64, 100, 40, True, False, 1.0, True, dict(union_s=1), "union", False),   # density 1, y direct, NaN/Inf
+    (64, 64, 130, 24, True, True, 0.3, True, dict(union_bn=16, union_c=16, union_bo=16), "union", True),
+    (16, 64, 96, 40, False, False, 0.0, False, dict(union_s=1), "union", True),   # density 0: y is 0
+]
+
 
 def test_rows_form_gemv_gate_only_at_one_row():
     from twell_compile.runtime import cuda_decode
@@ -160,6 +196,78 @@ def test_list_and_pairs_launch_take_their_own_warps_and_blocks():
     assert (warps, consts["BN"], consts["PB"]) == (wide.warps, wide.lbn, wide.pb)
 
 
+def test_union_form_launch_shapes():
+    """The union form at the benchmark shape (K=2048, N=5632, K_out=2048): 176 list programs of
+    32 neurons over all M rows at once, the down launch over 64 K_out tiles x union_s splits x row
+    tiles, then the finish; one split: the down launch writes y (no finish, no accumulator)."""
+    from twell_compile.kernels.twell_decode import decode_finish_kernel
+    from twell_compile.runtime import cuda_decode
+    for m in (16, 17, 64, 128, 256):
+        c = P.decode_config(m, 2048)
+        mp = max(16, arch.next_pow2(m))
+        p = cuda_decode.prepare(m, 2048, 5632, 2048, "union", c, True, False, False, False, True, True)
+        _, g1, s1, c1, w1, st1 = p.launch1
+        assert g1 == (-(-5632 // c.union_bn),) and g1[0] >= 150 and s1 == (m, 2048, 5632)
+        assert (c1["BN"], c1["MP"], w1, st1) == (c.union_bn, mp, c.union_warps, c.union_stages)
+        _, g2, s2, c2, w2, st2 = p.launch2
+        assert g2 == (2048 // c.union_bo, c.union_s, 1) and g2[0] * g2[1] >= 256, (m, g2)   # ~2 per SM of 132
+        assert (c2["BO"], c2["C"], c2["MT"], c2["DIRECT"], w2, st2) == (
+            c.union_bo, c.union_c, mp, False, c.union_dwarps, c.union_dstages)
+        assert p.launch3[0] is decode_finish_kernel and p.uses_acc
+        assert p.int_sizes == (g1[0] * c.union_bn, g1[0], 0, m + 1)
+        assert p.float_sizes[0] * 2 == g1[0] * c.union_bn * mp         # h in x's dtype, 2 per fp32 word
+        # one split: y written by the down launch
+        d = cuda_decode.prepare(m, 2048, 5632, 2048, "union", c._replace(union_s=1), True, False, False, False,
+                                True, True)
+        assert d.launch3 is None and not d.uses_acc and d.launch2[3]["DIRECT"] and d.launch2[1][1] == 1
+    p = cuda_decode.prepare(256, 2048, 5632, 2048, "union", P.decode_config(256, 2048)._replace(union_mb=64),
+                            True, False, False, False, True, False)
+    assert p.launch2[1][2] == 4 and p.launch2[3]["MT"] == 64               # 4 row tiles of 64
+    assert not p.launch3[3]["CLEAN"]
+
+
+@pytest.mark.parametrize("field,value", [("union_c", 24), ("union_bo", 8), ("union_bn", 0), ("union_bk", 48),
+                                         ("union_mb", 8), ("union_s", 0)])
+def test_union_form_rejects_bad_config_fields(field, value):
+    from twell_compile.runtime.cuda_decode import decode_forward
+    x = torch.zeros(16, 16, dtype=torch.float16)
+    w = torch.zeros(32, 16, dtype=torch.float16)
+    cfg = P.decode_config(16, 16)._replace(**{field: value})
+    with pytest.raises(ValueError, match=f"cfg.{field}"):
+        decode_forward(x, w, None, w, None, w.t().contiguous(), None, cfg=cfg, form="union")
+
+
+def test_union_form_through_the_ops_decode_entry_under_interpreter():
+    """The op's CUDA entry (cuda_infer.ffn_infer) on a decode plan of the union form (what
+    path="decode-union" plans on CUDA): y by the 2x rule, the layer's statistics from the kernels."""
+    run_interpreted(textwrap.dedent("""
+        import torch, torch.nn.functional as F
+        import twell_compile
+        from twell_compile.reference import ffn_dense
+        from twell_compile.runtime import arch, cuda_infer, select
+        torch.manual_seed(5)
+        m, k, n, ko = 33, 64, 120, 40
+        dt = torch.float16
+        x = torch.randn(m, k).to(dt)
+        wg, wu = (torch.randn(n, k) / 8).to(dt), (torch.randn(n, k) / 8).to(dt)
+        wd = (torch.randn(ko, n) / 11).to(dt).t().contiguous().t()          # transposed storage
+        bg, bu, bd = (torch.randn(n) * .1).to(dt), torch.randn(n).to(dt), torch.randn(ko).to(dt)
+        args = (x, wg, bg, wu, bu, wd, bd)
+        plan = select.InferPlan("decode", arch.H200, ("glue", x.device, x.dtype, k, n, ko, True), form="union")
+        y = cuda_infer.ffn_infer(plan, *args, "glue", True)
+        ref = ffn_dense(*(a.double() for a in args))
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        derr = ((ffn_dense(*args).double() - ref).norm() / ref.norm()).item()
+        assert err <= 2 * derr + 1e-6, (err, derr)
+        st = twell_compile.layer_stats()["glue"]
+        nnz = (F.linear(x, wg, bg) > 0).sum(1)
+        assert st.tokens == m and st.hidden == n
+        assert abs(st.mean_nnz - float(nnz.float().mean())) <= 2 / m, (st, nnz)
+        assert abs(st.max_nnz - int(nnz.max())) <= 1, (st, nnz)
+        print("ok", err, derr)
+    """))
+
+
 def test_state_tail_holds_tickets_counters_and_sum():
     w = torch.nn.Parameter(torch.randn(6, 5))
     assert ds.register(w)
@@ -175,15 +283,22 @@ def test_state_tail_holds_tickets_counters_and_sum():
 
 @pytest.mark.parametrize("case", CASES)
 def test_decode_kernels_under_interpreter(case):
-    run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case, act="relu"))
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case, act="relu", down_t=False))
 
 
-# squared ReLU and dReLU in every form (rows, GEMV gate, tiles, list, list + udot, pairs),
+@pytest.mark.parametrize("case", UNION_CASES)
+def test_decode_union_form_under_interpreter(case):
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case[:10], act="relu", down_t=case[10]))
+
+
+# squared ReLU and dReLU in every form (rows, GEMV gate, tiles, list, list + udot, pairs, union),
 # gated and non-gated, NaN/Inf rows
 @pytest.mark.parametrize("act, case", [("relu2", CASES[i]) for i in (0, 1, 2, 3, 12, 13, 18, 22, 23)]
-                         + [("drelu", CASES[i]) for i in (0, 2, 4, 12, 18, 22)])
+                         + [("drelu", CASES[i]) for i in (0, 2, 4, 12, 18, 22)]
+                         + [("relu2", UNION_CASES[i][:10]) for i in (1, 2)]
+                         + [("drelu", UNION_CASES[i][:10]) for i in (5, 8)])
 def test_decode_activations_under_interpreter(act, case):
-    run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 3, case=case, act=act))
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 3, case=case, act=act, down_t=False))
 
 
 # ----------------------------------------------------------------------------- CPU: state, rule
@@ -268,6 +383,8 @@ def test_decode_forward_rejects_bad_forms():
         decode_forward(x, w, None, w, None, w.t().contiguous(), None, form="lists")
     with pytest.raises(ValueError, match="vec_m"):
         decode_forward(x, w, None, w, None, w.t().contiguous(), None, form="rows")
+    with pytest.raises(ValueError, match="x2 in float16 or bfloat16"):
+        decode_forward(x, w, None, w, None, w.t().contiguous(), None, form="union")
 
 
 def test_static_reason_for_decode_sizes(decode_wins_everywhere):
@@ -401,6 +518,92 @@ def test_decode_list_and_pairs_form_configs_and_shapes(cfg, m, k, n, k_out, form
     _check(_ffn(m, k, n, k_out, 0.02, torch.bfloat16, tail=0.2), cfg, form=form)
 
 
+def _down_layout(p: dict, layout: str) -> dict:
+    """W_down as nn.Linear stores it ("linear"), or stored [N, K_out] ("transposed": w_down.t()
+    contiguous, as prepare(down_layout="transposed") stores it); same values."""
+    if layout == "transposed":
+        p["w_down"] = p["w_down"].t().contiguous().t()
+    return p
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DT)
+@pytest.mark.parametrize("m", [16, 17, 33, 64, 128, 256])
+@pytest.mark.parametrize("density", [0.0, 0.005, 0.3, 1.0])
+@pytest.mark.parametrize("layout", ["linear", "transposed"])
+def test_decode_union_form_grid(m, density, layout, dtype):
+    """The union form against fp32 with the 2x rule, twice per input (the persistent state zero
+    again after each call), statistics as the pairs form's; W_down in both storages."""
+    from twell_compile.runtime.cuda_decode import decode_forward
+    p = _down_layout(_ffn(m, 512, 1408, 520, density, dtype, tail=0.2), layout)
+    registered = m % 2 == 1 and m <= ds.STATE_ROWS
+    if registered:
+        assert ds.register(p["w_down"])
+    y = _check(p, form="union")
+    _check(p, form="union")
+    _, tok, hsum = decode_forward(*_args(p), form="union")
+    _, tok2, hsum2 = decode_forward(*_args(p), form="pairs")
+    assert (tok - tok2).abs().sum() <= 2 and abs(float(hsum) - float(hsum2)) <= 1e-3 * abs(float(hsum2)) + 1e-3
+    if registered:
+        acc, tail = ds.decode_state(p["w_down"], m)
+        assert not acc.any() and not tail.any(), "persistent state not zero after the call"
+    if density == 0.0:
+        assert torch.equal(y, p["b_down"].expand_as(y))
+    ds.clear()
+
+
+@gpu
+@pytest.mark.parametrize("fields", [dict(), dict(union_s=1), dict(union_s=8, union_c=32), dict(union_mb=32),
+                                    dict(union_bn=16, union_bo=16, union_c=128),
+                                    dict(union_bk=128, union_warps=8, union_dwarps=8, union_dstages=3)])
+@pytest.mark.parametrize("m", [16, 64, 129, 256])
+@pytest.mark.parametrize("k,n,k_out", [(2048, 5632, 2048), (4096, 11008, 4096), (100, 3000, 4100)])
+@pytest.mark.parametrize("layout", ["linear", "transposed"])
+def test_decode_union_form_configs_and_shapes(fields, m, k, n, k_out, layout):
+    """Union-form configs (one split: y written directly; row tiles; other block sizes) at the
+    measured shapes and an odd one."""
+    from twell_compile.runtime.cuda_decode import config_for
+    p = _down_layout(_ffn(m, k, n, k_out, 0.005, torch.bfloat16, tail=0.2), layout)
+    _check(p, config_for(m, k, p["x"].device)._replace(**fields), form="union")
+
+
+@gpu
+@pytest.mark.parametrize("m", [16, 64, 256])
+@pytest.mark.parametrize("layout", ["linear", "transposed"])
+def test_op_forced_decode_union_path(m, layout):
+    """path="decode-union" through the op, and twell.path="decode-union" through torch.compile
+    (the decode rule never picks the form itself): y by the 2x rule, the layer's statistics."""
+    import twell_compile
+    from twell_compile.reference import ffn_dense
+    from twell_compile.runtime import density
+    density.reset()
+    ds.clear()
+    p = _down_layout(_ffn(m, 2048, 5632, 2048, 0.005, torch.bfloat16), layout)
+    args = _args(p)
+    ref = ffn_dense(*(None if a is None else a.float() for a in args))
+    derr = _rel(ffn_dense(*args), ref)
+    for i in range(3):                              # eager, then the op's own graph replayed
+        _poison()
+        y = torch.ops.twell.ffn(*args, "union_op", True, path="decode-union")
+        assert torch.isfinite(y).all() and _rel(y, ref) <= 2 * derr + 1e-6, i
+    st = twell_compile.layer_stats()["union_op"]
+    nnz = (F.linear(p["x"], p["w_gate"], p["b_gate"]) > 0).sum(1)
+    assert st.tokens == m and abs(st.mean_nnz - float(nnz.float().mean())) <= 0.01 * float(nnz.float().mean()) + 1
+    model = GatedMLP(2048, 5632, bias=True).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        for name in ("gate", "up", "down"):
+            getattr(model, name).weight.copy_(p[f"w_{name}"])
+            getattr(model, name).bias.copy_(p[f"b_{name}"])
+        if layout == "transposed":
+            model.down.weight.data = model.down.weight.detach().t().contiguous().t()
+        f = torch.compile(model, backend="twell", options={"twell.path": "decode-union"})
+        y = f(p["x"])
+        ref = model.float()(p["x"].float())
+        assert _rel(y, ref) <= 2 * _rel(model(p["x"]), ref) + 1e-6
+    ds.clear()
+    density.reset()
+
+
 @gpu
 @pytest.mark.parametrize("cfg", [(32, 256, 256, 128, 0, 8192, 4, 3), (16, 64, 64, 64, 4, 0, 4, 2),
                                  (64, 128, 512, 256, 16, 1 << 20, 8, 3)])
@@ -449,7 +652,7 @@ def test_decode_odd_shapes(m, k, n, k_out, gated, bias):
 @gpu
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-@pytest.mark.parametrize("form", [None, "list", "pairs"])
+@pytest.mark.parametrize("form", [None, "list", "pairs", "union"])
 def test_decode_nan_inf_propagate_like_eager(gated, bad, form):
     from twell_compile.runtime.cuda_decode import decode_forward
     from twell_compile.reference import ffn_dense
@@ -483,7 +686,8 @@ def test_decode_repeatable_and_fresh_inputs():
 @gpu
 @pytest.mark.parametrize("m,registered,form", [(4, True, None), (1, True, None), (4, False, None), (40, True, None),
                                                (16, True, "list"), (40, False, "list"),
-                                               (16, True, "pairs"), (40, False, "pairs"), (3, True, "pairs")])
+                                               (16, True, "pairs"), (40, False, "pairs"), (3, True, "pairs"),
+                                               (17, True, "union"), (64, False, "union"), (200, False, "union")])
 def test_decode_cuda_graph_capture_and_replay_with_new_inputs(m, registered, form):
     """Replays with fresh inputs, interleaved with eager calls on the same weights: every result
     within the error rule (the persistent accumulator stays zero between calls)."""

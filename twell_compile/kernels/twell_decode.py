@@ -114,7 +114,7 @@ def add_stats(cnt_ptr, hsa_ptr, nz, hsum, rm, m_ok):
 
 
 @triton.jit
-def _finish_counts(cnt_ptr, hsa_ptr, tok_ptr, hsum_ptr, st_ptr, M, HAS_ST: tl.constexpr, CB: tl.constexpr):
+def finish_counts(cnt_ptr, hsa_ptr, tok_ptr, hsum_ptr, st_ptr, M, HAS_ST: tl.constexpr, CB: tl.constexpr):
     """Counters (``add_stats``) -> non-zeros per token and their total (tok[M + 1]), sum |h|,
     and the layer's stats buffer [sum, max non-zeros per token, sum |h|, overflows = 0]
     (float64); the counters are read and zeroed in one atomic each (as the accumulator)."""
@@ -306,7 +306,7 @@ def decode_fused_kernel(
             lo = pid_r * MB * KO
             _finish_span(acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, lo, tl.minimum(M * KO, lo + MB * KO), KO,
                          HAS_BD, CLEAN, FB)
-            _finish_counts(cnt_ptr, hsa_ptr, tok_ptr, hsum_ptr, st_ptr, M, HAS_ST, CB)
+            finish_counts(cnt_ptr, hsa_ptr, tok_ptr, hsum_ptr, st_ptr, M, HAS_ST, CB)
             tl.store(tk_ptr + pid_r, 0)
 
 
@@ -324,4 +324,4 @@ def decode_finish_kernel(acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, cnt_ptr, hsa_ptr, t
         _finish_span(acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, lo, tl.minimum(M * KO, lo + BLOCK), KO,
                      HAS_BD, CLEAN, BLOCK)
     else:
-        _finish_counts(cnt_ptr, hsa_ptr, tok_ptr, hsum_ptr, st_ptr, M, HAS_ST, CB)
+        finish_counts(cnt_ptr, hsa_ptr, tok_ptr, hsum_ptr, st_ptr, M, HAS_ST, CB)

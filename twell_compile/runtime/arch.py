@@ -54,6 +54,18 @@ class DecodeConfig(NamedTuple):
     pbn: int = 0       # pairs form's own neurons per program (0: lbn)
     ppb: int = 0       # pairs form's pairs per trip (0: pb)
     pwarps: int = 0    # pairs form's warps (0: warps)
+    # union form (kernels/twell_decode_union.py): its first launch (gate, up, the block's active
+    # neurons listed) and its down launch over the union (K_out tiles x splits x row tiles)
+    union_bn: int = 32      # neurons per program of the first launch (tl.dot's M side: <= 32 stays off wgmma)
+    union_bk: int = 64      # K step of its gate and up loops
+    union_warps: int = 4    # ... and its warps
+    union_stages: int = 3   # ... and its pipeline stages
+    union_bo: int = 32      # K_out per down program (tl.dot's M side: <= 32 stays off wgmma)
+    union_c: int = 64       # union entries per step of the down loop
+    union_s: int = 4        # splits of the union (1: y written directly, no atomics, no finish launch)
+    union_mb: int = 0       # rows per down program (0: all M rows padded to a power of two)
+    union_dwarps: int = 4   # warps of the down launch
+    union_dstages: int = 2  # pipeline stages of the down launch
 
 
 MAX_M = 256           # decode kernels: row blocks of <= MAX_MB rows, up to this many rows
@@ -218,13 +230,18 @@ class CpuPolicy:
 # the pairs form at 16 neurons per program, 2 pairs per trip and 2 warps up to 16 rows; the
 # list/pairs gate at K step 128, 5 stages; the rows form's GEMV gate at M=1 (12.5 us at 4
 # neurons per program against 14.9 with the tl.dot gate over 32). Results:
-# benchmarks/results/h200/ffn_decode.json.
+# benchmarks/results/h200/ffn_decode.json. The union form's fields are not measured yet: 32
+# neurons per first-launch program (176 programs at N=5632), down tiles of 32 K_out columns in 4
+# splits (64 x 4 = 256 programs at K_out=2048, ~2 per SM of 132); from 128 rows 8 warps and 32
+# entries per down step (the [32, M_P] fp32 tiles of g, u and the down accumulator in registers).
 _DECODE_CONFIGS = {
-    16: DecodeConfig(32, 256, 256, 256, 4, 0, 4, 3, lbk=128, lstages=5, gemv_bn=4, pbn=16, ppb=2, pwarps=2),
-    32: DecodeConfig(64, 128, 256, 256, 0, 0, 4, 3, lbk=128, lstages=5),
+    16: DecodeConfig(32, 256, 256, 256, 4, 0, 4, 3, lbk=128, lstages=5, gemv_bn=4, pbn=16, ppb=2, pwarps=2,
+                     union_bk=128),
+    32: DecodeConfig(64, 128, 256, 256, 0, 0, 4, 3, lbk=128, lstages=5, union_bk=128),
     64: DecodeConfig(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5),
-    128: DecodeConfig(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5),
-    256: DecodeConfig(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5),
+    128: DecodeConfig(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5, union_warps=8, union_c=32),
+    256: DecodeConfig(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5, union_warps=8, union_c=32,
+                      union_dwarps=8),
 }
 # K >= 3072 (tuned at K=4096, N=11008): 64 neurons per list/pairs program up to 16 rows (M=16
 # 51.9 us against 55.8 at 32, dense 87.0); at 32+ rows 32 neurons and K_out steps of 1024 (68.8

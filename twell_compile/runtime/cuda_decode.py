@@ -15,9 +15,12 @@ Measured on the H200 (K=2048, N=5632, M=1, d=0.005, CUDA graphs over 4 layers; d
 docs/inference.md "Decode"): the rows form 14.9 us (2.28x of dense), the pairs form at M=16
 28.2 us against dense 34.3 (benchmarks/results/h200/ffn_decode.json). An empty
 launch costs 1.4 us in a graph. The list form (twell_decode_list.py) sums without atomics and
-is the one used under torch.use_deterministic_algorithms. Launches use programmatic dependent
-launch on Hopper (``pdl_ok``), and eager calls replay the op's own CUDA graph
-(``execute(graphed=True)``, decode_graphs.py).
+is the one used under torch.use_deterministic_algorithms. The union form
+(twell_decode_union.py) reads each W_up and W_d^T row of the batch's union once for all rows,
+on tensor cores: a first launch lists the union per neuron block with h, a second runs the
+down projection over the list (unmeasured; forced only, ``path="decode-union"``). Launches use
+programmatic dependent launch on Hopper (``pdl_ok``), and eager calls replay the op's own CUDA
+graph (``execute(graphed=True)``, decode_graphs.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch import Tensor
 
 from twell_compile.kernels.twell_decode import decode_finish_kernel, decode_fused_kernel
 from twell_compile.kernels.twell_decode_list import decode_gather_kernel, decode_pairs_kernel
+from twell_compile.kernels.twell_decode_union import decode_union_down_kernel, decode_union_up_kernel
 from twell_compile.reference import ACTS
 from twell_compile.runtime import arch, decode_graphs, decode_state
 from twell_compile.runtime.arch import MAX_M, MAX_MB, DecodeConfig, m_pad, m_pad_rows, pairs_bn, pairs_pb, rows_bn, rows_gemv
@@ -84,8 +88,9 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
     (stats.py) that the kernels fill in place (sum and max of non-zeros per token, sum |h|, 0).
     ``form``: how up/down run: "rows" (one active neuron at a time, only for M <= cfg.vec_m),
     "tiles" (tl.dot tiles, atomics), "list" (per-token lists, a gather launch; no atomics) or
-    "pairs" (per active pair, atomics); None: rows where M <= cfg.vec_m, else tiles (the
-    plan decides by density, select.decode_form). ``cfg``: default config_for(M, K, device).
+    "pairs" (per active pair, atomics) or "union" (the batch's union of active neurons listed,
+    then one down launch over it: each weight row read once); None: rows where M <=
+    cfg.vec_m, else tiles (the plan decides by density, select.decode_form). ``cfg``: default config_for(M, K, device).
     ``graphed``: eager calls replay the op's own CUDA graph (``decode_graphs``; the op passes
     it); tok and hsum are then the graph's buffers, overwritten by the layer's next call.
     ``act``: the activation (reference.ACTS), formed where h is (kernels/act.py)."""
@@ -94,6 +99,9 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
         raise ValueError(f"decode path takes M <= {MAX_M} rows, got x with {m}")
     if form not in (None,) + FORMS:
         raise ValueError(f"form must be one of {FORMS} or None, got {form!r}")
+    if form == "union" and x2.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"form='union' takes x2 in float16 or bfloat16 (its list holds h in x's dtype), "
+                         f"got {x2.dtype}")
     if m == 0:
         dev = x2.device
         return Decoded(torch.empty((0, w_down.shape[0]), dtype=x2.dtype, device=dev),
@@ -112,10 +120,12 @@ class Prepared(NamedTuple):
     warps and stages. Holds no tensors, so ``execute`` keeps these in a plain dict."""
     int_sizes: tuple         # int32 scratch: list neurons, list counts, non-zeros per block row, tok
     int_total: int
-    float_sizes: tuple       # fp32 scratch: list h, sum |h| per block, total
+    float_sizes: tuple       # fp32 scratch: list h (union form: h in x's dtype, 2 per word), sum |h| per block, total
     float_total: int
     launch1: tuple           # (kernel, grid, static ints, constexprs, warps, stages)
-    launch2: Optional[tuple]  # the same for the finishing / gather launch (None: in-kernel finish)
+    launch2: Optional[tuple]  # the same for the finishing / gather / down launch (None: in-kernel finish)
+    launch3: Optional[tuple] = None   # the union form's finishing launch (None: its down launch writes y)
+    uses_acc: bool = True    # the launches add into the fp32 accumulator (else a fresh state is its tail alone)
 
 
 def prepare(m: int, k: int, n: int, k_out: int, form: str, c: DecodeConfig, gated: bool, has_bg: bool,
@@ -123,6 +133,8 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: DecodeConfig, gate
             act: str = "relu") -> Prepared:
     """``clean``: the accumulator is a registered weight's persistent one (zero between calls).
     ``pdl``: launch with programmatic dependent launch (``pdl_ok``)."""
+    if form == "union":
+        return _prepare_union(m, k, n, k_out, c, gated, has_bg, has_bu, has_bd, has_stats, clean, pdl, act)
     mb = min(m_pad(m), MAX_MB)
     nrb = -(-m // mb)
     lists = form in ("list", "pairs")
@@ -166,6 +178,48 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: DecodeConfig, gate
             c.warps, c.stages)
         launch2 = None if fin else finish
     return Prepared(int_sizes, sum(int_sizes), float_sizes, sum(float_sizes), launch1, launch2)
+
+
+def _union_sizes(c: DecodeConfig) -> None:
+    """Raises ValueError for union fields of ``c`` that the kernels cannot take."""
+    for name in ("union_bn", "union_bk", "union_bo", "union_c"):
+        v = getattr(c, name)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"cfg.{name} must be a power of two >= 16, got {v}")
+    if c.union_mb and (c.union_mb < 16 or c.union_mb & (c.union_mb - 1)):
+        raise ValueError(f"cfg.union_mb must be 0 or a power of two >= 16, got {c.union_mb}")
+    if c.union_s < 1:
+        raise ValueError(f"cfg.union_s must be >= 1, got {c.union_s}")
+
+
+def _prepare_union(m: int, k: int, n: int, k_out: int, c: DecodeConfig, gated: bool, has_bg: bool,
+                   has_bu: bool, has_bd: bool, has_stats: bool, clean: bool, pdl: bool, act: str) -> Prepared:
+    """``prepare`` for the union form: the list launch over N / union_bn blocks, the down launch
+    over K_out / union_bo tiles x union_s splits x row tiles, and the finish unless union_s is 1
+    (then the down launch writes y and reads the counters)."""
+    _union_sizes(c)
+    bn = c.union_bn
+    nb = -(-n // bn)
+    mp = max(16, pow2(m))                        # rows of every tile: all M at once
+    mt = min(mp, c.union_mb) if c.union_mb else mp
+    bo = min(c.union_bo, max(16, pow2(k_out)))
+    no = -(-k_out // bo)
+    direct = c.union_s == 1
+    # int32: list neurons [NB * BN] (slots), counts per block [NB], -, tok [M + 1]; fp32 words:
+    # list h [NB * BN, M_P] in x's dtype (2 bytes: half a word each), -, total
+    int_sizes = (nb * bn, nb, 0, m + 1)
+    float_sizes = (nb * bn * mp // 2, 0, 1)
+    p2 = lambda v: min(v, max(16, pow2(k)))  # noqa: E731  (a K step: at most K padded)
+    launch1 = (decode_union_up_kernel, (nb,), (m, k, n), dict(
+        GATED=gated, HAS_BG=has_bg, HAS_BU=has_bu, BN=bn, MP=mp, BK=p2(c.union_bk), PDL=pdl, ACT=ACTS.index(act)),
+        c.union_warps, c.union_stages)
+    launch2 = (decode_union_down_kernel, (no, c.union_s, mp // mt), (m, k_out, nb), dict(
+        DIRECT=direct, HAS_BD=has_bd, HAS_ST=has_stats, BN=bn, MP=mp, MT=mt, NBP=max(16, pow2(nb)), BO=bo,
+        C=c.union_c, CB=pow2(m), PDL=pdl), c.union_dwarps, c.union_dstages)
+    launch3 = None if direct else (decode_finish_kernel, (-(-(m * k_out) // FINISH_BLOCK) + 1,), (m, k_out), dict(
+        HAS_BD=has_bd, CLEAN=clean, HAS_ST=has_stats, BLOCK=FINISH_BLOCK, CB=pow2(m), PDL=pdl), 4, None)
+    return Prepared(int_sizes, sum(int_sizes), float_sizes, sum(float_sizes), launch1, launch2, launch3,
+                    uses_acc=not direct)
 
 
 _prepared: dict[tuple, Prepared] = {}
@@ -227,7 +281,8 @@ def _launch_all(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Opti
         acc, tail = fw, None
     else:                               # unregistered weight: a fresh zeroed accumulator and tail
         ts = decode_state.tail_size(m)
-        acc, tail = torch.zeros(m * k_out + ts, dtype=torch.float32, device=dev).split_with_sizes([m * k_out, ts])
+        na = m * k_out if p.uses_acc else 0
+        acc, tail = torch.zeros(na + ts, dtype=torch.float32, device=dev).split_with_sizes([na, ts])
         tail = tail.view(torch.int32)
     if tail is not None:
         tk, cnt, hsa = decode_state.tail_parts(tail)
@@ -243,6 +298,16 @@ def _launch_all(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Opti
     elif form == "pairs":
         launch(k1, g1, w + (ln, lh, lc, cnt, hsa) + wd + (acc,) + s1, c1, num_warps=w1, num_stages=st1,
                pdl=c1["PDL"])
+    elif form == "union":
+        lh = lh.view(x2.dtype)          # the list's h rows, in x's dtype
+        launch(k1, g1, w + (ln, lh, lc, cnt, hsa) + s1, c1, num_warps=w1, num_stages=st1, pdl=c1["PDL"])
+        k2, g2, s2, c2, w2, st2 = p.launch2
+        launch(k2, g2, (ln, lh, lc) + wd + (acc, bd, y, k_out, 1, cnt, hsa, tok, hsum, st) + s2, c2,
+               num_warps=w2, num_stages=st2, pdl=c2["PDL"])
+        if p.launch3 is not None:
+            k3, g3, s3, c3, w3, _ = p.launch3
+            launch(k3, g3, (acc, bd, y, k_out, 1, cnt, hsa, tok, hsum, st) + s3, c3, num_warps=w3, pdl=c3["PDL"])
+        return Decoded(y, tok, hsum)
     else:
         launch(k1, g1, w + wd + (bd, acc, tk, cnt, hsa, y, k_out, 1, tok, hsum, st) + s1, c1,
                num_warps=w1, num_stages=st1, pdl=c1["PDL"])

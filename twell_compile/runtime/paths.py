@@ -45,6 +45,7 @@ class Path(str, enum.Enum):
     DECODE_TILES = "decode-tiles"
     DECODE_LIST = "decode-list"
     DECODE_PAIRS = "decode-pairs"
+    DECODE_UNION = "decode-union"
     CPU = "cpu"                    # the C++ CPU kernel
     TORCH = "torch"                # plain PyTorch (torch_impl.py)
     COMPACT = "compact"            # training: eager's GEMMs saving the compact hybrid state
@@ -147,6 +148,7 @@ TABLE: Mapping[Path, PathRow] = MappingProxyType({
     Path.DECODE_TILES: _form("tiles", True),
     Path.DECODE_LIST: _form("list", False),
     Path.DECODE_PAIRS: _form("pairs", True),
+    Path.DECODE_UNION: _form("union", True),
     Path.CPU: PathRow(_CPU_KERNEL, None),
     Path.TORCH: PathRow(_TORCH, None),
     Path.COMPACT: PathRow(None, _TRAIN_COMPACT),
