@@ -258,7 +258,7 @@ def record_stats(layer: Optional[str], cnt: Tensor, hsum: Tensor, n: int, width:
         buf.zero_()
     else:
         # one program; a wide block keeps its loads in flight: 4.2 us at M=16384 against 28.7 with
-        # 1024-wide steps (H100, profile_product.py --M 16384 --density 0.02, 2026-11-26)
+        # 1024-wide steps (H100, profile_product.py --M 16384 --density 0.02)
         block = min(8192, max(128, pow2(m)))
         mode = 2 if lost is not None else 1 if width > 0 else 0
         launch(row_stats_kernel, (1,), (cnt, hsum, cnt if lost is None else lost, buf, m, width),
