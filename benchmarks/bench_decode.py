@@ -7,6 +7,8 @@
     python3 benchmarks/bench_ffn.py --decode --act drelu --M 1 16 --density 0.005   # dReLU (relu2: squared ReLU)
     python3 benchmarks/bench_ffn.py --decode --M 16 64 128 256 --density 0.005 --shapes 2048x5632 \
         --forms pairs union --down-layout transposed                 # W_down stored [N, K_out]
+    python3 benchmarks/bench_ffn.py --decode --M 16 64 128 256 --density 0.005 --shapes 2048x5632 \
+        --forms pairs union2 --down-layout transposed                # the union2 form against pairs
 
 Per (shape, density) LAYERS weight sets are drawn (twell_compile/testing.py, bf16), enough that
 one pass reads > ROTATE_MB of weights (several times the 50-60 MB L2): each timed CUDA graph

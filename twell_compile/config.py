@@ -67,8 +67,8 @@ class TwellConfig:
         backward).
     path ["auto"]: force one path for every rewritten FFN instead of the measured rules
         (runtime/select.py): "dense", "twell", "decode", "decode-rows", "decode-tiles",
-        "decode-list", "decode-pairs", "decode-union", "cpu", "torch" for inference; "dense", "compact",
-        "twell" for training. For tests and benchmarks: FFNs are then always rewritten, and a
+        "decode-list", "decode-pairs", "decode-union", "decode-union2", "cpu", "torch" for inference;
+        "dense", "compact", "twell" for training. For tests and benchmarks: FFNs are then always rewritten, and a
         call the forced path cannot run (e.g. "decode" at 1000 tokens) raises ``ValueError``.
         A path one op lacks ("cpu", "torch", "decode*" for training, "compact" for inference)
         leaves that op on "auto" (and its FFNs to the usual rules).

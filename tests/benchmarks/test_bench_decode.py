@@ -100,8 +100,10 @@ def test_forms_and_down_layout_reach_the_grid(monkeypatch, capsys):
     monkeypatch.setattr(bench_decode, "grid", lambda args, shapes: got.append((args.forms, args.down_layout)) or 0)
     assert bench_ffn.main(["--decode", "--M", "16"]) == 0
     assert bench_ffn.main(["--decode", "--forms", "pairs", "union", "--down-layout", "transposed"]) == 0
-    assert got == [(list(bench_decode.cuda_decode.FORMS), "linear"), (["pairs", "union"], "transposed")]
-    assert "union" in bench_decode.cuda_decode.FORMS
+    assert bench_ffn.main(["--decode", "--forms", "pairs", "union2", "--down-layout", "transposed"]) == 0
+    assert got == [(list(bench_decode.cuda_decode.FORMS), "linear"), (["pairs", "union"], "transposed"),
+                   (["pairs", "union2"], "transposed")]
+    assert "union" in bench_decode.cuda_decode.FORMS and "union2" in bench_decode.cuda_decode.FORMS
     for argv in (["--forms", "unions"], ["--down-layout", "column"]):
         with pytest.raises(SystemExit):
             bench_ffn.main(["--decode", *argv])

@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent("""
     act = {act!r}
     down_t = {down_t}
     dt = torch.float16
-    if form == "union":      # scratch and outputs poisoned: what a kernel leaves unwritten shows
+    if form in ("union", "union2"):   # scratch and outputs poisoned: what a kernel leaves unwritten shows
         _empty = torch.empty
         def _poisoned(*a, **kw):
             t = _empty(*a, **kw)
@@ -76,7 +76,7 @@ SCRIPT = textwrap.dedent("""
             assert torch.equal(y2, y) or bad, "list form not repeatable"
     eager = ffn_dense(*args, act)
     assert torch.equal(torch.isnan(y), torch.isnan(eager)), "nan pattern"
-    if form == "union":     # the statistics the pairs form gives (g's rounding at 0 may differ)
+    if form in ("union", "union2"):   # the statistics the pairs form gives (g's rounding at 0 may differ)
         st2 = torch.full((4,), float("nan"), dtype=torch.float64)
         _, tok2, hsum2 = decode_forward(*args, stats_buf=st2, form="pairs", act=act)
         assert (tok - tok2).abs().sum() <= 2 and abs(int(tok[m]) - int(tok2[m])) <= 2, (tok, tok2)
@@ -159,6 +159,27 @@ UNION_CASES = [
     (16, 64, 96, 40, False, False, 0.0, False, dict(union_s=1), "union", True),   # density 0: y is 0
 ]
 
+# the union2 form (the gate by F.linear, the union listed per block, up over chunks of the
+# compacted union, down over K_out tiles x splits; all rows per program in row tiles); config:
+# u2_* fields replaced in the record's config (dict), or None; W_down as nn.Linear keeps it or
+# transposed
+UNION2_CASES = [
+    # m, k, n, k_out, gated, bias, density, nan/inf rows, config, form, W_down transposed
+    (16, 64, 200, 40, True, True, 0.005, False, dict(u2_c=16, u2_bo=16), "union2", False),
+    (17, 72, 130, 33, True, False, 0.3, True, dict(u2_c=16, u2_bo=16, u2_s=3), "union2", True),   # 2 row tiles of 16
+    (33, 96, 150, 24, False, True, 0.3, False, dict(u2_s=1, u2_cd=32, u2_bo=16), "union2", True),   # y direct
+    (64, 64, 96, 40, True, True, 1.0, False, dict(u2_bl=16, u2_cd=16, u2_mt=16), "union2", False),  # 4 row tiles
+    (16, 80, 120, 40, True, True, 0.0, False, None, "union2", False),          # density 0, biases, the record's config
+    (33, 64, 200, 17, True, True, 0.005, True, dict(u2_s=1, u2_bl=16, u2_c=16), "union2", False),  # NaN/Inf, direct
+    (64, 96, 177, 65, False, False, 0.005, False, dict(u2_s=2, u2_mr=32), "union2", True),   # odd N, 2 row groups
+    (17, 64, 100, 40, True, False, 1.0, True, dict(u2_s=1), "union2", False),    # density 1, y direct, NaN/Inf
+    (64, 64, 130, 24, True, True, 0.3, True, dict(u2_c=16, u2_bo=16, u2_cd=16, u2_mr=16, u2_mt=16), "union2",
+     True),                                                                    # 4 row groups of 16
+    (16, 64, 96, 40, False, False, 0.0, False, dict(u2_s=1), "union2", True),  # density 0: y is 0
+    (64, 96, 177, 65, True, True, 0.005, True, dict(u2_mr=32, u2_s=2, u2_dense_up=True), "union2", True),  # dense up
+    (128, 48, 100, 40, True, True, 0.3, False, dict(u2_mt=16, u2_c=16, u2_bo=16, u2_cd=16), "union2", False),  # 8 tiles
+]
+
 
 def test_rows_form_gemv_gate_only_at_one_row():
     from twell_compile.runtime import cuda_decode
@@ -237,10 +258,76 @@ def test_union_form_rejects_bad_config_fields(field, value):
         decode_forward(x, w, None, w, None, w.t().contiguous(), None, cfg=cfg, form="union")
 
 
-def test_union_form_through_the_ops_decode_entry_under_interpreter():
-    """The op's CUDA entry (cuda_infer.ffn_infer) on a decode plan of the union form (what
-    path="decode-union" plans on CUDA): y by the 2x rule, the layer's statistics from the kernels."""
-    run_interpreted(textwrap.dedent("""
+def test_union2_form_launch_shapes():
+    """The union2 form at the benchmark shape (K=2048, N=5632, K_out=2048): the list launch over
+    N / u2_bl blocks, the up launch over N / u2_c chunks (all rows per program: one row group,
+    M padded / u2_mt row tiles), the down launch over K_out / u2_bo tiles x u2_s splits with all
+    row tiles, then the finish; one split: the down launch writes y (no finish, no accumulator)."""
+    from twell_compile.kernels.twell_decode import decode_finish_kernel
+    from twell_compile.kernels.twell_decode_union2 import (decode_union2_down_kernel, decode_union2_list_kernel,
+                                                           decode_union2_up_kernel)
+    from twell_compile.runtime import cuda_decode
+    for m in (16, 17, 64, 128, 256):
+        c = P.decode_config(m, 2048)
+        mp = max(16, arch.next_pow2(m))
+        mt = min(c.u2_mt, mp)
+        assert mt <= arch.MAX_MB                                     # tl.dot's M side off wgmma
+        p = cuda_decode.prepare(m, 2048, 5632, 2048, "union2", c, True, False, False, False, True, True)
+        k1, g1, s1, c1, w1, _ = p.launch1
+        nb = -(-5632 // c.u2_bl)
+        assert k1 is decode_union2_list_kernel and g1 == (nb,) and s1 == (m, 5632) and c1["BL"] == c.u2_bl
+        k2, g2, s2, c2, w2, st2 = p.launch2
+        assert k2 is decode_union2_up_kernel and g2 == (1, -(-5632 // c.u2_c)) and s2 == (m, 2048, 5632, nb)
+        assert (c2["C"], c2["MT"], c2["NT"], c2["BK"], w2, st2) == (c.u2_c, mt, mp // mt, c.u2_bk, c.u2_warps,
+                                                                   c.u2_stages)
+        assert c2["UP_DOT"] and not c2["DENSE_UP"] and c2["NBP"] >= nb
+        k3, g3, s3, c3, w3, st3 = p.launch3
+        assert k3 is decode_union2_down_kernel and g3 == (2048 // c.u2_bo, c.u2_s) and s3 == (m, 5632, 2048, nb)
+        assert g3[0] * g3[1] >= 128, (m, g3)                            # ~1 per SM of 132
+        assert 2048 // c.u2_bo <= 32                                     # h read K_out / BO times
+        assert (c3["BO"], c3["CD"], c3["MT"], c3["NT"], c3["DIRECT"], w3, st3) == (
+            c.u2_bo, c.u2_cd, mt, mp // mt, False, c.u2_dwarps, c.u2_dstages)
+        assert p.launch4[0] is decode_finish_kernel and p.uses_acc
+        assert p.int_sizes == (nb * c.u2_bl, nb, 5632, m + 1)
+        assert p.float_sizes[0] * 2 >= m * 5632                          # h in x's dtype, 2 per fp32 word
+        # one split: y written by the down launch
+        d = cuda_decode.prepare(m, 2048, 5632, 2048, "union2", c._replace(u2_s=1), True, False, False, False,
+                                True, True)
+        assert d.launch4 is None and not d.uses_acc and d.launch3[3]["DIRECT"] and d.launch3[1][1] == 1
+    c = P.decode_config(256, 2048)._replace(u2_mr=64, u2_dense_up=True)
+    p = cuda_decode.prepare(256, 2048, 5632, 2048, "union2", c, True, False, False, False, True, False)
+    assert p.launch2[1][0] == 4 and p.launch2[3]["NT"] == 2                # 4 row groups of 2 tiles
+    assert p.launch2[3]["DENSE_UP"] and not p.launch2[3]["UP_DOT"]
+    assert p.launch3[3]["NT"] == 8 and not p.launch4[3]["CLEAN"]
+    p = cuda_decode.prepare(64, 2048, 5632, 2048, "union2", c, False, False, False, False, True, False)
+    assert not p.launch2[3]["DENSE_UP"] and not p.launch2[3]["UP_DOT"]    # non-gated: no up projection
+
+
+@pytest.mark.parametrize("field,value", [("u2_c", 24), ("u2_bo", 8), ("u2_bl", 0), ("u2_bk", 48), ("u2_cd", 8),
+                                         ("u2_mt", 12), ("u2_mr", 8), ("u2_s", 0)])
+def test_union2_form_rejects_bad_config_fields(field, value):
+    from twell_compile.runtime.cuda_decode import decode_forward
+    x = torch.zeros(16, 16, dtype=torch.float16)
+    w = torch.zeros(32, 16, dtype=torch.float16)
+    cfg = P.decode_config(16, 16)._replace(**{field: value})
+    with pytest.raises(ValueError, match=f"cfg.{field}"):
+        decode_forward(x, w, None, w, None, w.t().contiguous(), None, cfg=cfg, form="union2")
+
+
+def test_union2_form_rejects_more_row_tiles_than_its_kernels_hold():
+    from twell_compile.runtime import cuda_decode
+    c = P.decode_config(256, 2048)._replace(u2_mt=16)            # 256 rows in 16 tiles of 16
+    with pytest.raises(ValueError, match="cfg.u2_mt"):
+        cuda_decode.prepare(256, 2048, 5632, 2048, "union2", c, True, False, False, False, True, True)
+    cuda_decode.prepare(128, 2048, 5632, 2048, "union2", c, True, False, False, False, True, True)   # 8: held
+
+
+@pytest.mark.parametrize("form", ["union", "union2"])
+def test_union_form_through_the_ops_decode_entry_under_interpreter(form):
+    """The op's CUDA entry (cuda_infer.ffn_infer) on a decode plan of the union or union2 form
+    (what path="decode-union" / "decode-union2" plans on CUDA): y by the 2x rule, the layer's
+    statistics from the kernels."""
+    run_interpreted(textwrap.dedent(f"""
         import torch, torch.nn.functional as F
         import twell_compile
         from twell_compile.reference import ffn_dense
@@ -253,7 +340,7 @@ def test_union_form_through_the_ops_decode_entry_under_interpreter():
         wd = (torch.randn(ko, n) / 11).to(dt).t().contiguous().t()          # transposed storage
         bg, bu, bd = (torch.randn(n) * .1).to(dt), torch.randn(n).to(dt), torch.randn(ko).to(dt)
         args = (x, wg, bg, wu, bu, wd, bd)
-        plan = select.InferPlan("decode", arch.H200, ("glue", x.device, x.dtype, k, n, ko, True), form="union")
+        plan = select.InferPlan("decode", arch.H200, ("glue", x.device, x.dtype, k, n, ko, True), form={form!r})
         y = cuda_infer.ffn_infer(plan, *args, "glue", True)
         ref = ffn_dense(*(a.double() for a in args))
         err = ((y.double() - ref).norm() / ref.norm()).item()
@@ -291,12 +378,19 @@ def test_decode_union_form_under_interpreter(case):
     run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case[:10], act="relu", down_t=case[10]))
 
 
-# squared ReLU and dReLU in every form (rows, GEMV gate, tiles, list, list + udot, pairs, union),
+@pytest.mark.parametrize("case", UNION2_CASES)
+def test_decode_union2_form_under_interpreter(case):
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case[:10], act="relu", down_t=case[10]))
+
+
+# squared ReLU and dReLU in every form (rows, GEMV gate, tiles, list, list + udot, pairs, union, union2),
 # gated and non-gated, NaN/Inf rows
 @pytest.mark.parametrize("act, case", [("relu2", CASES[i]) for i in (0, 1, 2, 3, 12, 13, 18, 22, 23)]
                          + [("drelu", CASES[i]) for i in (0, 2, 4, 12, 18, 22)]
                          + [("relu2", UNION_CASES[i][:10]) for i in (1, 2)]
-                         + [("drelu", UNION_CASES[i][:10]) for i in (5, 8)])
+                         + [("drelu", UNION_CASES[i][:10]) for i in (5, 8)]
+                         + [("relu2", UNION2_CASES[i][:10]) for i in (1, 2)]
+                         + [("drelu", UNION2_CASES[i][:10]) for i in (5, 8, 10)])
 def test_decode_activations_under_interpreter(act, case):
     run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 3, case=case, act=act, down_t=False))
 
@@ -385,6 +479,8 @@ def test_decode_forward_rejects_bad_forms():
         decode_forward(x, w, None, w, None, w.t().contiguous(), None, form="rows")
     with pytest.raises(ValueError, match="x2 in float16 or bfloat16"):
         decode_forward(x, w, None, w, None, w.t().contiguous(), None, form="union")
+    with pytest.raises(ValueError, match="form='union2' takes x2 in float16 or bfloat16"):
+        decode_forward(x, w, None, w, None, w.t().contiguous(), None, form="union2")
 
 
 def test_static_reason_for_decode_sizes(decode_wins_everywhere):
@@ -531,17 +627,18 @@ def _down_layout(p: dict, layout: str) -> dict:
 @pytest.mark.parametrize("m", [16, 17, 33, 64, 128, 256])
 @pytest.mark.parametrize("density", [0.0, 0.005, 0.3, 1.0])
 @pytest.mark.parametrize("layout", ["linear", "transposed"])
-def test_decode_union_form_grid(m, density, layout, dtype):
-    """The union form against fp32 with the 2x rule, twice per input (the persistent state zero
-    again after each call), statistics as the pairs form's; W_down in both storages."""
+@pytest.mark.parametrize("form", ["union", "union2"])
+def test_decode_union_form_grid(m, density, layout, dtype, form):
+    """The union and union2 forms against fp32 with the 2x rule, twice per input (the persistent
+    state zero again after each call), statistics as the pairs form's; W_down in both storages."""
     from twell_compile.runtime.cuda_decode import decode_forward
     p = _down_layout(_ffn(m, 512, 1408, 520, density, dtype, tail=0.2), layout)
     registered = m % 2 == 1 and m <= ds.STATE_ROWS
     if registered:
         assert ds.register(p["w_down"])
-    y = _check(p, form="union")
-    _check(p, form="union")
-    _, tok, hsum = decode_forward(*_args(p), form="union")
+    y = _check(p, form=form)
+    _check(p, form=form)
+    _, tok, hsum = decode_forward(*_args(p), form=form)
     _, tok2, hsum2 = decode_forward(*_args(p), form="pairs")
     assert (tok - tok2).abs().sum() <= 2 and abs(float(hsum) - float(hsum2)) <= 1e-3 * abs(float(hsum2)) + 1e-3
     if registered:
@@ -568,11 +665,32 @@ def test_decode_union_form_configs_and_shapes(fields, m, k, n, k_out, layout):
 
 
 @gpu
+@pytest.mark.parametrize("fields", [dict(), dict(u2_s=1), dict(u2_mr=32, u2_s=16, u2_cd=64),
+                                    dict(u2_c=16, u2_bo=64, u2_cd=16, u2_bk=64, u2_stages=4),
+                                    dict(u2_c=64, u2_bo=256, u2_warps=8, u2_dwarps=8, u2_dstages=3),
+                                    dict(u2_mt=16, u2_bl=128, u2_dense_up=True)])
+@pytest.mark.parametrize("m", [16, 64, 129, 256])
+@pytest.mark.parametrize("k,n,k_out", [(2048, 5632, 2048), (4096, 11008, 4096), (100, 3000, 4100)])
+@pytest.mark.parametrize("layout", ["linear", "transposed"])
+def test_decode_union2_form_configs_and_shapes(fields, m, k, n, k_out, layout):
+    """Union2-form configs (one split: y written directly; row groups; other tile sizes; 16-row
+    tiles; the dense up projection) at the measured shapes and an odd one."""
+    from twell_compile.runtime.cuda_decode import config_for
+    c = config_for(m, k, torch.device("cuda"))._replace(**fields)
+    if max(16, arch.next_pow2(m)) // min(c.u2_mt, max(16, arch.next_pow2(m))) > 8:
+        pytest.skip("more row tiles than the union2 kernels hold (ValueError: test_union2_form_rejects_...)")
+    p = _down_layout(_ffn(m, k, n, k_out, 0.005, torch.bfloat16, tail=0.2), layout)
+    _check(p, c, form="union2")
+
+
+@gpu
 @pytest.mark.parametrize("m", [16, 64, 256])
 @pytest.mark.parametrize("layout", ["linear", "transposed"])
-def test_op_forced_decode_union_path(m, layout):
-    """path="decode-union" through the op, and twell.path="decode-union" through torch.compile
-    (the decode rule never picks the form itself): y by the 2x rule, the layer's statistics."""
+@pytest.mark.parametrize("path", ["decode-union", "decode-union2"])
+def test_op_forced_decode_union_path(m, layout, path):
+    """path="decode-union" / "decode-union2" through the op, and twell.path likewise through
+    torch.compile (the decode rule never picks these forms itself): y by the 2x rule, the
+    layer's statistics."""
     import twell_compile
     from twell_compile.reference import ffn_dense
     from twell_compile.runtime import density
@@ -584,7 +702,7 @@ def test_op_forced_decode_union_path(m, layout):
     derr = _rel(ffn_dense(*args), ref)
     for i in range(3):                              # eager, then the op's own graph replayed
         _poison()
-        y = torch.ops.twell.ffn(*args, "union_op", True, path="decode-union")
+        y = torch.ops.twell.ffn(*args, "union_op", True, path=path)
         assert torch.isfinite(y).all() and _rel(y, ref) <= 2 * derr + 1e-6, i
     st = twell_compile.layer_stats()["union_op"]
     nnz = (F.linear(p["x"], p["w_gate"], p["b_gate"]) > 0).sum(1)
@@ -596,7 +714,7 @@ def test_op_forced_decode_union_path(m, layout):
             getattr(model, name).bias.copy_(p[f"b_{name}"])
         if layout == "transposed":
             model.down.weight.data = model.down.weight.detach().t().contiguous().t()
-        f = torch.compile(model, backend="twell", options={"twell.path": "decode-union"})
+        f = torch.compile(model, backend="twell", options={"twell.path": path})
         y = f(p["x"])
         ref = model.float()(p["x"].float())
         assert _rel(y, ref) <= 2 * _rel(model(p["x"]), ref) + 1e-6
@@ -652,7 +770,7 @@ def test_decode_odd_shapes(m, k, n, k_out, gated, bias):
 @gpu
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-@pytest.mark.parametrize("form", [None, "list", "pairs", "union"])
+@pytest.mark.parametrize("form", [None, "list", "pairs", "union", "union2"])
 def test_decode_nan_inf_propagate_like_eager(gated, bad, form):
     from twell_compile.runtime.cuda_decode import decode_forward
     from twell_compile.reference import ffn_dense
@@ -687,7 +805,8 @@ def test_decode_repeatable_and_fresh_inputs():
 @pytest.mark.parametrize("m,registered,form", [(4, True, None), (1, True, None), (4, False, None), (40, True, None),
                                                (16, True, "list"), (40, False, "list"),
                                                (16, True, "pairs"), (40, False, "pairs"), (3, True, "pairs"),
-                                               (17, True, "union"), (64, False, "union"), (200, False, "union")])
+                                               (17, True, "union"), (64, False, "union"), (200, False, "union"),
+                                               (17, True, "union2"), (64, True, "union2"), (200, False, "union2")])
 def test_decode_cuda_graph_capture_and_replay_with_new_inputs(m, registered, form):
     """Replays with fresh inputs, interleaved with eager calls on the same weights: every result
     within the error rule (the persistent accumulator stays zero between calls)."""

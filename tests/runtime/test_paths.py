@@ -30,19 +30,20 @@ def test_every_path_has_a_row_for_at_least_one_op():
 
 def test_the_path_tuples_and_decode_forms_follow_from_the_table():
     assert set(paths.INFER_PATHS) == {"auto", "dense", "twell", "decode", "decode-rows", "decode-tiles",
-                                      "decode-list", "decode-pairs", "decode-union", "cpu", "torch"}
+                                      "decode-list", "decode-pairs", "decode-union", "decode-union2", "cpu",
+                                      "torch"}
     assert set(paths.TRAIN_PATHS) == {"auto", "dense", "compact", "twell"}
     assert paths.PATHS == tuple(dict.fromkeys(paths.INFER_PATHS + paths.TRAIN_PATHS))
     assert (config.INFER_PATHS, config.TRAIN_PATHS, config.PATHS) == (paths.INFER_PATHS, paths.TRAIN_PATHS,
                                                                       paths.PATHS)
     assert all(type(p) is str for p in paths.PATHS)   # error messages list plain strings
-    assert paths.FORMS == ("rows", "tiles", "list", "pairs", "union")
+    assert paths.FORMS == ("rows", "tiles", "list", "pairs", "union", "union2")
     assert paths.DETERMINISTIC_FORMS == select.DETERMINISTIC_FORMS == ("list",)
     assert paths.DECODE_PATHS == ("decode",) + tuple(f"decode-{f}" for f in paths.FORMS)
     for form in paths.FORMS:
         assert paths.caps(paths.path_of(form), training=False).form == form
         for record in (arch.H100, arch.H200):        # each form the rule weighs has its cost constants
-            assert (form in record.decode_forms) == (form != "union")   # union: forced only
+            assert (form in record.decode_forms) == (form not in ("union", "union2"))   # forced only
     assert set(select.decode_terms(P, 0.01, None, 1, 2048, 5632, 2048)) <= set(paths.FORMS)
 
 

@@ -204,7 +204,7 @@ def test_cpu_plans_by_size_and_forced_paths():
     small = torch.randn(2, 16)
     assert select.plan_infer(small, 40, 16, True, "l", False).path == "torch"
     assert select.plan_infer(small, 40, 16, True, "l", False, path="torch").path == "torch"
-    for path in ("dense", "twell", "decode", "decode-rows", "decode-union"):
+    for path in ("dense", "twell", "decode", "decode-rows", "decode-union", "decode-union2"):
         with pytest.raises(ValueError, match="CUDA path"):
             select.plan_infer(small, 40, 16, True, "l", False, path=path)
     with pytest.raises(ValueError, match="path must be one of"):

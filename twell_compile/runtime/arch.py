@@ -66,6 +66,21 @@ class DecodeConfig(NamedTuple):
     union_mb: int = 0       # rows per down program (0: all M rows padded to a power of two)
     union_dwarps: int = 4   # warps of the down launch
     union_dstages: int = 2  # pipeline stages of the down launch
+    # union2 form (kernels/twell_decode_union2.py): the gate by cuBLAS, a union-list launch, an up
+    # launch over chunks of the compacted union, a down launch over K_out tiles x splits
+    u2_bl: int = 64         # neurons per program of the union-list launch
+    u2_c: int = 32          # union entries per up program (its gathered W_up rows)
+    u2_bk: int = 128        # K step of the up loop
+    u2_mt: int = 32         # rows per tl.dot tile, up and down (its M side: <= 32 stays off wgmma)
+    u2_mr: int = 0          # rows per up program, a multiple of u2_mt (0: all M rows padded)
+    u2_warps: int = 4       # warps of the up launch
+    u2_stages: int = 3      # ... and its pipeline stages
+    u2_bo: int = 128        # K_out per down program (h read K_out / u2_bo times)
+    u2_cd: int = 32         # union entries per step of the down loop
+    u2_s: int = 8           # splits of the union (1: y written directly, no atomics, no finish launch)
+    u2_dwarps: int = 4      # warps of the down launch
+    u2_dstages: int = 2     # ... and its pipeline stages
+    u2_dense_up: bool = False   # u for all of N by a cuBLAS GEMM (the whole W_up read) instead of the gather
 
 
 MAX_M = 256           # decode kernels: row blocks of <= MAX_MB rows, up to this many rows
@@ -234,14 +249,20 @@ class CpuPolicy:
 # neurons per first-launch program (176 programs at N=5632), down tiles of 32 K_out columns in 4
 # splits (64 x 4 = 256 programs at K_out=2048, ~2 per SM of 132); from 128 rows 8 warps and 32
 # entries per down step (the [32, M_P] fp32 tiles of g, u and the down accumulator in registers).
+# The union2 form's fields are not measured either (docs/design-notes/decode.md "The union2
+# form"): up chunks of 16 union entries up to 32 rows (~27 / ~51 programs for unions of ~420 /
+# ~820 at N=5632), 32 at 64-128 rows, 64 at 256 (all rows' accumulators, 8 tiles of [32, 64],
+# in registers over 8 warps); down tiles of 128 K_out columns x 8 splits (128 programs), at 256
+# rows 64 columns x 4 splits (8 row tiles of [32, 64] accumulators).
 _DECODE_CONFIGS = {
     16: DecodeConfig(32, 256, 256, 256, 4, 0, 4, 3, lbk=128, lstages=5, gemv_bn=4, pbn=16, ppb=2, pwarps=2,
-                     union_bk=128),
-    32: DecodeConfig(64, 128, 256, 256, 0, 0, 4, 3, lbk=128, lstages=5, union_bk=128),
+                     union_bk=128, u2_c=16),
+    32: DecodeConfig(64, 128, 256, 256, 0, 0, 4, 3, lbk=128, lstages=5, union_bk=128, u2_c=16),
     64: DecodeConfig(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5),
-    128: DecodeConfig(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5, union_warps=8, union_c=32),
+    128: DecodeConfig(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5, union_warps=8, union_c=32,
+                      u2_dwarps=8),
     256: DecodeConfig(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5, union_warps=8, union_c=32,
-                      union_dwarps=8),
+                      union_dwarps=8, u2_c=64, u2_warps=8, u2_bo=64, u2_s=4, u2_dwarps=8),
 }
 # K >= 3072 (tuned at K=4096, N=11008): 64 neurons per list/pairs program up to 16 rows (M=16
 # 51.9 us against 55.8 at 32, dense 87.0); at 32+ rows 32 neurons and K_out steps of 1024 (68.8

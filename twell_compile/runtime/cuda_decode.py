@@ -18,7 +18,10 @@ launch costs 1.4 us in a graph. The list form (twell_decode_list.py) sums withou
 is the one used under torch.use_deterministic_algorithms. The union form
 (twell_decode_union.py) reads each W_up and W_d^T row of the batch's union once for all rows,
 on tensor cores: a first launch lists the union per neuron block with h, a second runs the
-down projection over the list (unmeasured; forced only, ``path="decode-union"``). Launches use
+down projection over the list (forced only, ``path="decode-union"``). The union2 form
+(twell_decode_union2.py) gates by one cuBLAS GEMM, lists the union, then runs up over chunks
+of the compacted union and down over K_out tiles x splits of it, every row tile of M in the
+same program (unmeasured; forced only, ``path="decode-union2"``). Launches use
 programmatic dependent launch on Hopper (``pdl_ok``), and eager calls replay the op's own CUDA
 graph (``execute(graphed=True)``, decode_graphs.py).
 """
@@ -29,11 +32,14 @@ import os
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from twell_compile.kernels.twell_decode import decode_finish_kernel, decode_fused_kernel
 from twell_compile.kernels.twell_decode_list import decode_gather_kernel, decode_pairs_kernel
 from twell_compile.kernels.twell_decode_union import decode_union_down_kernel, decode_union_up_kernel
+from twell_compile.kernels.twell_decode_union2 import (decode_union2_down_kernel, decode_union2_list_kernel,
+                                                       decode_union2_up_kernel)
 from twell_compile.reference import ACTS
 from twell_compile.runtime import arch, decode_graphs, decode_state
 from twell_compile.runtime.arch import MAX_M, MAX_MB, DecodeConfig, m_pad, m_pad_rows, pairs_bn, pairs_pb, rows_bn, rows_gemv
@@ -41,6 +47,7 @@ from twell_compile.runtime.launch import INTERPRET, launch, pow2
 from twell_compile.runtime.paths import FORMS
 
 FINISH_BLOCK = 1024   # accumulator elements per step of a finishing program
+U2_TILES = 8          # union2 form: row tiles per program at most (its kernels' accumulators)
 STAT_BLOCKS = 256     # neuron blocks per step of the list form's statistics sum
 
 
@@ -89,7 +96,8 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
     ``form``: how up/down run: "rows" (one active neuron at a time, only for M <= cfg.vec_m),
     "tiles" (tl.dot tiles, atomics), "list" (per-token lists, a gather launch; no atomics) or
     "pairs" (per active pair, atomics) or "union" (the batch's union of active neurons listed,
-    then one down launch over it: each weight row read once); None: rows where M <=
+    then one down launch over it: each weight row read once) or "union2" (the gate by cuBLAS,
+    up and down over the compacted union, all rows per program); None: rows where M <=
     cfg.vec_m, else tiles (the plan decides by density, select.decode_form). ``cfg``: default config_for(M, K, device).
     ``graphed``: eager calls replay the op's own CUDA graph (``decode_graphs``; the op passes
     it); tok and hsum are then the graph's buffers, overwritten by the layer's next call.
@@ -99,8 +107,8 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
         raise ValueError(f"decode path takes M <= {MAX_M} rows, got x with {m}")
     if form not in (None,) + FORMS:
         raise ValueError(f"form must be one of {FORMS} or None, got {form!r}")
-    if form == "union" and x2.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"form='union' takes x2 in float16 or bfloat16 (its list holds h in x's dtype), "
+    if form in ("union", "union2") and x2.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"form={form!r} takes x2 in float16 or bfloat16 (its list holds h in x's dtype), "
                          f"got {x2.dtype}")
     if m == 0:
         dev = x2.device
@@ -124,7 +132,8 @@ class Prepared(NamedTuple):
     float_total: int
     launch1: tuple           # (kernel, grid, static ints, constexprs, warps, stages)
     launch2: Optional[tuple]  # the same for the finishing / gather / down launch (None: in-kernel finish)
-    launch3: Optional[tuple] = None   # the union form's finishing launch (None: its down launch writes y)
+    launch3: Optional[tuple] = None   # union: its finishing launch (None: its down launch writes y); union2: its down launch
+    launch4: Optional[tuple] = None   # union2: its finishing launch (None: its down launch writes y)
     uses_acc: bool = True    # the launches add into the fp32 accumulator (else a fresh state is its tail alone)
 
 
@@ -135,6 +144,8 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: DecodeConfig, gate
     ``pdl``: launch with programmatic dependent launch (``pdl_ok``)."""
     if form == "union":
         return _prepare_union(m, k, n, k_out, c, gated, has_bg, has_bu, has_bd, has_stats, clean, pdl, act)
+    if form == "union2":
+        return _prepare_union2(m, k, n, k_out, c, gated, has_bu, has_bd, has_stats, clean, pdl, act)
     mb = min(m_pad(m), MAX_MB)
     nrb = -(-m // mb)
     lists = form in ("list", "pairs")
@@ -219,6 +230,58 @@ def _prepare_union(m: int, k: int, n: int, k_out: int, c: DecodeConfig, gated: b
     launch3 = None if direct else (decode_finish_kernel, (-(-(m * k_out) // FINISH_BLOCK) + 1,), (m, k_out), dict(
         HAS_BD=has_bd, CLEAN=clean, HAS_ST=has_stats, BLOCK=FINISH_BLOCK, CB=pow2(m), PDL=pdl), 4, None)
     return Prepared(int_sizes, sum(int_sizes), float_sizes, sum(float_sizes), launch1, launch2, launch3,
+                    uses_acc=not direct)
+
+
+def _union2_tiles(m: int, c: DecodeConfig) -> tuple[int, int, int]:
+    """(rows per tl.dot tile, row tiles per up program, row tiles per down program) of the union2
+    form for M rows; ValueError for union2 fields of ``c`` the kernels cannot take."""
+    for name in ("u2_bl", "u2_c", "u2_bk", "u2_mt", "u2_bo", "u2_cd"):
+        v = getattr(c, name)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"cfg.{name} must be a power of two >= 16, got {v}")
+    if c.u2_mr and (c.u2_mr < 16 or c.u2_mr & (c.u2_mr - 1)):
+        raise ValueError(f"cfg.u2_mr must be 0 or a power of two >= 16, got {c.u2_mr}")
+    if c.u2_s < 1:
+        raise ValueError(f"cfg.u2_s must be >= 1, got {c.u2_s}")
+    mp = max(16, pow2(m))
+    mr = min(mp, c.u2_mr) if c.u2_mr else mp
+    mt = min(c.u2_mt, mr)
+    if mp // min(c.u2_mt, mp) > U2_TILES:
+        raise ValueError(f"cfg.u2_mt = {c.u2_mt} makes {mp // min(c.u2_mt, mp)} row tiles of {m} rows; "
+                         f"the union2 kernels hold at most {U2_TILES}")
+    return mt, mr // mt, mp // min(c.u2_mt, mp)
+
+
+def _prepare_union2(m: int, k: int, n: int, k_out: int, c: DecodeConfig, gated: bool, has_bu: bool,
+                    has_bd: bool, has_stats: bool, clean: bool, pdl: bool, act: str) -> Prepared:
+    """``prepare`` for the union2 form (the gate GEMM is the launcher's cuBLAS call): the list
+    launch over N / u2_bl blocks, the up launch over row groups of u2_mr rows x N / u2_c chunks
+    (programs past the union's size exit), the down launch over K_out / u2_bo tiles x u2_s
+    splits, and the finish unless u2_s is 1 (then the down launch writes y and reads the
+    counters)."""
+    mt, nt_up, nt_down = _union2_tiles(m, c)
+    bl = c.u2_bl
+    nb = -(-n // bl)
+    nbp = max(16, pow2(nb))
+    mp = max(16, pow2(m))
+    bo = min(c.u2_bo, max(16, pow2(k_out)))
+    direct = c.u2_s == 1
+    dense_up = bool(c.u2_dense_up) and gated
+    # int32: per-block union slots [NB * BL], counts per block [NB], the compact union [N], tok
+    # [M + 1]; fp32 words: the compact h [M, N] in x's dtype (2 bytes: half a word each), -, total
+    int_sizes = (nb * bl, nb, n, m + 1)
+    float_sizes = ((m * n + 1) // 2, 0, 1)
+    launch1 = (decode_union2_list_kernel, (nb,), (m, n), dict(BL=bl, RT=min(mp, 32), PDL=pdl), 4, None)
+    launch2 = (decode_union2_up_kernel, (mp // (mt * nt_up), -(-n // c.u2_c)), (m, k, n, nb), dict(
+        GATED=gated, HAS_BU=has_bu, DENSE_UP=dense_up, UP_DOT=gated and not dense_up, BL=bl, NBP=nbp, C=c.u2_c,
+        BK=min(c.u2_bk, max(16, pow2(k))), MT=mt, NT=nt_up, PDL=pdl, ACT=ACTS.index(act)), c.u2_warps, c.u2_stages)
+    launch3 = (decode_union2_down_kernel, (-(-k_out // bo), c.u2_s), (m, n, k_out, nb), dict(
+        DIRECT=direct, HAS_BD=has_bd, HAS_ST=has_stats, NBP=nbp, BO=bo, CD=c.u2_cd, MT=mp // nt_down, NT=nt_down,
+        CB=pow2(m), PDL=pdl), c.u2_dwarps, c.u2_dstages)
+    launch4 = None if direct else (decode_finish_kernel, (-(-(m * k_out) // FINISH_BLOCK) + 1,), (m, k_out), dict(
+        HAS_BD=has_bd, CLEAN=clean, HAS_ST=has_stats, BLOCK=FINISH_BLOCK, CB=pow2(m), PDL=pdl), 4, None)
+    return Prepared(int_sizes, sum(int_sizes), float_sizes, sum(float_sizes), launch1, launch2, launch3, launch4,
                     uses_acc=not direct)
 
 
@@ -308,6 +371,9 @@ def _launch_all(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Opti
             k3, g3, s3, c3, w3, _ = p.launch3
             launch(k3, g3, (acc, bd, y, k_out, 1, cnt, hsa, tok, hsum, st) + s3, c3, num_warps=w3, pdl=c3["PDL"])
         return Decoded(y, tok, hsum)
+    elif form == "union2":
+        _launch_union2(x2, w_gate, b_gate, w_up, b_up, wd, acc, bd, y, ln, lc, rc, tok, lh, hsum, cnt, hsa, st, p)
+        return Decoded(y, tok, hsum)
     else:
         launch(k1, g1, w + wd + (bd, acc, tk, cnt, hsa, y, k_out, 1, tok, hsum, st) + s1, c1,
                num_warps=w1, num_stages=st1, pdl=c1["PDL"])
@@ -319,3 +385,29 @@ def _launch_all(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Opti
             a2 = (acc, bd, y, k_out, 1, cnt, hsa, tok, hsum, st) + s2
         launch(k2, g2, a2, c2, num_warps=w2, pdl=c2["PDL"])
     return Decoded(y, tok, hsum)
+
+
+def _launch_union2(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
+                   b_up: Optional[Tensor], wd: tuple, acc: Tensor, bd: Tensor, y: Tensor, ln: Tensor, lc: Tensor,
+                   ci: Tensor, tok: Tensor, lh: Tensor, hsum: Tensor, cnt: Tensor, hsa: Tensor, st: Tensor,
+                   p: Prepared) -> None:
+    """The union2 form's calls: the gate as eager's own GEMM (cuBLAS: g [M, N] in x's dtype,
+    so the active set is eager's), with u2_dense_up the up projection likewise, then the list,
+    up and down launches and the finish (``_prepare_union2``)."""
+    m, n, k_out = x2.shape[0], w_gate.shape[0], wd[0].shape[1]
+    g = F.linear(x2, w_gate, b_gate)
+    k1, g1, s1, c1, w1, _ = p.launch1
+    k2, g2, s2, c2, w2, st2 = p.launch2
+    k3, g3, s3, c3, w3, st3 = p.launch3
+    u = F.linear(x2, w_up, b_up) if c2["DENSE_UP"] else g
+    h = lh.view(x2.dtype)                # the compact h [M, N], in x's dtype
+    wu = w_up if w_up is not None else w_gate
+    launch(k1, g1, (g, ln, lc, cnt) + s1, c1, num_warps=w1, pdl=c1["PDL"])
+    launch(k2, g2, (x2, x2.stride(0), x2.stride(1), wu, wu.stride(0), wu.stride(1),
+                    b_up if b_up is not None else wu, g, u, ln, lc, ci, h, hsa) + s2, c2,
+           num_warps=w2, num_stages=st2, pdl=c2["PDL"])
+    launch(k3, g3, (lc, ci, h) + wd + (acc, bd, y, k_out, 1, cnt, hsa, tok, hsum, st) + s3, c3,
+           num_warps=w3, num_stages=st3, pdl=c3["PDL"])
+    if p.launch4 is not None:
+        k4, g4, s4, c4, w4, _ = p.launch4
+        launch(k4, g4, (acc, bd, y, k_out, 1, cnt, hsa, tok, hsum, st) + s4, c4, num_warps=w4, pdl=c4["PDL"])

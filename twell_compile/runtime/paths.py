@@ -46,6 +46,7 @@ class Path(str, enum.Enum):
     DECODE_LIST = "decode-list"
     DECODE_PAIRS = "decode-pairs"
     DECODE_UNION = "decode-union"
+    DECODE_UNION2 = "decode-union2"
     CPU = "cpu"                    # the C++ CPU kernel
     TORCH = "torch"                # plain PyTorch (torch_impl.py)
     COMPACT = "compact"            # training: eager's GEMMs saving the compact hybrid state
@@ -149,6 +150,7 @@ TABLE: Mapping[Path, PathRow] = MappingProxyType({
     Path.DECODE_LIST: _form("list", False),
     Path.DECODE_PAIRS: _form("pairs", True),
     Path.DECODE_UNION: _form("union", True),
+    Path.DECODE_UNION2: _form("union2", True),
     Path.CPU: PathRow(_CPU_KERNEL, None),
     Path.TORCH: PathRow(_TORCH, None),
     Path.COMPACT: PathRow(None, _TRAIN_COMPACT),
