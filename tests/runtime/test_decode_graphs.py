@@ -24,6 +24,19 @@ def test_not_usable_on_cpu():
     assert not decode_graphs.usable(torch.zeros(2, 3))
 
 
+def test_the_switch_is_scoped_and_restored():
+    was = decode_graphs.ENABLED
+    with decode_graphs.enabled(False):
+        assert decode_graphs.ENABLED is False
+        with decode_graphs.enabled(True):
+            assert decode_graphs.ENABLED is True
+        assert decode_graphs.ENABLED is False
+    assert decode_graphs.ENABLED == was
+    with pytest.raises(KeyError), decode_graphs.enabled(not was):
+        raise KeyError
+    assert decode_graphs.ENABLED == was
+
+
 @pytest.fixture
 def decode_op():
     """Clean state; the op then runs forced to one decode form per M (``_decode``)."""
@@ -134,14 +147,15 @@ def test_no_graph_of_its_own_while_the_caller_captures(decode_op):
 
 @gpu
 @pytest.mark.parametrize("case", ["switched_off", "unregistered_weight"])
-def test_no_graph(decode_op, monkeypatch, case):
-    """TWELL_DECODE_GRAPHS off, or a W_down the weight cache does not hold: eager calls."""
+def test_no_graph(decode_op, case):
+    """Graphs switched off (decode_graphs.enabled(False), as TWELL_DECODE_GRAPHS=0 at import),
+    or a W_down the weight cache does not hold: eager calls."""
     p = ffn_with_biases(2, 2048, 5632, 2048, 0.005, dtype=torch.bfloat16)
     if case == "switched_off":
-        monkeypatch.setattr(decode_graphs, "ENABLED", False)
         assert ds.register(p["w_down"])
-    for _ in range(3):
-        y = _decode(_args(p), f"graphs_{case}")
+    with decode_graphs.enabled(case != "switched_off"):
+        for _ in range(3):
+            y = _decode(_args(p), f"graphs_{case}")
     assert decode_graphs.count() == 0
     ref, derr = _ref(_args(p))
     assert _rel(y, ref) <= 2 * derr + 1e-6
