@@ -17,8 +17,8 @@ new graph. Not used while the current stream is capturing (the caller's graph re
 kernels), nor under the Triton interpreter. The first capture per key synchronizes the device
 once (like compiling). One stream at a time per layer, as for the persistent accumulator.
 ``TWELL_DECODE_GRAPHS=0`` turns it off at import; ``enabled(False)`` around a block, for a
-while. Graphs share one memory pool per device; at most
-MAX_GRAPHS are kept (all dropped past that).
+while. Graphs share one memory pool per device; at most MAX_GRAPHS are kept (all dropped past
+that).
 """
 
 from __future__ import annotations
