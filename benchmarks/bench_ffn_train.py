@@ -128,7 +128,7 @@ def parts(ms, ds, ts, k, n, cfg, reps, act="relu") -> int:
                 t_gate = bench(lambda: F.linear(x, wg), reps, True)
                 for i, changes in enumerate(PART_CONFIGS):
                     with arch.patched(**changes):
-                        t_state = bench(lambda: cuda_train._state(x, g, None, wu, None, wd, None, w, cap, True,
+                        t_state = bench(lambda: cuda_train.hybrid_state(x, g, None, wu, None, wd, None, w, cap, True,
                                                                   act), reps, True)
                         t_fwd = bench(fwd, reps, True)
                         t_bwd = bench(bwd, reps, True)

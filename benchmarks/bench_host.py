@@ -54,14 +54,13 @@ def per_call_us(fn, calls: int) -> tuple[float, float]:
 def variant(name: str):
     """The op's switches for a variant, set around the timing loop (not per call): no graphs of
     its own for op_nograph and op_standard, and Triton's standard launches for op_standard."""
-    graphs = decode_graphs.ENABLED
-    decode_graphs.ENABLED = graphs and name not in ("op_nograph", "op_standard")
+    graphs = decode_graphs.ENABLED and name not in ("op_nograph", "op_standard")
     if name == "op_standard":
         os.environ["TWELL_TRITON_LAUNCH"] = "standard"
     try:
-        yield
+        with decode_graphs.enabled(graphs):
+            yield
     finally:
-        decode_graphs.ENABLED = graphs
         os.environ.pop("TWELL_TRITON_LAUNCH", None)
 
 

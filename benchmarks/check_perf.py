@@ -57,7 +57,7 @@ def _cpu(out: str) -> list[str]:
     return ["--m", "1,16,256", "--density", "0.005", "--threads", "all", "--budget", "4", "--out", out]
 
 
-def _main_of(module: str) -> Callable[[list[str]], int]:
+def main_of(module: str) -> Callable[[list[str]], int]:
     import importlib
 
     return importlib.import_module(f"benchmarks.{module}").main
@@ -121,7 +121,7 @@ def run_suite(name: str, tag: str, repeats: int, tolerance: float, log=print) ->
         for i in range(repeats):
             out = str(Path(tmp) / f"{name}_{i}.json")
             with torch.enable_grad():       # (a harness may turn grad mode off for the rest of the process)
-                rc = _main_of(module)(argv_of(out))
+                rc = main_of(module)(argv_of(out))
             if rc:
                 raise RuntimeError(f"{module} exited with {rc}")
             for row in load_rows(Path(out)):

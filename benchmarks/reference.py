@@ -66,7 +66,7 @@ def _train_path(ref_dir: str) -> Path:
     return _find(ref_dir, "hybrid_modules", "sparse_ops_loader.py")
 
 
-def _env() -> dict:
+def child_env() -> dict:
     env = dict(os.environ)
     env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -75,7 +75,7 @@ def _env() -> dict:
 
 def _build(code: str, timeout: float) -> str:
     try:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=_env())
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=child_env())
     except subprocess.TimeoutExpired:
         return f"build timeout after {timeout:.0f} s"
     lines = (r.stdout + r.stderr).strip().splitlines()
@@ -111,7 +111,7 @@ def status(rc: int, stderr: str) -> str:
 def _child(cmd: list[str], timeout: float, out: dict) -> dict:
     """Run one point's child; ``out`` (the NaN figures) updated with its line and ``ref_status``."""
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=ROOT)
     except subprocess.TimeoutExpired:
         return dict(out, ref_status="timeout")
     row = parse_line(r.stdout)

@@ -70,7 +70,7 @@ def _length(intervals: list[tuple[float, float]]) -> float:
     return sum(b - a for a, b in intervals)
 
 
-def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+def minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
     """Length of union ``a`` not covered by union ``b`` (both sorted and disjoint)."""
     total, j = 0.0, 0
     for s, e in a:
@@ -126,7 +126,7 @@ def analyze(events: list[dict[str, Any]], steps: int, top: int = 20) -> dict[str
         "window_ms": round((end - start) * ms, 3),
         "compute_ms": round(_length(compute) * ms, 3),
         "nccl_ms": round(_length(nccl) * ms, 3),
-        "exposed_ms": round(_minus(nccl, compute) * ms, 3),
+        "exposed_ms": round(minus(nccl, compute) * ms, 3),
         "idle_ms": round(((end - start) - _length(busy)) * ms, 3),
         "sync_calls": round(len(syncs) / steps, 2),
         "sync_ms": round(sum(e["dur"] for e in syncs) * ms, 3),

@@ -50,6 +50,22 @@ def twell_op_calls(fn):
     return [e.name for e in prof.events() if e.name.startswith("twell::")], out
 
 
+def last_paths(training: bool = False) -> dict[str, set[str]]:
+    """{layer: the paths its last calls took, over op instances, devices and shapes}, from the
+    runtime's public record of each layer's state (``density.snapshot``): inference keys start
+    with the layer, training keys with ("train", layer). CUDA plans only (CPU calls keep no
+    state)."""
+    from twell_compile.runtime import density
+
+    out: dict[str, set[str]] = {}
+    for _instance, key, _density, path in density.snapshot():
+        if training and key[0] == "train":
+            out.setdefault(key[1], set()).add(path)
+        elif not training and key[0] not in ("train", "train-lost") and path:
+            out.setdefault(key[0], set()).add(path)
+    return out
+
+
 def ffn_args(p: dict) -> tuple:
     """The op's seven tensor arguments from ``twell_compile.testing.make_ffn``'s dict."""
     return tuple(p[name] for name in ARG_NAMES)

@@ -87,7 +87,7 @@ def test_accumulated_micro_batches_split_one_steps_penalty_and_update_once_per_s
     three = _drive(0.05, 60, calls=3)
     # (the first step, before any optimizer step is seen, counts each call as a step)
     assert [c for _, c in one[2:]] == pytest.approx([c for _, c in three[2:]], rel=1e-6)
-    assert control._layers["p"].per_call == 3
+    assert control.state_dict()["p"]["per_call"] == 3
 
 
 def test_no_host_sync_and_device_tensors_only():
@@ -275,7 +275,7 @@ def test_compiled_training_follows_the_controller_without_recompiling():
     assert len(set(coefs)) >= 4                                   # it moved, and nothing recompiled
     st = twell_compile.layer_stats()["root"]
     assert st.target == 0.02 and st.l1_coef == pytest.approx(coefs[-1]) and st.dead is not None
-    assert control._layers["root"].updates >= 4
+    assert control.state_dict()["root"]["updates"] >= 4
 
 
 def test_the_backward_applies_the_coefficient_it_was_handed():

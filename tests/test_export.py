@@ -142,10 +142,9 @@ def test_grouped_moe_experts_export(dynamic):
     stays stock), its logits on other tokens (another routing) match eager, and a dynamic
     batch shows in the report as the routed rows' expression in the Dim's name."""
     pytest.importorskip("transformers")
-    from tests.models.hf_tiny import LAYERS, token_ids
-    from tests.models.test_hf_moe import _model
+    from tests.models.hf_tiny import LAYERS, moe_model, token_ids
 
-    model = _model("mixtral")
+    model = moe_model("mixtral")
     kw = {"dynamic_batch": True} if dynamic else {}
     ep, report = twell_compile.export(model, (token_ids(shape=(2, 7)),), {"use_cache": False}, options=REWRITE, **kw)
     targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]

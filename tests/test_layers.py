@@ -1,7 +1,7 @@
 """The package's layering (docs/architecture.md), read from the source: kernels/ holds device
 code only, passes/ imports only the ops, config, report and formats, the runtime never imports
-the graph layer, no module imports another's private names, and module-level imports form no
-cycle."""
+the graph layer, no module imports or reads another's private names (nor do the tests, but for
+the white-box files named here), and module-level imports form no cycle."""
 
 from __future__ import annotations
 
@@ -87,13 +87,77 @@ def test_runtime_never_imports_the_graph_layer(name):
             assert not target.startswith(banned), f"{name}:{line} imports {target}"
 
 
-def test_no_private_names_across_modules():
+def _private(n: str) -> bool:
+    return n.startswith("_") and not n.endswith("__")
+
+
+def private_uses(path: Path) -> list[str]:
+    """Private names of twell_compile modules that ``path`` imports (``from m import _x``) or
+    reads off a module it imported (``m._x``, ``twell_compile.runtime.m._x``)."""
+    tree = ast.parse(path.read_text())
+    bound: dict[str, str] = {}        # local name -> the package module it names
     bad = []
-    for name, path in SOURCES.items():
-        for module, names, line in _imports(path, top_level_only=False):
-            for n in names:
-                if n.startswith("_") and not n.endswith("__") and f"{module}.{n}" not in SOURCES:
-                    bad.append(f"{name}:{line} imports {module}.{n}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("twell_compile"):
+            for a in node.names:
+                if _private(a.name) and f"{node.module}.{a.name}" not in SOURCES:
+                    bad.append(f"{path.name}:{node.lineno} imports {node.module}.{a.name}")
+                elif f"{node.module}.{a.name}" in SOURCES:
+                    bound[a.asname or a.name] = f"{node.module}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("twell_compile"):
+                    bound[a.asname or "twell_compile"] = a.name if a.asname else "twell_compile"
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+            continue
+        chain, base = [], node.value
+        while isinstance(base, ast.Attribute):
+            chain.append(base.attr)
+            base = base.value
+        if isinstance(base, ast.Name) and base.id in bound:
+            module = ".".join([bound[base.id], *reversed(chain)])
+            if module in SOURCES:
+                bad.append(f"{path.name}:{node.lineno} reads {module}.{node.attr}")
+    return bad
+
+
+def test_no_private_names_across_modules():
+    """No module imports another's private names or reads them off it (``m._x``)."""
+    bad = [f"{name}: {b}" for name, path in SOURCES.items() for b in private_uses(path)]
+    assert not bad, bad
+
+
+def test_private_uses_are_found():
+    import tempfile
+
+    src = ("from twell_compile.runtime import density, arch as a\nimport twell_compile.stats\n"
+           "from twell_compile.runtime.select import _refuse\n"
+           "density._layers, a._x, twell_compile.stats._buffers, density.snapshot, density.__doc__\n")
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "m.py"
+        f.write_text(src)
+        got = private_uses(f)
+    assert got == ["m.py:3 imports twell_compile.runtime.select._refuse",
+                   "m.py:4 reads twell_compile.runtime.density._layers", "m.py:4 reads twell_compile.runtime.arch._x",
+                   "m.py:4 reads twell_compile.stats._buffers"], got
+
+
+# White-box tests that read a module's private state, each for what no public call can set up.
+TEST_PRIVATE_ALLOWED = {
+    # a newer entry at a reused address surviving the old entry's weakref drop (a GC race)
+    "tests/runtime/test_decode_state.py",
+}
+
+
+def test_tests_benchmarks_and_examples_use_public_names():
+    """Tests, benchmarks and examples reach the package through its public names, except the
+    white-box test files listed."""
+    bad = []
+    for path in sorted(p for d in ("tests", "benchmarks", "examples") for p in (ROOT / d).rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if rel not in TEST_PRIVATE_ALLOWED:
+            bad += [f"{rel}: {b}" for b in private_uses(path)]
     assert not bad, bad
 
 

@@ -43,14 +43,14 @@ def test_layer_stats_fields_are_documented_with_units():
 def test_restore_undoes_every_record_since_snapshot():
     twell_compile.reset_stats()
     _record("a", [1, 2], 3.0)
-    buffer = stats._buffers[("a", torch.device("cpu"))]
+    buffer = stats.reserve("a", "cpu")                        # the layer's buffer (held: no new one)
     saved = stats.snapshot()
     before = dict(twell_compile.layer_stats())
     _record("a", [7, 7, 7], 9.0, hidden=50)
     _record("b", [1], 1.0)
     stats.restore(saved)
     assert dict(twell_compile.layer_stats()) == before
-    assert stats._buffers[("a", torch.device("cpu"))] is buffer   # compiled graphs keep their buffer
+    assert stats.reserve("a", "cpu") is buffer   # compiled graphs keep their buffer
 
 
 def test_statistics_made_under_inference_mode_serve_calls_outside_it():
@@ -86,7 +86,9 @@ def test_statistics_made_under_inference_mode_serve_calls_outside_it():
     other(x).sum().backward()
     with torch.inference_mode():
         other(x)
-    assert all(not buf.is_inference() for buf in stats._buffers.values())
+    held = stats.snapshot()[0]                  # (copies; the buffers themselves through reserve)
+    assert set(held) == {("root", torch.device("cpu"))}
+    assert all(not stats.reserve(layer, dev).is_inference() for layer, dev in held)
 
 
 def test_dead_units_are_those_silent_over_the_last_window_of_training_tokens():

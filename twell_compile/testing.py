@@ -558,9 +558,9 @@ def make_ffn_for(activity: str, m: int, k: int, n: int, density: float, tail: fl
 
 
 # --------------------------------------------------------------------------- toy models
-# A ReLU FFN in its three common spellings and a residual block around any of them. Layer
-# names in reports follow these attribute names (``mlp``; ``gate``, ``up``, ``down``,
-# ``gate_up``). A test that needs another spelling (a ReLU module, raw matmuls, an extra user of
+# A ReLU FFN in its three common spellings, a residual block around any of them, and one
+# beside a second input. Layer names in reports follow these attribute names (``mlp``; ``gate``,
+# ``up``, ``down``, ``gate_up``). A test that needs another spelling (a ReLU module, raw matmuls, an extra user of
 # h) defines it beside the test, since that spelling is the point.
 class GatedMLP(nn.Module):
     """down(relu(gate(x)) * up(x)), Llama's FFN (without biases unless ``bias``)."""
@@ -623,3 +623,15 @@ class Block(nn.Module):
 
     def forward(self, x):
         return x + self.mlp(self.norm(x))
+
+
+class PlusMean(nn.Module):
+    """mlp(x) + z.mean(): the FFN's output plus a 0-d value from a second input (which may be of
+    another dtype, or change length and so recompile)."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x, z):
+        return self.mlp(x) + z.mean()

@@ -30,5 +30,5 @@ def test_a_loss_beyond_tolerance_and_spread_is_slower():
 
 def test_every_suite_names_a_harness_and_a_committed_file():
     for name, (module, argv_of, fname, num, den) in check_perf.SUITES.items():
-        assert callable(check_perf._main_of(module)), name
+        assert callable(check_perf.main_of(module)), name
         assert "--out" in argv_of("x.json") and fname.endswith(".json") and num.endswith("_ms") and den == "twell_ms"

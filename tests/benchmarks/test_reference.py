@@ -144,7 +144,7 @@ def test_the_training_child_runs_on_the_benchmarks_inputs(tmp_path):
     ref = _fake_reference(tmp_path, FAKE_LOADER)
     cmd = [sys.executable, "-m", "benchmarks.reference", "--train", ref, "64", "64", "160", "0.05", "0.2", "5",
            "--reps", "1", "--device", "cpu"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=reference._env(), cwd=reference.ROOT)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=reference.child_env(), cwd=reference.ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     row = reference.parse_line(r.stdout)
     errs = row["ref_grad_rel_errs"]

@@ -49,8 +49,8 @@ def test_per_step_values_divide_by_steps():
 def test_minus_counts_only_uncovered_parts():
     a = [(0.0, 10.0), (20.0, 30.0)]
     b = [(2.0, 4.0), (5.0, 25.0)]
-    assert TO._minus(a, b) == pytest.approx(2 + 1 + 5)
-    assert TO._minus(a, []) == 20 and TO._minus([], b) == 0
+    assert TO.minus(a, b) == pytest.approx(2 + 1 + 5)
+    assert TO.minus(a, []) == 20 and TO.minus([], b) == 0
 
 
 def test_summary_reads_gzipped_traces_per_config(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed.test_ddp_fsdp import WORLD, Net, _free_port, _inputs
+from tests.distributed.test_ddp_fsdp import WORLD, Net, batch, free_port
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or sys.platform != "linux", reason="needs torch.distributed")
 STEPS = 8
@@ -35,7 +35,7 @@ def _train(rank, wrap):
             fully_shard(b)
         model = fully_shard(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = _inputs().chunk(WORLD)[rank] * (1 + 2 * rank)          # rank 1: a busier gate input
+    x = batch().chunk(WORLD)[rank] * (1 + 2 * rank)          # rank 1: a busier gate input
     compiled = torch.compile(model, backend="twell", options={"twell.skip_dense": False})
     coefs, dens = [], []
     for _ in range(STEPS):
@@ -58,7 +58,7 @@ def _worker(rank, port, out_path):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("ctl") / "result"
-    torch.multiprocessing.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD)
+    torch.multiprocessing.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD)
     return [torch.load(f"{out}.{r}") for r in range(WORLD)]
 
 

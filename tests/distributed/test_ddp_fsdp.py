@@ -11,7 +11,9 @@ without ``prepare``. Without ``prepare`` DDP's graph split cuts FFNs apart (left
 exact, reported with the fix); with it every FFN stays one op.
 """
 
+import logging
 import os
+import re
 import socket
 import sys
 
@@ -47,25 +49,44 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def _inputs():
+def batch():
     return torch.randn(8, 5, K, generator=torch.Generator().manual_seed(1))
+
+
+class Seen(logging.Handler):
+    """What the backend rewrote, (layer, op, via), and left to Inductor, (layer, reason): read
+    from its log, the INFO lines of the "twell_compile" logger."""
+
+    REWROTE = re.compile(r"twell: rewrote (\S+) \(.*\) -> (\S+?)( \(prepared\))?(: .*)?$")
+    LEFT = re.compile(r"twell: left (\S+) to Inductor: (.*)$", re.S)
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.seen = {"rewrites": [], "rejections": []}
+
+    def emit(self, record):
+        text = record.getMessage()
+        if m := self.REWROTE.match(text):
+            self.seen["rewrites"].append((m[1], m[2], "prepare" if m[3] else "graph"))
+        elif m := self.LEFT.match(text):
+            self.seen["rejections"].append((m[1], m[2]))
 
 
 def _scenario(rank, wrap, bucket_mb, prepare):
     import twell_compile
-    import twell_compile.report as report_mod
 
-    seen = {"rewrites": [], "rejections": []}
-    add_rw, add_rj = report_mod.Report.add_rewrite, report_mod.Report.add_rejection
-    report_mod.Report.add_rewrite = lambda self, e: (seen["rewrites"].append((e.layer, e.op, e.via)), add_rw(self, e))[1]
-    report_mod.Report.add_rejection = lambda self, e: (seen["rejections"].append((e.layer, e.reason)), add_rj(self, e))[1]
+    log = logging.getLogger("twell_compile")
+    handler, level = Seen(), log.level
+    seen = handler.seen
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
     try:
         torch._dynamo.reset()
         torch.manual_seed(0)
         net = Net()
         if prepare:
             assert len(twell_compile.prepare(net, options={"twell.skip_dense": False}).rewrites) == 2
-        x = _inputs().chunk(WORLD)[rank]
+        x = batch().chunk(WORLD)[rank]
         if wrap == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -86,7 +107,8 @@ def _scenario(rank, wrap, bucket_mb, prepare):
         with torch.no_grad():
             report = twell_compile.explain(model, x, options={"twell.skip_dense": False})
     finally:
-        report_mod.Report.add_rewrite, report_mod.Report.add_rejection = add_rw, add_rj
+        log.removeHandler(handler)
+        log.setLevel(level)
     return {"backend": backend_seen, "loss": loss.detach(), "grads": [g.detach().clone() for g in grads],
             "explain": {"rank": report.rank, "graphs": report.graphs, "text": str(report),
                         "rewrites": [(r.layer, r.via) for r in report.rewrites],
@@ -102,7 +124,7 @@ def _worker(rank, port, out_path):
     dist.destroy_process_group()
 
 
-def _free_port():
+def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -111,7 +133,7 @@ def _free_port():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist") / "result"
-    torch.multiprocessing.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD)
+    torch.multiprocessing.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD)
     return [torch.load(f"{out}.{r}") for r in range(WORLD)]
 
 
@@ -120,7 +142,7 @@ def reference():
     """One process, plain eager model: loss per rank's shard and the averaged gradients."""
     torch.manual_seed(0)
     ref = Net()
-    parts = _inputs().chunk(WORLD)
+    parts = batch().chunk(WORLD)
     losses = [ref(part).square().mean() for part in parts]
     (sum(losses) / WORLD).backward()
     return [loss.detach() for loss in losses], [p.grad.clone() for p in ref.parameters()]

@@ -2,6 +2,7 @@
 
 ``FAMILIES`` maps a name to (config factory, model class name, whether the FFN is gated).
 Activation keyword arguments differ per family, so each factory takes the activation name.
+``MOE`` and ``moe_model``: tiny mixture-of-experts models (4 experts, top 2).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 VOCAB, HIDDEN, FFN, LAYERS, HEADS = 64, 16, 40, 2, 2
 
 
-def _decoder(cls_name: str, act_key: str = "hidden_act", **extra: Any) -> Callable[[str], Any]:
+def decoder(cls_name: str, act_key: str = "hidden_act", **extra: Any) -> Callable[[str], Any]:
     def make(act: str):
         import transformers
 
@@ -67,15 +68,15 @@ class Family:
 
 
 FAMILIES = {
-    "llama": Family(_decoder("LlamaConfig"), "LlamaForCausalLM", True, "model.layers.0.mlp", "silu", "SiLU"),
-    "llama_mlp_bias": Family(_decoder("LlamaConfig", mlp_bias=True), "LlamaForCausalLM", True,
+    "llama": Family(decoder("LlamaConfig"), "LlamaForCausalLM", True, "model.layers.0.mlp", "silu", "SiLU"),
+    "llama_mlp_bias": Family(decoder("LlamaConfig", mlp_bias=True), "LlamaForCausalLM", True,
                              "model.layers.0.mlp", "silu", "SiLU"),
-    "mistral": Family(_decoder("MistralConfig"), "MistralForCausalLM", True, "model.layers.0.mlp", "silu", "SiLU"),
-    "qwen2": Family(_decoder("Qwen2Config"), "Qwen2ForCausalLM", True, "model.layers.0.mlp", "silu", "SiLU"),
-    "qwen3": Family(_decoder("Qwen3Config", head_dim=8), "Qwen3ForCausalLM", True, "model.layers.0.mlp",
+    "mistral": Family(decoder("MistralConfig"), "MistralForCausalLM", True, "model.layers.0.mlp", "silu", "SiLU"),
+    "qwen2": Family(decoder("Qwen2Config"), "Qwen2ForCausalLM", True, "model.layers.0.mlp", "silu", "SiLU"),
+    "qwen3": Family(decoder("Qwen3Config", head_dim=8), "Qwen3ForCausalLM", True, "model.layers.0.mlp",
                     "silu", "SiLU"),
-    "phi3": Family(_decoder("Phi3Config"), "Phi3ForCausalLM", True, "model.layers.0.mlp", "silu", "SiLU"),
-    "gemma": Family(_decoder("GemmaConfig", act_key="hidden_act", head_dim=8), "GemmaForCausalLM", True,
+    "phi3": Family(decoder("Phi3Config"), "Phi3ForCausalLM", True, "model.layers.0.mlp", "silu", "SiLU"),
+    "gemma": Family(decoder("GemmaConfig", act_key="hidden_act", head_dim=8), "GemmaForCausalLM", True,
                     "model.layers.0.mlp", "gelu_pytorch_tanh", "GELU"),
     "opt": Family(_opt, "OPTForCausalLM", False, "model.decoder.layers.0", "gelu", "GELU"),
     "gpt2": Family(_gpt2, "GPT2LMHeadModel", False, "transformer.h.0.mlp", "gelu_new", "activation"),
@@ -135,3 +136,34 @@ def check_inference_and_training(model: torch.nn.Module, ids: torch.Tensor) -> N
     assert backend.twell_ops() == ["twell::ffn_train"] * LAYERS
     check_close("logits", got, want)
     compare_grads(model, got, want)
+
+
+# ---- mixture-of-experts models (tests/models/test_hf_moe.py, tests/test_export.py)
+EXPERTS, TOP_K = 4, 2
+
+# name -> (config class, model class, extra config keys, whether a shared expert FFN sits beside)
+MOE = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=EXPERTS), False),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=EXPERTS, moe_intermediate_size=40, shared_expert_intermediate_size=24), True),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=EXPERTS, moe_intermediate_size=40,
+                                                               head_dim=8), False),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=EXPERTS), False),
+}
+
+
+def moe_model(name: str, act: str = "relu", implementation: str = "grouped_mm", seed: int = 0) -> torch.nn.Module:
+    """A tiny MoE model of ``MOE[name]`` with ``act`` experts, their weights initialised (HF leaves
+    them uninitialised), in eval mode, with transformers' ``experts_implementation``."""
+    import transformers
+
+    config, cls, extra, _ = MOE[name]
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls)(decoder(config, num_experts_per_tok=TOP_K, **extra)(act)).eval()
+    with torch.no_grad():       # HF leaves the experts' weights uninitialised in a bare config model
+        for mod in model.modules():
+            if hasattr(mod, "gate_up_proj"):
+                mod.gate_up_proj.normal_(0, 0.2)
+                mod.down_proj.normal_(0, 0.2)
+    model.set_experts_implementation(implementation)
+    return model

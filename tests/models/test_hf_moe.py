@@ -15,36 +15,12 @@ from torch import nn
 import twell_compile
 
 from tests.helpers import REWRITE_ALL
-from tests.models.hf_tiny import LAYERS, _decoder, compare_grads, main_output, token_ids
+from tests.models.hf_tiny import EXPERTS, LAYERS, MOE, TOP_K, compare_grads, main_output, moe_model, token_ids
 from tests.passes.rewrite_harness import PassBackend, check_close
 
 transformers = pytest.importorskip("transformers")
 
-EXPERTS, TOP_K = 4, 2
-
-# name -> (config class, model class, extra config keys, whether a shared expert FFN sits beside)
-MOE = {
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=EXPERTS), False),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  dict(num_experts=EXPERTS, moe_intermediate_size=40, shared_expert_intermediate_size=24), True),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=EXPERTS, moe_intermediate_size=40,
-                                                               head_dim=8), False),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=EXPERTS), False),
-}
 EXPERT_LAYERS = [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
-
-
-def _model(name: str, act: str = "relu", implementation: str = "grouped_mm", seed: int = 0) -> nn.Module:
-    config, cls, extra, _ = MOE[name]
-    torch.manual_seed(seed)
-    model = getattr(transformers, cls)(_decoder(config, num_experts_per_tok=TOP_K, **extra)(act)).eval()
-    with torch.no_grad():       # HF leaves the experts' weights uninitialised in a bare config model
-        for mod in model.modules():
-            if hasattr(mod, "gate_up_proj"):
-                mod.gate_up_proj.normal_(0, 0.2)
-                mod.down_proj.normal_(0, 0.2)
-    model.set_experts_implementation(implementation)
-    return model
 
 
 def _run(model: nn.Module, ids: torch.Tensor, grad: bool) -> tuple[PassBackend, torch.Tensor, torch.Tensor]:
@@ -71,7 +47,7 @@ def test_experts_rewritten_inference_and_training(name: str) -> None:
     """One twell::experts op per MoE block (the shared expert of Qwen2-MoE: one twell::ffn);
     logits and every gradient as eager's; no grouped_mm left; the routing (topk) still in the graph."""
     shared = MOE[name][3]
-    model = _model(name)
+    model = moe_model(name)
     ids = token_ids()
     with torch.no_grad():
         report = twell_compile.explain(model, input_ids=ids, options=REWRITE_ALL)
@@ -133,7 +109,7 @@ def test_sentinel_masked_experts_forward_rewritten(name: str, monkeypatch) -> No
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS, "grouped_mm", _grouped_mm_experts_forward_517)
-    model = _model(name, seed=5)
+    model = moe_model(name, seed=5)
     ids = token_ids(5)
     with torch.no_grad():
         report = twell_compile.explain(model, input_ids=ids, options=REWRITE_ALL)
@@ -163,7 +139,7 @@ class _DReLUGate:
 
 @pytest.mark.parametrize("act", ["relu2", "drelu"])
 def test_squared_relu_and_drelu_experts(act: str) -> None:
-    model = _model("mixtral", "relu2" if act == "relu2" else "relu", seed=1)
+    model = moe_model("mixtral", "relu2" if act == "relu2" else "relu", seed=1)
     if act == "drelu":
         for layer in model.model.layers:
             experts = layer.mlp.experts
@@ -179,7 +155,7 @@ def test_squared_relu_and_drelu_experts(act: str) -> None:
 
 
 def test_silu_experts_are_a_near_miss() -> None:
-    model = _model("qwen3_moe", "silu")
+    model = moe_model("qwen3_moe", "silu")
     ids = token_ids(2)
     with torch.no_grad():
         report = twell_compile.explain(model, input_ids=ids, options=REWRITE_ALL)
@@ -197,7 +173,7 @@ def test_silu_experts_are_a_near_miss() -> None:
 
 @pytest.mark.parametrize("implementation", ["eager", "batched_mm"])
 def test_explain_names_implementations_it_cannot_match(implementation: str) -> None:
-    model = _model("mixtral", implementation=implementation)
+    model = moe_model("mixtral", implementation=implementation)
     with torch.no_grad():
         report = twell_compile.explain(model, input_ids=token_ids(), options=REWRITE_ALL)
     assert not report.rewrites
@@ -209,7 +185,7 @@ def test_prepare_takes_the_eager_experts_loop() -> None:
     """experts_implementation="eager" graph-breaks in its loop; prepare gives the experts module
     a twell forward: one graph, one twell op per block, exact in eager and compiled, inference
     and training; unprepare restores the module."""
-    model = _model("olmoe", implementation="eager", seed=3)
+    model = moe_model("olmoe", implementation="eager", seed=3)
     ids = token_ids(3)
     with torch.no_grad():
         want = main_output(model(input_ids=ids))
@@ -236,7 +212,7 @@ def test_prepare_takes_experts_of_a_decorator_without_the_newer_flags() -> None:
     """transformers 5.17's use_experts_implementation sets neither has_post_expert_norm nor
     _is_expert_parallel: the installed decorator's modules without them are still prepared, and
     compute what they did."""
-    model = _model("olmoe", implementation="eager", seed=5)
+    model = moe_model("olmoe", implementation="eager", seed=5)
     for experts in _experts_modules(model):
         vars(experts).pop("has_post_expert_norm", None)
         vars(experts).pop("_is_expert_parallel", None)
@@ -264,7 +240,7 @@ class _FlagsOnly(nn.Module):
 def test_flags_without_the_decorators_gate_are_not_experts() -> None:
     from twell_compile import moe
     assert not moe.is_batched_experts(_FlagsOnly())
-    model = _model("olmoe", implementation="eager")
+    model = moe_model("olmoe", implementation="eager")
     assert all(moe.is_batched_experts(e) for e in _experts_modules(model))
 
 
@@ -309,7 +285,7 @@ def _nothing_to_read(experts: nn.Module, model: nn.Module) -> None:
 def test_prepare_refuses_experts_split_over_ranks(split, reason: str) -> None:
     """Expert parallelism read from the flag where the decorator records it, else from the
     module's expert count, its forward, or the config; refused where none can be read."""
-    model = _model("olmoe", implementation="eager")
+    model = moe_model("olmoe", implementation="eager")
     vars(model.config).pop("distributed_config", None)
     for experts in _experts_modules(model):
         vars(experts).pop("has_post_expert_norm", None)
@@ -403,10 +379,10 @@ def test_inductor_end_to_end_training_bf16() -> None:
     whose router picks the same experts in bfloat16 (eager and Inductor) as in float64: where
     rounding flips a near-tie, the token's expert changes and so does every gradient it feeds
     (seen with seeds 5-7, under plain backend="inductor" alike)."""
-    model = _model("mixtral", seed=8)
+    model = moe_model("mixtral", seed=8)
     model.model.layers = model.model.layers[:1]
     model.config.num_hidden_layers = 1
-    ref = _model("mixtral", seed=8, implementation="eager")
+    ref = moe_model("mixtral", seed=8, implementation="eager")
     ref.model.layers = ref.model.layers[:1]
     ref.config.num_hidden_layers = 1
     ref.load_state_dict(model.state_dict())

@@ -15,7 +15,7 @@ import twell_compile
 from twell_compile.ops import arg_index
 
 from tests.helpers import REWRITE_ALL
-from tests.models.hf_tiny import LAYERS, _decoder, check_inference_and_training, main_output, token_ids
+from tests.models.hf_tiny import LAYERS, check_inference_and_training, decoder, main_output, token_ids
 from tests.passes.rewrite_harness import PassBackend, check_close
 
 transformers = pytest.importorskip("transformers")
@@ -31,8 +31,8 @@ class DReLUMLP(transformers.models.llama.modeling_llama.LlamaMLP):
 def _model(kind: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     if kind == "nemotron-relu2":
-        return transformers.NemotronForCausalLM(_decoder("NemotronConfig")("relu2")).eval()
-    model = transformers.LlamaForCausalLM(_decoder("LlamaConfig", mlp_bias=True)("relu2" if kind == "llama-relu2"
+        return transformers.NemotronForCausalLM(decoder("NemotronConfig")("relu2")).eval()
+    model = transformers.LlamaForCausalLM(decoder("LlamaConfig", mlp_bias=True)("relu2" if kind == "llama-relu2"
                                                                                    else "relu")).eval()
     if kind == "llama-drelu":
         for layer in model.model.layers:
@@ -118,7 +118,7 @@ def test_prepare_and_export(kind: str) -> None:
 def test_nemotron_near_miss_activations_stay_exact() -> None:
     """Nemotron with relu (plain ReLU) is rewritten as ReLU; with gelu it is left alone."""
     torch.manual_seed(0)
-    model = transformers.NemotronForCausalLM(_decoder("NemotronConfig")("gelu")).eval()
+    model = transformers.NemotronForCausalLM(decoder("NemotronConfig")("gelu")).eval()
     ids = token_ids(4)
     with torch.no_grad():
         report = twell_compile.explain(model, input_ids=ids, options=REWRITE_ALL)

@@ -25,7 +25,7 @@ from twell_compile.config import TwellConfig
 from tests.helpers import REWRITE_ALL
 from tests.passes.ffn_zoo import Spec, build, eager_allows, specs
 from tests.passes.rewrite_harness import REPLACED_FNS, REPLACED_METHODS, TWELL_OPS, PassBackend, check_close
-from twell_compile.testing import GatedMLP
+from twell_compile.testing import GatedMLP, PlusMean
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 
@@ -438,22 +438,17 @@ def test_broadcast_bias_through_inductor(monkeypatch) -> None:
         check_close("grad", a, b)
 
 
-class _AddAfterDown(GatedMLP):
-    """The block's output plus a tensor of another dtype (a residual's fp32 mean): the add is
-    not the down projection's bias, and add's promotion keeps x's dtype for a 0-d fp32."""
-
-    def forward(self, x, z):
-        return super().forward(x) + z.mean()
-
-
 @pytest.mark.parametrize("zshape", [(3,), (16,)], ids=["0-d", "per-feature"])
 def test_add_of_another_dtype_after_down_is_not_its_bias(zshape):
+    """The block's output plus a tensor of another dtype (a residual's fp32 mean, or an fp32
+    per-feature tensor): the add is not the down projection's bias, and add's promotion keeps
+    x's dtype for a 0-d fp32."""
     torch.manual_seed(0)
-    model = _AddAfterDown().to(torch.bfloat16)
+    model = PlusMean(GatedMLP()).to(torch.bfloat16)
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     z = torch.randn(zshape) if zshape == (3,) else torch.randn(16)
     if zshape == (16,):
-        model.forward = lambda x, z, m=model: m.down(F.relu(m.gate(x)) * m.up(x)) + z
+        model.forward = lambda x, z, m=model.mlp: m.down(F.relu(m.gate(x)) * m.up(x)) + z
     with torch.no_grad():
         report = twell_compile.explain(model, x, z, options=REWRITE_ALL)
         assert [r.op for r in report.rewrites] == ["twell::ffn"], str(report)

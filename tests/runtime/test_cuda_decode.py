@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import twell_compile.ops  # noqa: F401  (registers torch.ops.twell when this file runs alone)
-from tests.helpers import ffn_args as _args, ffn_with_biases, poison as _poison, rel as _rel, run_interpreted
+from tests.helpers import ffn_args as _args, ffn_with_biases, last_paths, poison as _poison, rel as _rel, run_interpreted
 from twell_compile.testing import GatedMLP
 from twell_compile.runtime import arch, decode_state as ds, select
 
@@ -881,25 +881,22 @@ def test_weight_updates_are_seen_by_calls_and_graph_replays():
 
 
 @gpu
-def test_op_plan_by_m_and_density(monkeypatch):
+def test_op_plan_by_m_and_density():
     """M <= decode_max_m runs the decode kernels where the rule says so (before any
     measurement: at density 0); the lagged density then switches a busy layer at M = 64 to
     dense; M between the paths runs dense. Constants of the first H200 run's policy (under
-    the shipped ones every point here runs dense)."""
+    the shipped ones every point here runs dense). The path each call took: the layer's
+    record (density.snapshot)."""
     from twell_compile.reference import ffn_dense
-    from twell_compile.runtime import cuda_decode, density
+    from twell_compile.runtime import density
     density.reset()
-    calls = []
-    real = cuda_decode.decode_forward
-    monkeypatch.setattr(cuda_decode, "decode_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for m, d, want in ((1, 0.005, [True, True]), (64, 0.5, [True, False]), (300, 0.005, [False, False])):
         p = _ffn(m, 2048, 5632, 2048, d, torch.bfloat16)
         for want_decode in want:
-            calls.clear()
             with arch.patched(**MECHANISM):
                 y = torch.ops.twell.ffn(*_args(p), f"disp{m}", True)
             torch.cuda.synchronize()
-            assert bool(calls) == want_decode, (m, d)
+            assert (last_paths()[f"disp{m}"] == {"decode"}) == want_decode, (m, d, last_paths())
             ref = ffn_dense(*(None if a is None else a.float() for a in _args(p)))
             assert _rel(y, ref) <= 2 * _rel(ffn_dense(*_args(p)), ref) + 1e-6
     import twell_compile
@@ -930,14 +927,11 @@ def test_op_in_deterministic_mode_repeats_its_bits():
 
 
 @gpu
-def test_compile_reduce_overhead_decode(monkeypatch, decode_wins_everywhere):
+def test_compile_reduce_overhead_decode(decode_wins_everywhere):
     from torch._dynamo.utils import counters
-    from twell_compile.runtime import cuda_decode, density
+    from twell_compile.runtime import density
     density.reset()
     ds.clear()
-    calls = []
-    real = cuda_decode.decode_forward
-    monkeypatch.setattr(cuda_decode, "decode_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     counters.clear()
     model = GatedMLP.at_density(512, 1408, 0.01).cuda().to(torch.bfloat16)
     f = torch.compile(model, backend="twell", mode="reduce-overhead")
@@ -949,7 +943,7 @@ def test_compile_reduce_overhead_decode(monkeypatch, decode_wins_everywhere):
             torch.cuda.synchronize()
         ref = model.float()(x.float())
     assert counters["inductor"]["cudagraph_skips"] == 0
-    assert calls, "the decode kernels were not used"
+    assert "decode" in set().union(*last_paths().values()), ("the decode kernels were not used", last_paths())
     # the decode state, made at compile time (no weight copy)
     assert ds.state_bytes() == (ds.STATE_ROWS * 512 + ds.STATE_TAIL) * 4
     assert _rel(y, ref) < 2e-2

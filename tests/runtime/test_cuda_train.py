@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import twell_compile  # noqa: F401
 import twell_compile.ops  # noqa: F401
-from tests.helpers import ARG_NAMES as NAMES, ffn_with_biases, poison, rel as _plain_rel
+from tests.helpers import ARG_NAMES as NAMES, ffn_with_biases, last_paths, poison, rel as _plain_rel, twell_op_calls
 from twell_compile.testing import GatedMLP
 from twell_compile.formats import backup_capacity
 from twell_compile.reference import activate
@@ -255,25 +255,15 @@ def test_sparse_path_is_graph_capturable():
             assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
 
 
-def _counting(monkeypatch):
-    seen = {"sparse_bwd": 0, "fwd": 0}
-    fwd, bwd = cuda_train.ffn_train_forward, cuda_train.backward_sparse
-
-    def f(*a, **k):
-        seen["fwd"] += 1
-        return fwd(*a, **k)
-
-    def b(*a, **k):
-        seen["sparse_bwd"] += 1
-        return bwd(*a, **k)
-
-    monkeypatch.setattr(cuda_train, "ffn_train_forward", f)
-    monkeypatch.setattr(cuda_train, "backward_sparse", b)
-    return seen
+def _ours(fn):
+    """(the twell ops ``fn()`` ran, by name; the paths the layers' training calls took; what
+    ``fn`` returned): from the profiler's record and the runtime's per-layer record."""
+    density.reset()
+    calls, out = twell_op_calls(fn)
+    return calls, set().union(*last_paths(training=True).values()), out
 
 
-def test_autocast_fp32_weights(monkeypatch):
-    seen = _counting(monkeypatch)
+def test_autocast_fp32_weights():
     torch.manual_seed(0)
     model = GatedMLP(256, 704, bias=True).cuda()
     with torch.no_grad():
@@ -292,8 +282,9 @@ def test_autocast_fp32_weights(monkeypatch):
     compiled = torch.compile(model, backend="twell", options={"twell.path": "twell"})
     grads(compiled)
     torch.cuda.synchronize()
-    got = grads(compiled)
-    assert seen["fwd"] >= 2 and seen["sparse_bwd"] >= 1, seen
+    calls, paths, got = _ours(lambda: grads(compiled))
+    # the sparse forward, and so the sparse backward (a "twell" state's: cuda_train.backward_path)
+    assert "twell::ffn_train" in calls and "twell::ffn_train_bwd" in calls and paths == {"twell"}, (calls, paths)
     with _no_tf32():
         ref = grads(model, autocast=False)
     eager = grads(model)
@@ -302,9 +293,8 @@ def test_autocast_fp32_weights(monkeypatch):
         assert _rel(a, r) <= 2 * _rel(e, r) + 1e-6, (nm, _rel(a, r), _rel(e, r))
 
 
-def test_hf_gradient_checkpointing(monkeypatch):
+def test_hf_gradient_checkpointing():
     transformers = pytest.importorskip("transformers")
-    seen = _counting(monkeypatch)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=352,
                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                    hidden_act="relu", max_position_embeddings=512, tie_word_embeddings=False)
@@ -327,8 +317,8 @@ def test_hf_gradient_checkpointing(monkeypatch):
     compiled = torch.compile(model, backend="twell", options={"twell.ell_width": 32, "twell.path": "twell"})
     grads(compiled, torch.bfloat16)
     torch.cuda.synchronize()
-    got = grads(compiled, torch.bfloat16)
-    assert seen["sparse_bwd"] >= 2, seen
+    calls, paths, got = _ours(lambda: grads(compiled, torch.bfloat16))
+    assert calls.count("twell::ffn_train_bwd") >= 2 and paths == {"twell"}, (calls, paths)   # sparse backwards
     for nm in ref:
         if ".mlp." in nm:
             assert _rel(got[nm], ref[nm]) <= 2 * _rel(eager[nm], ref[nm]) + 1e-6, (nm, _rel(got[nm], ref[nm]), _rel(eager[nm], ref[nm]))

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 
 from tests.helpers import ffn_args as _args, poison as _poison, rel as _rel
-from twell_compile.testing import GatedMLP
+from twell_compile.testing import GatedMLP, PlusMean
 from tests.helpers import ffn_with_biases
 from tests.runtime.test_cuda_decode import MECHANISM, gpu
 from tests.runtime.test_cuda_decode import decode_wins_everywhere  # noqa: F401  (a fixture)
@@ -22,6 +21,19 @@ from twell_compile.runtime import arch, decode_graphs, decode_state as ds, densi
 
 def test_not_usable_on_cpu():
     assert not decode_graphs.usable(torch.zeros(2, 3))
+
+
+def test_the_switch_is_scoped_and_restored():
+    was = decode_graphs.ENABLED
+    with decode_graphs.enabled(False):
+        assert decode_graphs.ENABLED is False
+        with decode_graphs.enabled(True):
+            assert decode_graphs.ENABLED is True
+        assert decode_graphs.ENABLED is False
+    assert decode_graphs.ENABLED == was
+    with pytest.raises(KeyError), decode_graphs.enabled(not was):
+        raise KeyError
+    assert decode_graphs.ENABLED == was
 
 
 @pytest.fixture
@@ -134,14 +146,15 @@ def test_no_graph_of_its_own_while_the_caller_captures(decode_op):
 
 @gpu
 @pytest.mark.parametrize("case", ["switched_off", "unregistered_weight"])
-def test_no_graph(decode_op, monkeypatch, case):
-    """TWELL_DECODE_GRAPHS off, or a W_down the weight cache does not hold: eager calls."""
+def test_no_graph(decode_op, case):
+    """Graphs switched off (decode_graphs.enabled(False), as TWELL_DECODE_GRAPHS=0 at import),
+    or a W_down the weight cache does not hold: eager calls."""
     p = ffn_with_biases(2, 2048, 5632, 2048, 0.005, dtype=torch.bfloat16)
     if case == "switched_off":
-        monkeypatch.setattr(decode_graphs, "ENABLED", False)
         assert ds.register(p["w_down"])
-    for _ in range(3):
-        y = _decode(_args(p), f"graphs_{case}")
+    with decode_graphs.enabled(case != "switched_off"):
+        for _ in range(3):
+            y = _decode(_args(p), f"graphs_{case}")
     assert decode_graphs.count() == 0
     ref, derr = _ref(_args(p))
     assert _rel(y, ref) <= 2 * derr + 1e-6
@@ -182,29 +195,20 @@ def test_math_mode_is_part_of_the_dense_key():
     assert decode_graphs.math_mode() == before
 
 
-class _Step(nn.Module):
-    """The FFN next to an input whose length changes: a new length recompiles, and under
-    reduce-overhead the new graph's first run is a warm-up inside the cudagraph tree's pool."""
-    def __init__(self, mlp):
-        super().__init__()
-        self.mlp = mlp
-
-    def forward(self, x, z):
-        return self.mlp(x) + z.mean()
-
-
 @gpu
 def test_recompile_warmup_leaves_nothing_in_the_cudagraph_pool(decode_wins_everywhere):
     """The op's own graph is captured at a key's second eager call. When that call is a
     recompiled graph's warm-up (as a generate() step after a new cache length), the graph's
     input buffer must not come from Inductor's pool: its check then fails with "Detected 16
-    tensor(s) in the cudagraph pool not tracked as outputs" (H200, 2026-11-23)."""
+    tensor(s) in the cudagraph pool not tracked as outputs" (H200, 2026-11-23). The FFN sits
+    next to an input whose length changes (PlusMean's z): a new length recompiles, and under
+    reduce-overhead the new graph's first run is a warm-up inside the cudagraph tree's pool."""
     from twell_compile.reference import ffn_dense
     density.reset()
     ds.clear()
     decode_graphs.clear()
     model = GatedMLP.at_density(512, 1408, 0.01).cuda().to(torch.bfloat16)
-    f = torch.compile(_Step(model), backend="twell", dynamic=False,
+    f = torch.compile(PlusMean(model), backend="twell", dynamic=False,
                       options={"twell.mode": "reduce-overhead", "twell.path": "decode-rows"})
     w = (model.gate.weight, None, model.up.weight, None, model.down.weight, None)
     with torch.no_grad():

@@ -18,8 +18,8 @@ def _args(dtype):
     return tuple(p[k] for k in ("x", "w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down"))
 
 
-def test_l1_in_float16_warns_once_about_loss_scaling(monkeypatch, caplog):
-    monkeypatch.setattr(execute, "_warned_fp16_l1", False)
+def test_l1_in_float16_warns_once_about_loss_scaling(caplog):
+    execute.reset_warnings()
     with caplog.at_level(logging.WARNING, logger="twell_compile"):
         torch.ops.twell.ffn_train(*_args(torch.bfloat16), 4, 2, 0.5, "bf", False)     # bf16: silent
         torch.ops.twell.ffn_train(*_args(torch.float16), 4, 2, 0.0, "fp", False)      # no penalty: silent
@@ -31,14 +31,18 @@ def test_l1_in_float16_warns_once_about_loss_scaling(monkeypatch, caplog):
 
 
 def test_cpu_plans_are_cached_per_shape_and_follow_patches():
-    """A call reads its cached plan; a record patch or density.reset makes a new one."""
-    from twell_compile.runtime import arch, density, execute
+    """A call reads its cached plan; a record patch, the graphs' switch or density.reset makes a
+    new one."""
+    from twell_compile.runtime import arch, decode_graphs, density, execute
 
     x = torch.randn(3, 16)
     execute.reset()
     first = execute.infer_plan(x, 40, 16, True, "cache", False, 0, "auto")
     assert execute.infer_plan(x, 40, 16, True, "cache", False, 0, "auto") is first
     assert execute.infer_plan(torch.randn(5, 16), 40, 16, True, "cache", False, 0, "auto") is not first
+    with decode_graphs.enabled(not decode_graphs.ENABLED):
+        assert execute.infer_plan(x, 40, 16, True, "cache", False, 0, "auto") is not first
+    assert execute.infer_plan(x, 40, 16, True, "cache", False, 0, "auto") is first
     with arch.patched(min_width=8):
         patched = execute.infer_plan(x, 40, 16, True, "cache", False, 0, "auto")
         assert patched is not first and patched.path in ("cpu", "torch")

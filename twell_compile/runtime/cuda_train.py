@@ -139,7 +139,7 @@ def pack_gate(g: Tensor, width: int, cap: int, gated: bool) -> Packed:
     """The compaction of the gate output g [M, N]: the state's buffers allocated (zeroed: a few
     memsets) and ``cuda_infer.compact_rows`` (one launch: each row's non-zero count of relu(g)
     and its first ``width`` as packed (col, value) pairs, the rows' order by cost). The first
-    half of the training forward's state (``_state``); public so benchmarks/train_parts.py
+    half of the training forward's state (``hybrid_state``); public so benchmarks/train_parts.py
     times the calls the op makes."""
     m, n = g.shape
     dev, dt = g.device, g.dtype
@@ -194,11 +194,12 @@ def packed_forward(x2: Tensor, g: Tensor, u: Optional[Tensor], pk: Packed, w_up:
     return y, hsum, cnt, cols, ell_g, ell_u, bidx, bg, bu, missing
 
 
-def _state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b_up: Optional[Tensor],
-           w_down: Tensor, b_down: Optional[Tensor], width: int, cap: int, compute_y: bool, act: str = "relu"):
+def hybrid_state(x2: Tensor, g: Tensor, u: Optional[Tensor], w_up: Optional[Tensor], b_up: Optional[Tensor],
+                 w_down: Tensor, b_down: Optional[Tensor], width: int, cap: int, compute_y: bool,
+                 act: str = "relu"):
     """Compaction + train_fwd_kernel (``pack_gate`` then ``packed_forward``). Returns (y or
     None, hsum or None, counts, cols, ell_g, ell_u, backup_idx, backup_g, backup_u, missing
-    rows [0-d])."""
+    rows [0-d]). Public so benchmarks/bench_ffn_train.py times it as the op calls it."""
     pk = pack_gate(g, width, cap, w_up is not None)
     return packed_forward(x2, g, u, pk, w_up, b_up, w_down, b_down, compute_y, act)
 
@@ -212,7 +213,7 @@ def gate_gemm(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor]) -> Tensor:
 def forward_sparse(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap, act="relu"):
     w_up = None if w_up is None else unit_rows(w_up)
     g = gate_gemm(x2, w_gate, b_gate)
-    return _state(x2, g, None, w_up, b_up, w_down, b_down, width, cap, True, act)
+    return hybrid_state(x2, g, None, w_up, b_up, w_down, b_down, width, cap, True, act)
 
 
 def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap, compact=False,
@@ -238,7 +239,7 @@ def forward_dense(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, width, cap, co
     y = F.linear(h, w_down, b_down)
     del h
     if compact:
-        _, _, *state = _state(x2, g, u, w_up, b_up, w_down, b_down, width, cap, False, act)
+        _, _, *state = hybrid_state(x2, g, u, w_up, b_up, w_down, b_down, width, cap, False, act)
         return y, hsum, tuple(state)
     cols = torch.empty((m, width), dtype=torch.int32, device=dev)
     ell_g = torch.empty((m, width), dtype=dt, device=dev)

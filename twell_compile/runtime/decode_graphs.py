@@ -16,15 +16,17 @@ a key holds every pointer the graph bakes in, so a new weight or statistics buff
 new graph. Not used while the current stream is capturing (the caller's graph records the
 kernels), nor under the Triton interpreter. The first capture per key synchronizes the device
 once (like compiling). One stream at a time per layer, as for the persistent accumulator.
-``TWELL_DECODE_GRAPHS=0`` turns it off. Graphs share one memory pool per device; at most
-MAX_GRAPHS are kept (all dropped past that).
+``TWELL_DECODE_GRAPHS=0`` turns it off at import; ``enabled(False)`` around a block, for a
+while. Graphs share one memory pool per device; at most MAX_GRAPHS are kept (all dropped past
+that).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch import Tensor
@@ -46,6 +48,20 @@ _last: dict[tuple, tuple] = {}     # key -> x's (address, strides) at its previo
 _bound: dict[tuple, int] = {}      # key -> graphs captured for it that read x where it lies
 _pools: dict[int, Any] = {}
 _lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def enabled(on: bool) -> Iterator[None]:
+    """Within the block, op calls go through graphs only if ``on`` (process-wide, every thread;
+    restored on exit). Cached plans follow: the switch is part of execute's plan-cache key.
+    Graphs already captured stay held (``clear`` drops them)."""
+    global ENABLED
+    was = ENABLED
+    ENABLED = bool(on)
+    try:
+        yield
+    finally:
+        ENABLED = was
 
 
 def usable(x: Tensor) -> bool:

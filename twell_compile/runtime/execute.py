@@ -15,11 +15,11 @@ Every call runs inside its op instance's scope (density.enter), so the measureme
 and writes are its own op's. Inference plans are cached per op instance, layer, device, dtype,
 shapes, flags and path: a call reads its plan, takes a landed density measurement if one is
 pending, and decides only whether to probe this call (the plan's interval); a landed
-measurement (the layer state's version), ``density.reset``, ``arch.patched`` or a change of
-deterministic mode makes a new plan. Under CUDA-graph capture plans are made afresh (nothing is
-probed there). No host sync on any path: decisions use shapes, dtypes, devices
-and lagged device-side counts only. The CUDA launchers import Triton, so they are imported on
-first use (``import twell_compile.ops`` stays light on machines without it).
+measurement (the layer state's version), ``density.reset``, ``arch.patched``, a change of
+deterministic mode or of ``decode_graphs.enabled`` makes a new plan. Under CUDA-graph capture
+plans are made afresh (nothing is probed there). No host sync on any path: decisions use
+shapes, dtypes, devices and lagged device-side counts only. The CUDA launchers import Triton,
+so they are imported on first use (``import twell_compile.ops`` stays light on machines without it).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch import Tensor
 
 from twell_compile import control
 from twell_compile.formats import ell_width_for
-from twell_compile.runtime import arch, density, select, torch_impl
+from twell_compile.runtime import arch, decode_graphs, density, select, torch_impl
 
 log = logging.getLogger("twell_compile")
 _warned_fp16_l1 = False
@@ -49,7 +49,8 @@ def infer_plan(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
     flags are the rules', e.g. a dense probe counts instead of replaying a graph), cached when
     it probes nothing."""
     ck = (instance, layer, x.device, x.dtype, x.shape, n, k_out, gated, keep_stats, path,
-          torch.are_deterministic_algorithms_enabled(), arch.generation, density.generation)
+          torch.are_deterministic_algorithms_enabled(), decode_graphs.ENABLED, arch.generation,
+          density.generation)
     capturing = x.is_cuda and density.capturing()
     hit = _plans.get(ck)
     if hit is not None and not capturing:
@@ -247,6 +248,12 @@ def experts_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, w_up: Optional
         if dwu is not None:
             dwu[e] = g[3]
     return dx, dwg, dwu, dwd
+
+
+def reset_warnings() -> None:
+    """Let the warnings a process gives once (the float16 L1 one) be given once more."""
+    global _warned_fp16_l1
+    _warned_fp16_l1 = False
 
 
 def reset() -> None:
