@@ -8,6 +8,7 @@ through ``arch.patched``."""
 
 from __future__ import annotations
 
+import copy
 import textwrap
 
 import pytest
@@ -716,8 +717,9 @@ def test_op_forced_decode_union_path(m, layout, path):
             model.down.weight.data = model.down.weight.detach().t().contiguous().t()
         f = torch.compile(model, backend="twell", options={"twell.path": path})
         y = f(p["x"])
-        ref = model.float()(p["x"].float())
-        assert _rel(y, ref) <= 2 * _rel(model(p["x"]), ref) + 1e-6
+        eager = model(p["x"])
+        ref = copy.deepcopy(model).float()(p["x"].float())     # (Module.float() casts in place)
+        assert _rel(y, ref) <= 2 * _rel(eager, ref) + 1e-6
     ds.clear()
     density.reset()
 
@@ -896,7 +898,8 @@ def test_op_plan_by_m_and_density():
             with arch.patched(**MECHANISM):
                 y = torch.ops.twell.ffn(*_args(p), f"disp{m}", True)
             torch.cuda.synchronize()
-            assert (last_paths()[f"disp{m}"] == {"decode"}) == want_decode, (m, d, last_paths())
+            # (a dense call past the decode sizes records no path: the layer is absent)
+            assert (last_paths().get(f"disp{m}") == {"decode"}) == want_decode, (m, d, last_paths())
             ref = ffn_dense(*(None if a is None else a.float() for a in _args(p)))
             assert _rel(y, ref) <= 2 * _rel(ffn_dense(*_args(p)), ref) + 1e-6
     import twell_compile
