@@ -191,16 +191,23 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: DecodeConfig, gate
     return Prepared(int_sizes, sum(int_sizes), float_sizes, sum(float_sizes), launch1, launch2)
 
 
-def _union_sizes(c: DecodeConfig) -> None:
-    """Raises ValueError for union fields of ``c`` that the kernels cannot take."""
-    for name in ("union_bn", "union_bk", "union_bo", "union_c"):
+def _check_fields(c: DecodeConfig, pow2_fields: tuple, zero_or_pow2: str, splits: str) -> None:
+    """Raises ValueError naming the field of ``c`` that a union form's kernels cannot take:
+    ``pow2_fields`` powers of two >= 16, ``zero_or_pow2`` 0 or such a power, ``splits`` >= 1."""
+    for name in pow2_fields:
         v = getattr(c, name)
         if v < 16 or v & (v - 1):
             raise ValueError(f"cfg.{name} must be a power of two >= 16, got {v}")
-    if c.union_mb and (c.union_mb < 16 or c.union_mb & (c.union_mb - 1)):
-        raise ValueError(f"cfg.union_mb must be 0 or a power of two >= 16, got {c.union_mb}")
-    if c.union_s < 1:
-        raise ValueError(f"cfg.union_s must be >= 1, got {c.union_s}")
+    v = getattr(c, zero_or_pow2)
+    if v and (v < 16 or v & (v - 1)):
+        raise ValueError(f"cfg.{zero_or_pow2} must be 0 or a power of two >= 16, got {v}")
+    if getattr(c, splits) < 1:
+        raise ValueError(f"cfg.{splits} must be >= 1, got {getattr(c, splits)}")
+
+
+def _union_sizes(c: DecodeConfig) -> None:
+    """Raises ValueError for union fields of ``c`` that the kernels cannot take."""
+    _check_fields(c, ("union_bn", "union_bk", "union_bo", "union_c"), "union_mb", "union_s")
 
 
 def _prepare_union(m: int, k: int, n: int, k_out: int, c: DecodeConfig, gated: bool, has_bg: bool,
@@ -236,14 +243,7 @@ def _prepare_union(m: int, k: int, n: int, k_out: int, c: DecodeConfig, gated: b
 def _union2_tiles(m: int, c: DecodeConfig) -> tuple[int, int, int]:
     """(rows per tl.dot tile, row tiles per up program, row tiles per down program) of the union2
     form for M rows; ValueError for union2 fields of ``c`` the kernels cannot take."""
-    for name in ("u2_bl", "u2_c", "u2_bk", "u2_mt", "u2_bo", "u2_cd"):
-        v = getattr(c, name)
-        if v < 16 or v & (v - 1):
-            raise ValueError(f"cfg.{name} must be a power of two >= 16, got {v}")
-    if c.u2_mr and (c.u2_mr < 16 or c.u2_mr & (c.u2_mr - 1)):
-        raise ValueError(f"cfg.u2_mr must be 0 or a power of two >= 16, got {c.u2_mr}")
-    if c.u2_s < 1:
-        raise ValueError(f"cfg.u2_s must be >= 1, got {c.u2_s}")
+    _check_fields(c, ("u2_bl", "u2_c", "u2_bk", "u2_mt", "u2_bo", "u2_cd"), "u2_mr", "u2_s")
     mp = max(16, pow2(m))
     mr = min(mp, c.u2_mr) if c.u2_mr else mp
     mt = min(c.u2_mt, mr)
