@@ -5,10 +5,12 @@
     python3 benchmarks/bench_ffn.py --decode --M 64 128 256 512 2048 8192 --density 0.005 \\
         --shapes 2048x5632 --out /tmp/crossover.json               # where each path wins
     python3 benchmarks/bench_ffn.py --decode --act drelu --M 1 16 --density 0.005   # dReLU (relu2: squared ReLU)
-    python3 benchmarks/bench_ffn.py --decode --M 16 64 128 256 --density 0.005 --shapes 2048x5632 \
+    python3 benchmarks/bench_ffn.py --decode --M 16 64 128 256 --density 0.005 --shapes 2048x5632 \\
         --forms pairs union --down-layout transposed                 # W_down stored [N, K_out]
-    python3 benchmarks/bench_ffn.py --decode --M 16 64 128 256 --density 0.005 --shapes 2048x5632 \
+    python3 benchmarks/bench_ffn.py --decode --M 16 64 128 256 --density 0.005 --shapes 2048x5632 \\
         --forms pairs union2 --down-layout transposed                # the union2 form against pairs
+    python3 benchmarks/bench_ffn.py --decode --M 64 --density 0.005 --shapes 2048x5632 \
+        --forms pairs union2 --down-layout transposed --kernels 5    # each launch's device time
 
 Per (shape, density) LAYERS weight sets are drawn (twell_compile/testing.py, bf16), enough that
 one pass reads > ROTATE_MB of weights (several times the 50-60 MB L2): each timed CUDA graph
@@ -54,7 +56,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):                  # run as a file: python3 benchmarks/bench_decode.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
-from benchmarks.timing import gpu_name, median_ms, rel  # noqa: E402
+from benchmarks.timing import gpu_name, kernel_phases, mark_phase, median_ms, rel  # noqa: E402
 
 import twell_compile.ops  # noqa: E402,F401  (registers torch.ops.twell)
 from twell_compile.reference import ACTS, ffn_dense  # noqa: E402
@@ -114,8 +116,24 @@ def layers_for(k: int, n: int, k_out: int, gated: bool, rotate_mb: float) -> int
     return max(2, math.ceil(rotate_mb / per))
 
 
+def per_call_us(phases: list[list[tuple[str, float]]], per_phase: int) -> dict[str, float]:
+    """Device us per call of each launch, by kernel name, from ``kernel_phases`` phases that each
+    hold ``per_phase`` calls (one phase per profiled step of all layers). Names are cut at their
+    first "(" (C++ signatures) and to 80 characters."""
+    if not phases or per_phase < 1:
+        raise ValueError(f"per_call_us needs phases and per_phase >= 1, got {len(phases)} and {per_phase}")
+    out: dict[str, float] = {}
+    for phase in phases:
+        for name, us in phase:
+            key = name.split("(")[0][:80]
+            out[key] = out.get(key, 0.0) + us / (len(phases) * per_phase)
+    return out
+
+
 def run_point(sets, m: int, d: float, reps: int, tag: str, act: str = "relu",
-              forms: tuple = cuda_decode.FORMS) -> dict:
+              forms: tuple = cuda_decode.FORMS, kernels: int = 0) -> dict:
+    """``kernels``: profile that many steps of each forced form and report its launches' device
+    time per call (``form_kernels_us``: {form: {kernel: us}}); 0: no profile."""
     k, n, k_out = sets[0]["w_gate"].shape[1], sets[0]["w_gate"].shape[0], sets[0]["w_down"].shape[0]
     gated = sets[0]["w_up"] is not None
     layers = len(sets)
@@ -146,12 +164,20 @@ def run_point(sets, m: int, d: float, reps: int, tag: str, act: str = "relu",
         vec_m = arch.policy_for(xs[0].device).decode_config(m, k).vec_m
         for f in (f for f in forms if f != "rows" or m <= vec_m):
             form_ms[f] = graph_ms(lambda: op(f"decode-{f}"), reps) / layers
+        if kernels:
+            def marked(f):
+                mark_phase()
+                op(f"decode-{f}")
+            form_kernels = {f: per_call_us(kernel_phases(lambda: marked(f), kernels), layers) for f in form_ms}
+            form_kernels["dense"] = per_call_us(kernel_phases(lambda: (mark_phase(), dense()), kernels), layers)
         kform = min(form_ms, key=form_ms.get)
         kernel_ms = form_ms[kform]
         kpath = f"decode-{kform}"
     else:                      # the per-row path forced: list width from each layer's measurement
         kform, kpath = None, "twell"
         kernel_ms = graph_ms(lambda: op(kpath), reps) / layers
+    if not (kernels and kname == "decode"):
+        form_kernels = {}
     y_k = torch.ops.twell.ffn(*a0, names[0], False, path=kpath, act=act)
     # accuracy (layer 0, fresh outputs)
     ref = ffn_dense(*(None if t is None else t.float() for t in a0), act)
@@ -162,7 +188,8 @@ def run_point(sets, m: int, d: float, reps: int, tag: str, act: str = "relu",
     dec_bytes = 2 * (n * k + union * (g * k + k_out))
     op_bytes = dec_bytes if path.startswith("decode") else dense_bytes
     return dict(M=m, K=k, N=n, density=d, act=act, dense_ms=dense_ms, twell_ms=twell_ms, kernel_ms=kernel_ms,
-                kernel=kname, kernel_form=kform, form_ms=form_ms, path=path, rel_err=rel(y_op, ref),
+                kernel=kname, kernel_form=kform, form_ms=form_ms, form_kernels_us=form_kernels, path=path,
+                rel_err=rel(y_op, ref),
                 dense_rel_err=rel(ffn_dense(*a0, act), ref), kernel_rel_err=rel(y_k, ref), nnz_per_row=sum(nnz) / layers,
                 union=union, union_frac=union / n, dense_GBps=dense_bytes / (dense_ms * 1e-3) / 1e9,
                 twell_GBps=op_bytes / (twell_ms * 1e-3) / 1e9,
@@ -231,8 +258,13 @@ def main(argv=None) -> int:
     ap.add_argument("--down-layout", choices=("linear", "transposed"), default="linear",
                     help="W_down storage: nn.Linear's [K_out, N], or [N, K_out] (w_down.t() contiguous, "
                          "as twell_compile.prepare(down_layout='transposed') stores it)")
+    ap.add_argument("--kernels", type=int, default=0, metavar="STEPS",
+                    help="profile STEPS steps of each forced form and of dense: device us per call of each "
+                         "launch (rows: form_kernels_us); 0: none")
     ap.add_argument("--out", default=None, help="JSON path (default runs/<gpu>/ffn_decode.json)")
     args = ap.parse_args(argv)
+    if args.kernels < 0:
+        raise ValueError(f"--kernels takes a number of profiled steps >= 0, got {args.kernels}")
     for m in args.M:
         if m < 1:
             raise ValueError(f"--M values must be >= 1, got {m}")
@@ -270,7 +302,7 @@ def grid(args, shapes) -> int:
                                down_layout=args.down_layout)
             for m in args.M:
                 row = stamp({**run_point(sets, m, d, args.reps, f"bench_decode/{k}/{n}/{d}/{args.act}", args.act,
-                                         tuple(args.forms)),
+                                         tuple(args.forms), args.kernels),
                              "tail": args.tail, "down_layout": args.down_layout,
                              "peak_GBps": peak}, "cuda")
                 rows.append(row)
@@ -281,6 +313,8 @@ def grid(args, shapes) -> int:
                       f"{row['rel_err']:>8.1e} {row['dense_rel_err']:>8.1e} {row['path']}"
                       + ("  ERR>2x" if row["rel_err"] > 2 * row["dense_rel_err"] else "")
                       + "".join(f" {f} {t * 1e3:.1f}u" for f, t in row["form_ms"].items()), flush=True)
+                for f, parts in row["form_kernels_us"].items():
+                    print(f"      {f:>6}: " + ", ".join(f"{name} {us:.1f}u" for name, us in parts.items()), flush=True)
                 write_json(out, rows)     # after every row: partial runs keep data
             del sets
             decode_state.clear()

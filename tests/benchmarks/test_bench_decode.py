@@ -16,6 +16,7 @@ from twell_compile.runtime import arch, select
     (["--density", "1.5"], "--density"),
     (["--shapes", "2048"], "--shapes"),
     (["--shapes", "2048xabc"], "--shapes"),
+    (["--kernels", "-1"], "--kernels"),
 ])
 def test_bad_flags_raise_naming_the_flag(argv, match):
     with pytest.raises(ValueError, match=match):
@@ -128,3 +129,14 @@ def test_configs_file_replaces_named_fields(tmp_path):
     path.write_text('{"48": {"union_s": 8}}')
     with pytest.raises(ValueError, match="padded M 48"):
         bench_decode.load_configs(str(path))
+
+
+def test_per_call_us_sums_each_launch_over_steps_and_layers():
+    """Device us per call by kernel name: phases are steps of all layers' calls; C++ signatures cut."""
+    phases = [[("decode_union2_up_kernel", 6.0), ("void at::native::gemm<bf16>(int)", 10.0),
+               ("decode_union2_up_kernel", 8.0)],
+              [("decode_union2_up_kernel", 10.0), ("void at::native::gemm<bf16>(int)", 14.0)]]
+    got = bench_decode.per_call_us(phases, per_phase=2)
+    assert got == {"decode_union2_up_kernel": 24.0 / 4, "void at::native::gemm<bf16>": 24.0 / 4}
+    with pytest.raises(ValueError, match="per_phase"):
+        bench_decode.per_call_us(phases, per_phase=0)
