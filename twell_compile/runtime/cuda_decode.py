@@ -119,10 +119,11 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
         form = "rows" if m <= c.vec_m else "tiles"
     elif form == "rows" and m > c.vec_m:
         raise ValueError(f"form='rows' takes M <= cfg.vec_m = {c.vec_m} rows, got {m}")
-    if form == "union":                 # the config's fields, checked before any device query
-        _union_sizes(c)
-    elif form == "union2":
-        _union2_tiles(m, c)
+    if cfg is not None:                 # a caller's config, checked before any device query
+        if form == "union":             # (the records' configs are checked once, by prepare)
+            _union_sizes(c)
+        elif form == "union2":
+            _union2_tiles(m, c)
     return execute(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, form, stats_buf, c, graphed, act)
 
 
