@@ -234,11 +234,13 @@ def fit_decode(p: arch.GpuPolicy, points: list[dict[str, Any]], near: float = NE
             kept.append(form)
             continue
         sol = _lstsq([[v / ti for v in row] for row, ti in zip(a, t)], [1.0] * len(t))   # relative error
-        forms[form] = tuple((round(1e3 / v, 0) if v > 0 else math.inf) if i == 1 else round(v, 2 if i == 0 else 4)
+        # (+ 0.0: a coefficient fitted at a hair under zero rounds to 0.0, not -0.0, whatever
+        # the sign lstsq's summation order left it)
+        forms[form] = tuple((round(1e3 / v, 0) if v > 0 else math.inf) if i == 1 else round(v, 2 if i == 0 else 4) + 0.0
                             for i, v in enumerate(sol))
     if len(kept) == len(forms):
         raise ValueError(f"too few decode points within {near}x of dense: nothing to fit")
-    return {"decode_forms": forms, "dense_fixed_us": round(dense[0], 2),
+    return {"decode_forms": forms, "dense_fixed_us": round(dense[0], 2) + 0.0,
             "dense_gbps": round(1e3 / dense[1], 0) if dense[1] > 0 else math.inf, "kept": kept}
 
 
