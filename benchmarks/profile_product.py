@@ -4,6 +4,7 @@ backend="twell" beside the op called directly and the module under Inductor.
     python3 benchmarks/profile_product.py --M 8192 --density 0.005 [--calls 200] [--top 15]
     python3 benchmarks/profile_product.py --M 4096 --policy min_tokens=4096   # a record's field changed
     python3 benchmarks/profile_product.py --M 2048 --down-layout transposed  # W_down stored transposed
+    python3 benchmarks/profile_product.py --M 8192 --non-gated     # down(relu(gate(x))) (testing.PlainMLP)
 
 Per variant: the path it ran (the product's from its own op instance's state), host us per call
 (calls issued back to back, no sync), wall us per call (then synchronised), whether a call syncs
@@ -26,7 +27,7 @@ from benchmarks.timing import policy_changes  # noqa: E402
 
 import twell_compile  # noqa: E402,F401  (backend="twell")
 from twell_compile.runtime import arch, density  # noqa: E402
-from twell_compile.testing import GatedMLP, make_ffn  # noqa: E402
+from twell_compile.testing import GatedMLP, PlainMLP, make_ffn  # noqa: E402
 
 
 def per_call_us(fn, calls: int) -> tuple[float, float]:
@@ -62,6 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="run with these fields of the GPU record replaced (arch.patched)")
+    ap.add_argument("--non-gated", action="store_true",
+                    help="the non-gated FFN down(relu(gate(x))) (testing.PlainMLP) in every variant")
     ap.add_argument("--down-layout", choices=("linear", "transposed"), default="linear",
                     help="W_down's storage: nn.Linear's [K_out, N] rows, or [N, K_out] rows behind the same "
                          "shape (the per-row kernels then read it without a per-call transpose); both modules")
@@ -74,17 +77,18 @@ def _run(a) -> int:
     torch.set_grad_enabled(False)
     p = make_ffn(a.M, a.K, a.N, a.density, a.tail, device="cuda", seed=7)
     x = p["x"]
-    mods = [GatedMLP(a.K, a.N).cuda().to(torch.bfloat16) for _ in range(2)]
+    mods = [(PlainMLP if a.non_gated else GatedMLP)(a.K, a.N).cuda().to(torch.bfloat16) for _ in range(2)]
     for m in mods:
         m.gate.weight.copy_(p["w_gate"])
-        m.up.weight.copy_(p["w_up"])
+        if not a.non_gated:
+            m.up.weight.copy_(p["w_up"])
         m.down.weight.copy_(p["w_down"])
         if a.down_layout == "transposed":
             m.down.weight.data = m.down.weight.detach().t().contiguous().t()
     tw = torch.compile(mods[0], backend="twell", dynamic=False)
     ind = torch.compile(mods[1], dynamic=False)
     w = mods[0]
-    args7 = (x, w.gate.weight, None, w.up.weight, None, w.down.weight, None)
+    args7 = (x, w.gate.weight, None, None if a.non_gated else w.up.weight, None, w.down.weight, None)
     fns = {"product": lambda: tw(x), "op": lambda: torch.ops.twell.ffn(*args7, "profile/op", False),
            "inductor": lambda: ind(x)}
     for fn in fns.values():
@@ -93,7 +97,8 @@ def _run(a) -> int:
     torch.cuda.synchronize()
     paths = {("op" if inst == 0 else f"product (op instance {inst})"): path
              for inst, key, _, path in density.snapshot()}
-    print(f"M={a.M} K={a.K} N={a.N} d={a.density} tail={a.tail} W_down {a.down_layout} "
+    print(f"M={a.M} K={a.K} N={a.N} d={a.density} tail={a.tail} {'non-gated' if a.non_gated else 'gated'} "
+          f"W_down {a.down_layout} "
           f"policy {a.policy} on {torch.cuda.get_device_name()}")
     print("paths:", paths)
     for name, fn in fns.items():

@@ -241,7 +241,7 @@ def test_op_plan_starts_dense_then_twell_and_stays_dense_when_dense():
 
 @pytest.mark.parametrize("keep_stats", [True, False])
 def test_graphed_per_row_calls_are_exact_fresh_and_see_weight_updates(keep_stats):
-    """rows_graph_max_m: the per-row path replays the op's own CUDA graph (first call eager,
+    """op_rows_host_us: the per-row path replays the op's own CUDA graph (first call eager,
     second captured, then replays): fresh inputs each call, outputs never aliased, statistics
     and the density probe written, in-place weight updates seen by replays."""
     from twell_compile.runtime import decode_graphs
@@ -250,7 +250,7 @@ def test_graphed_per_row_calls_are_exact_fresh_and_see_weight_updates(keep_stats
     p = _ffn(2048, 256, 1024, 256, 0.005, 0.0, torch.bfloat16)
     layer = f"graphed_rows{keep_stats}"
     twell_compile.reset_stats()
-    with arch.patched(rows_graph_max_m=4096):
+    with arch.patched(op_rows_host_us=1e6):
         outs = []
         for i in range(6):
             p["x"] = _inputs(2048, 256) * (1 + 0.1 * i)
@@ -298,7 +298,7 @@ def test_graphed_per_row_calls_read_x_where_it_lies_when_its_address_repeats():
         assert _rel(y, ref) <= 2 * derr + 1e-6
         return y, ref, derr
 
-    with arch.patched(rows_graph_max_m=4096):
+    with arch.patched(op_rows_host_us=1e6):
         outs = [call(x)]                                   # eager
         assert decode_graphs.count() == 0
         for i in range(4):

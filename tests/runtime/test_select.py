@@ -230,6 +230,22 @@ def test_break_even_density_follows_the_weights_l2_residency(k, n, limit):
     assert not select.twell_wins(arch.H200, 1.01 * limit, True, k, n, k, 2)
 
 
+@pytest.mark.parametrize("policy, gated, graphed_up_to", [
+    (arch.H200, True, 4096), (arch.H200, False, 8192), (arch.H100, True, 4096), (arch.H100, False, 4096)])
+def test_per_row_calls_are_graphed_while_their_gpu_time_is_under_the_eager_host_time(policy, gated, graphed_up_to):
+    """rows_host_bound at d=0.005, K=2048, N=5632: the measured crossovers (H200: non-gated
+    8192 tokens graphed 1.20x against eager 0.74-1.11x, gated 8192 eager 1.38x against graphed
+    1.35x); the modeled time grows with tokens and density; the fallback record never graphs."""
+    for m in (1024, 2048, 4096, 8192, 16384, 65536):
+        got = select.rows_host_bound(policy, 0.005, m, 2048, 5632, 2048, gated)
+        assert got == (m <= graphed_up_to), (policy.name, gated, m)
+    t = [select.rows_us(policy, d, 4096, 2048, 5632, 2048, gated) for d in (0.0, 0.005, 0.02)]
+    assert t[0] < t[1] < t[2]
+    assert select.rows_us(policy, 0.005, 8192, 2048, 5632, 2048, gated) == pytest.approx(
+        2 * select.rows_us(policy, 0.005, 4096, 2048, 5632, 2048, gated))
+    assert not select.rows_host_bound(arch.FALLBACK, 0.0, 1, 2048, 5632, 2048, gated)
+
+
 def test_list_width_grows_with_the_measured_density_within_bounds():
     p = arch.H200
     assert select.list_width(p, 5632) == p.list_min

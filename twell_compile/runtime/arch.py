@@ -186,7 +186,10 @@ class GpuPolicy:
     list_min: int = 32               # per-row list width bounds
     list_max: int = 1024
     eager_elementwise_max_m: int = 1024   # dense path without counts: eager's relu/mul up to here
-    rows_graph_max_m: int = 0        # the per-row path replays the op's own CUDA graph up to here
+    gemm_tflops: float = 720.0       # a dense bf16 GEMM's rate at prefill sizes (select.rows_us)
+    op_rows_host_us: float = 0.0     # host time of a compiled module's eager per-row call: the per-row
+                                     # path replays the op's own CUDA graph while its modeled GPU
+                                     # time is under this (select.rows_host_bound; 0: never)
     dense_block: int = 1024          # columns per step of the relu*mul pass
     dense_warps: int = 4             # ... and its warps
     dense_programs: int = 264        # split rows into column spans below this many programs
@@ -284,12 +287,15 @@ H200 = GpuPolicy(
     # TwELL 0.48 ms against dense 0.44)
     min_tokens=4096, min_width=2048,
     probe_every=64, refresh_every=16,
-    # From 4096 tokens, calls up to 4096 replaying the op's own graph: the compiled module at
-    # 2048 / 4096 / 8192 tokens (i.i.d. d=0.005) 0.69x / 1.22x / 1.36x of Inductor with eager
-    # launches, 0.74x / 1.27x / 1.38x graphed up to 4096 (the op itself 1.17-1.19x at 2048: the
-    # module is host-bound there); a trained layer's activity 0.99x / 1.17x at 2048 / 4096
-    # (results/h200/ffn_prefill_graphs.json).
-    rows_graph_max_m=4096,
+    # Per-row calls replay the op's own graph while their modeled GPU time (select.rows_us: the
+    # cost model's units times one M x K x N GEMM at gemm_tflops) is under 450 us, the eager
+    # call's host time in a compiled module: at d=0.005 K=2048 N=5632 gated calls up to 4096
+    # tokens, non-gated up to 8192. Non-gated at 8192 tokens eager 0.482-0.677 ms (host-bound,
+    # 0.74-1.11x of Inductor), graphed 0.450 (1.20x); gated at 8192 eager 0.575 (1.38x) against
+    # graphed 0.583, at 16384 1.103 / 1.126 (results/h200/ffn_prefill_graphs.json, rows with
+    # policy rows_graph_max_m=4096 / 16384). The dense GEMM: 0.064 / 0.130 / 0.258 ms at
+    # 2048 / 4096 / 8192 tokens (720-740 TFLOP/s, the same file's gate_ms).
+    gemm_tflops=720.0, op_rows_host_us=450.0,
     # Decode cost model: least-relative-error fit of each forced form on the 56-point grid of
     # benchmarks/results/h200/ffn_decode.json (benchmarks/fit_policy.py --fit-decode); with
     # margin 0.9 no pick on that grid below 0.97x of dense.
@@ -342,13 +348,14 @@ H100 = dataclasses.replace(
     # so 2048 stays dense.
     min_tokens=4096,
     gate_units=1.43, pair_units=174.0,
-    # Per-row calls up to 4096 tokens replay the op's own CUDA graph: their eager launches took
-    # 491 / 381 us of host time per op call at 2048 / 4096 tokens against ~200 / ~320 us of GPU
-    # time, graphed 76 / 91 us (profile_product.py --M 2048 / 4096 --policy min_tokens=2048
-    # rows_graph_max_m=0 / 8192); the compiled module 0.37x -> 1.04x and 0.71x -> 1.18x of
+    # Per-row calls replay the op's own CUDA graph while their modeled GPU time is under 400 us:
+    # gated calls at d=0.005 K=2048 N=5632 up to 4096 tokens (302 us modeled; 8192: 604). Their
+    # eager launches took 491 / 381 us of host time per op call at 2048 / 4096 tokens against
+    # ~200 / ~320 us of GPU time, graphed 76 / 91 us (profile_product.py --M 2048 / 4096 --policy
+    # min_tokens=2048, graphs off / on); the compiled module 0.37x -> 1.04x and 0.71x -> 1.18x of
     # Inductor, but 1.36x -> 1.20x at 8192, where the graph's copy of x and clone of y cost more
     # than the host time saved (results/h100/ffn_prefill_graphs.json, min_tokens patched to 2048).
-    rows_graph_max_m=4096,
+    op_rows_host_us=400.0,
     # Row kernel's list loop pipelined by Triton (cp.async, 3 pairs' weight rows in flight, 24 KB
     # of shared memory per program): K=2048 N=5632 d=0.005, M=16384 0.573 ms against 0.593, M=65536
     # 2.212 / 2.370, M=4096 0.169 / 0.169-0.181 (tune_ffn.py --fused 1,1,1024 1,3,1024,4).
@@ -378,7 +385,7 @@ H100 = dataclasses.replace(
 FALLBACK = dataclasses.replace(
     H200, name="fallback",
     measured_on="constants of the H200 with narrower margins; never measured on this GPU",
-    margin=0.8, decode_margin=0.75, sparse_max_density=0.008, min_tokens=8192, rows_graph_max_m=0, gate_cfg=-1)
+    margin=0.8, decode_margin=0.75, sparse_max_density=0.008, min_tokens=8192, op_rows_host_us=0.0, gate_cfg=-1)
 
 # The C++ kernel against eager's dense calls (what an FFN costs inside a compiled graph) and
 # Inductor's compiled FFN, fp32, 2 threads, d = 0.005, path="cpu", 2-core AMD EPYC (AVX2): from

@@ -181,7 +181,7 @@ def twell_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
                   b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], width: int,
                   buf: Optional[Tensor], probe: bool, act: str = "relu") -> tuple[Tensor, Optional[Tensor]]:
     """The per-row path replayed from the op's own CUDA graph, where the calls' host time
-    exceeds their GPU time (the record's rows_graph_max_m). Statistics go into ``buf`` (the
+    exceeds their GPU time (select.rows_host_bound). Statistics go into ``buf`` (the
     layer's buffer), or, for a ``probe`` without one, into a scratch buffer of the graph's;
     neither: no statistics launch. Returns (y, non-zeros summed over the call as a 0-d view
     the next replay overwrites, or None without statistics)."""

@@ -34,7 +34,9 @@ tf32, about 3e-4 relative error, over twice eager fp32's):
      Before the first measurement lands the rule is evaluated at density 0, the best case (a
      CUDA graph recorded on the second call would otherwise keep dense forever).
   4. A dense call at decode sizes replays the op's own CUDA graph where eager's calls take more
-     host time (op_dense_host_us) than their GPU time (``dense_host_bound``).
+     host time (op_dense_host_us) than their GPU time (``dense_host_bound``); a per-row call
+     likewise where its modeled GPU time (rule 2's units times one GEMM at gemm_tflops,
+     ``rows_us``) is under op_rows_host_us (``rows_host_bound``).
 Inference, CPU: the C++ kernel (cpu_ffn.py) for fp32/bf16 from min_tokens tokens at K >=
 min_width (it picks sparse or dense up/down inside, from the non-zeros it counts); plain PyTorch
 (eager's calls) otherwise.
@@ -80,12 +82,32 @@ _TRAIN_SPARSE = paths.caps(Path.TWELL, training=True)
 
 
 # --------------------------------------------------------------------------- cost models
-def twell_wins(p: GpuPolicy, d: float, gated: bool, k: int, n: int, k_out: int, itemsize: int) -> bool:
-    """Rule 2 for a layer with weights W_g, W_u [n, k], W_d [k_out, n] at density d."""
+def twell_units(p: GpuPolicy, d: float, gated: bool, k: int, n: int, k_out: int, itemsize: int) -> float:
+    """The per-row path's modeled cost, in units of one dense M x K x N GEMM, for a layer with
+    weights W_g, W_u [n, k], W_d [k_out, n] at density d."""
     g = 1.0 if gated else 0.0
     gathered = n * (k * g + k_out) * itemsize            # W_u and W_d^T rows, one per pair
     pair = p.pair_units if gathered <= p.l2_bytes else p.pair_units_hbm
-    return p.gate_units + pair * d * (1 + g) / 2 < p.margin * (2 + g)
+    return p.gate_units + pair * d * (1 + g) / 2
+
+
+def twell_wins(p: GpuPolicy, d: float, gated: bool, k: int, n: int, k_out: int, itemsize: int) -> bool:
+    """Rule 2: the per-row path's units under the margin times dense's (2 or 3 GEMMs)."""
+    return twell_units(p, d, gated, k, n, k_out, itemsize) < p.margin * (3 if gated else 2)
+
+
+def rows_us(p: GpuPolicy, d: float, m: int, k: int, n: int, k_out: int, gated: bool, itemsize: int = 2) -> float:
+    """Modeled GPU time of a per-row call on m tokens: its units times one dense m x k x n GEMM at
+    the record's gemm_tflops."""
+    return twell_units(p, d, gated, k, n, k_out, itemsize) * 2e-6 * m * k * n / p.gemm_tflops
+
+
+def rows_host_bound(p: GpuPolicy, d: float, m: int, k: int, n: int, k_out: int, gated: bool,
+                    itemsize: int = 2) -> bool:
+    """Whether a per-row call's GPU time is under the host time its eager launches take in a
+    compiled module (op_rows_host_us): then replaying it from the op's own CUDA graph saves time
+    (non-gated, 8192 tokens: 403 us modeled, eager 0.48-0.68 ms per call, graphed 0.45, H200)."""
+    return rows_us(p, d, m, k, n, k_out, gated, itemsize) < p.op_rows_host_us
 
 
 def list_width(p: GpuPolicy, n: int, nnz_per_row: Optional[float] = None) -> int:
@@ -233,10 +255,11 @@ def _graph_dense(p: GpuPolicy, x: Tensor, m: int, k: int, n: int, k_out: int, ga
             and dense_host_bound(p, k, n, k_out, gated, x.element_size()))
 
 
-def _graph_rows(p: GpuPolicy, x: Tensor, m: int) -> bool:
-    """Whether a per-row call replays the op's own graph: up to the record's rows_graph_max_m
-    tokens, where its calls' host time exceeds their GPU time."""
-    return m <= p.rows_graph_max_m and _graphs_usable(x)
+def _graph_rows(p: GpuPolicy, x: Tensor, m: int, d: Optional[float], n: int, k_out: int, gated: bool) -> bool:
+    """Whether a per-row call replays the op's own graph: where its eager calls' host time
+    exceeds their GPU time (rows_host_bound; density 0 before one is measured)."""
+    return (rows_host_bound(p, d or 0.0, m, x.shape[-1], n, k_out, gated, x.element_size())
+            and _graphs_usable(x))
 
 
 def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stats: bool,
@@ -277,8 +300,8 @@ def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
         return InferPlan("decode", p, key, form=form, probe=density.wants_probe(key, p.refresh_every), tick=True,
                          every=p.refresh_every)
     if c.runs == "twell":
-        return _rows_plan(p, x, key, m, n, density.poll(key), density.wants_probe(key, p.refresh_every),
-                          p.refresh_every)
+        return _rows_plan(p, x, key, m, n, k_out, gated, density.poll(key),
+                          density.wants_probe(key, p.refresh_every), p.refresh_every)
     # auto
     decode = paths.auto_ok(_DECODE, p, x.dtype, m, k, n, k_out)
     form = None
@@ -302,16 +325,16 @@ def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
     if sparse and decode:
         return InferPlan("decode", p, key, form=form, probe=probe, tick=True, every=every)
     if sparse:
-        return _rows_plan(p, x, key, m, n, d, probe, every)
+        return _rows_plan(p, x, key, m, n, k_out, gated, d, probe, every)
     graphed = not keep_stats and not probe and _graph_dense(p, x, m, k, n, k_out, gated)
     return InferPlan("dense", p, key, probe=probe, graphed=graphed, counts=not graphed, tick=True, every=every)
 
 
-def _rows_plan(p: GpuPolicy, x: Tensor, key: tuple, m: int, n: int, d: Optional[float], probe: bool,
-               every: int) -> InferPlan:
+def _rows_plan(p: GpuPolicy, x: Tensor, key: tuple, m: int, n: int, k_out: int, gated: bool, d: Optional[float],
+               probe: bool, every: int) -> InferPlan:
     """A per-row TwELL plan: its list width from the layer's density ``d`` (None: none measured)."""
     return InferPlan("twell", p, key, width=list_width(p, n, None if d is None else d * n), probe=probe, tick=True,
-                     graphed=_graph_rows(p, x, m), every=every)
+                     graphed=_graph_rows(p, x, m, d, n, k_out, gated), every=every)
 
 
 class TrainPlan(NamedTuple):
