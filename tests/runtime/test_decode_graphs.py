@@ -180,18 +180,33 @@ def test_dense_path_at_decode_sizes_is_graphed(gated, path):
     decode_graphs.clear()
 
 
-def test_math_mode_is_part_of_the_dense_key():
-    """A graph keeps the cuBLAS settings of its capture: changing TF32 gives another key.
-    The flag is a property of torch's cuBLAS module, set and restored by hand (monkeypatch's
-    undo deletes it on pytest 9.2, which raises AttributeError)."""
+@pytest.mark.parametrize("flag", ["allow_tf32", "allow_bf16_reduced_precision_reduction",
+                                  "allow_fp16_reduced_precision_reduction", "allow_fp16_accumulation"])
+def test_every_cublas_setting_is_part_of_the_graph_key(flag):
+    """A graph keeps the cuBLAS settings of its capture: changing any flag of
+    torch.backends.cuda.matmul gives another key.
+    The flags are properties of torch's cuBLAS module, set and restored by hand (monkeypatch's
+    undo deletes them on pytest 9.2, which raises AttributeError)."""
     m = torch.backends.cuda.matmul
-    old = m.allow_tf32
+    getter = {"allow_bf16_reduced_precision_reduction": "_get_cublas_allow_bf16_reduced_precision_reduction",
+              "allow_fp16_reduced_precision_reduction": "_get_cublas_allow_fp16_reduced_precision_reduction"}
+    old = getattr(torch._C, getter[flag])() if flag in getter else getattr(m, flag)
+    precision = m.fp32_precision          # setting allow_tf32 sets it too
     before = decode_graphs.math_mode()
     try:
-        m.allow_tf32 = not old
+        setattr(m, flag, not getattr(m, flag))
         assert decode_graphs.math_mode() != before
     finally:
-        m.allow_tf32 = old
+        setattr(m, flag, old)
+        m.fp32_precision = precision
+    assert decode_graphs.math_mode() == before
+
+
+@gpu
+def test_autocast_is_part_of_the_graph_key():
+    before = decode_graphs.math_mode()
+    with torch.autocast("cuda", dtype=torch.float16, enabled=True):
+        assert decode_graphs.math_mode() != before
     assert decode_graphs.math_mode() == before
 
 
