@@ -136,6 +136,19 @@ def decode_union2_up_kernel(
 
 
 @triton.jit
+def _union_share(lc_ptr, NB, NBP: tl.constexpr, CD: tl.constexpr):
+    """(U, j0, j1): the union's size U (the sum of the NB block counts) and the chunks [j0, j1)
+    of CD entries that make this program's share, the program_id(1)-th of num_programs(1)
+    equal shares of the union."""
+    rb = tl.arange(0, NBP)
+    total = tl.sum(tl.load(lc_ptr + rb, mask=rb < NB, other=0), axis=0)
+    nch = (total + CD - 1) // CD
+    s = tl.program_id(1)
+    ns = tl.num_programs(1)
+    return total, s * nch // ns, (s + 1) * nch // ns
+
+
+@triton.jit
 def decode_union2_down_kernel(
     lc_ptr, ci_ptr, h_ptr, wdt_ptr, swd_n, swd_k, acc_ptr, bd_ptr, y_ptr, sy_m, sy_k,
     cnt_ptr, hsa_ptr, tok_ptr, hsum_ptr, st_ptr,
@@ -145,16 +158,9 @@ def decode_union2_down_kernel(
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
-    pid_o = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    ns = tl.num_programs(1)
-    ro = pid_o * BO + tl.arange(0, BO)
+    total, c0, c1 = _union_share(lc_ptr, NB, NBP, CD)
+    ro = tl.program_id(0) * BO + tl.arange(0, BO)
     o_ok = ro < KO
-    rb = tl.arange(0, NBP)
-    total = tl.sum(tl.load(lc_ptr + rb, mask=rb < NB, other=0), axis=0)   # the union's size
-    nch = (total + CD - 1) // CD
-    c0 = pid_s * nch // ns
-    c1 = (pid_s + 1) * nch // ns
     rm = tl.arange(0, NT * MT)                                # all M rows, in one tile
     m_ok = rm < M
     h_base = h_ptr + rm.to(tl.int64)[:, None] * N
@@ -175,7 +181,7 @@ def decode_union2_down_kernel(
             acc += tl.load(bd_ptr + ro, mask=o_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rm.to(tl.int64)[:, None] * sy_m + ro[None, :] * sy_k, acc.to(y_ptr.dtype.element_ty),
                  mask=out)
-        if (pid_o == 0) & (pid_s == 0):
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             finish_counts(cnt_ptr, hsa_ptr, tok_ptr, hsum_ptr, st_ptr, M, HAS_ST, CB)
     elif c1 > c0:
         tl.atomic_add(acc_ptr + rm.to(tl.int64)[:, None] * KO + ro[None, :], acc, mask=out, sem="relaxed")
