@@ -250,15 +250,18 @@ def test_union_form_launch_shapes():
     assert not p.launch3[3]["CLEAN"]
 
 
-@pytest.mark.parametrize("field,value", [("union_c", 24), ("union_bo", 8), ("union_bn", 0), ("union_bk", 48),
-                                         ("union_mb", 8), ("union_s", 0)])
-def test_union_form_rejects_bad_config_fields(field, value):
+@pytest.mark.parametrize("form,field,value", [
+    ("union", "union_c", 24), ("union", "union_bo", 8), ("union", "union_bn", 0), ("union", "union_bk", 48),
+    ("union", "union_mb", 8), ("union", "union_s", 0),
+    ("union2", "u2_c", 24), ("union2", "u2_bo", 8), ("union2", "u2_bl", 0), ("union2", "u2_bk", 48),
+    ("union2", "u2_cd", 8), ("union2", "u2_mt", 12), ("union2", "u2_mr", 8), ("union2", "u2_s", 0)])
+def test_union_forms_reject_bad_config_fields(form, field, value):
     from twell_compile.runtime.cuda_decode import decode_forward
     x = torch.zeros(16, 16, dtype=torch.float16)
     w = torch.zeros(32, 16, dtype=torch.float16)
     cfg = P.decode_config(16, 16)._replace(**{field: value})
     with pytest.raises(ValueError, match=f"cfg.{field}"):
-        decode_forward(x, w, None, w, None, w.t().contiguous(), None, cfg=cfg, form="union")
+        decode_forward(x, w, None, w, None, w.t().contiguous(), None, cfg=cfg, form=form)
 
 
 def test_union2_form_launch_shapes():
@@ -304,17 +307,6 @@ def test_union2_form_launch_shapes():
     assert p.launch3[3]["NT"] == 8 and not p.launch4[3]["CLEAN"]
     p = cuda_decode.prepare(64, 2048, 5632, 2048, "union2", c, False, False, False, False, True, False)
     assert not p.launch2[3]["DENSE_UP"] and not p.launch2[3]["UP_DOT"]    # non-gated: no up projection
-
-
-@pytest.mark.parametrize("field,value", [("u2_c", 24), ("u2_bo", 8), ("u2_bl", 0), ("u2_bk", 48), ("u2_cd", 8),
-                                         ("u2_mt", 12), ("u2_mr", 8), ("u2_s", 0)])
-def test_union2_form_rejects_bad_config_fields(field, value):
-    from twell_compile.runtime.cuda_decode import decode_forward
-    x = torch.zeros(16, 16, dtype=torch.float16)
-    w = torch.zeros(32, 16, dtype=torch.float16)
-    cfg = P.decode_config(16, 16)._replace(**{field: value})
-    with pytest.raises(ValueError, match=f"cfg.{field}"):
-        decode_forward(x, w, None, w, None, w.t().contiguous(), None, cfg=cfg, form="union2")
 
 
 def test_union2_form_takes_any_number_of_row_tiles():
