@@ -7,10 +7,8 @@ once, W_up and W_d^T only on the union's rows, each row once for all M tokens, a
 else stays small: a tile of C weight rows and R token rows moves (C + R) x BK x 2 bytes per K
 step, so x (or h) read again per program costs M / C times the weight bytes; programs run over
 chunks of the COMPACTED union (their count follows the union, each gathered row is live) and
-keep all M rows inside the program: NT row tiles of MT rows (NT chosen at launch from M, powers
-of two) form one fp32 accumulator of NT MT rows, rows past M masked, so each weight tile feeds
-one tl.dot of all the rows (its M side is NT MT: 64 rows and more select Hopper's wgmma, see
-arch.MAX_MB).
+keep all M rows inside the program as row tiles of MT <= 32 (tl.dot's M side; 64 selects
+Hopper's wgmma, see arch.MAX_MB) sharing each weight tile.
 
 The gate, g = x W_g^T + b_g [M, N] in x's dtype, is the host's cuBLAS call (cuda_decode; eager's
 own call, so g and the active set are eager's bits). Then:
@@ -24,8 +22,8 @@ own call, so g and the active set are eager's bits). Then:
 ``decode_union2_up_kernel`` (grid: row groups of MR rows x N / C chunks; programs past the
   union's size exit): program (r, j) prefix-sums the NB block counts (the union's size U and
   each slot's place), maps union entries [j C, j C + C) to neurons, and computes u^T for its C
-  gathered W_up rows and its MR = NT MT rows: per K step one [C, BK] W_up tile and one x tile
-  [MR, BK], one dot into the accumulator [MR, C] (W_up read once for all rows when MR is all
+  gathered W_up rows and its MR rows: per K step one [C, BK] W_up tile, NT = MR / MT x tiles
+  [MT, BK], NT dots into NT accumulators [MT, C] (W_up read once for all rows when MR is all
   of M). h = a(relu(g)) b(u + b_u) (kernels/act.py; 0 off the active pairs) rounded to x's
   dtype as eager rounds h; written compactly h[m, e] ([M, N] scratch, row-major: entry e of
   the union in column e) with the compact neuron list ci[e]. DENSE_UP: u is read from a dense
@@ -33,10 +31,9 @@ own call, so g and the active set are eager's bits). Then:
   Adds sum |h| into the call's counter.
 ``decode_union2_down_kernel`` (grid: K_out / BO tiles x S splits of the union): program (o, s)
   takes the s-th of S equal shares of the union, CD entries at a time: W_d^T rows [CD, BO]
-  gathered by ci (contiguous rows when W_down is stored transposed) once and the h tile of all
-  NT MT rows [NT MT, CD], one dot into the accumulator [NT MT, BO]; h is read K_out / BO times
-  in all. DIRECT (S == 1): y = acc + b_d in x's dtype, program (0, 0) reads the statistics
-  counters (``finish_counts``), no finish launch.
+  gathered by ci (contiguous rows when W_down is stored transposed) once, h tiles [MT, CD] per
+  row tile, NT dots; h is read K_out / BO times in all. DIRECT (S == 1): y = acc + b_d in x's
+  dtype, program (0, 0) reads the statistics counters (``finish_counts``), no finish launch.
   Otherwise relaxed fp32 atomics into the accumulator (S x M x K_out) and
   ``decode_finish_kernel`` (twell_decode.py) writes y, the statistics and zeroes it again.
 Every neuron of the union is listed (capacity N): exact at any density.
@@ -74,6 +71,43 @@ def decode_union2_list_kernel(g_ptr, ln_ptr, lc_ptr, cnt_ptr, M, N,
 
 
 @triton.jit
+def _xdot(x_ptr, sx_m, sx_k, r0, kk, k_ok, wt, acc, M, MT: tl.constexpr):
+    """acc + x[r0:r0+MT, kk] @ wt (one row tile of the up projection)."""
+    rm = r0 + tl.arange(0, MT)
+    xk = tl.load(x_ptr + rm.to(tl.int64)[:, None] * sx_m + kk[None, :] * sx_k,
+                 mask=(rm < M)[:, None] & k_ok[None, :], other=0.0)
+    return tl.dot(xk, wt, acc)
+
+
+@triton.jit
+def _h_tile(acc, r0, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N,
+            GATED: tl.constexpr, HAS_BU: tl.constexpr, DENSE_UP: tl.constexpr, ACT: tl.constexpr,
+            MT: tl.constexpr):
+    """h for rows [r0, r0 + MT) of the chunk's union entries (acc: their u, fp32), written
+    compactly at h[m, e] in h's dtype; returns its sum |h|."""
+    rm = r0 + tl.arange(0, MT)
+    ok = (rm < M)[:, None] & e_ok[None, :]
+    rows = rm.to(tl.int64)[:, None] * N
+    g = tl.load(g_ptr + rows + n[None, :], mask=ok, other=0.0).to(tl.float32)
+    v = tl.where(g < 0.0, 0.0, g)
+    act = ((v != 0.0) | ~(tl.abs(g) < float("inf"))) & ok
+    v = gate_part(v, ACT)
+    if GATED:
+        if DENSE_UP:                                          # eager's u (bias included), x's dtype
+            u = tl.load(u_ptr + rows + n[None, :], mask=ok, other=0.0).to(tl.float32)
+        else:
+            u = acc
+            if HAS_BU:
+                u += tl.load(bu_ptr + n, mask=e_ok, other=0.0).to(tl.float32)[None, :]
+        h = v * up_part(u, ACT)
+    else:
+        h = v
+    h = tl.where(act, h, 0.0).to(h_ptr.dtype.element_ty)      # eager's rounding
+    tl.store(h_ptr + rows + e[None, :], h, mask=ok)
+    return tl.sum(tl.sum(tl.abs(h.to(tl.float32)), axis=1), axis=0)
+
+
+@triton.jit
 def decode_union2_up_kernel(
     x_ptr, sx_m, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, g_ptr, u_ptr,
     ln_ptr, lc_ptr, ci_ptr, h_ptr, hsa_ptr,
@@ -98,54 +132,95 @@ def decode_union2_up_kernel(
         n = tl.load(ln_ptr + b * BL + off, mask=e_ok, other=0)
         if pid_r == 0:
             tl.store(ci_ptr + e, n, mask=e_ok)                # the compact list for the down launch
-        rm = pid_r * (NT * MT) + tl.arange(0, NT * MT)        # the program's rows, all in one tile
-        m_ok = rm < M
-        rows = rm.to(tl.int64)[:, None]
-        acc = tl.zeros((NT * MT, C), dtype=tl.float32)
+        r0 = pid_r * (NT * MT)
+        a0 = tl.zeros((MT, C), dtype=tl.float32)
+        a1 = tl.zeros((MT, C), dtype=tl.float32)
+        a2 = tl.zeros((MT, C), dtype=tl.float32)
+        a3 = tl.zeros((MT, C), dtype=tl.float32)
+        a4 = tl.zeros((MT, C), dtype=tl.float32)
+        a5 = tl.zeros((MT, C), dtype=tl.float32)
+        a6 = tl.zeros((MT, C), dtype=tl.float32)
+        a7 = tl.zeros((MT, C), dtype=tl.float32)
         if UP_DOT:
             rk = tl.arange(0, BK)
             w_base = wu_ptr + n.to(tl.int64)[:, None] * swu_n
             for k0 in range(0, K, BK):
                 kk = k0 + rk
                 k_ok = kk < K
-                # one W_up tile for all the program's rows
+                # one W_up tile for every row tile of the program
                 wt = tl.trans(tl.load(w_base + kk[None, :] * swu_k, mask=e_ok[:, None] & k_ok[None, :], other=0.0))
-                xk = tl.load(x_ptr + rows * sx_m + kk[None, :] * sx_k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                acc = tl.dot(xk, wt, acc)
-        # h = a(relu(g)) b(u + b_u), 0 off the active pairs, written compactly at h[m, e]
-        ok = m_ok[:, None] & e_ok[None, :]
-        g = tl.load(g_ptr + rows * N + n[None, :], mask=ok, other=0.0).to(tl.float32)
-        v = tl.where(g < 0.0, 0.0, g)
-        act = ((v != 0.0) | ~(tl.abs(g) < float("inf"))) & ok
-        v = gate_part(v, ACT)
-        if GATED:
-            if DENSE_UP:                                      # eager's u (bias included), x's dtype
-                u = tl.load(u_ptr + rows * N + n[None, :], mask=ok, other=0.0).to(tl.float32)
-            else:
-                u = acc
-                if HAS_BU:
-                    u += tl.load(bu_ptr + n, mask=e_ok, other=0.0).to(tl.float32)[None, :]
-            h = v * up_part(u, ACT)
-        else:
-            h = v
-        h = tl.where(act, h, 0.0).to(h_ptr.dtype.element_ty)  # eager's rounding
-        tl.store(h_ptr + rows * N + e[None, :], h, mask=ok)
-        hsum = tl.sum(tl.sum(tl.abs(h.to(tl.float32)), axis=1), axis=0)
+                a0 = _xdot(x_ptr, sx_m, sx_k, r0, kk, k_ok, wt, a0, M, MT)
+                if NT > 1:
+                    a1 = _xdot(x_ptr, sx_m, sx_k, r0 + MT, kk, k_ok, wt, a1, M, MT)
+                if NT > 2:
+                    a2 = _xdot(x_ptr, sx_m, sx_k, r0 + 2 * MT, kk, k_ok, wt, a2, M, MT)
+                    a3 = _xdot(x_ptr, sx_m, sx_k, r0 + 3 * MT, kk, k_ok, wt, a3, M, MT)
+                if NT > 4:
+                    a4 = _xdot(x_ptr, sx_m, sx_k, r0 + 4 * MT, kk, k_ok, wt, a4, M, MT)
+                    a5 = _xdot(x_ptr, sx_m, sx_k, r0 + 5 * MT, kk, k_ok, wt, a5, M, MT)
+                    a6 = _xdot(x_ptr, sx_m, sx_k, r0 + 6 * MT, kk, k_ok, wt, a6, M, MT)
+                    a7 = _xdot(x_ptr, sx_m, sx_k, r0 + 7 * MT, kk, k_ok, wt, a7, M, MT)
+        hsum = _h_tile(a0, r0, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU, DENSE_UP, ACT, MT)
+        if NT > 1:
+            hsum += _h_tile(a1, r0 + MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU, DENSE_UP,
+                            ACT, MT)
+        if NT > 2:
+            hsum += _h_tile(a2, r0 + 2 * MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU,
+                            DENSE_UP, ACT, MT)
+            hsum += _h_tile(a3, r0 + 3 * MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU,
+                            DENSE_UP, ACT, MT)
+        if NT > 4:
+            hsum += _h_tile(a4, r0 + 4 * MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU,
+                            DENSE_UP, ACT, MT)
+            hsum += _h_tile(a5, r0 + 5 * MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU,
+                            DENSE_UP, ACT, MT)
+            hsum += _h_tile(a6, r0 + 6 * MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU,
+                            DENSE_UP, ACT, MT)
+            hsum += _h_tile(a7, r0 + 7 * MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU,
+                            DENSE_UP, ACT, MT)
         if hsum != 0.0:       # NaN too
             tl.atomic_add(hsa_ptr, hsum, sem="relaxed")
 
 
 @triton.jit
-def _union_share(lc_ptr, NB, NBP: tl.constexpr, CD: tl.constexpr):
-    """(U, j0, j1): the union's size U (the sum of the NB block counts) and the chunks [j0, j1)
-    of CD entries that make this program's share, the program_id(1)-th of num_programs(1)
-    equal shares of the union."""
-    rb = tl.arange(0, NBP)
-    total = tl.sum(tl.load(lc_ptr + rb, mask=rb < NB, other=0), axis=0)
-    nch = (total + CD - 1) // CD
-    s = tl.program_id(1)
-    ns = tl.num_programs(1)
-    return total, s * nch // ns, (s + 1) * nch // ns
+def _hdot(h_ptr, N, r0, e, e_ok, w, acc, M, MT: tl.constexpr):
+    """acc + h[r0:r0+MT, e] @ w (one row tile of the down projection)."""
+    rm = r0 + tl.arange(0, MT)
+    h = tl.load(h_ptr + rm.to(tl.int64)[:, None] * N + e[None, :], mask=(rm < M)[:, None] & e_ok[None, :],
+                other=0.0)
+    return tl.dot(h, w, acc)
+
+
+@triton.jit
+def _y_tile(acc, r0, ro, o_ok, acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, M, KO,
+            DIRECT: tl.constexpr, HAS_BD: tl.constexpr, MT: tl.constexpr):
+    """Rows [r0, r0 + MT) of the program's output tile: y (DIRECT) or fp32 atomics into acc."""
+    rm = r0 + tl.arange(0, MT)
+    out = (rm < M)[:, None] & o_ok[None, :]
+    if DIRECT:
+        if HAS_BD:
+            acc += tl.load(bd_ptr + ro, mask=o_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm.to(tl.int64)[:, None] * sy_m + ro[None, :] * sy_k, acc.to(y_ptr.dtype.element_ty),
+                 mask=out)
+    else:
+        tl.atomic_add(acc_ptr + rm.to(tl.int64)[:, None] * KO + ro[None, :], acc, mask=out, sem="relaxed")
+
+
+@triton.jit
+def _out_tiles(a0, a1, a2, a3, a4, a5, a6, a7, ro, o_ok, acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, M, KO,
+               DIRECT: tl.constexpr, HAS_BD: tl.constexpr, MT: tl.constexpr, NT: tl.constexpr):
+    """``_y_tile`` for each of the NT row tiles."""
+    _y_tile(a0, 0, ro, o_ok, acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, M, KO, DIRECT, HAS_BD, MT)
+    if NT > 1:
+        _y_tile(a1, MT, ro, o_ok, acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, M, KO, DIRECT, HAS_BD, MT)
+    if NT > 2:
+        _y_tile(a2, 2 * MT, ro, o_ok, acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, M, KO, DIRECT, HAS_BD, MT)
+        _y_tile(a3, 3 * MT, ro, o_ok, acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, M, KO, DIRECT, HAS_BD, MT)
+    if NT > 4:
+        _y_tile(a4, 4 * MT, ro, o_ok, acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, M, KO, DIRECT, HAS_BD, MT)
+        _y_tile(a5, 5 * MT, ro, o_ok, acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, M, KO, DIRECT, HAS_BD, MT)
+        _y_tile(a6, 6 * MT, ro, o_ok, acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, M, KO, DIRECT, HAS_BD, MT)
+        _y_tile(a7, 7 * MT, ro, o_ok, acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, M, KO, DIRECT, HAS_BD, MT)
 
 
 @triton.jit
@@ -158,30 +233,48 @@ def decode_union2_down_kernel(
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
-    total, c0, c1 = _union_share(lc_ptr, NB, NBP, CD)
-    ro = tl.program_id(0) * BO + tl.arange(0, BO)
+    pid_o = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    ns = tl.num_programs(1)
+    ro = pid_o * BO + tl.arange(0, BO)
     o_ok = ro < KO
-    rm = tl.arange(0, NT * MT)                                # all M rows, in one tile
-    m_ok = rm < M
-    h_base = h_ptr + rm.to(tl.int64)[:, None] * N
+    rb = tl.arange(0, NBP)
+    total = tl.sum(tl.load(lc_ptr + rb, mask=rb < NB, other=0), axis=0)   # the union's size
+    nch = (total + CD - 1) // CD
+    c0 = pid_s * nch // ns
+    c1 = (pid_s + 1) * nch // ns
     re = tl.arange(0, CD)
-    acc = tl.zeros((NT * MT, BO), dtype=tl.float32)
+    a0 = tl.zeros((MT, BO), dtype=tl.float32)
+    a1 = tl.zeros((MT, BO), dtype=tl.float32)
+    a2 = tl.zeros((MT, BO), dtype=tl.float32)
+    a3 = tl.zeros((MT, BO), dtype=tl.float32)
+    a4 = tl.zeros((MT, BO), dtype=tl.float32)
+    a5 = tl.zeros((MT, BO), dtype=tl.float32)
+    a6 = tl.zeros((MT, BO), dtype=tl.float32)
+    a7 = tl.zeros((MT, BO), dtype=tl.float32)
     for j in range(c0, c1):
         e = j * CD + re
         e_ok = e < total
         n = tl.load(ci_ptr + e, mask=e_ok, other=0).to(tl.int64)
-        # one W_d^T tile for all the rows
+        # one W_d^T tile for every row tile of the program
         w = tl.load(wdt_ptr + n[:, None] * swd_n + ro[None, :] * swd_k, mask=e_ok[:, None] & o_ok[None, :],
                     other=0.0)
-        h = tl.load(h_base + e[None, :], mask=m_ok[:, None] & e_ok[None, :], other=0.0)
-        acc = tl.dot(h, w, acc)
-    out = m_ok[:, None] & o_ok[None, :]
+        a0 = _hdot(h_ptr, N, 0, e, e_ok, w, a0, M, MT)
+        if NT > 1:
+            a1 = _hdot(h_ptr, N, MT, e, e_ok, w, a1, M, MT)
+        if NT > 2:
+            a2 = _hdot(h_ptr, N, 2 * MT, e, e_ok, w, a2, M, MT)
+            a3 = _hdot(h_ptr, N, 3 * MT, e, e_ok, w, a3, M, MT)
+        if NT > 4:
+            a4 = _hdot(h_ptr, N, 4 * MT, e, e_ok, w, a4, M, MT)
+            a5 = _hdot(h_ptr, N, 5 * MT, e, e_ok, w, a5, M, MT)
+            a6 = _hdot(h_ptr, N, 6 * MT, e, e_ok, w, a6, M, MT)
+            a7 = _hdot(h_ptr, N, 7 * MT, e, e_ok, w, a7, M, MT)
     if DIRECT:
-        if HAS_BD:
-            acc += tl.load(bd_ptr + ro, mask=o_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rm.to(tl.int64)[:, None] * sy_m + ro[None, :] * sy_k, acc.to(y_ptr.dtype.element_ty),
-                 mask=out)
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        _out_tiles(a0, a1, a2, a3, a4, a5, a6, a7, ro, o_ok, acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, M, KO,
+                   True, HAS_BD, MT, NT)
+        if (pid_o == 0) & (pid_s == 0):
             finish_counts(cnt_ptr, hsa_ptr, tok_ptr, hsum_ptr, st_ptr, M, HAS_ST, CB)
     elif c1 > c0:
-        tl.atomic_add(acc_ptr + rm.to(tl.int64)[:, None] * KO + ro[None, :], acc, mask=out, sem="relaxed")
+        _out_tiles(a0, a1, a2, a3, a4, a5, a6, a7, ro, o_ok, acc_ptr, bd_ptr, y_ptr, sy_m, sy_k, M, KO,
+                   False, HAS_BD, MT, NT)

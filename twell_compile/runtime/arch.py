@@ -71,8 +71,7 @@ class DecodeConfig(NamedTuple):
     u2_bl: int = 64         # neurons per program of the union-list launch
     u2_c: int = 32          # union entries per up program (its gathered W_up rows)
     u2_bk: int = 128        # K step of the up loop
-    u2_mt: int = 32         # rows per row tile, up and down; a program's row tiles are one accumulator,
-                            # one tl.dot of all its rows (M side 64+: Hopper's wgmma, see MAX_MB)
+    u2_mt: int = 32         # rows per tl.dot tile, up and down (its M side: <= 32 stays off wgmma)
     u2_mr: int = 0          # rows per up program, a multiple of u2_mt (0: all M rows padded)
     u2_warps: int = 4       # warps of the up launch
     u2_stages: int = 3      # ... and its pipeline stages
@@ -255,11 +254,9 @@ class CpuPolicy:
 # entries per down step (the [32, M_P] fp32 tiles of g, u and the down accumulator in registers).
 # The union2 form's fields are not measured either (docs/design-notes/decode.md "The union2
 # form"): up chunks of 16 union entries up to 32 rows (~27 / ~51 programs for unions of ~420 /
-# ~820 at N=5632), 32 at 64-128 rows, 64 at 256 (all rows' accumulator, [256, 64] fp32, in
-# registers over 8 warps; 2 pipeline stages there: a stage holds the [256, 128] x tile and the
-# [64, 128] W_up tile, 80 KB, and 3 stages of the one tl.dot (wgmma on Hopper) would take 240 KB
-# of shared memory, over the 227 KB a program gets); down tiles of 128 K_out columns x 8 splits
-# (128 programs), at 256 rows 64 columns x 4 splits (a [256, 64] accumulator).
+# ~820 at N=5632), 32 at 64-128 rows, 64 at 256 (all rows' accumulators, 8 tiles of [32, 64],
+# in registers over 8 warps); down tiles of 128 K_out columns x 8 splits (128 programs), at 256
+# rows 64 columns x 4 splits (8 row tiles of [32, 64] accumulators).
 _DECODE_CONFIGS = {
     16: DecodeConfig(32, 256, 256, 256, 4, 0, 4, 3, lbk=128, lstages=5, gemv_bn=4, pbn=16, ppb=2, pwarps=2,
                      union_bk=128, u2_c=16),
@@ -268,7 +265,7 @@ _DECODE_CONFIGS = {
     128: DecodeConfig(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5, union_warps=8, union_c=32,
                       u2_dwarps=8),
     256: DecodeConfig(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5, union_warps=8, union_c=32,
-                      union_dwarps=8, u2_c=64, u2_warps=8, u2_stages=2, u2_bo=64, u2_s=4, u2_dwarps=8),
+                      union_dwarps=8, u2_c=64, u2_warps=8, u2_bo=64, u2_s=4, u2_dwarps=8),
 }
 # K >= 3072 (tuned at K=4096, N=11008): 64 neurons per list/pairs program up to 16 rows (M=16
 # 51.9 us against 55.8 at 32, dense 87.0); at 32+ rows 32 neurons and K_out steps of 1024 (68.8

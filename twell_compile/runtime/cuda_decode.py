@@ -47,6 +47,7 @@ from twell_compile.runtime.launch import INTERPRET, launch, pow2
 from twell_compile.runtime.paths import FORMS
 
 FINISH_BLOCK = 1024   # accumulator elements per step of a finishing program
+U2_TILES = 8          # union2 form: row tiles per program at most (its kernels' accumulators)
 STAT_BLOCKS = 256     # neuron blocks per step of the list form's statistics sum
 
 
@@ -245,13 +246,15 @@ def _prepare_union(m: int, k: int, n: int, k_out: int, c: DecodeConfig, gated: b
 
 
 def _union2_tiles(m: int, c: DecodeConfig) -> tuple[int, int, int]:
-    """(rows per row tile, row tiles per up program, row tiles per down program) of the union2
-    form for M rows (a program's row tiles are one accumulator: one tl.dot of all its rows);
-    ValueError for union2 fields of ``c`` the kernels cannot take."""
+    """(rows per tl.dot tile, row tiles per up program, row tiles per down program) of the union2
+    form for M rows; ValueError for union2 fields of ``c`` the kernels cannot take."""
     _check_fields(c, ("u2_bl", "u2_c", "u2_bk", "u2_mt", "u2_bo", "u2_cd"), "u2_mr", "u2_s")
     mp = max(16, pow2(m))
     mr = min(mp, c.u2_mr) if c.u2_mr else mp
     mt = min(c.u2_mt, mr)
+    if mp // min(c.u2_mt, mp) > U2_TILES:
+        raise ValueError(f"cfg.u2_mt = {c.u2_mt} makes {mp // min(c.u2_mt, mp)} row tiles of {m} rows; "
+                         f"the union2 kernels hold at most {U2_TILES}")
     return mt, mr // mt, mp // min(c.u2_mt, mp)
 
 
