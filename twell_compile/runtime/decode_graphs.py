@@ -7,9 +7,8 @@ time"). Here each (shapes, form, flags, weights) key is run eagerly once (Triton
 loads its kernels), captured into a CUDA graph on the second call, and replayed from then on:
 a copy of x into the graph's input, one replay, one clone of its output. The dense path at the
 same sizes (eager's GEMMs, cuda_infer.dense_forward without statistics) is graphed likewise, and
-so are per-row calls whose GPU time is under their eager host time (select.rows_host_bound), whose
-graphs also read x in place where
-it comes at a repeated address (``run``'s ``bind``).
+so are per-row calls whose GPU time is under their eager host time (select.rows_host_bound),
+whose graphs also read x in place where it comes at a repeated address (``run``'s ``bind``).
 
 Semantics are the eager call's: the output is a fresh tensor; the weights are read at replay
 time, from the parameters themselves (no copies: updates made any way are seen);
