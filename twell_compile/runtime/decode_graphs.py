@@ -169,8 +169,7 @@ def clear() -> None:
 
 # the getters behind torch.backends.cuda.matmul's flags (TF32, fp32 precision, reduced-precision
 # reductions with their split-K halves, fp16 accumulation): called directly, one C call each
-# instead of the module's __getattr__ (2.5 us for three flags on the dev machine); a getter this
-# torch lacks is left out
+# instead of the module's Python __getattr__; a getter this torch lacks is left out
 _MATH_GETTERS = tuple(f for f in (getattr(torch._C, name, None) for name in (
     "_get_cublas_allow_tf32", "_get_cublas_allow_bf16_reduced_precision_reduction",
     "_get_cublas_allow_fp16_reduced_precision_reduction", "_get_cublas_allow_fp16_accumulation"))
