@@ -165,8 +165,7 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: DecodeConfig, gate
     per_block = form == "list"
     int_sizes = (nl, m * nb if per_block else 0, nrb * nb * mb if per_block else 0, m + 1)
     float_sizes = (nl, nrb * nb if per_block else 0, 1)
-    finish = (decode_finish_kernel, (-(-(m * k_out) // FINISH_BLOCK) + 1,), (m, k_out), dict(
-        HAS_BD=has_bd, CLEAN=clean, HAS_ST=has_stats, BLOCK=FINISH_BLOCK, CB=pow2(m), PDL=pdl), 4, None)
+    finish = _finish(m, k_out, has_bd, clean, has_stats, pdl)
     p2 = lambda v: min(v, max(16, pow2(k)))  # noqa: E731  (a K step: at most K padded)
     if lists:
         launch1 = (decode_pairs_kernel, (nb, nrb), (m, k, n, nb, k_out), dict(
@@ -194,6 +193,13 @@ def prepare(m: int, k: int, n: int, k_out: int, form: str, c: DecodeConfig, gate
             c.warps, c.stages)
         launch2 = None if fin else finish
     return Prepared(int_sizes, sum(int_sizes), float_sizes, sum(float_sizes), launch1, launch2)
+
+
+def _finish(m: int, k_out: int, has_bd: bool, clean: bool, has_stats: bool, pdl: bool) -> tuple:
+    """The finishing launch (y from the accumulator, bias, statistics; the accumulator zeroed
+    where ``clean``) of every form that adds into the accumulator."""
+    return (decode_finish_kernel, (-(-(m * k_out) // FINISH_BLOCK) + 1,), (m, k_out), dict(
+        HAS_BD=has_bd, CLEAN=clean, HAS_ST=has_stats, BLOCK=FINISH_BLOCK, CB=pow2(m), PDL=pdl), 4, None)
 
 
 def _check_fields(c: DecodeConfig, pow2_fields: tuple, zero_or_pow2: str, splits: str) -> None:
@@ -239,8 +245,7 @@ def _prepare_union(m: int, k: int, n: int, k_out: int, c: DecodeConfig, gated: b
     launch2 = (decode_union_down_kernel, (no, c.union_s, mp // mt), (m, k_out, nb), dict(
         DIRECT=direct, HAS_BD=has_bd, HAS_ST=has_stats, BN=bn, MP=mp, MT=mt, NBP=max(16, pow2(nb)), BO=bo,
         C=c.union_c, CB=pow2(m), PDL=pdl), c.union_dwarps, c.union_dstages)
-    launch3 = None if direct else (decode_finish_kernel, (-(-(m * k_out) // FINISH_BLOCK) + 1,), (m, k_out), dict(
-        HAS_BD=has_bd, CLEAN=clean, HAS_ST=has_stats, BLOCK=FINISH_BLOCK, CB=pow2(m), PDL=pdl), 4, None)
+    launch3 = None if direct else _finish(m, k_out, has_bd, clean, has_stats, pdl)
     return Prepared(int_sizes, sum(int_sizes), float_sizes, sum(float_sizes), launch1, launch2, launch3,
                     uses_acc=not direct)
 
@@ -284,8 +289,7 @@ def _prepare_union2(m: int, k: int, n: int, k_out: int, c: DecodeConfig, gated: 
     launch3 = (decode_union2_down_kernel, (-(-k_out // bo), c.u2_s), (m, n, k_out, nb), dict(
         DIRECT=direct, HAS_BD=has_bd, HAS_ST=has_stats, NBP=nbp, BO=bo, CD=c.u2_cd, MT=mp // nt_down, NT=nt_down,
         CB=pow2(m), PDL=pdl), c.u2_dwarps, c.u2_dstages)
-    launch4 = None if direct else (decode_finish_kernel, (-(-(m * k_out) // FINISH_BLOCK) + 1,), (m, k_out), dict(
-        HAS_BD=has_bd, CLEAN=clean, HAS_ST=has_stats, BLOCK=FINISH_BLOCK, CB=pow2(m), PDL=pdl), 4, None)
+    launch4 = None if direct else _finish(m, k_out, has_bd, clean, has_stats, pdl)
     return Prepared(int_sizes, sum(int_sizes), float_sizes, sum(float_sizes), launch1, launch2, launch3, launch4,
                     uses_acc=not direct)
 
@@ -359,60 +363,49 @@ def _launch_all(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Opti
          b_gate if b_gate is not None else w_gate, wu, wu.stride(0), wu.stride(1),
          b_up if b_up is not None else w_gate)
     wd = (wdt, wdt.stride(0), wdt.stride(1))
-    k1, g1, s1, c1, w1, st1 = p.launch1
+    out = (acc, bd, y, k_out, 1, cnt, hsa, tok, hsum, st)     # what a finishing launch reads and writes
     if form == "list":
-        launch(k1, g1, w + (ln, lh, lc, rc, hs) + wd + (acc,) + s1, c1, num_warps=w1, num_stages=st1,
-               pdl=c1["PDL"])
+        _go(p.launch1, w + (ln, lh, lc, rc, hs) + wd + (acc,))
+        _go(p.launch2, (ln, lh, lc) + wd + (bd, y, k_out, 1, rc, hs, tok, hsum, st))
     elif form == "pairs":
-        launch(k1, g1, w + (ln, lh, lc, cnt, hsa) + wd + (acc,) + s1, c1, num_warps=w1, num_stages=st1,
-               pdl=c1["PDL"])
+        _go(p.launch1, w + (ln, lh, lc, cnt, hsa) + wd + (acc,))
+        _go(p.launch2, out)
     elif form == "union":
         lh = lh.view(x2.dtype)          # the list's h rows, in x's dtype
-        launch(k1, g1, w + (ln, lh, lc, cnt, hsa) + s1, c1, num_warps=w1, num_stages=st1, pdl=c1["PDL"])
-        k2, g2, s2, c2, w2, st2 = p.launch2
-        launch(k2, g2, (ln, lh, lc) + wd + (acc, bd, y, k_out, 1, cnt, hsa, tok, hsum, st) + s2, c2,
-               num_warps=w2, num_stages=st2, pdl=c2["PDL"])
+        _go(p.launch1, w + (ln, lh, lc, cnt, hsa))
+        _go(p.launch2, (ln, lh, lc) + wd + out)
         if p.launch3 is not None:
-            k3, g3, s3, c3, w3, _ = p.launch3
-            launch(k3, g3, (acc, bd, y, k_out, 1, cnt, hsa, tok, hsum, st) + s3, c3, num_warps=w3, pdl=c3["PDL"])
-        return Decoded(y, tok, hsum)
+            _go(p.launch3, out)
     elif form == "union2":
-        _launch_union2(x2, w_gate, b_gate, w_up, b_up, wd, acc, bd, y, ln, lc, rc, tok, lh, hsum, cnt, hsa, st, p)
-        return Decoded(y, tok, hsum)
+        _launch_union2(x2, w_gate, b_gate, w_up, b_up, wd, out, ln, lc, rc, lh, cnt, hsa, p)
     else:
-        launch(k1, g1, w + wd + (bd, acc, tk, cnt, hsa, y, k_out, 1, tok, hsum, st) + s1, c1,
-               num_warps=w1, num_stages=st1, pdl=c1["PDL"])
-    if p.launch2 is not None:
-        k2, g2, s2, c2, w2, _ = p.launch2
-        if form == "list":
-            a2 = (ln, lh, lc) + wd + (bd, y, k_out, 1, rc, hs, tok, hsum, st) + s2
-        else:
-            a2 = (acc, bd, y, k_out, 1, cnt, hsa, tok, hsum, st) + s2
-        launch(k2, g2, a2, c2, num_warps=w2, pdl=c2["PDL"])
+        _go(p.launch1, w + wd + (bd, acc, tk, cnt, hsa, y, k_out, 1, tok, hsum, st))
+        if p.launch2 is not None:
+            _go(p.launch2, out)
     return Decoded(y, tok, hsum)
 
 
+def _go(spec: tuple, args: tuple) -> None:
+    """One launch of a ``Prepared`` spec (kernel, grid, static ints, constexprs, warps, stages):
+    the call's ``args``, then the spec's static ints."""
+    kernel, grid, ints, consts, warps, stages = spec
+    launch(kernel, grid, args + ints, consts, num_warps=warps, num_stages=stages, pdl=consts["PDL"])
+
+
 def _launch_union2(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
-                   b_up: Optional[Tensor], wd: tuple, acc: Tensor, bd: Tensor, y: Tensor, ln: Tensor, lc: Tensor,
-                   ci: Tensor, tok: Tensor, lh: Tensor, hsum: Tensor, cnt: Tensor, hsa: Tensor, st: Tensor,
-                   p: Prepared) -> None:
+                   b_up: Optional[Tensor], wd: tuple, out: tuple, ln: Tensor, lc: Tensor, ci: Tensor, lh: Tensor,
+                   cnt: Tensor, hsa: Tensor, p: Prepared) -> None:
     """The union2 form's calls: the gate as eager's own GEMM (cuBLAS: g [M, N] in x's dtype,
     so the active set is eager's), with u2_dense_up the up projection likewise, then the list,
-    up and down launches and the finish (``_prepare_union2``)."""
-    m, n, k_out = x2.shape[0], w_gate.shape[0], wd[0].shape[1]
+    up and down launches and the finish (``_prepare_union2``). ``out``: what the down and
+    finishing launches read and write."""
     g = F.linear(x2, w_gate, b_gate)
-    k1, g1, s1, c1, w1, _ = p.launch1
-    k2, g2, s2, c2, w2, st2 = p.launch2
-    k3, g3, s3, c3, w3, st3 = p.launch3
-    u = F.linear(x2, w_up, b_up) if c2["DENSE_UP"] else g
+    u = F.linear(x2, w_up, b_up) if p.launch2[3]["DENSE_UP"] else g
     h = lh.view(x2.dtype)                # the compact h [M, N], in x's dtype
     wu = w_up if w_up is not None else w_gate
-    launch(k1, g1, (g, ln, lc, cnt) + s1, c1, num_warps=w1, pdl=c1["PDL"])
-    launch(k2, g2, (x2, x2.stride(0), x2.stride(1), wu, wu.stride(0), wu.stride(1),
-                    b_up if b_up is not None else wu, g, u, ln, lc, ci, h, hsa) + s2, c2,
-           num_warps=w2, num_stages=st2, pdl=c2["PDL"])
-    launch(k3, g3, (lc, ci, h) + wd + (acc, bd, y, k_out, 1, cnt, hsa, tok, hsum, st) + s3, c3,
-           num_warps=w3, num_stages=st3, pdl=c3["PDL"])
+    _go(p.launch1, (g, ln, lc, cnt))
+    _go(p.launch2, (x2, x2.stride(0), x2.stride(1), wu, wu.stride(0), wu.stride(1),
+                    b_up if b_up is not None else wu, g, u, ln, lc, ci, h, hsa))
+    _go(p.launch3, (lc, ci, h) + wd + out)
     if p.launch4 is not None:
-        k4, g4, s4, c4, w4, _ = p.launch4
-        launch(k4, g4, (acc, bd, y, k_out, 1, cnt, hsa, tok, hsum, st) + s4, c4, num_warps=w4, pdl=c4["PDL"])
+        _go(p.launch4, out)
