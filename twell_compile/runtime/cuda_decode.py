@@ -21,7 +21,9 @@ on tensor cores: a first launch lists the union per neuron block with h, a secon
 down projection over the list (forced only, ``path="decode-union"``). The union2 form
 (twell_decode_union2.py) gates by one cuBLAS GEMM, lists the union, then runs up over chunks
 of the compacted union and down over K_out tiles x splits of it, every row tile of M in the
-same program (unmeasured; forced only, ``path="decode-union2"``). Launches use
+same program (forced only, ``path="decode-union2"``: 29.3 / 56.4 / 88.2 / 224.1 us at M = 16 /
+64 / 128 / 256 against the pairs form's 18.5 / 40.6 / 58.2 / 100.2, W_down stored transposed,
+benchmarks/results/h200/ffn_decode_union2.json). Launches use
 programmatic dependent launch on Hopper (``pdl_ok``), and eager calls replay the op's own CUDA
 graph (``execute(graphed=True)``, decode_graphs.py).
 """
@@ -98,7 +100,8 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
     "pairs" (per active pair, atomics) or "union" (the batch's union of active neurons listed,
     then one down launch over it: each weight row read once) or "union2" (the gate by cuBLAS,
     up and down over the compacted union, all rows per program); None: rows where M <=
-    cfg.vec_m, else tiles (the plan decides by density, select.decode_form). ``cfg``: default config_for(M, K, device).
+    cfg.vec_m, else tiles (the plan decides by density, select.decode_form). ``cfg``: default
+    config_for(M, K, device).
     ``graphed``: eager calls replay the op's own CUDA graph (``decode_graphs``; the op passes
     it); tok and hsum are then the graph's buffers, overwritten by the layer's next call.
     ``act``: the activation (reference.ACTS), formed where h is (kernels/act.py)."""
