@@ -294,8 +294,8 @@ H200 = GpuPolicy(
     # 0.74-1.11x of Inductor), graphed 0.450 (1.20x); gated at 8192 eager 0.575 (1.38x) against
     # graphed 0.583, at 16384 1.103 / 1.126 (results/h200/ffn_prefill_graphs.json, rows with
     # policy rows_graph_max_m=4096 / 16384: eager / graphed, today --policy op_rows_host_us=0 /
-    # 1e6). The dense GEMM: 0.064 / 0.130 / 0.258 ms at
-    # 2048 / 4096 / 8192 tokens (720-740 TFLOP/s, the same file's gate_ms).
+    # 1e6). The dense GEMM: 0.064 / 0.130 / 0.258 ms at 2048 / 4096 / 8192 tokens (720-740
+    # TFLOP/s, the same file's gate_ms).
     gemm_tflops=720.0, op_rows_host_us=450.0,
     # Decode cost model: least-relative-error fit of each forced form on the 56-point grid of
     # benchmarks/results/h200/ffn_decode.json (benchmarks/fit_policy.py --fit-decode); with
