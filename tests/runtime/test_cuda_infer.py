@@ -278,6 +278,27 @@ def test_graphed_per_row_calls_are_exact_fresh_and_see_weight_updates(keep_stats
     decode_graphs.clear()
 
 
+def test_a_per_row_graph_replays_only_under_the_launch_sizes_it_was_captured_with():
+    """A per-row call's graph is keyed by its record's launch sizes (GpuPolicy.launch_key): a
+    patched record with other sizes captures its own graph, a later one with the first sizes
+    replays the first graph; every result within the 2x rule, outputs poisoned before."""
+    from twell_compile.runtime import decode_graphs
+
+    decode_graphs.clear()
+    p = _ffn(2048, 256, 1024, 256, 0.005, 0.0, torch.bfloat16)
+    args = _args(p)
+    ref = ffn_dense(*(None if a is None else a.float() for a in args))
+    derr = _rel(ffn_dense(*args), ref)
+    for buckets, graphs in ((2, 1), (8, 2), (2, 2)):
+        with arch.patched(op_rows_host_us=1e6, row_buckets=buckets):
+            for _ in range(3):                 # eager, captured (x read in place), replayed
+                _poison()
+                y = torch.ops.twell.ffn(*args, "graph_sizes", False, 0, "twell")
+                assert _rel(y, ref) <= 2 * derr + 1e-6, buckets
+        assert decode_graphs.count() == graphs, buckets
+    decode_graphs.clear()
+
+
 def test_graphed_per_row_calls_read_x_where_it_lies_when_its_address_repeats():
     """A per-row call whose x comes at the previous call's address replays a graph that reads
     x in place (no copy into the graph's input): values written into that same tensor between

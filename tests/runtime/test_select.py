@@ -290,3 +290,19 @@ def test_patched_records_apply_nest_and_lift():
         after = arch.cuda_default()
         assert (after.row_stages, after.compact_bm) == (7, base.compact_bm)
     assert arch.cuda_default() == base and arch.cuda_default().row_stages == base.row_stages
+
+
+def test_launch_key_names_every_launch_size_a_graph_bakes_in():
+    """Records with equal launch sizes share a key (a graph captured under one replays under
+    the other); any launch field changed, or a patched block's record, gives another; fields the
+    launchers do not read (the cost model's) change nothing."""
+    base = arch.cuda_default()
+    assert base.launch_key == dataclasses.replace(base).launch_key
+    for field in ("row_buckets", "compact_stages", "gate_cfg", "merge_bm", "dense_block", "eager_elementwise_max_m"):
+        assert dataclasses.replace(base, **{field: getattr(base, field) + 1}).launch_key != base.launch_key, field
+    assert dataclasses.replace(base, pair_units=base.pair_units * 2).launch_key == base.launch_key
+    with arch.patched(row_buckets=base.row_buckets + 1):
+        assert arch.cuda_default().launch_key != base.launch_key
+    with arch.patched(op_rows_host_us=1.0):
+        assert arch.cuda_default().launch_key == base.launch_key
+

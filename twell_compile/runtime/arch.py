@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -212,6 +213,14 @@ class GpuPolicy:
     rank_bp: int = 32
     busy_programs: int = 1024
 
+    @functools.cached_property
+    def launch_key(self) -> tuple:
+        """The fields the inference launchers read (per-row, gate and dense paths) as one hashable
+        tuple, for the op's own CUDA graphs: a graph replays only under the launch sizes it was
+        captured with (a record made by ``patched`` is freed when its block closes, so its id()
+        can come back as another record's)."""
+        return tuple(getattr(self, f) for f in _LAUNCH_FIELDS)
+
     def compact_rows_per_program(self, m: int) -> int:
         """Rows per compaction program for M rows: compact_bm, fewer (down to 4) where M / 16
         programs would leave SMs idle (H100, M=2048: 0.036 ms at 4 rows against 0.046 at 16;
@@ -275,6 +284,11 @@ _WIDE_DECODE_CONFIGS = {
     16: _DECODE_CONFIGS[16]._replace(lbn=64, lbk=256, lstages=3, gemv_bn=0, pbn=0, ppb=0, pwarps=0),
     **{mp: c._replace(lbn=32, lbk=256, lstages=3, koc=1024) for mp, c in _DECODE_CONFIGS.items() if mp > 16},
 }
+
+_LAUNCH_FIELDS = ("compact_bm", "compact_programs", "compact_ch", "compact_warps", "compact_stages", "row_pairs",
+                  "row_prefetch", "row_stages", "row_cols_per_warp", "row_buckets", "gate_cfg", "gate_min_m",
+                  "gate_slots", "gate_raster", "gate_swizzle", "merge_bm", "eager_elementwise_max_m", "dense_block",
+                  "dense_warps", "dense_programs")
 
 H200 = GpuPolicy(
     name="H200",

@@ -187,7 +187,7 @@ def twell_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
     the next replay overwrites, or None without statistics)."""
     totals = buf is not None or probe
     key = (("rows", x2.shape, x2.dtype, x2.device, width, act, totals, decode_graphs.math_mode(),
-            id(arch.launch_policy(x2.device)), None if buf is None else buf.data_ptr())
+            arch.launch_policy(x2.device).launch_key, None if buf is None else buf.data_ptr())
            + decode_graphs.weights_key(w_gate, b_gate, w_up, b_up, w_down, b_down))
 
     def run(xs: Tensor) -> tuple[Tensor, ...]:
@@ -205,7 +205,8 @@ def dense_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
                   b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], act: str = "relu") -> Tensor:
     """dense_forward without statistics at decode sizes, replayed from the op's own CUDA graph
     (decode_graphs: eager's five calls cost more host time than the GEMMs' GPU time there)."""
-    key = (("dense", x2.shape, x2.dtype, x2.device, act, decode_graphs.math_mode())
+    key = (("dense", x2.shape, x2.dtype, x2.device, act, decode_graphs.math_mode(),
+            arch.launch_policy(x2.device).launch_key)
            + decode_graphs.weights_key(w_gate, b_gate, w_up, b_up, w_down, b_down))
     return decode_graphs.run(key, x2, lambda xs: dense_forward(
         xs, w_gate, b_gate, w_up, b_up, w_down, b_down, counts=False, act=act)[:1])[0]
