@@ -1,6 +1,7 @@
 #!/bin/bash
 # The whole GPU test suite (pytest -m gpu) and the performance check, in one device call.
-# Outputs under $OUT:
+# Outputs under $OUT (8 files: the device tool brings back at most 8; set-up logs, test ids and
+# shards stay in a scratch folder):
 #   tests_<shard>.log  pytest on one shard of the GPU tests' ids (SHARDS processes side by side,
 #                      the ids dealt round-robin so each holds its share of the slow decode grids;
 #                      no timing test is among them). A shard without a summary line hit T_TESTS.
@@ -13,28 +14,30 @@
 # Knobs: SHARDS (6), T_TESTS (420), PERF_SUITES ("inference decode training"), T_PERF (200).
 OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"
+WORK=$(mktemp -d)
 export PYTHONUNBUFFERED=1
 if ls .whl/nvidia_cutlass-*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/nvidia_cutlass-*.whl > "$OUT/setup.log" 2>&1 || { tail -n 20 "$OUT/setup.log"; exit 1; }
+        .whl/nvidia_cutlass-*.whl > "$WORK/setup.log" 2>&1 || { tail -n 20 "$WORK/setup.log"; exit 1; }
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} MAX_JOBS=${MAX_JOBS:-16}
 fi
 # the device's own torch/triton stay; the package goes in editable (twell_compile.passes is
 # mapped from passes/ by the install)
-python3 -m pip install -q --no-deps --no-build-isolation -e . >> "$OUT/setup.log" 2>&1 || { tail -n 20 "$OUT/setup.log"; exit 1; }
+python3 -m pip install -q --no-deps --no-build-isolation -e . >> "$WORK/setup.log" 2>&1 || { tail -n 20 "$WORK/setup.log"; exit 1; }
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 git log --oneline -1 2>/dev/null
 t0=$(date +%s)
-python3 -c "from twell_compile.runtime import cuda_gate; cuda_gate.module()" > "$OUT/build.log" 2>&1
-echo "fused gate build rc=$? in $(( $(date +%s) - t0 )) s (a failure skips its tests)"
+python3 -c "from twell_compile.runtime import cuda_gate; cuda_gate.module()" > "$WORK/build.log" 2>&1
+rc=$?
+echo "fused gate build rc=$rc in $(( $(date +%s) - t0 )) s (a failure skips its tests)"
+[ $rc -eq 0 ] || tail -n 30 "$WORK/build.log"
 P="python3 -m pytest -q -m gpu -p no:cacheprovider -rfE"
-ids="$OUT/gpu_test_ids.txt"
+ids="$WORK/gpu_test_ids.txt"
 $P --collect-only tests 2>/dev/null | grep "::" > "$ids"
 echo "GPU tests: $(wc -l < "$ids")"
-rm -f "$OUT"/shard_*
-split -n "r/${SHARDS:-6}" "$ids" "$OUT/shard_"
+split -n "r/${SHARDS:-6}" "$ids" "$WORK/shard_"
 t0=$(date +%s)
-for s in "$OUT"/shard_*; do
+for s in "$WORK"/shard_*; do
     (xargs -d '\n' -a "$s" timeout "${T_TESTS:-420}" $P > "$OUT/tests_$(basename "$s").log" 2>&1) &
 done
 wait
