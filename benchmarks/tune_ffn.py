@@ -3,12 +3,10 @@ record's compaction, row-kernel and dense relu*mul launch fields (runtime/arch.p
 
     python3 benchmarks/tune_ffn.py [--M 16384] [--density 0.005 0.02] [--tail 0 0.2]
     python3 benchmarks/tune_ffn.py --compact 16,256,4 8,256,4 --fused 1,1,1024 4,1,512
-    python3 benchmarks/tune_ffn.py --M 2048 4096 --compact 4,256,4,3 --tiles 256,8,16 128,4,16
     python3 benchmarks/tune_ffn.py --dense 1024,4 2048,8 --no-twell --M 16384 65536 --tail 0
 
 Per point: cuBLAS's gate GEMM, the compaction pass over its output per variant (compact_bm,
-compact_ch, compact_warps and optionally compact_stages) and per --tiles variant (packed tiles,
-then merged: the pack alone, the share of tiles over their slots and the whole forward), the fused row kernel per variant (row_pairs,
+compact_ch, compact_warps and optionally compact_stages), the fused row kernel per variant (row_pairs,
 row_prefetch, row_cols_per_warp) with the weight-row bytes it moves per ms, the whole
 twell_forward and eager's dense FFN at the record's fields, and the kernel's error against
 fp32 next to eager bf16's. --dense: the dense path's relu*mul pass (with its counts) per variant
@@ -66,7 +64,7 @@ def cases(a):
                 del p, x, wg, wu, wd  # free this case before the next one is drawn
 
 
-def rows(a, compact: list[dict[str, int]], fused: list[dict[str, int]], tiles: list[dict[str, int]]) -> None:
+def rows(a, compact: list[dict[str, int]], fused: list[dict[str, int]]) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     record = arch.policy_for(torch.device("cuda"))
     for m, d, t, x, wg, wu, wd, lin in cases(a):
@@ -83,19 +81,6 @@ def rows(a, compact: list[dict[str, int]], fused: list[dict[str, int]], tiles: l
                     print("   ", c, type(ex).__name__, str(ex)[:200])
                     continue
             line += f" | compact[{','.join(map(str, c.values()))}] {ms:.3f}"
-        for c in tiles:
-            with arch.patched(**c):
-                try:
-                    ms = bench(lambda: cuda_infer.compact_rows(g, width, buckets=record.row_buckets))
-                    pk = bench(lambda: cuda_infer.pack_tiles(g, c["compact_tile_cols"], c["compact_tile_slots"]))
-                    whole = bench(lambda: cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width))
-                except LAUNCH_ERRORS as ex:
-                    print("   ", c, type(ex).__name__, str(ex)[:200])
-                    continue
-                tcnt = cuda_infer.pack_tiles(g, c["compact_tile_cols"], c["compact_tile_slots"])[1]
-            full = float((tcnt > c["compact_tile_slots"]).float().mean())
-            line += (f" | tiles[{','.join(map(str, c.values()))}] {ms:.3f} (pack {pk:.3f}, "
-                     f"{100 * full:.2f}% tiles over slots; forward {whole:.3f})")
         r = cuda_infer.gate_rows(x, wg, None, width)
         over = int((r.cnt > width).sum())
         print(line + f" | rows over W {over}", flush=True)
@@ -149,9 +134,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--compact", nargs="+", default=["16,256,4", "8,256,4", "4,512,4"],
                     help="compact_bm,compact_ch,compact_warps[,compact_stages] of the compaction pass")
-    ap.add_argument("--tiles", nargs="*", default=[],
-                    help="compact_tile_cols,compact_tile_slots,compact_tile_bm[,merge_bm[,compact_warps]]: the "
-                         "compaction as packed tiles, then merged (with the whole per-row forward)")
     ap.add_argument("--fused", nargs="+", default=["1,1,1024", "4,1,512", "2,1,512", "1,1,512"],
                     help="row_pairs,row_prefetch,row_cols_per_warp[,row_stages] of the fused row kernel")
     ap.add_argument("--dense", nargs="*", default=[],
@@ -167,14 +149,12 @@ def main(argv=None) -> int:
     compact = variants(a.compact, ("compact_bm", "compact_ch", "compact_warps", "compact_stages"), "--compact", optional=1)
     fused = variants(a.fused, ("row_pairs", "row_prefetch", "row_cols_per_warp", "row_stages"), "--fused", optional=1)
     dense = variants(a.dense, ("dense_block", "dense_warps"), "--dense")
-    tiles = variants(a.tiles, ("compact_tile_cols", "compact_tile_slots", "compact_tile_bm", "merge_bm",
-                               "compact_warps"), "--tiles", optional=2)
     if not torch.cuda.is_available():
         raise SystemExit("tune_ffn.py needs a CUDA device")
     if dense:
         dense_variants(a, dense)
     if not a.no_twell:
-        rows(a, compact, fused, tiles)
+        rows(a, compact, fused)
     return 0
 
 

@@ -84,15 +84,6 @@ def test_pipelined_list_loop_under_interpreter(case, launch):
     run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 1, case=case, launch=launch, act="relu"), timeout=60)
 
 
-# the compaction as packed tiles then merged (compact_tile_cols): wide tiles, and narrow ones with
-# few slots, so blocks with a tile over its slots list their rows from g
-@pytest.mark.parametrize("launch", [dict(compact_tile_cols=64, compact_tile_slots=8),
-                                    dict(compact_tile_cols=16, compact_tile_slots=2, compact_tile_bm=4, merge_bm=4)])
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[5]])
-def test_tile_compaction_under_interpreter(case, launch):
-    run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 3, case=case, launch=launch, act="relu"), timeout=60)
-
-
 # the row order in one bucket (program p takes the p-th row) and in eight (heaviest first; with
 # the compaction's column loop pipelined)
 @pytest.mark.parametrize("launch", [dict(row_buckets=1), dict(row_buckets=8, compact_stages=3)])
@@ -151,40 +142,3 @@ MERGE_CASES = [
 @pytest.mark.parametrize("case", MERGE_CASES)
 def test_merge_tiles_matches_compaction_under_interpreter(case, launch):
     run_interpreted(MERGE_SCRIPT.format(seed=sum(case), case=case, launch=launch), timeout=60)
-
-
-PACK_SCRIPT = textwrap.dedent("""
-    import torch
-    from twell_compile.reference import pack_tiles as oracle
-    from twell_compile.runtime.cuda_infer import pack_tiles
-    from twell_compile.runtime import arch
-    arch.patched(**{launch}).__enter__()
-    torch.manual_seed({seed})
-    m, n, cols, slots, dense_rows = {case}
-    g = torch.randn(m, n).to(torch.float16) - 1.0
-    g[:dense_rows] = g[:dense_rows].abs()                 # tiles over their slots
-    g[m // 2, n // 3] = float("nan"); g[m - 1, 0] = float("inf"); g[0, n - 1] = -0.0
-    torch.empty(8 * m * n, dtype=torch.int32).fill_(-7)   # poison freed memory
-    packed, tcnt = pack_tiles(g, cols, slots)
-    want_cnt, want = oracle(g, min(1 << (cols - 1).bit_length(), 1 << (n - 1).bit_length()), slots)
-    assert torch.equal(tcnt, want_cnt), (tcnt, want_cnt)
-    live = torch.arange(slots)[None, None, :] < tcnt.clamp(max=slots)[:, :, None]
-    assert torch.equal(packed[live], want[live]), "slots"
-    print("ok", int((tcnt > slots).sum()))
-""")
-
-PACK_CASES = [
-    # m, n, tile columns, slots, dense rows
-    (40, 300, 64, 8, 2),        # odd N: the last tile partial; blocks of 16 rows, the last partial
-    (5, 96, 256, 4, 1),         # one tile, narrower than asked
-    (17, 520, 32, 6, 0),        # slots not a power of 2
-    (3, 40, 100, 64, 3),        # tile columns not a power of 2 (rounded up); every slot fits
-]
-
-
-# pack_tiles_kernel writes what twell::gate_pack's epilogue does (reference.pack_tiles): exact
-# counts (over the slots too, NaN/Inf counted), the first slots' entries in column order
-@pytest.mark.parametrize("launch", [dict(), dict(compact_tile_bm=4, compact_warps=1)])
-@pytest.mark.parametrize("case", PACK_CASES)
-def test_pack_tiles_matches_reference_under_interpreter(case, launch):
-    run_interpreted(PACK_SCRIPT.format(seed=sum(case), case=case, launch=launch), timeout=60)

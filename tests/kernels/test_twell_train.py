@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
     # several K chunks per neuron in the weight-gradient kernel, several steps per neuron; small
     # chunks split the neurons' lists over programs (atomic sums), few programs loop over many
     arch.patched(wg_bk=32, wg_dy_entries=dy_ent, wg_x_entries=x_ent, wg_chunk=chunk,
-                 wg_chunk_over_mean=0 if chunk < 8 else 2, wg_programs_per_sm=per_sm, **{tiles}).__enter__()
+                 wg_chunk_over_mean=0 if chunk < 8 else 2, wg_programs_per_sm=per_sm).__enter__()
     torch.manual_seed({seed})
     m, k, n, ko, gated, bias, width, brows, bad, l1, dens = {case}
     act = {act!r}
@@ -170,16 +170,7 @@ CASES = [
                          + [(CASES[-1], (4, 4, 128, 8), False)]
                          + [(c, (1, 2, 3, 1), True) for c in (CASES[1], CASES[2], CASES[-1])])
 def test_train_kernels_under_interpreter(case, ent, coef):
-    run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case, ent=ent, coef=coef, act="relu", tiles={}),
-                    timeout=300)
-
-
-# the forward's compaction as packed tiles then merged (compact_tile_cols), narrow tiles with two
-# slots: blocks with a fuller tile list their rows from g
-@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[5], CASES[8]])
-def test_train_tile_compaction_under_interpreter(case):
-    run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 5, case=case, ent=(1, 2, 3, 1), coef=False, act="relu",
-                                  tiles=dict(compact_tile_cols=16, compact_tile_slots=2)), timeout=300)
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]), case=case, ent=ent, coef=coef, act="relu"), timeout=300)
 
 
 # squared ReLU (gated, non-gated) and dReLU: the same forwards, states and backwards, the
@@ -187,5 +178,5 @@ def test_train_tile_compaction_under_interpreter(case):
 @pytest.mark.parametrize("act, case", [("relu2", CASES[i]) for i in (0, 1, 2, 5, 6)]
                          + [("drelu", CASES[i]) for i in (0, 1, 4, 5)])
 def test_train_activations_under_interpreter(act, case):
-    run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 4, case=case, ent=(1, 2, 3, 1), coef=False, act=act, tiles={}),
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 4, case=case, ent=(1, 2, 3, 1), coef=False, act=act),
                     timeout=300)

@@ -14,10 +14,6 @@ registers with a running prefix count:
                   exact tail and the longest lists start first, and the last wave holds the
                   shortest rows instead of waiting on a long one
 
-``pack_tiles_kernel`` then ``merge_tiles_kernel``: the same lists, counts and order in two
-fully parallel launches, where the record says so (compact_tile_cols): the first writes the
-packed tiles twell::gate_pack would, from g; the second merges them.
-
 ``merge_tiles_kernel``: the same lists, counts and order from the packed tiles that the fused
 gate GEMM (twell::gate_pack, csrc/gate_pack.cuh) writes in its epilogue, in place of the pass
 over g.
@@ -127,32 +123,6 @@ def compact_rows_kernel(g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N
     run = _compact_chunks(g_ptr, sg_m, list_ptr, rm, m_ok, N, W, CH, STAGES, ASM)
     tl.store(cnt_ptr + rm, run, mask=m_ok)
     _file_rows(order_ptr, ctr_ptr, rm, m_ok, run, M, W, NB)
-
-
-@triton.jit
-def pack_tiles_kernel(g_ptr, sg_m, packed_ptr, tcnt_ptr, M, N, T,
-                      BM: tl.constexpr, CW: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr):
-    """The packed tiles twell::gate_pack writes in its epilogue, from g: per row m and tile t of
-    CW columns, tcnt[m, t] = the non-zeros of relu(g)[m, t*CW : (t+1)*CW] (NaN counts; may
-    exceed S) and packed[m, t, :S] their first S as (column << 16) | bits(value), in column
-    order (slots >= tcnt unwritten). One program per BM rows and one tile: no loop, so every
-    program's load is in flight at once (the one-pass compaction walks a row block's N / CH
-    steps in a chain). merge_tiles_kernel then makes the lists."""
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    t = tl.program_id(1)
-    m_ok = rm < M
-    cn = t * CW + tl.arange(0, CW)
-    ok = m_ok[:, None] & (cn < N)[None, :]
-    r64 = rm.to(tl.int64)[:, None]
-    gv = tl.load(g_ptr + r64 * sg_m + cn[None, :], mask=ok, other=0.0)
-    v = tl.where(gv < 0.0, 0.0, gv).to(g_ptr.dtype.element_ty)  # relu, NaN kept
-    nz = (v != 0.0) & ok
-    nzi = nz.to(tl.int32)
-    rank = tl.cumsum(nzi, axis=1) - nzi
-    bits = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    base = packed_ptr.to(tl.int64) + (r64 * T + t) * (S * 4)
-    _store_b32(base + rank.to(tl.int64) * 4, (cn[None, :] << 16) | bits, nz & (rank < S), ASM)
-    tl.store(tcnt_ptr + rm.to(tl.int64) * T + t, tl.sum(nzi, axis=1), mask=m_ok)
 
 
 @triton.jit

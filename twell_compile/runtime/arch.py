@@ -169,11 +169,6 @@ class GpuPolicy:
     compact_ch: int = 256            # columns per compaction step
     compact_warps: int = 4
     compact_stages: int = 1          # > 1: Triton pipelines the column loop's loads this deep
-    compact_tile_cols: int = 0       # > 0: compaction in two parallel launches instead, tiles of
-                                     # this many columns packed (pack_tiles_kernel), then merged
-    compact_tile_slots: int = 8      # ... slots per row and tile (a block with a fuller tile
-                                     # lists its rows from g: exact, slower)
-    compact_tile_bm: int = 16        # ... rows per pack program
     row_pairs: int = 1               # listed pairs per iteration of the fused row kernel
     row_prefetch: int = 1            # 0 none, 1 next (col, value), 2 next weight rows too,
                                      # 3 Triton's pipeliner: row_stages - 1 pairs in flight via cp.async
@@ -290,8 +285,7 @@ _WIDE_DECODE_CONFIGS = {
     **{mp: c._replace(lbn=32, lbk=256, lstages=3, koc=1024) for mp, c in _DECODE_CONFIGS.items() if mp > 16},
 }
 
-_LAUNCH_FIELDS = ("compact_bm", "compact_programs", "compact_ch", "compact_warps", "compact_stages",
-                  "compact_tile_cols", "compact_tile_slots", "compact_tile_bm", "row_pairs",
+_LAUNCH_FIELDS = ("compact_bm", "compact_programs", "compact_ch", "compact_warps", "compact_stages", "row_pairs",
                   "row_prefetch", "row_stages", "row_cols_per_warp", "row_buckets", "gate_cfg", "gate_min_m",
                   "gate_slots", "gate_raster", "gate_swizzle", "merge_bm", "eager_elementwise_max_m", "dense_block",
                   "dense_warps", "dense_programs")

@@ -6,9 +6,7 @@ TwELL path (``twell_forward``), for x [M, K] (bf16/fp16), three launches:
      per tile of columns in its epilogue.
   2. ``compact_rows_kernel`` (kernels/twell_rows.py): one read of g; per row the count of
      relu(g)'s non-zeros and its first W (value, column) pairs, contiguous. After
-     twell::gate_pack, ``merge_tiles_kernel`` makes the same from the packed tiles instead;
-     where the record sets compact_tile_cols, ``pack_tiles_kernel`` packs such tiles from g
-     first (two parallel launches in place of one chained pass).
+     twell::gate_pack, ``merge_tiles_kernel`` makes the same from the packed tiles instead.
   3. ``twell_rows_kernel``: per token, up projection for the listed pairs only, times g, down
      projection, y written once. Rows with count > W continue over g after the W-th listed
      column; rows whose x holds NaN/Inf take every column. Exact, nothing dropped.
@@ -29,8 +27,7 @@ from torch import Tensor
 from twell_compile import stats
 from twell_compile.kernels.relu_mul import relu_mul_rows_kernel
 from twell_compile.kernels.row_stats import row_stats_kernel
-from twell_compile.kernels.twell_rows import (compact_rows_kernel, merge_tiles_kernel, pack_tiles_kernel,
-                                              twell_rows_kernel)
+from twell_compile.kernels.twell_rows import compact_rows_kernel, merge_tiles_kernel, twell_rows_kernel
 from twell_compile.reference import ACTS, activate
 from twell_compile.runtime import arch, cuda_decode, cuda_gate, decode_graphs, density
 from twell_compile.runtime.launch import INTERPRET, launch, pow2, transposed, unit_rows, warps_by_width
@@ -75,15 +72,14 @@ def gate_rows(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], width: int) 
     return compact_rows(F.linear(x2, w_gate, b_gate), width, buckets=p.row_buckets)
 
 
-def merge_rows(g: Tensor, packed: Tensor, tcnt: Tensor, width: int, buckets: int = 2,
-               ctr: Optional[Tensor] = None) -> Rows:
-    """The Rows compact_rows would make from g, from packed tiles (twell::gate_pack's, or
-    pack_tiles_kernel's; merge_tiles_kernel): the same lists, counts and bucket order, g read
-    only by a block holding a tile over its slots. ``ctr`` as for compact_rows."""
+def merge_rows(g: Tensor, packed: Tensor, tcnt: Tensor, width: int, buckets: int = 2) -> Rows:
+    """The Rows compact_rows would make from g, from twell::gate_pack's packed tiles
+    (merge_tiles_kernel): the same lists, counts and bucket order, g read only by a block
+    holding a tile over its slots."""
     p = arch.launch_policy(g.device)
     m, n = g.shape
     t, s = packed.shape[1], packed.shape[2]
-    r = _empty_rows(g, width, buckets, ctr)
+    r = _empty_rows(g, width, buckets)
     lst, cnt, order, ctr = r.lst, r.cnt, r.order, r.ctr
     if m:
         launch(merge_tiles_kernel, (-(-m // p.merge_bm),),
@@ -108,14 +104,9 @@ def compact_rows(g: Tensor, width: int, ctr: Optional[Tensor] = None, buckets: i
     """The per-row lists of relu(g) for g [M, N] (unit column stride; any row stride), and the
     rows' order in ``buckets`` buckets by cost. ``ctr``: the order's counters, ``buckets``
     zeroed int32 (a caller that zeroes other counters with them saves a memset); allocated
-    here when None. Inference and training both compact through this: one chained pass over
-    g (compact_rows_kernel), or, where the record sets compact_tile_cols, packed tiles
-    (pack_tiles) then merged (merge_rows), the same outputs."""
+    here when None. Inference and training both compact through this."""
     p = arch.launch_policy(g.device)
     m, n = g.shape
-    if p.compact_tile_cols > 0 and m:
-        packed, tcnt = pack_tiles(g, p.compact_tile_cols, p.compact_tile_slots)
-        return merge_rows(g, packed, tcnt, width, buckets, ctr)
     r = _empty_rows(g, width, buckets, ctr)
     lst, cnt, order, ctr = r.lst, r.cnt, r.order, r.ctr
     if m:
@@ -125,23 +116,6 @@ def compact_rows(g: Tensor, width: int, ctr: Optional[Tensor] = None, buckets: i
                dict(BM=bm, CH=min(p.compact_ch, pow2(n)), NB=buckets, STAGES=p.compact_stages, ASM=not INTERPRET),
                num_warps=p.compact_warps)
     return r
-
-
-def pack_tiles(g: Tensor, tile_cols: int, slots: int) -> tuple[Tensor, Tensor]:
-    """(packed [M, T, slots] int32, tcnt [M, T] int32) of relu(g) per row and tile of
-    ``tile_cols`` columns (to a power of 2, at most pow2(N)), as twell::gate_pack writes them
-    (reference.pack_tiles; slots past a tile's count unwritten): pack_tiles_kernel, one program
-    per compact_tile_bm rows and tile."""
-    p = arch.launch_policy(g.device)
-    m, n = g.shape
-    cw = min(pow2(tile_cols), pow2(n))
-    t = -(-n // cw)
-    i32 = dict(dtype=torch.int32, device=g.device)
-    packed, tcnt = torch.empty((m, t, slots), **i32), torch.empty((m, t), **i32)
-    if m:
-        launch(pack_tiles_kernel, (-(-m // p.compact_tile_bm), t), (g, g.stride(0), packed, tcnt, m, n, t),
-               dict(BM=p.compact_tile_bm, CW=cw, S=slots, ASM=not INTERPRET), num_warps=p.compact_warps)
-    return packed, tcnt
 
 
 def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tensor],
