@@ -16,7 +16,8 @@ SCRIPT = textwrap.dedent("""
     import torch
     from twell_compile.runtime import arch, cuda_infer
     # several column steps on small rows; 1 program: one span per row, 64: rows split into spans
-    arch.patched(dense_block=64, dense_programs={programs}).__enter__()
+    PATCH = arch.patched(dense_block=64, dense_programs={programs})   # held: a context manager nothing
+    PATCH.__enter__()                       # refers to is closed at once
     torch.manual_seed({seed})
     m, n, gated, strided, bad = {case}
     act = {act!r}

@@ -18,7 +18,9 @@ SCRIPT = textwrap.dedent("""
     from twell_compile.runtime.cuda_infer import gate_rows, twell_forward
     from twell_compile.reference import activate, ffn_dense
     from twell_compile.runtime import arch
-    arch.patched(**{launch}).__enter__()      # the row kernel's launch variant, for this process
+    PATCH = arch.patched(**{launch})       # the row kernel's launch variant, for this process (held:
+    PATCH.__enter__()                      # a context manager nothing refers to is closed at once)
+    assert all(getattr(arch.launch_policy('cpu'), f) == v for f, v in {launch}.items())
     torch.manual_seed({seed})
     m, k, n, ko, gated, bias, width, bad = {case}
     act = {act!r}
@@ -105,7 +107,9 @@ MERGE_SCRIPT = textwrap.dedent("""
     from twell_compile.reference import pack_tiles
     from twell_compile.runtime.cuda_infer import compact_rows, merge_rows
     from twell_compile.runtime import arch
-    arch.patched(**{launch}).__enter__()
+    PATCH = arch.patched(**{launch})       # held: a context manager nothing refers to is closed at once
+    PATCH.__enter__()
+    assert all(getattr(arch.launch_policy('cpu'), f) == v for f, v in {launch}.items())
     torch.manual_seed({seed})
     m, n, tile_n, slots, width, nb, dense_rows = {case}
     g = torch.randn(m, n).to(torch.float16) - 1.2       # ~12% of relu(g) non-zero

@@ -25,8 +25,10 @@ SCRIPT = textwrap.dedent("""
     via_coef = {coef}      # the penalty's coefficient read from a device tensor (L1_DEV): 2 x half the scale
     # several K chunks per neuron in the weight-gradient kernel, several steps per neuron; small
     # chunks split the neurons' lists over programs (atomic sums), few programs loop over many
-    arch.patched(wg_bk=32, wg_dy_entries=dy_ent, wg_x_entries=x_ent, wg_chunk=chunk,
-                 wg_chunk_over_mean=0 if chunk < 8 else 2, wg_programs_per_sm=per_sm).__enter__()
+    PATCH = arch.patched(wg_bk=32, wg_dy_entries=dy_ent, wg_x_entries=x_ent, wg_chunk=chunk,
+                 wg_chunk_over_mean=0 if chunk < 8 else 2, wg_programs_per_sm=per_sm)
+    PATCH.__enter__()     # held: a context manager nothing refers to is closed at once
+    assert arch.launch_policy('cpu').wg_bk == 32
     torch.manual_seed({seed})
     m, k, n, ko, gated, bias, width, brows, bad, l1, dens = {case}
     act = {act!r}
