@@ -179,15 +179,18 @@ def dense_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
 
 def twell_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                   b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], width: int,
-                  buf: Optional[Tensor], probe: bool, act: str = "relu") -> tuple[Tensor, Optional[Tensor]]:
+                  buf: Optional[Tensor], probe: bool, act: str = "relu",
+                  policy: Optional[arch.GpuPolicy] = None) -> tuple[Tensor, Optional[Tensor]]:
     """The per-row path replayed from the op's own CUDA graph, where the calls' host time
     exceeds their GPU time (select.rows_host_bound). Statistics go into ``buf`` (the
     layer's buffer), or, for a ``probe`` without one, into a scratch buffer of the graph's;
-    neither: no statistics launch. Returns (y, non-zeros summed over the call as a 0-d view
+    neither: no statistics launch. ``policy``: x2's device record when the caller holds it
+    (its plan's), else looked up. Returns (y, non-zeros summed over the call as a 0-d view
     the next replay overwrites, or None without statistics)."""
     totals = buf is not None or probe
+    p = policy if policy is not None else arch.launch_policy(x2.device)
     key = (("rows", x2.shape, x2.dtype, x2.device, width, act, totals, decode_graphs.math_mode(),
-            arch.launch_policy(x2.device).launch_key, None if buf is None else buf.data_ptr())
+            p.launch_key, None if buf is None else buf.data_ptr())
            + decode_graphs.weights_key(w_gate, b_gate, w_up, b_up, w_down, b_down))
 
     def run(xs: Tensor) -> tuple[Tensor, ...]:
@@ -273,7 +276,8 @@ def ffn_infer(plan: InferPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tenso
     """Runs a CUDA inference plan (path "dense", "decode" or "twell"; select.plan_infer) of the
     activation ``act``."""
     k = x.shape[-1]
-    x2 = x.reshape(-1, k)
+    flat = x.dim() == 2                   # (a reshape costs ~2 us of host time per call)
+    x2 = x if flat else x.reshape(-1, k)
     m, n, k_out = x2.shape[0], w_gate.shape[0], w_down.shape[0]
     if plan.path == "decode":
         # the kernel fills the layer's statistics buffer itself: no extra launches
@@ -284,7 +288,8 @@ def ffn_infer(plan: InferPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tenso
             density.submit(plan.key, tok[m], m * n)
     elif plan.path == "twell" and plan.graphed and decode_graphs.usable(x2):
         sbuf = stats.device_buffer(layer, x.device, m, n) if keep_stats else None
-        y, total = twell_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, plan.width, sbuf, plan.probe, act)
+        y, total = twell_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, plan.width, sbuf, plan.probe, act,
+                                 plan.policy)
         if plan.probe:
             density.submit(plan.key, total, m * n)
     elif plan.path == "twell":
@@ -300,4 +305,4 @@ def ffn_infer(plan: InferPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tenso
         total = record_stats(layer, per_token, hsum, n)[0] if keep_stats else None
         if plan.probe:
             density.submit(plan.key, per_token.sum() if total is None else total, m * n)
-    return y.reshape(*x.shape[:-1], k_out)
+    return y if flat else y.reshape(*x.shape[:-1], k_out)
