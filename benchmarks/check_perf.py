@@ -8,12 +8,16 @@ kernels, launch sizes or records lands; it exits 1 when a point lost speed.
 Suites (each runs its harness ``--repeats`` times, in this process, with the harness's own
 interleaved timing; the rows are the harness's, benchmarks/rows.py's schema):
   inference  bench_ffn.py  M = 4096, 16384, 65536; d = 0.005, tail 0, 2048x5632   inductor_ms / twell_ms
+  nongated   bench_ffn.py --non-gated  M = 4096, 8192; the same                   inductor_ms / twell_ms
   decode     bench_ffn.py --decode  M = 1, 16; d = 0.005, 2048x5632            dense_ms / twell_ms
   training   bench_ffn_train.py  M = 16384; d = 0.005, tail 0, 2048x5632      inductor_ms / twell_ms
   cpu        bench_ffn_cpu.py  M = 1, 16, 256; d = 0.005, 2 threads           inductor_ms / twell_ms
-(the CUDA suites on a GPU, ``cpu`` without one). The committed file of a suite is
-benchmarks/results/<tag>/<file> with <tag> the GPU's ("h100", "h200") or "cpu-<processor>", the
-row the latest one of the same M, K, N, density and tail (and activity "iid" where rows have one).
+(the CUDA suites by default on a GPU, ``cpu`` without one; nongated watches the
+calls whose CUDA-graph decision sits near the host/GPU crossover: the H100's eager non-gated call
+at 8192 tokens ran host-bound, 0.74x-0.92x of Inductor, until its record's threshold moved). The
+committed file of a suite is benchmarks/results/<tag>/<file> with <tag> the GPU's ("h100",
+"h200") or "cpu-<processor>", the row the latest one of the same M, K, N, density and tail (and
+activity "iid" where rows have one, the suite's FFN, gated or not, where rows say).
 
 A point fails when the median of its new ratios is below the committed ratio x (1 - tolerance)
 minus their spread (max - min over the repeats): a loss over ``--tolerance`` (default 5%) beyond
@@ -45,6 +49,11 @@ def _inference(out: str) -> list[str]:
             "--rounds", "3", "--out", out]
 
 
+def _nongated(out: str) -> list[str]:
+    return ["--non-gated", "--M", "4096", "8192", "--density", "0.005", "--tail", "0", "--shapes", "2048x5632",
+            "--rounds", "3", "--out", out]
+
+
 def _decode(out: str) -> list[str]:
     return ["--decode", "--M", "1", "16", "--density", "0.005", "--shapes", "2048x5632", "--out", out]
 
@@ -63,12 +72,14 @@ def main_of(module: str) -> Callable[[list[str]], int]:
     return importlib.import_module(f"benchmarks.{module}").main
 
 
-# suite: (harness module, its arguments, the committed file's name, the ratio's numerator, denominator)
+# suite: (harness module, its arguments, the committed file's name, the ratio's numerator, denominator,
+# whether its FFN is gated)
 SUITES = {
-    "inference": ("bench_ffn", _inference, "ffn_inference.json", "inductor_ms", "twell_ms"),
-    "decode": ("bench_ffn", _decode, "ffn_decode.json", "dense_ms", "twell_ms"),
-    "training": ("bench_ffn_train", _training, "ffn_training.json", "inductor_ms", "twell_ms"),
-    "cpu": ("bench_ffn_cpu", _cpu, "ffn_inference.json", "inductor_ms", "twell_ms"),
+    "inference": ("bench_ffn", _inference, "ffn_inference.json", "inductor_ms", "twell_ms", True),
+    "nongated": ("bench_ffn", _nongated, "ffn_inference_nongated.json", "inductor_ms", "twell_ms", False),
+    "decode": ("bench_ffn", _decode, "ffn_decode.json", "dense_ms", "twell_ms", True),
+    "training": ("bench_ffn_train", _training, "ffn_training.json", "inductor_ms", "twell_ms", True),
+    "cpu": ("bench_ffn_cpu", _cpu, "ffn_inference.json", "inductor_ms", "twell_ms", True),
 }
 
 
@@ -87,10 +98,11 @@ def key_of(row: dict) -> tuple:
     return tuple(float(row[k]) for k in KEY)
 
 
-def committed_row(rows: list[dict], key: tuple) -> Optional[dict]:
-    """The latest committed row of a point (i.i.d. activity and the gated FFN where rows record them)."""
+def committed_row(rows: list[dict], key: tuple, gated: bool = True) -> Optional[dict]:
+    """The latest committed row of a point (i.i.d. activity, and the FFN gated or not as ``gated``
+    says, where rows record them; a row without ``gated`` is a gated FFN's)."""
     same = [r for r in rows if all(k in r for k in KEY) and key_of(r) == key and r.get("activity", "iid") == "iid"
-            and r.get("gated", True)]
+            and r.get("gated", True) == gated]
     return max(same, key=lambda r: r.get("time", "")) if same else None
 
 
@@ -113,7 +125,7 @@ def judge(committed: Optional[float], new: list[float], tolerance: float) -> tup
 
 
 def run_suite(name: str, tag: str, repeats: int, tolerance: float, log=print) -> list[dict]:
-    module, argv_of, fname, num, den = SUITES[name]
+    module, argv_of, fname, num, den, gated = SUITES[name]
     committed_path = RESULTS / tag / fname
     committed = load_rows(committed_path) if committed_path.exists() else []
     runs: dict[tuple, list[dict]] = {}
@@ -128,7 +140,7 @@ def run_suite(name: str, tag: str, repeats: int, tolerance: float, log=print) ->
                 runs.setdefault(key_of(row), []).append(row)
     rows = []
     for key, got in runs.items():
-        base = committed_row(committed, key)
+        base = committed_row(committed, key, gated)
         base_ratio = ratio(base, num, den) if base else None
         verdict, med, spread = judge(base_ratio, [ratio(r, num, den) for r in got], tolerance)
         rows.append(stamp({
@@ -147,7 +159,7 @@ def run_suite(name: str, tag: str, repeats: int, tolerance: float, log=print) ->
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suites", nargs="+", choices=list(SUITES), default=None,
-                    help="default: inference, decode and training on a GPU; cpu without one")
+                    help="default: inference, nongated, decode and training on a GPU; cpu without one")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each harness (the spread's sample)")
     ap.add_argument("--tolerance", type=float, default=0.05, help="loss allowed beyond the spread (fraction)")
     ap.add_argument("--out", default=None, help="JSON path (default runs/<tag>/check_perf.json)")
@@ -155,7 +167,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.repeats < 1 or not 0 <= a.tolerance < 1:
         ap.error("--repeats must be >= 1 and --tolerance in [0, 1)")
     tag = machine_tag()
-    suites = a.suites or (["inference", "decode", "training"] if torch.cuda.is_available() else ["cpu"])
+    suites = a.suites or (["inference", "nongated", "decode", "training"] if torch.cuda.is_available() else ["cpu"])
     rows = []
     for name in suites:
         rows += run_suite(name, tag, a.repeats, a.tolerance)

@@ -17,6 +17,10 @@ def test_the_latest_iid_gated_row_of_the_same_point_is_the_baseline():
     base = check_perf.committed_row(rows, check_perf.key_of(_row(16384, 0, "")))
     assert check_perf.ratio(base, "inductor_ms", "twell_ms") == 1.50
     assert check_perf.committed_row(rows, check_perf.key_of(_row(4096, 0, ""))) is None
+    # the non-gated suite's baseline: the non-gated FFN's row only
+    ng = check_perf.committed_row(rows, check_perf.key_of(_row(16384, 0, "")), gated=False)
+    assert check_perf.ratio(ng, "inductor_ms", "twell_ms") == 8.0
+    assert check_perf.committed_row(rows, check_perf.key_of(_row(65536, 0, "")), gated=False) is None
 
 
 def test_a_loss_beyond_tolerance_and_spread_is_slower():
@@ -29,6 +33,7 @@ def test_a_loss_beyond_tolerance_and_spread_is_slower():
 
 
 def test_every_suite_names_a_harness_and_a_committed_file():
-    for name, (module, argv_of, fname, num, den) in check_perf.SUITES.items():
+    for name, (module, argv_of, fname, num, den, gated) in check_perf.SUITES.items():
         assert callable(check_perf.main_of(module)), name
         assert "--out" in argv_of("x.json") and fname.endswith(".json") and num.endswith("_ms") and den == "twell_ms"
+        assert ("--non-gated" in argv_of("x.json")) == (not gated), name
