@@ -8,12 +8,17 @@ time outweighed the op's GPU time (docs/design-notes/host.md).
 import triton
 import triton.language as tl
 
+from twell_compile.kernels.pdl import pdl_enter
+
 
 @triton.jit
-def row_stats_kernel(cnt_ptr, hsum_ptr, lost_ptr, out_ptr, M, W, BLOCK: tl.constexpr, OVERFLOW: tl.constexpr):
+def row_stats_kernel(cnt_ptr, hsum_ptr, lost_ptr, out_ptr, M, W, BLOCK: tl.constexpr, OVERFLOW: tl.constexpr,
+                     PDL: tl.constexpr):
     """One program: out (fp64 [4]) = (sum of cnt, max of cnt, sum of hsum, overflows) over M
     rows of int32 cnt and fp32 hsum; overflows by OVERFLOW: 0 none, 1 the rows with cnt > W
-    (inference's list width), 2 the int32 at lost_ptr (training's rows past the dense backup)."""
+    (inference's list width), 2 the int32 at lost_ptr (training's rows past the dense backup).
+    PDL: launched with programmatic dependent launch (kernels/pdl.py)."""
+    pdl_enter(PDL)
     offs = tl.arange(0, BLOCK)
     tot = tl.zeros([BLOCK], dtype=tl.int64)
     mx = tl.zeros([BLOCK], dtype=tl.int32)

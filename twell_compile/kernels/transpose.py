@@ -5,9 +5,12 @@ both coalesced). ``w.t().contiguous()`` ran PyTorch's generic strided copy: 77 u
 import triton
 import triton.language as tl
 
+from twell_compile.kernels.pdl import pdl_enter
+
 
 @triton.jit
-def transpose_kernel(src_ptr, dst_ptr, R, C, s_r, s_c, BR: tl.constexpr, BC: tl.constexpr):
+def transpose_kernel(src_ptr, dst_ptr, R, C, s_r, s_c, BR: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     c = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
     ok = (r < R)[:, None] & (c < C)[None, :]

@@ -26,7 +26,7 @@ padded to MB >= 16 (tl.dot's minimum) and split in row blocks of MB <= 32.
 ``decode_finish_kernel``: the same finish as a separate launch over all rows, for sizes where
   one program would take too long (M x K_out elements) or for several row blocks.
 The atomics sum in varying order: the last bits of y vary between runs; the error bound does not.
-PDL (Hopper+, cuda_decode.pdl_ok): every decode kernel starts with griddepcontrol.wait (it then
+PDL (Hopper+, launch.pdl_ok): every decode kernel starts with griddepcontrol.wait (it then
 sees all of the previous kernel's writes) and at once lets its dependent launch begin, so with
 programmatic dependent launch the next kernel's launch overlaps this one instead of following it.
 """
@@ -35,15 +35,7 @@ import triton
 import triton.language as tl
 
 from twell_compile.kernels.act import gate_part, up_part
-
-
-@triton.jit
-def pdl_enter(PDL: tl.constexpr):
-    """Wait for the previous kernel in the stream (all its writes visible), then let the next
-    one launch early (it waits likewise). A no-op unless launched with launch_pdl."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+from twell_compile.kernels.pdl import pdl_enter
 
 
 @triton.jit

@@ -30,6 +30,8 @@ global memory:
      (chunks of CH, non-zeros found with a prefix count); rows whose x holds NaN/Inf take
      every column (0 * Inf = NaN as in eager). Nothing is dropped, no capacity to exhaust.
 Also writes sum |h| per row (stats), in fp32.
+compact_rows_kernel and twell_rows_kernel take PDL: launched with programmatic dependent launch
+(kernels/pdl.py), each waits on the previous kernel before touching memory.
 """
 
 import triton
@@ -37,6 +39,7 @@ import triton.language as tl
 
 from twell_compile.kernels.act import hidden
 from twell_compile.kernels.pairs import pick, scan, select
+from twell_compile.kernels.pdl import pdl_enter
 
 
 @triton.jit
@@ -115,9 +118,11 @@ def _file_rows(order_ptr, ctr_ptr, rm, m_ok, run, M, W, NB: tl.constexpr):
 @triton.jit
 def compact_rows_kernel(g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N, W,
                         BM: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, STAGES: tl.constexpr,
-                        ASM: tl.constexpr):
+                        ASM: tl.constexpr, PDL: tl.constexpr):
     """list[m, r] = (column << 16) | bits(relu(g)[m, column]) for the r-th non-zero, r < W;
-    order [NB * M]: the rows by bucket, heaviest first (ctr: NB zeroed int32 counters)."""
+    order [NB * M]: the rows by bucket, heaviest first (ctr: NB zeroed int32 counters). PDL:
+    launched with programmatic dependent launch (kernels/pdl.py)."""
+    pdl_enter(PDL)
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     m_ok = rm < M
     run = _compact_chunks(g_ptr, sg_m, list_ptr, rm, m_ok, N, W, CH, STAGES, ASM)
@@ -209,8 +214,9 @@ def twell_rows_kernel(
     M, K, N, KO, W,
     GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
-    PF: tl.constexpr, STAGES: tl.constexpr, NB: tl.constexpr, ACT: tl.constexpr,
+    PF: tl.constexpr, STAGES: tl.constexpr, NB: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     m = row_at(order_ptr, ctr_ptr, tl.program_id(0), M, NB)
     ks = tl.arange(0, K_P)
     k_ok = ks < K

@@ -24,13 +24,12 @@ of the compacted union and down over K_out tiles x splits of it, every row tile 
 same program (forced only, ``path="decode-union2"``: 29.3 / 56.4 / 88.2 / 224.1 us at M = 16 /
 64 / 128 / 256 against the pairs form's 18.5 / 40.6 / 58.2 / 100.2, W_down stored transposed,
 benchmarks/results/h200/ffn_decode_union2.json). Launches use
-programmatic dependent launch on Hopper (``pdl_ok``), and eager calls replay the op's own CUDA
+programmatic dependent launch on Hopper (``launch.pdl_ok``), and eager calls replay the op's own CUDA
 graph (``execute(graphed=True)``, decode_graphs.py).
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -45,7 +44,7 @@ from twell_compile.kernels.twell_decode_union2 import (decode_union2_down_kernel
 from twell_compile.reference import ACTS
 from twell_compile.runtime import arch, decode_graphs, decode_state
 from twell_compile.runtime.arch import MAX_M, MAX_MB, DecodeConfig, m_pad, m_pad_rows, pairs_bn, pairs_pb, rows_bn, rows_gemv
-from twell_compile.runtime.launch import INTERPRET, launch, pow2
+from twell_compile.runtime.launch import launch, pdl_ok, pow2
 from twell_compile.runtime.paths import FORMS
 
 FINISH_BLOCK = 1024   # accumulator elements per step of a finishing program
@@ -56,31 +55,6 @@ STAT_BLOCKS = 256     # neuron blocks per step of the list form's statistics sum
 def config_for(m: int, k: int, device: torch.device) -> DecodeConfig:
     """The launch config for M rows of width K on ``device`` (its record's decode tables)."""
     return arch.launch_policy(device).decode_config(m, k)
-
-
-# Programmatic dependent launch (Hopper+): each decode launch may begin while the previous kernel
-# in the stream finishes (the kernels wait on griddepcontrol before touching memory), hiding
-# launch latency between the two launches of a call and between calls. TWELL_PDL=0 turns it off.
-PDL = os.environ.get("TWELL_PDL", "1") != "0"
-_pdl_devices: dict[int, bool] = {}
-
-
-def pdl_ok(device: torch.device) -> bool:
-    """Whether decode launches on ``device`` use programmatic dependent launch: PDL on, compute
-    capability >= 9.0, Triton with griddepcontrol (triton.language.extra.cuda.gdc_wait), not
-    the interpreter. Cached per device."""
-    if not PDL or INTERPRET:
-        return False
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    ok = _pdl_devices.get(i)
-    if ok is None:
-        try:
-            from triton.language.extra.cuda import gdc_wait  # noqa: F401
-            has = True
-        except ImportError:
-            has = False
-        ok = _pdl_devices[i] = has and torch.cuda.get_device_capability(i)[0] >= 9
-    return ok
 
 
 class Decoded(NamedTuple):

@@ -10,6 +10,7 @@ TwELL path (``twell_forward``), for x [M, K] (bf16/fp16), three launches:
   3. ``twell_rows_kernel``: per token, up projection for the listed pairs only, times g, down
      projection, y written once. Rows with count > W continue over g after the W-th listed
      column; rows whose x holds NaN/Inf take every column. Exact, nothing dropped.
+The Triton launches of the path use programmatic dependent launch on Hopper (launch.pdl_ok).
 Dense path (``dense_forward``): eager's GEMMs, bit-identical to eager, with one Triton pass for
 relu (* up) that also counts non-zeros per row; at decode sizes optionally replayed from the
 op's own CUDA graph. Decode path: runtime/cuda_decode.py. No host sync: capacities are fixed,
@@ -30,7 +31,7 @@ from twell_compile.kernels.row_stats import row_stats_kernel
 from twell_compile.kernels.twell_rows import compact_rows_kernel, merge_tiles_kernel, twell_rows_kernel
 from twell_compile.reference import ACTS, activate
 from twell_compile.runtime import arch, cuda_decode, cuda_gate, decode_graphs, density
-from twell_compile.runtime.launch import INTERPRET, launch, pow2, transposed, unit_rows, warps_by_width
+from twell_compile.runtime.launch import INTERPRET, launch, pdl_ok, pow2, transposed, unit_rows, warps_by_width
 from twell_compile.runtime.paths import MAX_N
 from twell_compile.runtime.select import InferPlan
 
@@ -111,10 +112,12 @@ def compact_rows(g: Tensor, width: int, ctr: Optional[Tensor] = None, buckets: i
     lst, cnt, order, ctr = r.lst, r.cnt, r.order, r.ctr
     if m:
         bm = p.compact_rows_per_program(m)
+        pdl = pdl_ok(g.device)
         launch(compact_rows_kernel, (-(-m // bm),),
                (g, g.stride(0), lst, cnt, order, ctr, m, n, width),
-               dict(BM=bm, CH=min(p.compact_ch, pow2(n)), NB=buckets, STAGES=p.compact_stages, ASM=not INTERPRET),
-               num_warps=p.compact_warps)
+               dict(BM=bm, CH=min(p.compact_ch, pow2(n)), NB=buckets, STAGES=p.compact_stages, ASM=not INTERPRET,
+                    PDL=pdl),
+               num_warps=p.compact_warps, pdl=pdl)
     return r
 
 
@@ -131,6 +134,7 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
     hsum = torch.empty((m,), dtype=torch.float32, device=x2.device)
     if m == 0:
         return y, hsum
+    pdl = pdl_ok(x2.device)
     launch(twell_rows_kernel, (m,),
            (x2, x2.stride(0), x2.stride(1), r.g, r.g.stride(0), r.lst, r.cnt, r.order, r.ctr,
             wu, wu.stride(0), wu.stride(1), b_up if b_up is not None else x2,
@@ -138,8 +142,8 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
             y, y.stride(0), y.stride(1), hsum, m, k, n, k_out, r.lst.shape[1]),
            dict(GATED=w_up is not None, HAS_BU=b_up is not None, HAS_BD=b_down is not None,
                 K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.row_pairs, CH=min(TAIL_CH, pow2(n)), PF=p.row_prefetch,
-                STAGES=p.row_stages, NB=r.ctr.numel(), ACT=ACTS.index(act)),
-           num_warps=warps_by_width(max(k, k_out), p.row_cols_per_warp))
+                STAGES=p.row_stages, NB=r.ctr.numel(), ACT=ACTS.index(act), PDL=pdl),
+           num_warps=warps_by_width(max(k, k_out), p.row_cols_per_warp), pdl=pdl)
     return y, hsum
 
 
@@ -265,8 +269,9 @@ def record_stats(layer: Optional[str], cnt: Tensor, hsum: Tensor, n: int, width:
         # 1024-wide steps (H100, profile_product.py --M 16384 --density 0.02)
         block = min(8192, max(128, pow2(m)))
         mode = 2 if lost is not None else 1 if width > 0 else 0
+        pdl = pdl_ok(cnt.device)
         launch(row_stats_kernel, (1,), (cnt, hsum, cnt if lost is None else lost, buf, m, width),
-               dict(BLOCK=block, OVERFLOW=mode), num_warps=max(1, min(16, block // 512)))
+               dict(BLOCK=block, OVERFLOW=mode, PDL=pdl), num_warps=max(1, min(16, block // 512)), pdl=pdl)
     return buf
 
 

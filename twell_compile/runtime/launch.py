@@ -14,7 +14,7 @@ for kernels that are not plain ``@triton.jit`` functions, and when the environme
 ``TWELL_TRITON_LAUNCH=standard``, every call takes the standard launch.
 
 Also the small host helpers every launcher shares: ``pow2``, ``warps_by_width``,
-``unit_rows``, ``transposed`` and ``INTERPRET``.
+``unit_rows``, ``transposed``, ``pdl_ok`` and ``INTERPRET``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,30 @@ from triton.runtime.jit import JITFunction
 from twell_compile.kernels.transpose import transpose_kernel
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # no inline PTX there
+
+# Programmatic dependent launch (Hopper+): a launch may begin while the previous kernel in the
+# stream finishes (the kernels wait on griddepcontrol before touching memory, kernels/pdl.py),
+# hiding the launch latency between consecutive launches. TWELL_PDL=0 turns it off.
+PDL = os.environ.get("TWELL_PDL", "1") != "0"
+_pdl_devices: dict[int, bool] = {}
+
+
+def pdl_ok(device: torch.device) -> bool:
+    """Whether launches on ``device`` use programmatic dependent launch: PDL on, a CUDA device
+    of compute capability >= 9.0, Triton with griddepcontrol (triton.language.extra.cuda.gdc_wait),
+    not the interpreter. Cached per device."""
+    if not PDL or INTERPRET or device.type != "cuda":
+        return False
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _pdl_devices.get(i)
+    if ok is None:
+        try:
+            from triton.language.extra.cuda import gdc_wait  # noqa: F401
+            has = True
+        except ImportError:
+            has = False
+        ok = _pdl_devices[i] = has and torch.cuda.get_device_capability(i)[0] >= 9
+    return ok
 
 
 def pow2(v: int) -> int:
@@ -72,8 +96,9 @@ def transposed(w: Tensor) -> Tensor:
     r, c = w.shape
     out = torch.empty((c, r), dtype=w.dtype, device=w.device)
     if w.numel():
+        pdl = pdl_ok(w.device)
         launch(transpose_kernel, (-(-r // 64), -(-c // 64)), (w, out, r, c, w.stride(0), w.stride(1)),
-               dict(BR=64, BC=64), num_warps=4)
+               dict(BR=64, BC=64, PDL=pdl), num_warps=4, pdl=pdl)
     return out
 
 _PLAIN = frozenset((int, float, bool, type(None)))
