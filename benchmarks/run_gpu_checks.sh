@@ -50,5 +50,5 @@ if [ "${T_PERF:-200}" -gt 0 ]; then
     timeout "${T_PERF:-200}" python3 benchmarks/check_perf.py --suites ${PERF_SUITES:-inference nongated decode training} \
         --out "$OUT/check_perf.json" > "$OUT/check_perf.log" 2>&1
     echo "check_perf rc=$?"
-    grep -E "^(inference|decode|training|cpu) |check_perf on" "$OUT/check_perf.log" | cut -c1-250
+    grep -E "^(inference|nongated|decode|training|cpu) |check_perf on" "$OUT/check_perf.log" | cut -c1-250
 fi
