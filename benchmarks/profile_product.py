@@ -7,8 +7,7 @@ backend="twell" beside the op called directly and the module under Inductor.
     python3 benchmarks/profile_product.py --M 8192 --non-gated     # down(relu(gate(x))) (testing.PlainMLP)
 
 Per variant: the path it ran (the product's from its own op instance's state), host us per call
-(the median over bursts of 8 calls, each started on an idle GPU: ``per_call_us``), wall us per
-call (--calls calls back to back, then synchronised), whether a call syncs
+(calls issued back to back, no sync), wall us per call (then synchronised), whether a call syncs
 (torch.cuda.set_sync_debug_mode("error") around one call), and torch.profiler's top ops by CUDA
 and by CPU time over --calls calls; then cProfile's top Python functions of the product's calls.
 """
@@ -16,7 +15,6 @@ and by CPU time over --calls calls; then cProfile's top Python functions of the 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,28 +30,20 @@ from twell_compile.runtime import arch, density  # noqa: E402
 from twell_compile.testing import GatedMLP, PlainMLP, make_ffn  # noqa: E402
 
 
-BURST = 8      # calls per host-time sample: few enough that the launch queue never fills
-
-
 def per_call_us(fn, calls: int) -> tuple[float, float]:
-    """(host us per call, wall us per call). Host: the median over bursts of BURST calls, each
-    burst started on an idle GPU. Issued back to back over many calls, a GPU-bound call's
-    launches fill the launch queue and the host then waits on the GPU: Inductor's module read
-    108 us of host time at 2048 tokens and 203 at 4096 that way, for the same host work (H100).
-    Wall: ``calls`` calls back to back, then synchronised."""
-    samples = []
-    for _ in range(max(1, calls // BURST)):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(BURST):
-            fn()
-        samples.append((time.perf_counter() - t0) / BURST * 1e6)
+    """(host us per call, wall us per call) over ``calls`` calls issued back to back. Where the
+    GPU time per call exceeds the host time, the launches fill the launch queue and the host
+    then waits on the GPU: Inductor's module read 108 us of host time at 2048 tokens and 203 at
+    4096 for the same host work (H100). Host times sampled otherwise read higher still on the
+    device's hosts: bursts of 8 calls after a synchronisation 1.6x (172.6 us at 2048), behind a
+    GPU sleep 1.7x (189.2), the op's graphed call 89 and 161 us against 52 back to back."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
+    host = (time.perf_counter() - t0) / calls * 1e6
     torch.cuda.synchronize()
-    return statistics.median(samples), (time.perf_counter() - t0) / calls * 1e6
+    return host, (time.perf_counter() - t0) / calls * 1e6
 
 
 def syncs(fn) -> str:
