@@ -31,6 +31,16 @@ def test_non_jit_kernel_takes_the_standard_launch():
     assert L.cached() == before
 
 
+def test_pdl_only_for_cuda_devices_and_never_under_the_interpreter():
+    """Programmatic dependent launch needs a CUDA device of compute capability 9.0+ and the
+    compiled kernels (the interpreter has no griddepcontrol)."""
+    assert not L.pdl_ok(torch.device("cpu"))
+    if L.INTERPRET or not torch.cuda.is_available():
+        return
+    major = torch.cuda.get_device_capability()[0]
+    assert L.pdl_ok(torch.device("cuda")) == (L.PDL and major >= 9)
+
+
 def test_fast_enabled_follows_the_environment(monkeypatch):
     monkeypatch.delenv("TWELL_TRITON_LAUNCH", raising=False)
     assert L.fast_enabled()
