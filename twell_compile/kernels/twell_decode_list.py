@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from twell_compile.kernels.act import gate_part, up_part
-from twell_compile.kernels.twell_decode import add_stats, finish_stats, gate_block, rows_dot
 from twell_compile.kernels.pdl import pdl_enter
+from twell_compile.kernels.twell_decode import add_stats, finish_stats, gate_block, rows_dot
 
 
 @triton.jit

@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from twell_compile.kernels.act import gate_part, up_part
-from twell_compile.kernels.twell_decode import add_stats, finish_counts
 from twell_compile.kernels.pdl import pdl_enter
+from twell_compile.kernels.twell_decode import add_stats, finish_counts
 
 
 @triton.jit

@@ -367,12 +367,13 @@ H100 = dataclasses.replace(
     # at d=0.005 K=2048 N=5632 gated calls up to 4096 tokens (302 us modeled; 8192: 604),
     # non-gated up to 8192 (490). A compiled module's eager non-gated call at 8192 tokens took
     # 486 us of host time against 460 us of GPU time (profile_product.py --M 8192 --non-gated):
-    # host-bound, 0.66x-1.16x of Inductor over two runs. Gated calls' eager launches took
-    # 491 / 381 us of host time per op call at 2048 / 4096 tokens against ~200 / ~320 us of GPU
-    # time, graphed 76 / 91 us (profile_product.py --M 2048 / 4096 --policy min_tokens=2048,
-    # graphs off / on); the compiled module 0.37x -> 1.04x and 0.71x -> 1.18x of Inductor, but
-    # 1.36x -> 1.20x at 8192, where the graph's copy of x and clone of y cost more than the host
-    # time saved (results/h100/ffn_prefill_graphs.json, min_tokens patched to 2048).
+    # host-bound: 0.66x-1.16x of Inductor over four runs, 1.12x graphed in two (rows with policy
+    # op_rows_host_us=400 / 500 in results/h100/ffn_prefill_graphs.json). Gated calls' eager
+    # launches took 491 / 381 us of host time per op call at 2048 / 4096 tokens against ~200 /
+    # ~320 us of GPU time, graphed 76 / 91 us (profile_product.py --M 2048 / 4096 --policy
+    # min_tokens=2048, graphs off / on); the compiled module 0.37x -> 1.04x and 0.71x -> 1.18x of
+    # Inductor. Gated at 8192 eager 1.31-1.32x, graphed 1.27-1.28x (the clone of y costs more
+    # than the host time saved; rows with policy op_rows_host_us=500 / 700, same file).
     op_rows_host_us=500.0,
     # Row kernel's list loop pipelined by Triton (cp.async, 3 pairs' weight rows in flight, 24 KB
     # of shared memory per program): K=2048 N=5632 d=0.005, M=16384 0.573 ms against 0.593, M=65536
