@@ -183,18 +183,17 @@ def dense_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
 
 def twell_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                   b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], width: int,
-                  buf: Optional[Tensor], probe: bool, act: str = "relu",
-                  policy: Optional[arch.GpuPolicy] = None) -> tuple[Tensor, Optional[Tensor]]:
+                  buf: Optional[Tensor], probe: bool, act: str, policy: arch.GpuPolicy
+                  ) -> tuple[Tensor, Optional[Tensor]]:
     """The per-row path replayed from the op's own CUDA graph, where the calls' host time
     exceeds their GPU time (select.rows_host_bound). Statistics go into ``buf`` (the
     layer's buffer), or, for a ``probe`` without one, into a scratch buffer of the graph's;
-    neither: no statistics launch. ``policy``: x2's device record when the caller holds it
-    (its plan's), else looked up. Returns (y, non-zeros summed over the call as a 0-d view
+    neither: no statistics launch. ``policy``: the record of x2's device (the plan's), whose
+    launch sizes the key holds. Returns (y, non-zeros summed over the call as a 0-d view
     the next replay overwrites, or None without statistics)."""
     totals = buf is not None or probe
-    p = policy if policy is not None else arch.launch_policy(x2.device)
     key = (("rows", x2.shape, x2.dtype, x2.device, width, act, totals, decode_graphs.math_mode(),
-            p.launch_key, None if buf is None else buf.data_ptr())
+            policy.launch_key, None if buf is None else buf.data_ptr())
            + decode_graphs.weights_key(w_gate, b_gate, w_up, b_up, w_down, b_down))
 
     def run(xs: Tensor) -> tuple[Tensor, ...]:
@@ -281,7 +280,7 @@ def ffn_infer(plan: InferPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tenso
     """Runs a CUDA inference plan (path "dense", "decode" or "twell"; select.plan_infer) of the
     activation ``act``."""
     k = x.shape[-1]
-    flat = x.dim() == 2                   # (a reshape costs ~2 us of host time per call)
+    flat = x.dim() == 2                   # a 2-D x and its y need no reshape: two aten calls fewer
     x2 = x if flat else x.reshape(-1, k)
     m, n, k_out = x2.shape[0], w_gate.shape[0], w_down.shape[0]
     if plan.path == "decode":
