@@ -94,17 +94,6 @@ def test_row_buckets_under_interpreter(case, launch):
     run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 2, case=case, launch=launch, act="relu"), timeout=60)
 
 
-# the row kernel listing its own row (no compaction launch; natural order): with the plain and the
-# pipelined list loop, the compaction's column loop pipelined, and squared ReLU
-@pytest.mark.parametrize("launch, act", [(dict(row_list_max_m=1 << 20), "relu"),
-                                         (dict(row_list_max_m=1 << 20, row_prefetch=3, row_stages=3,
-                                               compact_stages=3), "relu"),
-                                         (dict(row_list_max_m=1 << 20, row_pairs=2), "relu2")])
-@pytest.mark.parametrize("case", CASES)
-def test_row_kernel_lists_its_own_row_under_interpreter(case, launch, act):
-    run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 3, case=case, launch=launch, act=act), timeout=60)
-
-
 # squared ReLU (gated and not) and dReLU: h formed from the listed relu(g) and u, in the list
 # loop and the exact tail, NaN/Inf rows included; counts stay relu(g)'s
 @pytest.mark.parametrize("act, case", [("relu2", CASES[0]), ("relu2", CASES[1]), ("relu2", CASES[2]),

@@ -201,53 +201,6 @@ def test_non_finite_values_follow_the_contract(path, m, which, gated):
     check_non_finite_contract(y, args)
 
 
-@pytest.mark.parametrize("m, k, n, k_out, density, tail, gated, width, bad", [
-    (3000, 256, 1000, 256, 0.0, 0.0, True, 32, False),
-    (3000, 256, 1000, 256, 0.005, 0.5, True, 32, False),
-    (3000, 256, 1000, 256, 0.2, 0.0, False, 32, False),     # most rows over the width: the tail
-    (3000, 256, 1000, 256, 1.0, 0.0, True, 32, False),
-    (2048, 2048, 5632, 2048, 0.005, 0.0, True, 256, False),  # the benchmark shape
-    (1, 2048, 5632, 2048, 0.05, 0.0, True, 16, False),
-    (7, 200, 1000, 136, 0.05, 0.3, True, 8, False),
-    (513, 130, 777, 129, 0.05, 0.3, False, 16, False),
-    (1500, 256, 1000, 256, 0.01, 0.0, True, 16, True),       # NaN / Inf rows
-])
-def test_the_row_kernel_listing_its_own_rows(m, k, n, k_out, density, tail, gated, width, bad):
-    """row_list_max_m: the row kernel lists each row itself (no compaction launch); the counts are
-    relu(g)'s, y exact under the 2x rule, NaN/Inf as eager's; above it the compaction runs."""
-    from torch.profiler import ProfilerActivity, profile
-
-    p = _ffn(m, k, n, k_out, density, tail, torch.bfloat16, gated=gated)
-    if bad:
-        p["x"][torch.tensor([0, 17, m - 1]), torch.tensor([5, 0, k - 1])] = torch.tensor(
-            [float("nan"), float("inf"), float("-inf")], dtype=p["x"].dtype, device="cuda")
-    args = _args(p)
-    with arch.patched(row_list_max_m=m):
-        _poison()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            y, counts, hsum = cuda_infer.twell_forward(*args, width)
-            torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert any("twell_rows_kernel" in k for k in names) and not any("compact_rows" in k for k in names), names
-    hg = torch.relu(F.linear(p["x"], p["w_gate"], p["b_gate"]))
-    assert torch.equal(counts, (hg != 0).sum(1).int())
-    eager = ffn_dense(*args)
-    assert torch.equal(torch.isnan(y), torch.isnan(eager)) and torch.equal(torch.isinf(y), torch.isinf(eager))
-    fin = torch.isfinite(p["x"]).all(1)
-    ref = ffn_dense(*(None if a is None else a[fin].float() if i == 0 else a.float() for i, a in enumerate(args)))
-    if ref.norm() == 0:
-        assert (y[fin] == 0).all()
-    else:
-        assert _rel(y[fin], ref) <= 2 * _rel(eager[fin], ref) + 1e-6
-    a = hg.float() * F.linear(p["x"], p["w_up"], p["b_up"]).float() if gated else hg.float()
-    assert torch.allclose(hsum[fin], a.abs().sum(1)[fin], rtol=2e-2, atol=1e-2)
-    if m > 1:
-        with arch.patched(row_list_max_m=m - 1), profile(activities=[ProfilerActivity.CUDA]) as prof:
-            cuda_infer.twell_forward(*args, width)
-            torch.cuda.synchronize()
-        assert any("compact_rows" in e.name for e in prof.events())
-
-
 def test_fresh_inputs_repeatable():
     """Same inputs twice give the same bits (no race); fresh inputs each give a right answer."""
     for _ in range(3):

@@ -19,10 +19,7 @@ gate GEMM (twell::gate_pack, csrc/gate_pack.cuh) writes in its epilogue, in plac
 over g.
 
 ``twell_rows_kernel``: one program per token row (the p-th in ``order``), x row and y row in registers, h never in
-global memory. With LIST, the program first lists its own row from g (compact_rows_kernel's pass
-for that row: count, list) and takes rows in their natural order: one launch fewer, and the
-row's pass over g overlaps other programs' weight gathers instead of running as a kernel of its
-own.
+global memory:
   1. list loop: pairs list[m, p] for p < min(cnt, W), PAIRS per iteration, the
      next pairs' (col, value) loaded one iteration ahead (PF=1) or also their weight rows
      (PF=2), or the loop software-pipelined by Triton (PF=3: list entries and weight rows of
@@ -218,26 +215,16 @@ def twell_rows_kernel(
     GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
     PF: tl.constexpr, STAGES: tl.constexpr, NB: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr,
-    LIST: tl.constexpr = False, LCH: tl.constexpr = 256, LSTAGES: tl.constexpr = 1, ASM: tl.constexpr = False,
 ):
     pdl_enter(PDL)
-    if LIST:
-        # the program lists its own row (compact_rows_kernel's pass for one row, LCH columns per
-        # step), then reads the list back: rows in their natural order, no compaction launch
-        m = tl.program_id(0).to(tl.int64)
-        rm = m + tl.arange(0, 1)
-        cnt = tl.sum(_compact_chunks(g_ptr, sg_m, list_ptr, rm, rm < M, N, W, LCH, LSTAGES, ASM), axis=0)
-        tl.store(cnt_ptr + m, cnt)
-        tl.debug_barrier()        # the list's entries, stored by every thread, visible to all
-    else:
-        m = row_at(order_ptr, ctr_ptr, tl.program_id(0), M, NB)
-        cnt = tl.load(cnt_ptr + m)
+    m = row_at(order_ptr, ctr_ptr, tl.program_id(0), M, NB)
     ks = tl.arange(0, K_P)
     k_ok = ks < K
     ko = tl.arange(0, KO_P)
     ko_ok = ko < KO
     xr = tl.load(x_ptr + m * sx_m + ks * sx_k, mask=k_ok, other=0.0).to(tl.float32)
     bad = tl.sum(((xr != xr) | (tl.abs(xr) == float("inf"))).to(tl.int32), axis=0) > 0
+    cnt = tl.load(cnt_ptr + m)
     nl = tl.where(bad, 0, tl.minimum(cnt, W))
     lrow = m * W
     pa = tl.arange(0, PAIRS)

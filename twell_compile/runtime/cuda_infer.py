@@ -1,7 +1,6 @@
 """CUDA inference launchers: the per-row TwELL path, the dense path, and the plan's runner.
 
-TwELL path (``twell_forward``), for x [M, K] (bf16/fp16), three launches (two up to the
-record's row_list_max_m tokens, where the row kernel lists its own row and 2. does not run):
+TwELL path (``twell_forward``), for x [M, K] (bf16/fp16), three launches:
   1. the gate GEMM g = x W_g^T + b_g: cuBLAS (F.linear), or, where the record names one
      (gate_cfg), twell::gate_pack (runtime/cuda_gate.py), which also packs each row's non-zeros
      per tile of columns in its epilogue.
@@ -46,7 +45,6 @@ class Rows(NamedTuple):
     cnt: Tensor      # [M] int32 non-zeros per row (may exceed W); slots >= cnt unwritten
     order: Tensor    # [NB * M] int32: the rows by bucket, heaviest first (cnt > W in bucket 0)
     ctr: Tensor      # [NB] int32 rows per bucket
-    listed: bool = True   # False: lst and cnt unwritten, the row kernel lists each row itself
 
     def rows_in_order(self) -> Tensor:
         """The row kernels' order as one permutation [M] (tests; syncs)."""
@@ -62,23 +60,17 @@ class Rows(NamedTuple):
         return (self.lst & 0xFFFF).to(torch.int16).view(self.g.dtype)
 
 
-def gate_rows(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], width: int, compact: bool = True) -> Rows:
+def gate_rows(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], width: int) -> Rows:
     """g = x2 W_g^T + b_g and its per-row lists: by twell::gate_pack, which packs them in its
     epilogue, then merge_rows, where the record names a configuration (gate_cfg) for this many
     tokens (gate_min_m) and the call can run it (cuda_gate.runs); else by cuBLAS, then one
-    compaction pass over g, or, without ``compact``, no pass: Rows with ``listed`` False, whose
-    lists the row kernel makes itself."""
+    compaction pass over g."""
     p = arch.launch_policy(x2.device)
     if p.gate_cfg >= 0 and x2.shape[0] >= p.gate_min_m and cuda_gate.runs(x2, w_gate, b_gate):
         g, packed, tcnt = cuda_gate.gate_pack(x2, w_gate, b_gate, p.gate_cfg, p.gate_slots, p.gate_raster,
                                               p.gate_swizzle)
         return merge_rows(g, packed, tcnt, width, p.row_buckets)
-    g = F.linear(x2, w_gate, b_gate)
-    if not compact:
-        i32 = dict(dtype=torch.int32, device=g.device)
-        cnt = torch.empty((g.shape[0],), **i32)
-        return Rows(g, torch.empty((g.shape[0], width), **i32), cnt, cnt, cnt, listed=False)
-    return compact_rows(g, width, buckets=p.row_buckets)
+    return compact_rows(F.linear(x2, w_gate, b_gate), width, buckets=p.row_buckets)
 
 
 def merge_rows(g: Tensor, packed: Tensor, tcnt: Tensor, width: int, buckets: int = 2) -> Rows:
@@ -132,8 +124,7 @@ def compact_rows(g: Tensor, width: int, ctr: Optional[Tensor] = None, buckets: i
 def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tensor],
                w_down: Tensor, b_down: Optional[Tensor], act: str = "relu") -> tuple[Tensor, Tensor]:
     """(y [M, K_out], sum |h| per row [M] fp32) from the per-row lists (of relu(g); ``act``
-    forms h from them). Rows not ``listed``: the row kernel lists each row first (LIST) and
-    writes r.lst and r.cnt."""
+    forms h from them)."""
     p = arch.launch_policy(x2.device)
     m, k = x2.shape
     n, k_out = r.g.shape[1], w_down.shape[0]
@@ -151,8 +142,7 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
             y, y.stride(0), y.stride(1), hsum, m, k, n, k_out, r.lst.shape[1]),
            dict(GATED=w_up is not None, HAS_BU=b_up is not None, HAS_BD=b_down is not None,
                 K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.row_pairs, CH=min(TAIL_CH, pow2(n)), PF=p.row_prefetch,
-                STAGES=p.row_stages, NB=r.ctr.numel() if r.listed else 1, ACT=ACTS.index(act), PDL=pdl,
-                LIST=not r.listed, LCH=min(p.compact_ch, pow2(n)), LSTAGES=p.compact_stages, ASM=not INTERPRET),
+                STAGES=p.row_stages, NB=r.ctr.numel(), ACT=ACTS.index(act), PDL=pdl),
            num_warps=warps_by_width(max(k, k_out), p.row_cols_per_warp), pdl=pdl)
     return y, hsum
 
@@ -166,7 +156,7 @@ def twell_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
     if n > MAX_N:
         raise ValueError(f"per-row TwELL path packs columns in 16 bits: N={n} > {MAX_N}")
     w_up = None if w_up is None else unit_rows(w_up)
-    r = gate_rows(x2, w_gate, b_gate, width, compact=x2.shape[0] > arch.launch_policy(x2.device).row_list_max_m)
+    r = gate_rows(x2, w_gate, b_gate, width)
     y, hsum = fused_rows(x2, r, w_up, b_up, w_down, b_down, act)
     return y, r.cnt, hsum
 
