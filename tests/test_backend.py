@@ -1,6 +1,7 @@
 """The twell backend end to end on CPU: options, Inductor hand-off, L1, stats, autocast."""
 
 import subprocess
+from unittest import mock
 import sys
 
 import pytest
@@ -323,3 +324,27 @@ def test_cudagraphs_option_resolves_from_the_mode(monkeypatch, mode, option, wan
     torch._dynamo.reset()
     twell_compile.explain(Net(), torch.randn(2, 16), options=options)
     assert seen["cudagraphs"] == want
+
+
+@pytest.mark.parametrize("cudagraphs", ["on", "off"])
+def test_graphs_for_cuda_graphs_wait_for_first_measurements(cudagraphs):
+    """With CUDA graphs on, the backend's callable waits after a call for the first density
+    measurements it made (backend.settled: the recording call then sees them), called as
+    Inductor's callable is, in inference and training; off, Inductor's callable as it is."""
+    seen = {}
+    real = backend_mod.settled
+
+    def spy(compiled):
+        seen["wrapped"] = True
+        return real(compiled)
+
+    torch._dynamo.reset()
+    net = Net()
+    x = torch.randn(2, 16, requires_grad=True)
+    with mock.patch.object(backend_mod, "settled", spy):
+        f = torch.compile(net, backend="twell", options={"twell.cudagraphs": cudagraphs})
+        y = f(x)
+    assert seen.get("wrapped", False) == (cudagraphs == "on")
+    assert torch.allclose(y, net(x), atol=1e-5)
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

@@ -399,6 +399,31 @@ def test_reduce_overhead_captures_cuda_graphs_without_skips():
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert _rel(outs[-1], ref) < 2e-2
     assert torch.equal(outs[-1], outs[-2])
+    # the recording (second call) took the measured path: the warm-up call's measurement was
+    # waited for (backend.settled), not left in flight while the dense path was recorded
+    paths = {path for inst, _, d, path in density.snapshot() if inst != 0}
+    assert paths == {"twell"}, density.snapshot()
+    assert not density.unsettled()
+
+
+def test_reduce_overhead_records_the_measured_path_without_a_sync_per_call():
+    """Calls without a probe in flight never wait: after the warm-up, replays run sync-free."""
+    model = GatedMLP.at_density(256, 1024, 0.002).cuda().to(torch.bfloat16)
+    f = torch.compile(model, backend="twell", mode="reduce-overhead")
+    x = _inputs(2048, 256)
+    with torch.no_grad():
+        for _ in range(3):
+            f(x)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                y = f(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        ref = model.float()(x.float())
+    assert _rel(y, ref) < 2e-2
+    assert {path for inst, _, d, path in density.snapshot() if inst != 0} == {"twell"}
 
 
 def test_forced_kernels_run_their_path_or_refuse():

@@ -3,7 +3,10 @@
 A probe call writes the layer's non-zero count of relu(gate(x)) into a device tensor; a
 non-blocking copy to pinned host memory and a CUDA event carry it back, and a later call reads
 it only once ``event.query()`` says it has landed (never waits). Under CUDA-graph capture
-nothing is polled or copied: the graph records the path chosen by the calls before capture.
+nothing is polled or copied: the graph records the path chosen by the calls before capture, so
+a graph compiled for CUDA graphs waits once for each layer's first measurement after the call
+that made it (``settle``, called by the backend's wrapper), and its recording takes the
+measured path.
 
 State is per op instance: the passes and ``prepare`` give every op they insert an ``instance``
 number unique in the process (``ops.next_instance``), and the runtime runs each call inside
@@ -37,6 +40,7 @@ class _Layer:
 
 _lock = threading.Lock()
 _layers: dict[tuple, _Layer] = {}      # by (op instance, key)
+_first: list[_Layer] = []              # states whose first measurement is in flight (``settle``)
 generation = 0                         # bumped by reset: every _Layer before it is forgotten
 
 
@@ -150,6 +154,31 @@ def submit(key: tuple, nnz: Tensor, elements: int) -> None:
     event = torch.cuda.Event()
     event.record()
     st.pending = (event, st.host, elements)
+    if st.density is None:
+        _first.append(st)
+
+
+def unsettled() -> bool:
+    """Whether a layer's first measurement is in flight (``settle`` would wait for it)."""
+    return bool(_first)
+
+
+def settle() -> int:
+    """Wait for every first measurement in flight and take it: a host sync, once per layer
+    state (each key of each op instance), never under capture. For graphs recorded into CUDA
+    graphs after a warm-up call (Inductor's reduce-overhead records the second call): without
+    it the recording sees no measurement yet, takes the dense path, and replays it for good.
+    Returns the measurements taken."""
+    if capturing():
+        return 0
+    taken = 0
+    while _first:
+        st = _first.pop()
+        if st.pending is not None:
+            st.pending[0].synchronize()
+            take_landed(st)
+            taken += 1
+    return taken
 
 
 def landed(key: tuple, value: float) -> None:
@@ -174,4 +203,5 @@ def reset() -> None:
     global generation
     with _lock:
         _layers.clear()
+        _first.clear()
         generation += 1
