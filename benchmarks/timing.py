@@ -141,7 +141,13 @@ def policy_changes(pairs) -> dict:
         field, sep, value = kv.partition("=")
         if not sep or not hasattr(arch.H200, field):
             raise ValueError(f"--policy {kv!r}: expected FIELD=VALUE with FIELD a GpuPolicy field")
-        out[field] = type(getattr(arch.H200, field))(value)
+        kind = type(getattr(arch.H200, field))
+        if kind is bool:      # bool("0") is True
+            if value.lower() not in ("0", "1", "false", "true"):
+                raise ValueError(f"--policy {kv!r}: {field} takes 0/1 or false/true")
+            out[field] = value.lower() in ("1", "true")
+        else:
+            out[field] = kind(value)
     return out
 
 

@@ -34,6 +34,11 @@ def test_policy_changes_types_values_and_rejects_unknown_fields():
     for bad in (["no_such_field=1"], ["wg_chunk"]):
         with pytest.raises(ValueError, match="FIELD=VALUE"):
             timing.policy_changes(bad)
+    # a bool field reads 0/1 and false/true (bool("0") would be True)
+    assert timing.policy_changes(["compact_transpose=0"]) == {"compact_transpose": False}
+    assert timing.policy_changes(["compact_transpose=True"]) == {"compact_transpose": True}
+    with pytest.raises(ValueError, match="0/1"):
+        timing.policy_changes(["compact_transpose=yes"])
 
 
 def test_rows_commit_prefers_twell_commit(monkeypatch):

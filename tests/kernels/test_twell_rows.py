@@ -94,6 +94,19 @@ def test_row_buckets_under_interpreter(case, launch):
     run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 2, case=case, launch=launch, act="relu"), timeout=60)
 
 
+# W_down^T made by the compaction's launch (tiles after its programs): every case, one with the
+# pipelined column loop
+@pytest.mark.parametrize("launch", [dict(compact_transpose=True)])
+@pytest.mark.parametrize("case", CASES)
+def test_compaction_launch_transposes_w_down_under_interpreter(case, launch):
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 4, case=case, launch=launch, act="relu"), timeout=60)
+
+
+def test_compaction_launch_transposes_w_down_with_pipelined_loads_under_interpreter():
+    launch = dict(compact_transpose=True, compact_stages=3, row_buckets=8)
+    run_interpreted(SCRIPT.format(seed=5, case=CASES[5], launch=launch, act="relu2"), timeout=60)
+
+
 # squared ReLU (gated and not) and dReLU: h formed from the listed relu(g) and u, in the list
 # loop and the exact tail, NaN/Inf rows included; counts stay relu(g)'s
 @pytest.mark.parametrize("act, case", [("relu2", CASES[0]), ("relu2", CASES[1]), ("relu2", CASES[2]),

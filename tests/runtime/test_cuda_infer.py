@@ -201,6 +201,37 @@ def test_non_finite_values_follow_the_contract(path, m, which, gated):
     check_non_finite_contract(y, args)
 
 
+@pytest.mark.parametrize("m, k, n, k_out, density, tail, gated, width", [
+    (3000, 256, 1000, 256, 0.005, 0.5, True, 32),
+    (3000, 256, 1000, 256, 0.2, 0.0, False, 32),
+    (2048, 2048, 5632, 2048, 0.005, 0.0, True, 256),    # the benchmark shape
+    (7, 200, 1000, 136, 0.05, 0.3, True, 8),            # partial tiles of W_down
+    (513, 130, 777, 129, 0.05, 0.3, False, 16),
+])
+def test_the_compaction_launch_transposes_w_down(m, k, n, k_out, density, tail, gated, width):
+    """compact_transpose: W_down^T comes from the compaction's launch (no transpose kernel), y
+    exact under the 2x rule and bit-equal to the separate transpose's; W_down stored transposed:
+    no copy at all."""
+    from torch.profiler import ProfilerActivity, profile
+
+    p = _ffn(m, k, n, k_out, density, tail, torch.bfloat16, gated=gated)
+    args = _args(p)
+    with arch.patched(compact_transpose=False):
+        want = cuda_infer.twell_forward(*args, width)[0]
+    with arch.patched(compact_transpose=True):
+        _poison()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            y = cuda_infer.twell_forward(*args, width)[0]
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert any("compact_rows" in k for k in names) and not any("transpose_kernel" in k for k in names), names
+        assert torch.equal(y, want)
+        _check_exact(p, width=width)
+        stored = list(args)
+        stored[5] = p["w_down"].t().contiguous().t()          # W_down stored transposed: read as it is
+        assert torch.equal(cuda_infer.twell_forward(*stored, width)[0], want)
+
+
 def test_fresh_inputs_repeatable():
     """Same inputs twice give the same bits (no race); fresh inputs each give a right answer."""
     for _ in range(3):

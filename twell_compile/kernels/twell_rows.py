@@ -40,6 +40,7 @@ import triton.language as tl
 from twell_compile.kernels.act import hidden
 from twell_compile.kernels.pairs import pick, scan, select
 from twell_compile.kernels.pdl import pdl_enter
+from twell_compile.kernels.transpose import transpose_tile
 
 
 @triton.jit
@@ -117,17 +118,29 @@ def _file_rows(order_ptr, ctr_ptr, rm, m_ok, run, M, W, NB: tl.constexpr):
 
 @triton.jit
 def compact_rows_kernel(g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N, W,
+                        wd_ptr, wdt_ptr, TR, TC, s_r, s_c, NC,
                         BM: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, STAGES: tl.constexpr,
-                        ASM: tl.constexpr, PDL: tl.constexpr):
+                        ASM: tl.constexpr, PDL: tl.constexpr, TRANSPOSE: tl.constexpr = False,
+                        TB: tl.constexpr = 64):
     """list[m, r] = (column << 16) | bits(relu(g)[m, column]) for the r-th non-zero, r < W;
     order [NB * M]: the rows by bucket, heaviest first (ctr: NB zeroed int32 counters). PDL:
-    launched with programmatic dependent launch (kernels/pdl.py)."""
+    launched with programmatic dependent launch (kernels/pdl.py).
+
+    TRANSPOSE: programs from NC on write wdt = wd^T (wd [TR, TC], strides s_r, s_c), one TB x TB
+    tile each, in the same launch: the compaction's programs wait on their chains of column
+    loads while the tiles move bytes, instead of a transpose kernel of its own after them."""
     pdl_enter(PDL)
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    m_ok = rm < M
-    run = _compact_chunks(g_ptr, sg_m, list_ptr, rm, m_ok, N, W, CH, STAGES, ASM)
-    tl.store(cnt_ptr + rm, run, mask=m_ok)
-    _file_rows(order_ptr, ctr_ptr, rm, m_ok, run, M, W, NB)
+    pid = tl.program_id(0)
+    if TRANSPOSE and pid >= NC:
+        t = pid - NC
+        tiles_c = tl.cdiv(TC, TB)
+        transpose_tile(wd_ptr, wdt_ptr, TR, TC, s_r, s_c, t // tiles_c, t % tiles_c, TB, TB)
+    else:
+        rm = pid * BM + tl.arange(0, BM)
+        m_ok = rm < M
+        run = _compact_chunks(g_ptr, sg_m, list_ptr, rm, m_ok, N, W, CH, STAGES, ASM)
+        tl.store(cnt_ptr + rm, run, mask=m_ok)
+        _file_rows(order_ptr, ctr_ptr, rm, m_ok, run, M, W, NB)
 
 
 @triton.jit

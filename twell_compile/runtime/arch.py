@@ -176,6 +176,8 @@ class GpuPolicy:
     row_cols_per_warp: int = 1024    # warps = pow2(max(K, K_out)) / this
     row_buckets: int = 2             # the row kernel's order: rows over W, then the rest in
                                      # row_buckets - 1 bins by count, heaviest first
+    compact_transpose: bool = False  # W_down^T's per-call copy made by the compaction's launch
+                                     # (tiles after its programs), not a launch of its own
     gate_cfg: int = -1               # the per-row path's gate GEMM: -1 cuBLAS, then a compaction
                                      # pass over g; c >= 0 twell::gate_pack's configuration c
                                      # (cuda_gate.CONFIGS), packing in its epilogue (bf16, sm90)
@@ -286,9 +288,9 @@ _WIDE_DECODE_CONFIGS = {
 }
 
 _LAUNCH_FIELDS = ("compact_bm", "compact_programs", "compact_ch", "compact_warps", "compact_stages", "row_pairs",
-                  "row_prefetch", "row_stages", "row_cols_per_warp", "row_buckets", "gate_cfg", "gate_min_m",
-                  "gate_slots", "gate_raster", "gate_swizzle", "merge_bm", "eager_elementwise_max_m", "dense_block",
-                  "dense_warps", "dense_programs")
+                  "row_prefetch", "row_stages", "row_cols_per_warp", "row_buckets", "compact_transpose", "gate_cfg",
+                  "gate_min_m", "gate_slots", "gate_raster", "gate_swizzle", "merge_bm", "eager_elementwise_max_m",
+                  "dense_block", "dense_warps", "dense_programs")
 
 H200 = GpuPolicy(
     name="H200",

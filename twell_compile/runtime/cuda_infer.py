@@ -36,6 +36,7 @@ from twell_compile.runtime.paths import MAX_N
 from twell_compile.runtime.select import InferPlan
 
 TAIL_CH = 256         # columns per step of the exact tail over g
+TRANSPOSE_TILE = 64   # W_down^T's tiles in the compaction's launch (as launch.transposed's)
 
 
 class Rows(NamedTuple):
@@ -60,17 +61,24 @@ class Rows(NamedTuple):
         return (self.lst & 0xFFFF).to(torch.int16).view(self.g.dtype)
 
 
-def gate_rows(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], width: int) -> Rows:
+def gate_rows(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], width: int,
+              transpose: Optional[tuple[Tensor, Tensor]] = None) -> Rows:
     """g = x2 W_g^T + b_g and its per-row lists: by twell::gate_pack, which packs them in its
     epilogue, then merge_rows, where the record names a configuration (gate_cfg) for this many
     tokens (gate_min_m) and the call can run it (cuda_gate.runs); else by cuBLAS, then one
-    compaction pass over g."""
+    compaction pass over g. ``transpose`` (w, out): out = w^T is written too, by the compaction's
+    launch where the record says so (compact_transpose), else by a launch of its own."""
     p = arch.launch_policy(x2.device)
     if p.gate_cfg >= 0 and x2.shape[0] >= p.gate_min_m and cuda_gate.runs(x2, w_gate, b_gate):
         g, packed, tcnt = cuda_gate.gate_pack(x2, w_gate, b_gate, p.gate_cfg, p.gate_slots, p.gate_raster,
                                               p.gate_swizzle)
+        if transpose is not None:
+            transposed(*transpose)
         return merge_rows(g, packed, tcnt, width, p.row_buckets)
-    return compact_rows(F.linear(x2, w_gate, b_gate), width, buckets=p.row_buckets)
+    if transpose is not None and not p.compact_transpose:
+        transposed(*transpose)
+        transpose = None
+    return compact_rows(F.linear(x2, w_gate, b_gate), width, buckets=p.row_buckets, transpose=transpose)
 
 
 def merge_rows(g: Tensor, packed: Tensor, tcnt: Tensor, width: int, buckets: int = 2) -> Rows:
@@ -101,34 +109,46 @@ def _empty_rows(g: Tensor, width: int, buckets: int, ctr: Optional[Tensor] = Non
                 torch.zeros((buckets,), **i32) if ctr is None else ctr)
 
 
-def compact_rows(g: Tensor, width: int, ctr: Optional[Tensor] = None, buckets: int = 2) -> Rows:
+def compact_rows(g: Tensor, width: int, ctr: Optional[Tensor] = None, buckets: int = 2,
+                 transpose: Optional[tuple[Tensor, Tensor]] = None) -> Rows:
     """The per-row lists of relu(g) for g [M, N] (unit column stride; any row stride), and the
     rows' order in ``buckets`` buckets by cost. ``ctr``: the order's counters, ``buckets``
     zeroed int32 (a caller that zeroes other counters with them saves a memset); allocated
-    here when None. Inference and training both compact through this."""
+    here when None. Inference and training both compact through this. ``transpose`` (w [R, C],
+    out [C, R] contiguous): the same launch also writes out = w^T, 64 x 64 tiles in programs
+    after the compaction's (the rows' pass and the copy overlap)."""
     p = arch.launch_policy(g.device)
     m, n = g.shape
     r = _empty_rows(g, width, buckets, ctr)
     lst, cnt, order, ctr = r.lst, r.cnt, r.order, r.ctr
-    if m:
+    if transpose is not None and not m:
+        transposed(transpose[0], transpose[1])
+    elif m:
         bm = p.compact_rows_per_program(m)
+        nc = -(-m // bm)
+        w, wt = transpose if transpose is not None else (g, g)
+        tiles = -(-w.shape[0] // TRANSPOSE_TILE) * -(-w.shape[1] // TRANSPOSE_TILE) if transpose is not None else 0
         pdl = pdl_ok(g.device)
-        launch(compact_rows_kernel, (-(-m // bm),),
-               (g, g.stride(0), lst, cnt, order, ctr, m, n, width),
+        launch(compact_rows_kernel, (nc + tiles,),
+               (g, g.stride(0), lst, cnt, order, ctr, m, n, width,
+                w, wt, w.shape[0], w.shape[1], w.stride(0), w.stride(1), nc),
                dict(BM=bm, CH=min(p.compact_ch, pow2(n)), NB=buckets, STAGES=p.compact_stages, ASM=not INTERPRET,
-                    PDL=pdl),
+                    PDL=pdl, TRANSPOSE=transpose is not None, TB=TRANSPOSE_TILE),
                num_warps=p.compact_warps, pdl=pdl)
     return r
 
 
 def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tensor],
-               w_down: Tensor, b_down: Optional[Tensor], act: str = "relu") -> tuple[Tensor, Tensor]:
+               w_down: Tensor, b_down: Optional[Tensor], act: str = "relu",
+               wdt: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(y [M, K_out], sum |h| per row [M] fp32) from the per-row lists (of relu(g); ``act``
-    forms h from them)."""
+    forms h from them). ``wdt``: W_down^T contiguous, written by this call's earlier launches;
+    None: transposed here."""
     p = arch.launch_policy(x2.device)
     m, k = x2.shape
     n, k_out = r.g.shape[1], w_down.shape[0]
-    wdt = transposed(w_down)   # per call: ~15 us of ~1 ms, never stale
+    if wdt is None:
+        wdt = transposed(w_down)   # per call: ~15 us of ~1 ms, never stale
     wu = w_up if w_up is not None else wdt
     y = torch.empty((m, k_out), dtype=x2.dtype, device=x2.device)
     hsum = torch.empty((m,), dtype=torch.float32, device=x2.device)
@@ -156,8 +176,15 @@ def twell_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
     if n > MAX_N:
         raise ValueError(f"per-row TwELL path packs columns in 16 bits: N={n} > {MAX_N}")
     w_up = None if w_up is None else unit_rows(w_up)
-    r = gate_rows(x2, w_gate, b_gate, width)
-    y, hsum = fused_rows(x2, r, w_up, b_up, w_down, b_down, act)
+    # W_down^T, made per call (never stale; none where W_down is stored transposed), by the
+    # compaction's launch where the record says so
+    wdt = w_down.t()
+    pending = None
+    if not wdt.is_contiguous():
+        wdt = torch.empty(wdt.shape, dtype=w_down.dtype, device=w_down.device)
+        pending = (w_down, wdt)
+    r = gate_rows(x2, w_gate, b_gate, width, transpose=pending)
+    y, hsum = fused_rows(x2, r, w_up, b_up, w_down, b_down, act, wdt)
     return y, r.cnt, hsum
 
 

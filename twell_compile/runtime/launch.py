@@ -83,18 +83,20 @@ def unit_rows(w: Tensor) -> Tensor:
     return w if w.stride(-1) == 1 else w.contiguous()
 
 
-def transposed(w: Tensor) -> Tensor:
+def transposed(w: Tensor, out: Tensor | None = None) -> Tensor:
     """w.t() contiguous, recomputed per call by ``transpose_kernel`` (PyTorch's own strided copy
-    took 77 us at [2048, 5632] bf16 on the H200; this ~15 us of a ~1 ms call).
+    took 77 us at [2048, 5632] bf16 on the H200; this ~15 us of a ~1 ms call), into ``out``
+    (contiguous [C, R]) when given.
 
     Made per call, never cached: a copy kept across calls goes stale when a weight changes
     without a version bump (``.data``); in a CUDA graph the transpose is replayed too.
     """
     wt = w.t()
-    if wt.is_contiguous():
+    if wt.is_contiguous() and out is None:
         return wt
     r, c = w.shape
-    out = torch.empty((c, r), dtype=w.dtype, device=w.device)
+    if out is None:
+        out = torch.empty((c, r), dtype=w.dtype, device=w.device)
     if w.numel():
         pdl = pdl_ok(w.device)
         launch(transpose_kernel, (-(-r // 64), -(-c // 64)), (w, out, r, c, w.stride(0), w.stride(1)),
