@@ -354,7 +354,8 @@ H200 = GpuPolicy(
 H100 = dataclasses.replace(
     H200, name="H100",
     measured_on="NVIDIA H100 80GB HBM3 (torch 2.11, Triton 3.6): per-row and decode cost "
-                "models, the row kernel's pipelined list loop, the dense training path's saved state; other "
+                "models, the row kernel's pipelined list loop, W_down^T made in the compaction's launch, the "
+                "dense training path's saved state; other "
                 "launch sizes, decode configs and the other training constants are the H200's",
     # Per-row path: least-relative-error fit of the forced-kernel column at M = 16384 and 65536
     # (benchmarks/results/h100/ffn_inference.json): TwELL below d = 0.0082.
@@ -382,6 +383,12 @@ H100 = dataclasses.replace(
     # 2.212 / 2.370, M=4096 0.169 / 0.169-0.181 (tune_ffn.py --fused 1,1,1024 1,3,1024,4).
     # Every variant ran at 6.2-6.9 TB/s of weight rows: the gathers' floor is 7.6 (h100/floor.json).
     row_prefetch=3, row_stages=4,
+    # W_down^T's per-call copy made in the compaction's launch: the per-row path's GPU time at
+    # K=2048 N=5632 d=0.005, gated 2048 / 4096 / 8192 / 16384 tokens 181.8 / 322.8 / 611.1 /
+    # 1166.9 us against 188.2 / 333.5 / 628.0 / 1181.5 with a transpose launch of its own,
+    # non-gated 148.7 / 247.6 / 462.6 / 902.5 against 154.8 / 259.7 / 472.5 / 912.9 (y bit-equal;
+    # results/h100/ffn_compact_transpose_ab.json)
+    compact_transpose=True,
     # Rows heaviest first, in 8 buckets by count: the activity profile's layer (34 non-zeros per
     # row, 6-137) at 2048 / 4096 tokens 0.91x / 1.09x of Inductor with rows over W first, 0.95x /
     # 1.14x in buckets (results/h100/ffn_prefill_buckets.json).

@@ -1,0 +1,79 @@
+"""A/B of GPU-record variants on the per-row path's GPU time: ``twell_forward`` (list width W)
+captured in one CUDA graph per variant and replayed, variants timed in interleaved rounds
+(timing.interleaved_ms), so host time and launch gaps between calls do not count. Each variant's
+y is compared bit for bit with the first variant's.
+
+    python3 benchmarks/ab_record.py --M 2048 4096 8192 16384 --gated both \\
+        --variants compact_transpose=0 compact_transpose=1 --out benchmarks/results/h100/ffn_compact_transpose_ab.json
+
+A variant is a space-free list of FIELD=VALUE pairs joined by "," (GpuPolicy fields, as
+--policy elsewhere). One row per (M, gated): ``ms`` maps each variant to its median ms,
+``y_bit_equal`` each variant to whether its y equals the first's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):                  # run as a file
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
+from benchmarks.timing import gpu_name, interleaved_ms, policy_changes  # noqa: E402
+
+from twell_compile.runtime import arch, cuda_infer  # noqa: E402
+from twell_compile.testing import make_ffn  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--M", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    ap.add_argument("--K", type=int, default=2048)
+    ap.add_argument("--N", type=int, default=5632)
+    ap.add_argument("--density", type=float, default=0.005)
+    ap.add_argument("--width", type=int, default=256, help="per-row list width W")
+    ap.add_argument("--gated", choices=("yes", "no", "both"), default="both")
+    ap.add_argument("--variants", nargs="+", required=True, metavar="F=V[,F=V...]")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=400)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("ab_record.py times CUDA graphs: it needs a GPU")
+    variants = {v: policy_changes(v.split(",")) for v in a.variants}
+    rows = []
+    for gated in {"yes": (True,), "no": (False,), "both": (True, False)}[a.gated]:
+        for m in a.M:
+            p = make_ffn(m, a.K, a.N, a.density, gated=gated)
+            args = (p["x"], p["w_gate"], None, p["w_up"], None, p["w_down"], None)
+            fns, ys = {}, {}
+            for name, patch in variants.items():
+                with arch.patched(**patch):
+                    for _ in range(2):                      # compile and warm up outside the capture
+                        cuda_infer.twell_forward(*args, a.width)
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        ys[name] = cuda_infer.twell_forward(*args, a.width)[0]
+                graph.replay()
+                fns[name] = graph.replay
+            torch.cuda.synchronize()
+            first = ys[a.variants[0]]
+            ms = interleaved_ms(fns, reps=a.reps, rounds=a.rounds)
+            row = stamp(dict(M=m, K=a.K, N=a.N, density=a.density, tail=0.0, gated=gated, width=a.width,
+                             ms=ms, y_bit_equal={k: bool(torch.equal(y, first)) for k, y in ys.items()},
+                             method="twell_forward replayed from a CUDA graph per variant, interleaved rounds"))
+            rows.append(row)
+            print(f"M={m} {'gated' if gated else 'non-gated'}: " +
+                  ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in ms.items()), flush=True)
+    path = out_path(a.out, gpu_name(), "ab_record.json")
+    write_json(path, rows)
+    print(f"wrote {path} ({len(rows)} rows)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
