@@ -40,7 +40,7 @@ class _Layer:
 
 _lock = threading.Lock()
 _layers: dict[tuple, _Layer] = {}      # by (op instance, key)
-_first: list[_Layer] = []              # states whose first measurement is in flight (``settle``)
+_first: dict[int, _Layer] = {}         # states whose first measurement is in flight, by id (``settle``)
 generation = 0                         # bumped by reset: every _Layer before it is forgotten
 
 
@@ -101,6 +101,7 @@ def take_landed(st: _Layer) -> None:
             st.density = float(pinned[0]) / max(elements, 1)
             st.pending = None
             st.version += 1
+            _first.pop(id(st), None)
 
 
 def due(st: _Layer, every: int) -> bool:
@@ -155,7 +156,7 @@ def submit(key: tuple, nnz: Tensor, elements: int) -> None:
     event.record()
     st.pending = (event, st.host, elements)
     if st.density is None:
-        _first.append(st)
+        _first[id(st)] = st
 
 
 def unsettled() -> bool:
@@ -172,12 +173,12 @@ def settle() -> int:
     if capturing():
         return 0
     taken = 0
-    while _first:
-        st = _first.pop()
+    for st in list(_first.values()):
         if st.pending is not None:
             st.pending[0].synchronize()
             take_landed(st)
             taken += 1
+        _first.pop(id(st), None)
     return taken
 
 
