@@ -180,7 +180,8 @@ def settled(compiled):
     density measurements that call made (density.settle: a host sync once per layer, on the
     warm-up call). Inductor's CUDA graphs record the second call and replay it from then on:
     without the wait the recording ran before any measurement landed and kept the dense path
-    (reduce-overhead at 2048 tokens, H200: 0.98x of Inductor, the op's own path 1.29x)."""
+    (reduce-overhead at 2048 tokens, H200: 0.98x of Inductor, the op's own path 1.29x;
+    results/h200/ffn_prefill_reduce_overhead.json)."""
     from twell_compile.runtime import density
 
     def run(*args):

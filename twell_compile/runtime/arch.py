@@ -384,9 +384,9 @@ H100 = dataclasses.replace(
     # Every variant ran at 6.2-6.9 TB/s of weight rows: the gathers' floor is 7.6 (h100/floor.json).
     row_prefetch=3, row_stages=4,
     # W_down^T's per-call copy made in the compaction's launch: the per-row path's GPU time at
-    # K=2048 N=5632 d=0.005, gated 2048 / 4096 / 8192 / 16384 tokens 181.8 / 322.8 / 611.1 /
-    # 1166.9 us against 188.2 / 333.5 / 628.0 / 1181.5 with a transpose launch of its own,
-    # non-gated 148.7 / 247.6 / 462.6 / 902.5 against 154.8 / 259.7 / 472.5 / 912.9 (y bit-equal;
+    # K=2048 N=5632 d=0.005, gated 2048 / 4096 / 8192 / 16384 tokens 181.3 / 324.8 / 615.0 /
+    # 1180.2 us against 187.9 / 335.3 / 629.1 / 1188.6 with a transpose launch of its own,
+    # non-gated 147.3 / 249.2 / 463.6 / 911.6 against 154.3 / 260.4 / 475.3 / 923.7 (y bit-equal;
     # results/h100/ffn_compact_transpose_ab.json)
     compact_transpose=True,
     # Rows heaviest first, in 8 buckets by count: the activity profile's layer (34 non-zeros per
