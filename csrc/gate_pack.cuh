@@ -44,6 +44,45 @@ struct PackArgs {
   int slots;
 };
 
+// bf16x2 of (lo, hi), rounded to nearest even: the low half holds lo (the left column).
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t v;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(v) : "f"(hi), "f"(lo));
+  return v;
+}
+
+// 0xffff in each half of v (bf16x2) where relu keeps it non-zero: > 0, or NaN (unordered).
+__device__ __forceinline__ uint32_t relu_nonzero_halves(uint32_t v) {
+  uint32_t m;
+  asm("set.gtu.u32.bf16x2 %0, %1, %2;" : "=r"(m) : "r"(v), "r"(0u));
+  return m;
+}
+
+// A row mask's bits of pair i: bit i (its left column) and bit P + i (its right one).
+template <class Mask, int P>
+__device__ __forceinline__ constexpr Mask pair_bits(int i) {
+  return (Mask(1) << i) | (Mask(1) << (P + i));
+}
+
+// A row mask's bits of the pairs before pair i, both columns.
+template <class Mask, int P>
+__device__ __forceinline__ constexpr Mask before_bits(int i) {
+  return ((Mask(1) << i) - 1) | (((Mask(1) << i) - 1) << P);
+}
+
+// The two 0/0xffff halves of m placed where a P-pair mask keeps them: bit 0 of the low half at
+// every bit below P, the high half's at every bit from P (ANDed with pair_bits(i) afterwards).
+template <class Mask, int P>
+__device__ __forceinline__ Mask spread_halves(uint32_t m) {
+  if constexpr (P == 16) {
+    return Mask(m);   // 0xffff halves: bits 0-15 and 16-31 already
+  } else {
+    const Mask lo = (m & 0xffffu) ? ~Mask(0) >> (8 * sizeof(Mask) - P) : Mask(0);
+    const Mask hi = (m >> 16) ? (~Mask(0) >> (8 * sizeof(Mask) - P)) << P : Mask(0);
+    return lo | hi;
+  }
+}
+
 // An sm70-style epilogue (the interface of cutlass::epilogue::collective::DefaultEpilogue), made a
 // warp-specialized sm90 epilogue by Sm90TmaWarpSpecializedAdapter: no shared memory, so every byte
 // of it goes to the mainloop's stages.
@@ -147,14 +186,29 @@ struct TwellPackEpilogue {
       else return load_bias(col);
     };
 
+    // Columns of this lane's pairs (the same for every row) and which are inside N: bit i and
+    // bit P + i for pair i (its two columns), as the row masks below hold them.
+    Mask in_n = 0;
+    CUTLASS_PRAGMA_UNROLL
+    for (int mn = 0; mn < MN; ++mn) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < NG; ++j) {
+        const int col = get<1>(tCcD(make_coord(make_coord(0, 0, j), 0, mn)));
+        if (full_n || col < N) in_n |= pair_bits<Mask, P>(mn * NG + j);
+      }
+    }
+
     CUTLASS_PRAGMA_UNROLL
     for (int mm = 0; mm < MM; ++mm) {
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < 2; ++r) {
         const int row = get<0>(tCcD(make_coord(make_coord(0, r, 0), mm, 0)));
         const bool row_ok = row < M;
-        __nv_bfloat16* grow = g + int64_t(row) * params.ldg;
-        // 1. bias, rounding, the dense store, and this lane's mask: bit 2i + e for its i-th pair
+        // 1. bias and rounding to bf16x2 (vals[i]: pair i, low half the left column), and this
+        //    lane's mask: bit i for the left column of pair i, bit P + i for the right one. A
+        //    half is a non-zero of relu where it is > 0 or NaN: one unordered bf16x2 compare
+        //    gives 0xffff per such half, and one AND with the pair's two bits files both.
+        uint32_t vals[P];
         Mask mask = 0;
         CUTLASS_PRAGMA_UNROLL
         for (int mn = 0; mn < MN; ++mn) {
@@ -162,20 +216,35 @@ struct TwellPackEpilogue {
           for (int j = 0; j < NG; ++j) {
             const int i = mn * NG + j;
             const int col = get<1>(tCcD(make_coord(make_coord(0, r, j), mm, mn)));
-            const bool ok = row_ok && (full_n || col < N);
             const float2 b = bias_of(i, col);
-            const __nv_bfloat162 v = __floats2bfloat162_rn(acc(make_coord(make_coord(0, r, j), mm, mn)) + b.x,
-                                                           acc(make_coord(make_coord(1, r, j), mm, mn)) + b.y);
-            if (g != nullptr && ok) {
-              *reinterpret_cast<__nv_bfloat162*>(grow + col) = v;
-            }
-            // relu(v) != 0: v > 0 or NaN
-            const Mask nz = Mask(!(__bfloat162float(v.x) <= 0.f)) | (Mask(!(__bfloat162float(v.y) <= 0.f)) << 1);
-            mask |= ok ? nz << (2 * i) : Mask(0);
+            vals[i] = pack_bf16x2(acc(make_coord(make_coord(0, r, j), mm, mn)) + b.x,
+                                  acc(make_coord(make_coord(1, r, j), mm, mn)) + b.y);
+            mask |= spread_halves<Mask, P>(relu_nonzero_halves(vals[i])) & pair_bits<Mask, P>(i);
           }
         }
+        mask = row_ok ? mask & in_n : Mask(0);
+        // 2. the dense store of g (the exact paths read it): unpredicated where the tile holds
+        //    every column of its pairs
+        if (g != nullptr && row_ok) {
+          __nv_bfloat16* grow = g + int64_t(row) * params.ldg;
+          auto store = [&](auto all_cols) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int mn = 0; mn < MN; ++mn) {
+              CUTLASS_PRAGMA_UNROLL
+              for (int j = 0; j < NG; ++j) {
+                const int i = mn * NG + j;
+                const int col = get<1>(tCcD(make_coord(make_coord(0, r, j), mm, mn)));
+                if (decltype(all_cols)::value || (in_n & pair_bits<Mask, P>(i))) {
+                  *reinterpret_cast<uint32_t*>(grow + col) = vals[i];
+                }
+              }
+            }
+          };
+          if (full_n) store(cute::true_type{});
+          else store(cute::false_type{});
+        }
         if (!pack) continue;   // g only (tune_gate.py times the parts apart)
-        // 2. the row's count in this tile: the quad's masks' popcounts. Lanes whose quad holds
+        // 3. the row's count in this tile: the quad's masks' popcounts. Lanes whose quad holds
         //    no non-zero (most, at low density) write 0 and are done.
         const bool any = __any_sync(0xffffffffu, mask != 0);
         if (!any) {
@@ -199,32 +268,31 @@ struct TwellPackEpilogue {
           params.tcnt[int64_t(row) * params.tiles + tile] = popc(qm[0]) + popc(qm[1]) + popc(qm[2]) + popc(qm[3]);
         }
         if (mask == 0) continue;
-        // 3. each non-zero's rank in column order: all earlier groups of the quad, then the
-        //    lanes before this one in its group, then its left neighbour in this lane's pair
+        // 4. each non-zero's rank in column order: the quad's non-zeros in earlier pairs (its
+        //    lanes' masks below pair i), then those of the lanes before this one in pair i, then
+        //    this lane's left column where the right one is being filed
         int32_t* dst = params.packed + (int64_t(row) * params.tiles + tile) * S;
         CUTLASS_PRAGMA_UNROLL
         for (int mn = 0; mn < MN; ++mn) {
           CUTLASS_PRAGMA_UNROLL
           for (int j = 0; j < NG; ++j) {
             const int i = mn * NG + j;
-            const unsigned bits = unsigned(mask >> (2 * i)) & 3u;
-            if (bits) {
-              const Mask before = (Mask(1) << (2 * i)) - 1;   // 2 * i < mask bits
-              int rank = popc(qm[0] & before) + popc(qm[1] & before) + popc(qm[2] & before) + popc(qm[3] & before);
+            const Mask here = pair_bits<Mask, P>(i);
+            if (mask & here) {
+              const Mask lower = before_bits<Mask, P>(i);
+              int rank = popc(qm[0] & lower) + popc(qm[1] & lower) + popc(qm[2] & lower) + popc(qm[3] & lower);
               CUTLASS_PRAGMA_UNROLL
               for (int o = 0; o < 3; ++o) {
-                if (o < q) rank += __popc(unsigned(qm[o] >> (2 * i)) & 3u);
+                if (o < q) rank += popc(qm[o] & here);
               }
               const int col = get<1>(tCcD(make_coord(make_coord(0, r, j), mm, mn)));
-              const float2 b = bias_of(i, col);
-              const __nv_bfloat162 v = __floats2bfloat162_rn(acc(make_coord(make_coord(0, r, j), mm, mn)) + b.x,
-                                                             acc(make_coord(make_coord(1, r, j), mm, mn)) + b.y);
-              if (bits & 1u) {
-                if (rank < S) dst[rank] = (col << 16) | int32_t(__bfloat16_as_ushort(v.x));
+              const Mask left = Mask(1) << i;
+              if (mask & left) {
+                if (rank < S) dst[rank] = (col << 16) | int32_t(vals[i] & 0xffffu);
                 ++rank;
               }
-              if ((bits & 2u) && rank < S) {
-                dst[rank] = ((col + 1) << 16) | int32_t(__bfloat16_as_ushort(v.y));
+              if ((mask & (left << P)) && rank < S) {
+                dst[rank] = ((col + 1) << 16) | int32_t(vals[i] >> 16);
               }
             }
           }
