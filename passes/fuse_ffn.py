@@ -27,7 +27,7 @@ import torch
 from torch import fx
 
 from twell_compile.config import TwellConfig
-from twell_compile.ops import declare, next_instance, static_path, static_reason
+from twell_compile.ops import declare, mark_graphs, next_instance, static_path, static_reason
 from twell_compile.passes.match_ffn import Match, Rejection, find_ffns
 from twell_compile.passes.naming import module_path, module_roots, source_root
 from twell_compile.passes.pass_utils import example, graph_modules, report_of, tokens_str
@@ -131,6 +131,9 @@ def _rewrite(graph: fx.Graph, m: Match, config: TwellConfig, layer: str,
     if owner is not None:
         kwargs["owner"] = owner[0]
         declare(instance, layer, owner[1])
+    if config.cudagraphs != "off" and not training:
+        # the bounds static_reason applied (cudagraphs) hold for the op's calls too
+        mark_graphs(instance)
     with graph.inserting_before(down_node):
         if m.down.offs is not None:
             op, y = _experts_call(graph, m, config, layer, dtype, training, instance, kwargs)

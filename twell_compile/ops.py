@@ -71,6 +71,7 @@ from twell_compile.config import PATHS
 from twell_compile.formats import backup_capacity, ell_width_for
 from twell_compile.reference import check_act
 from twell_compile.runtime import execute, names, select
+from twell_compile.runtime.density import mark_graphs
 from twell_compile.runtime.names import caller_modules, declare, next_instance
 from twell_compile.runtime.select import experts_reason, static_path, static_reason
 
@@ -486,5 +487,5 @@ def _train_backward(ctx, dy: Optional[Tensor], *_unused: Optional[Tensor]):
 ffn_train.register_autograd(_train_backward, setup_context=_train_setup_context)
 
 
-__all__ = ["PATHS", "arg_index", "caller_modules", "declare", "experts_train", "experts_train_bwd", "ffn_train",
+__all__ = ["PATHS", "arg_index", "caller_modules", "declare", "mark_graphs", "experts_train", "experts_train_bwd", "ffn_train",
            "ffn_train_bwd", "next_instance", "experts_reason", "static_path", "static_reason", "tag", "tagged"]

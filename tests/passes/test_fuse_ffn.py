@@ -329,6 +329,31 @@ def test_each_op_gets_an_instance_of_its_own() -> None:
     assert len(seen) == 4 and len(set(seen)) == 4 and all(i > 0 for i in seen), seen
 
 
+@pytest.mark.parametrize("cudagraphs, marked", [("on", True), ("", True), ("off", False)])
+def test_inference_ops_compiled_for_cuda_graphs_plan_with_the_bounds_for_graphs(cudagraphs: str, marked: bool) -> None:
+    """An inference op compiled where its graph runs inside CUDA graphs (reduce-overhead,
+    twell.cudagraphs; unresolved counts as on, as static_reason reads it) is marked, so its
+    calls, the eager ones before the recording included, plan with the record's bounds for
+    graphs (density.in_graphs); a training op or a graph without CUDA graphs is not."""
+    from twell_compile.ops import arg_index
+    from twell_compile.runtime import density
+
+    model = GatedMLP()
+    x = torch.randn(5, 16)
+    for grad in (False, True):
+        torch._dynamo.reset()
+        backend = PassBackend(TwellConfig(skip_dense=False, cudagraphs=cudagraphs))
+        with torch.set_grad_enabled(grad):
+            torch.compile(model, backend=backend)(x)
+        ops = [n for n in backend.nodes() if n.op == "call_function" and str(n.target) in TWELL_OPS]
+        assert len(ops) == 1
+        instance = ops[0].args[arg_index(ops[0].target, "instance")]
+        with density.scope(instance):
+            assert density.in_graphs() == (marked and not grad), (cudagraphs, grad)
+    with density.scope(0):                   # direct calls: only while capturing
+        assert not density.in_graphs()
+
+
 @pytest.mark.parametrize("grad", [False, True])
 def test_no_tokens_compile_and_match_eager(grad: bool) -> None:
     """x [B, 0, K] through the real backend: an empty y, and as eager zero weight gradients."""

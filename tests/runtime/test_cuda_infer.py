@@ -457,6 +457,25 @@ def test_reduce_overhead_records_the_measured_path_without_a_sync_per_call():
     assert {path for inst, _, d, path in density.snapshot() if inst != 0} == {"twell"}
 
 
+def test_inside_cuda_graphs_the_per_row_path_starts_at_the_records_bound_for_graphs():
+    """With min_tokens above the call and graphs_min_tokens at it, reduce-overhead records the
+    per-row path (its warm-up call measured the layer, as a tracked dense call), while the
+    default mode leaves the same call to eager's dense calls, untracked."""
+    x = _inputs(2048, 256)
+    for mode, want in (("reduce-overhead", {"twell"}), ("default", set())):
+        torch._dynamo.reset()
+        density.reset()
+        model = GatedMLP.at_density(256, 1024, 0.002).cuda().to(torch.bfloat16)
+        with arch.patched(min_tokens=4096, graphs_min_tokens=2048), torch.no_grad():
+            f = torch.compile(model, backend="twell", mode=mode, options={"twell.skip_dense": False})
+            for _ in range(4):
+                y = f(x)
+            torch.cuda.synchronize()
+            ref = model.float()(x.float())
+        assert _rel(y, ref) < 2e-2
+        assert {path for inst, _, _, path in density.snapshot() if inst != 0} == want, (mode, density.snapshot())
+
+
 def test_forced_kernels_run_their_path_or_refuse():
     """path= forces a path (the plan's argument): TwELL at any width the kernels take, dense,
     and a clear error where the path cannot run the call."""

@@ -66,7 +66,7 @@ def test_rows_name_fields_of_the_records_and_hold_no_measured_numbers():
         for c in (row.inference, row.training):
             if c is None:
                 continue
-            names = {c.min_width_from, *c.tokens_from} - {""}
+            names = {c.min_width_from, *c.tokens_from, c.graphs_tokens_from} - {""}
             assert names <= (cpu if "cpu" in c.devices else gpu), (path, names)
             assert not c.max_m_from or c.max_m_from in DecodeConfig._fields
             assert isinstance(c.runs, str) and (c.runs or path == Path.AUTO)
@@ -115,8 +115,17 @@ def test_static_reason_and_the_runs_column_follow_the_rows_token_bounds():
         assert "tokens: above the decode path's" in select.static_reason(CUDA, torch.bfloat16, decode_max + 1,
                                                                          2048, 5632, 2048)
         assert select.static_reason(CUDA, torch.bfloat16, rows_min, 2048, 5632, 2048) is None
-        with arch.patched(min_tokens=decode_max + 1):
+        with arch.patched(min_tokens=decode_max + 1, graphs_min_tokens=0):
             assert select.static_reason(CUDA, torch.bfloat16, decode_max + 1, 2048, 5632, 2048) is None
+        # inside CUDA graphs the record's bound for graphs, where set
+        with arch.patched(min_tokens=4096, graphs_min_tokens=2048):
+            graphs_min = paths.token_range(paths.caps(Path.TWELL, False), arch.cuda_default(), graphs=True)[0]
+            assert graphs_min == 2048
+            assert select.static_reason(CUDA, torch.bfloat16, 2048, 2048, 5632, 2048, cudagraphs=True) is None
+            assert "below the per-row path's 4096" in select.static_reason(CUDA, torch.bfloat16, 2048, 2048, 5632,
+                                                                          2048, cudagraphs=False)
+            assert "below the per-row path's 2048" in select.static_reason(CUDA, torch.bfloat16, 2047, 2048, 5632,
+                                                                          2048, cudagraphs=True)
         with arch.patched(decode_max_m=decode_max + 4):
             assert select.static_path(CUDA, torch.bfloat16, decode_max + 4, 2048, 5632, 2048).startswith(
                 "CUDA decode or dense")

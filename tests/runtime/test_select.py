@@ -40,10 +40,28 @@ def test_cuda_fp32_is_dense():
 
 
 def test_cuda_static_tokens_between_the_sparse_paths_are_dense_but_dynamic_tokens_are_not():
-    for few in (P.decode_max_m + 1, P.min_tokens - 1):
-        assert f"{few} tokens" in reason(CUDA, torch.bfloat16, few)
-    for m in (P.min_tokens, None):   # per-row, unknown (decode sizes: runtime/test_cuda_decode.py)
-        assert reason(CUDA, torch.bfloat16, m) is None
+    for graphs, rows_min in ((False, P.min_tokens), (True, P.graphs_min_tokens or P.min_tokens)):
+        for few in (P.decode_max_m + 1, rows_min - 1):
+            assert f"{few} tokens" in reason(CUDA, torch.bfloat16, few, cudagraphs=graphs)
+        for m in (rows_min, None):   # per-row, unknown (decode sizes: runtime/test_cuda_decode.py)
+            assert reason(CUDA, torch.bfloat16, m, cudagraphs=graphs) is None
+
+
+def test_inside_cuda_graphs_the_per_row_path_takes_the_records_bound_for_graphs():
+    """Host time does not count inside CUDA graphs: the H200 record runs the per-row path from
+    2048 tokens there (graphs_min_tokens), from 4096 without graphs; 0 in the record: the same
+    bound both ways."""
+    assert P.graphs_min_tokens == 2048 < P.min_tokens == 4096
+    assert reason(CUDA, torch.bfloat16, 2048, cudagraphs=True) is None
+    assert "below the per-row path's 4096" in reason(CUDA, torch.bfloat16, 2048, cudagraphs=False)
+    with arch.patched(graphs_min_tokens=0):
+        assert "below the per-row path's 4096" in reason(CUDA, torch.bfloat16, 2048, cudagraphs=True)
+    # a dynamic count is guarded to the range its hint falls in, by the same bound
+    env, m = tokens(3000)
+    assert reason(CUDA, torch.bfloat16, m, cudagraphs=True) is None
+    assert guards(env)
+    env, m = tokens(3000)
+    assert "below the per-row path's 4096" in reason(CUDA, torch.bfloat16, m, cudagraphs=False)
 
 
 def test_cuda_grouped_experts_stay_dense_unless_forced_or_penalised():
@@ -96,9 +114,9 @@ def test_inference_dynamic_token_counts_are_guarded_to_their_range():
     """A SymInt count is answered as its hint is, and the range the hint is in (decode-sized,
     the band, per-row sized) joins the shape environment's guards; facts that decide without
     the count add no guard; unbacked counts keep the rewrite."""
-    lo, hi = P.decode_max_m, P.min_tokens
+    lo, hi = P.decode_max_m, P.min_tokens       # without CUDA graphs (with: the bound for graphs)
     env, m = tokens(1024)
-    why = reason(CUDA, torch.bfloat16, m)
+    why = reason(CUDA, torch.bfloat16, m, cudagraphs=False)
     assert why and "1024 now" in why and f"guarded to {lo + 1}-{hi - 1} tokens" in why and "decode path" in why
     assert guards(env) == sorted([f"{m.node.expr} < {hi}", f"{m.node.expr} >= {lo + 1}"])
     for cudagraphs in (False, True):       # decode-sized: the CUDA-graph rule as for a static count
@@ -107,10 +125,10 @@ def test_inference_dynamic_token_counts_are_guarded_to_their_range():
         assert (why is None) == cudagraphs and (cudagraphs or f"guarded to <= {lo}" in why)
         assert guards(env) == [f"{m.node.expr} < {lo + 1}"]
     env, m = tokens(hi)
-    assert reason(CUDA, torch.bfloat16, m) is None
+    assert reason(CUDA, torch.bfloat16, m, cudagraphs=False) is None
     assert guards(env) == sorted([f"{m.node.expr} >= {lo + 1}", f"{m.node.expr} >= {hi}"])
     env, m = tokens(hi)                    # per-row sized: the width rules apply
-    assert "wide" in reason(CUDA, torch.bfloat16, m, 64, select.MAX_N + 1, 64)
+    assert "wide" in reason(CUDA, torch.bfloat16, m, 64, select.MAX_N + 1, 64, cudagraphs=False)
     env, m = tokens(1024)                  # decided without the count: no guard
     assert "float32" in reason(CUDA, torch.float32, m)
     assert "float16" in reason(CPU, torch.float16, m)

@@ -178,6 +178,9 @@ class GpuPolicy:
                                      # row_buckets - 1 bins by count, heaviest first
     compact_transpose: bool = False  # W_down^T's per-call copy made by the compaction's launch
                                      # (tiles after its programs), not a launch of its own
+    graphs_min_tokens: int = 0       # the per-row path's token bound where the call runs inside a
+                                     # CUDA graph (reduce-overhead, twell.cudagraphs): GPU time alone
+                                     # counts there; 0: min_tokens
     gate_cfg: int = -1               # the per-row path's gate GEMM: -1 cuBLAS, then a compaction
                                      # pass over g; c >= 0 twell::gate_pack's configuration c
                                      # (cuda_gate.CONFIGS), packing in its epilogue (bf16, sm90)
@@ -344,6 +347,17 @@ H200 = GpuPolicy(
     # tokens, 4.498 / 4.555 at 65536, 0.304 / 0.307 at 4096, 0.199 / 0.169 at 2048
     # (results/h200/gate_whole.json; H100: 1.184 / 1.195 and 4.794 / 4.920, h100/gate_whole.json).
     gate_cfg=4, gate_min_m=16384,
+    # W_down^T's per-call copy made in the compaction's launch: the per-row path's GPU time at
+    # K=2048 N=5632 d=0.005, gated 2048 / 4096 / 8192 tokens 161.5 / 302.0 / 573.7 us against
+    # 165.5 / 309.6 / 582.4 with a transpose launch of its own, non-gated 129.1 / 236.7 / 439.0
+    # against 133.0 / 242.1 / 446.3 (y bit-equal; results/h200/ffn_compact_transpose_ab.json)
+    compact_transpose=True,
+    # Inside CUDA graphs (host time does not count) the per-row path from 2048 tokens: under
+    # reduce-overhead 1.19x / 1.29x / 1.37x of Inductor at 2048 / 4096 / 8192 tokens (i.i.d.
+    # d=0.005; results/h200/ffn_prefill_reduce_overhead.json), the activity profile's layer at
+    # 2048 1.04x on the GPU (op 0.2065 against Inductor's 0.2145 ms); without graphs the module
+    # at 2048 read 0.84x, host-bound (results/h200/ffn_prefill.json), so min_tokens stays 4096.
+    graphs_min_tokens=2048,
     # Launch sizes: the fastest of the probes of bench_ffn.py / bench_ffn_train.py at M=16384
     # K=2048 d=0.005 (the fused row kernel at 1 pair / 2 warps: 493 us against 531 at 4 / 4),
     # the wgrad passes' by the whole model's step (bench_e2e.py --train).
@@ -383,6 +397,10 @@ H100 = dataclasses.replace(
     # 2.212 / 2.370, M=4096 0.169 / 0.169-0.181 (tune_ffn.py --fused 1,1,1024 1,3,1024,4).
     # Every variant ran at 6.2-6.9 TB/s of weight rows: the gathers' floor is 7.6 (h100/floor.json).
     row_prefetch=3, row_stages=4,
+    # Inside CUDA graphs too the per-row path from 4096 tokens: the activity profile's layer at
+    # 2048 ran 0.96x of Inductor on the GPU (op 0.2163 against 0.2072 ms;
+    # results/h100/ffn_prefill_buckets.json), under the grid's 0.97x.
+    graphs_min_tokens=0,
     # W_down^T's per-call copy made in the compaction's launch: the per-row path's GPU time at
     # K=2048 N=5632 d=0.005, gated 2048 / 4096 / 8192 / 16384 tokens 181.3 / 324.8 / 615.0 /
     # 1180.2 us against 187.9 / 335.3 / 629.1 / 1188.6 with a transpose launch of its own,
@@ -413,7 +431,8 @@ H100 = dataclasses.replace(
 FALLBACK = dataclasses.replace(
     H200, name="fallback",
     measured_on="constants of the H200 with narrower margins; never measured on this GPU",
-    margin=0.8, decode_margin=0.75, sparse_max_density=0.008, min_tokens=8192, op_rows_host_us=0.0, gate_cfg=-1)
+    margin=0.8, decode_margin=0.75, sparse_max_density=0.008, min_tokens=8192, graphs_min_tokens=0,
+    op_rows_host_us=0.0, gate_cfg=-1)
 
 # The C++ kernel against eager's dense calls (what an FFN costs inside a compiled graph) and
 # Inductor's compiled FFN, fp32, 2 threads, d = 0.005, path="cpu", 2-core AMD EPYC (AVX2): from

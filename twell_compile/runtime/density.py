@@ -79,6 +79,23 @@ def instance() -> int:
     return getattr(_scope, "instance", 0)
 
 
+_in_graphs: set[int] = set()           # op instances compiled to run inside CUDA graphs
+
+
+def mark_graphs(instance: int) -> None:
+    """Op ``instance`` was compiled into a graph that runs inside CUDA graphs (reduce-overhead,
+    twell.cudagraphs): its calls plan with the record's bounds for graphs, including the
+    eager calls before the recording (their measurement is what the recording decides by).
+    A fact of the compiled graph: ``reset`` keeps it."""
+    _in_graphs.add(instance)
+
+
+def in_graphs() -> bool:
+    """Whether the call in progress runs inside a CUDA graph: the stream is capturing, or its
+    op instance was compiled for CUDA graphs (``mark_graphs``)."""
+    return capturing() or getattr(_scope, "instance", 0) in _in_graphs
+
+
 def _state(key: tuple) -> _Layer:
     full = (instance(), key)
     st = _layers.get(full)

@@ -87,7 +87,9 @@ class Caps:
     most; max_m: tokens at most; max_m_from: tokens at most this field of the record's decode
     config (``decode_config(M, K)``). nonzero: K, N and K_out at least 1. min_width_from and
     tokens_from (low, high): the record fields bounding K and the token count under "auto"
-    (the low token bound is 1 where unnamed). backup: needs more tokens than dense-backup rows
+    (the low token bound is 1 where unnamed); graphs_tokens_from: the record field giving the
+    low bound instead for calls inside CUDA graphs, where host time does not count (0 in the
+    record: the same bound). backup: needs more tokens than dense-backup rows
     (a compact state). form: the decode form it forces ("" the cost model's). atomics: sums
     with atomics (not chosen by "auto" under torch.use_deterministic_algorithms)."""
 
@@ -105,6 +107,7 @@ class Caps:
     nonzero: bool = True
     min_width_from: str = ""
     tokens_from: tuple = ("", "")
+    graphs_tokens_from: str = ""
     backup: bool = False
     form: str = ""
     atomics: bool = False
@@ -124,7 +127,7 @@ _DENSE = Caps("the dense path", "dense", devices=_CUDA, needs=frozenset((Need.TR
               uses=frozenset((Need.OP_GRAPH,)), nonzero=False)
 _ROWS = Caps("the per-row path", "twell", devices=_CUDA, dtypes=DTYPES, needs=frozenset((Need.TRITON,)),
              uses=frozenset((Need.GATE_EXTENSION, Need.OP_GRAPH)), max_width=MAX_WIDTH, max_n=MAX_N,
-             min_width_from="min_width", tokens_from=("min_tokens", ""))
+             min_width_from="min_width", tokens_from=("min_tokens", ""), graphs_tokens_from="graphs_min_tokens")
 _DECODE = Caps("the decode path", "decode", devices=_CUDA, dtypes=DTYPES, needs=frozenset((Need.TRITON,)),
                uses=frozenset((Need.DECODE_STATE, Need.OP_GRAPH)), max_m=MAX_M, tokens_from=("", "decode_max_m"))
 _CPU_KERNEL = Caps("the C++ CPU kernel", "cpu", devices=_CPU, dtypes=CPU_DTYPES, needs=frozenset((Need.CPU_KERNEL,)),
@@ -226,21 +229,27 @@ def min_width(c: Caps, p) -> int:
     return getattr(p, c.min_width_from) if c.min_width_from else 0
 
 
-def token_range(c: Caps, p) -> tuple[int, Optional[int]]:
-    """The token counts (low, high; None: no bound) the record ``p`` gives the path under "auto"."""
+def token_range(c: Caps, p, graphs: bool = False) -> tuple[int, Optional[int]]:
+    """The token counts (low, high; None: no bound) the record ``p`` gives the path under "auto";
+    ``graphs``: for a call inside a CUDA graph, where the row's ``graphs_tokens_from`` field,
+    where set (non-zero) and lower, gives the low bound (host time does not count there)."""
     lo, hi = c.tokens_from
-    return (getattr(p, lo) if lo else 1), (getattr(p, hi) if hi else None)
+    low = getattr(p, lo) if lo else 1
+    if graphs and c.graphs_tokens_from:
+        low = min(low, getattr(p, c.graphs_tokens_from) or low)
+    return low, (getattr(p, hi) if hi else None)
 
 
-def in_range(c: Caps, p, m: int) -> bool:
-    lo, hi = token_range(c, p)
+def in_range(c: Caps, p, m: int, graphs: bool = False) -> bool:
+    lo, hi = token_range(c, p, graphs)
     return lo <= m and (hi is None or m <= hi)
 
 
-def auto_ok(c: Caps, p, dtype: torch.dtype, m: int, k: int, n: int, k_out: int) -> bool:
+def auto_ok(c: Caps, p, dtype: torch.dtype, m: int, k: int, n: int, k_out: int, graphs: bool = False) -> bool:
     """Whether "auto" may take the path for this call (device and needs aside): its dtypes and
-    widths, and the record's K and token bounds."""
-    return dtype_ok(c, dtype) and fits_widths(c, k, n, k_out) and k >= min_width(c, p) and in_range(c, p, m)
+    widths, and the record's K and token bounds (``graphs``: token_range's)."""
+    return (dtype_ok(c, dtype) and fits_widths(c, k, n, k_out) and k >= min_width(c, p)
+            and in_range(c, p, m, graphs))
 
 
 def max_tokens(c: Caps, p, m: int, k: int) -> Optional[int]:

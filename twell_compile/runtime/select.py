@@ -10,7 +10,9 @@ path that cannot run the call raises ``ValueError``.
 Inference, CUDA bf16/fp16 (fp32 runs eager's dense calls: tl.dot would round its operands to
 tf32, about 3e-4 relative error, over twice eager fp32's):
   1. Shapes. Decode path for 1 <= M <= decode_max_m tokens; per-row TwELL path for
-     M >= min_tokens, min_width <= K, K and K_out <= MAX_WIDTH (the row kernel holds a whole x
+     M >= min_tokens (graphs_min_tokens, where set, for calls inside CUDA graphs: capturing,
+     or an op compiled for them, density.in_graphs; compile time: static_reason's
+     ``cudagraphs``), min_width <= K, K and K_out <= MAX_WIDTH (the row kernel holds a whole x
      and y row in registers), N <= MAX_N (16-bit columns in the per-row lists). Dense otherwise.
   2. Density (per layer, lagged; density.py). With d the measured density and g = 1 for a gated
      FFN, the layer runs TwELL while, in units of one dense M x K x N GEMM,
@@ -310,7 +312,8 @@ def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
         forms = DETERMINISTIC_FORMS if torch.are_deterministic_algorithms_enabled() else None
         form = decode_pick(p, 0.0 if d is None else d, m, k, n, k_out, gated, forms)
         decode = form is not None or decode_wins(p, 0.0, m, k, n, k_out, gated)
-    rows_ok = paths.auto_ok(_ROWS, p, x.dtype, m, k, n, k_out)
+    # inside CUDA graphs (capturing, or an op compiled for them) the record's bound for graphs
+    rows_ok = paths.auto_ok(_ROWS, p, x.dtype, m, k, n, k_out, density.in_graphs())
     if not decode and not rows_ok:
         # eager's calls (fp32, M between the sparse paths, unsupported shapes): no bookkeeping
         return InferPlan("dense", p, graphed=not keep_stats and _graph_dense(p, x, m, k, n, k_out, gated),
@@ -428,7 +431,7 @@ def _cuda_count_reason(p: GpuPolicy, m: int, k: int, n: int, k_out: int, gated: 
     """The CUDA inference rules on a static token count (bf16/fp16): the decode and per-row
     records' token ranges and widths."""
     decode_max = paths.token_range(_DECODE, p)[1]
-    rows_min = paths.token_range(_ROWS, p)[0]
+    rows_min = paths.token_range(_ROWS, p, cudagraphs)[0]
     if decode_max < m < rows_min:
         return (f"{m} tokens: above the decode path's {decode_max} and below the per-row path's "
                 f"{rows_min}, where the CUDA sparse kernels lose to dense")
@@ -439,9 +442,9 @@ def _cuda_count_reason(p: GpuPolicy, m: int, k: int, n: int, k_out: int, gated: 
     if paths.in_range(_DECODE, p, m) and not decode_wins(p, 0.0, m, k, n, k_out, gated):
         return (f"{m} tokens: the CUDA decode path's cost model ({p.name}) has dense faster for this "
                 f"layer even at density 0")
-    if paths.in_range(_ROWS, p, m) and paths.too_wide(_ROWS, k, n, k_out):
+    if paths.in_range(_ROWS, p, m, cudagraphs) and paths.too_wide(_ROWS, k, n, k_out):
         return f"layer too wide for the CUDA sparse kernels (K={k}, K_out={k_out}, N={n})"
-    if paths.in_range(_ROWS, p, m) and k < paths.min_width(_ROWS, p):
+    if paths.in_range(_ROWS, p, m, cudagraphs) and k < paths.min_width(_ROWS, p):
         return (f"K={k}: below the {paths.min_width(_ROWS, p)} where the CUDA per-row kernels beat dense at "
                 f"{m} tokens ({p.name})")
     return None
@@ -454,7 +457,7 @@ def _cuda_infer_reason(p: GpuPolicy, dtype: torch.dtype, m, k: int, n: int, k_ou
                 f"{paths.dtype_names(_ROWS)})")
     if isinstance(m, torch.SymInt):
         decode_max = paths.token_range(_DECODE, p)[1]
-        rows_min = paths.token_range(_ROWS, p)[0]
+        rows_min = paths.token_range(_ROWS, p, cudagraphs)[0]
         decode = _sym_lt(m, decode_max + 1) if m.node.has_hint() else None
         band = _sym_lt(m, rows_min) if decode is False else False
         if decode is None or band is None:
