@@ -467,7 +467,8 @@ def test_inside_cuda_graphs_the_per_row_path_starts_at_the_records_bound_for_gra
         density.reset()
         model = GatedMLP.at_density(256, 1024, 0.002).cuda().to(torch.bfloat16)
         with arch.patched(min_tokens=4096, graphs_min_tokens=2048), torch.no_grad():
-            f = torch.compile(model, backend="twell", mode=mode, options={"twell.skip_dense": False})
+            options = {"twell.skip_dense": False, **({"twell.mode": mode} if mode != "default" else {})}
+            f = torch.compile(model, backend="twell", options=options)
             for _ in range(4):
                 y = f(x)
             torch.cuda.synchronize()
