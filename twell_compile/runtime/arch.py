@@ -357,6 +357,8 @@ H200 = GpuPolicy(
     # d=0.005; results/h200/ffn_prefill_reduce_overhead.json), the activity profile's layer at
     # 2048 1.04x on the GPU (op 0.2065 against Inductor's 0.2145 ms); without graphs the module
     # at 2048 read 0.84x, host-bound (results/h200/ffn_prefill.json), so min_tokens stays 4096.
+    # The 16-layer model at 1 x 2048 tokens (densities 0.49-0.87%): 1.029x with it, 0.974x
+    # without, within the runs' spread (results/h200/e2e_prefill_reduce_overhead.json).
     graphs_min_tokens=2048,
     # Launch sizes: the fastest of the probes of bench_ffn.py / bench_ffn_train.py at M=16384
     # K=2048 d=0.005 (the fused row kernel at 1 pair / 2 warps: 493 us against 531 at 4 / 4),
