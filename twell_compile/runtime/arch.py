@@ -371,6 +371,7 @@ H100 = dataclasses.replace(
     H200, name="H100",
     measured_on="NVIDIA H100 80GB HBM3 (torch 2.11, Triton 3.6): per-row and decode cost "
                 "models, the row kernel's pipelined list loop, W_down^T made in the compaction's launch, the "
+                "per-row path's bound inside CUDA graphs, the "
                 "dense training path's saved state; other "
                 "launch sizes, decode configs and the other training constants are the H200's",
     # Per-row path: least-relative-error fit of the forced-kernel column at M = 16384 and 65536
@@ -399,10 +400,10 @@ H100 = dataclasses.replace(
     # 2.212 / 2.370, M=4096 0.169 / 0.169-0.181 (tune_ffn.py --fused 1,1,1024 1,3,1024,4).
     # Every variant ran at 6.2-6.9 TB/s of weight rows: the gathers' floor is 7.6 (h100/floor.json).
     row_prefetch=3, row_stages=4,
-    # Inside CUDA graphs too the per-row path from 4096 tokens: the activity profile's layer at
-    # 2048 ran 0.96x of Inductor on the GPU (op 0.2163 against 0.2072 ms;
-    # results/h100/ffn_prefill_buckets.json), under the grid's 0.97x.
-    graphs_min_tokens=0,
+    # Inside CUDA graphs the per-row path from 2048 tokens: under reduce-overhead at 2048 tokens
+    # the activity profile's layer 1.00x of Inductor (0.225 against 0.225 ms), i.i.d. d=0.005
+    # 1.11x (0.205 against 0.227; results/h100/ffn_prefill_reduce_overhead.json).
+    graphs_min_tokens=2048,
     # W_down^T's per-call copy made in the compaction's launch: the per-row path's GPU time at
     # K=2048 N=5632 d=0.005, gated 2048 / 4096 / 8192 / 16384 tokens 181.3 / 324.8 / 615.0 /
     # 1180.2 us against 187.9 / 335.3 / 629.1 / 1188.6 with a transpose launch of its own,
