@@ -162,6 +162,19 @@ struct TwellPackEpilogue {
     // is in range whole or not at all)
     const bool full_n = (n_coord + 1) * int(size<1>(blk_shape_MNK)) <= N;
 
+    // fn(i, col, a0, a1) for each of this lane's pairs in row (r, mm), in column order: its index
+    // i (unrolled: a compile-time register index), its left column and its two accumulators
+    auto each_pair = [&](int r, int mm, auto&& fn) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int mn = 0; mn < MN; ++mn) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < NG; ++j) {
+          fn(mn * NG + j, int(get<1>(tCcD(make_coord(make_coord(0, r, j), mm, mn)))),
+             acc(make_coord(make_coord(0, r, j), mm, mn)), acc(make_coord(make_coord(1, r, j), mm, mn)));
+        }
+      }
+    };
+
     // the bias of this lane's pairs: loaded once per tile into registers (the same for every
     // row) where they fit beside the accumulators (P <= 16), else per pair from L1
     constexpr bool kHoist = P <= 16;
@@ -173,13 +186,7 @@ struct TwellPackEpilogue {
       return make_float2(__bfloat162float(b.x), __bfloat162float(b.y));
     };
     if constexpr (kHoist) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int mn = 0; mn < MN; ++mn) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < NG; ++j) {
-          hoisted[mn * NG + j] = load_bias(get<1>(tCcD(make_coord(make_coord(0, 0, j), 0, mn))));
-        }
-      }
+      each_pair(0, 0, [&](int i, int col, float, float) { hoisted[i] = load_bias(col); });
     }
     auto bias_of = [&](int i, int col) {
       if constexpr (kHoist) return hoisted[i];
@@ -189,14 +196,9 @@ struct TwellPackEpilogue {
     // Columns of this lane's pairs (the same for every row) and which are inside N: bit i and
     // bit P + i for pair i (its two columns), as the row masks below hold them.
     Mask in_n = 0;
-    CUTLASS_PRAGMA_UNROLL
-    for (int mn = 0; mn < MN; ++mn) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < NG; ++j) {
-        const int col = get<1>(tCcD(make_coord(make_coord(0, 0, j), 0, mn)));
-        if (full_n || col < N) in_n |= pair_bits<Mask, P>(mn * NG + j);
-      }
-    }
+    each_pair(0, 0, [&](int i, int col, float, float) {
+      if (full_n || col < N) in_n |= pair_bits<Mask, P>(i);
+    });
 
     CUTLASS_PRAGMA_UNROLL
     for (int mm = 0; mm < MM; ++mm) {
@@ -210,35 +212,22 @@ struct TwellPackEpilogue {
         //    gives 0xffff per such half, and one AND with the pair's two bits files both.
         uint32_t vals[P];
         Mask mask = 0;
-        CUTLASS_PRAGMA_UNROLL
-        for (int mn = 0; mn < MN; ++mn) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < NG; ++j) {
-            const int i = mn * NG + j;
-            const int col = get<1>(tCcD(make_coord(make_coord(0, r, j), mm, mn)));
-            const float2 b = bias_of(i, col);
-            vals[i] = pack_bf16x2(acc(make_coord(make_coord(0, r, j), mm, mn)) + b.x,
-                                  acc(make_coord(make_coord(1, r, j), mm, mn)) + b.y);
-            mask |= spread_halves<Mask, P>(relu_nonzero_halves(vals[i])) & pair_bits<Mask, P>(i);
-          }
-        }
+        each_pair(r, mm, [&](int i, int col, float a0, float a1) {
+          const float2 b = bias_of(i, col);
+          vals[i] = pack_bf16x2(a0 + b.x, a1 + b.y);
+          mask |= spread_halves<Mask, P>(relu_nonzero_halves(vals[i])) & pair_bits<Mask, P>(i);
+        });
         mask = row_ok ? mask & in_n : Mask(0);
         // 2. the dense store of g (the exact paths read it): unpredicated where the tile holds
         //    every column of its pairs
         if (g != nullptr && row_ok) {
           __nv_bfloat16* grow = g + int64_t(row) * params.ldg;
           auto store = [&](auto all_cols) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int mn = 0; mn < MN; ++mn) {
-              CUTLASS_PRAGMA_UNROLL
-              for (int j = 0; j < NG; ++j) {
-                const int i = mn * NG + j;
-                const int col = get<1>(tCcD(make_coord(make_coord(0, r, j), mm, mn)));
-                if (decltype(all_cols)::value || (in_n & pair_bits<Mask, P>(i))) {
-                  *reinterpret_cast<uint32_t*>(grow + col) = vals[i];
-                }
+            each_pair(r, mm, [&](int i, int col, float, float) {
+              if (decltype(all_cols)::value || (in_n & pair_bits<Mask, P>(i))) {
+                *reinterpret_cast<uint32_t*>(grow + col) = vals[i];
               }
-            }
+            });
           };
           if (full_n) store(cute::true_type{});
           else store(cute::false_type{});
@@ -272,31 +261,25 @@ struct TwellPackEpilogue {
         //    lanes' masks below pair i), then those of the lanes before this one in pair i, then
         //    this lane's left column where the right one is being filed
         int32_t* dst = params.packed + (int64_t(row) * params.tiles + tile) * S;
-        CUTLASS_PRAGMA_UNROLL
-        for (int mn = 0; mn < MN; ++mn) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < NG; ++j) {
-            const int i = mn * NG + j;
-            const Mask here = pair_bits<Mask, P>(i);
-            if (mask & here) {
-              const Mask lower = before_bits<Mask, P>(i);
-              int rank = popc(qm[0] & lower) + popc(qm[1] & lower) + popc(qm[2] & lower) + popc(qm[3] & lower);
-              CUTLASS_PRAGMA_UNROLL
-              for (int o = 0; o < 3; ++o) {
-                if (o < q) rank += popc(qm[o] & here);
-              }
-              const int col = get<1>(tCcD(make_coord(make_coord(0, r, j), mm, mn)));
-              const Mask left = Mask(1) << i;
-              if (mask & left) {
-                if (rank < S) dst[rank] = (col << 16) | int32_t(vals[i] & 0xffffu);
-                ++rank;
-              }
-              if ((mask & (left << P)) && rank < S) {
-                dst[rank] = ((col + 1) << 16) | int32_t(vals[i] >> 16);
-              }
+        each_pair(r, mm, [&](int i, int col, float, float) {
+          const Mask here = pair_bits<Mask, P>(i);
+          if (mask & here) {
+            const Mask lower = before_bits<Mask, P>(i);
+            int rank = popc(qm[0] & lower) + popc(qm[1] & lower) + popc(qm[2] & lower) + popc(qm[3] & lower);
+            CUTLASS_PRAGMA_UNROLL
+            for (int o = 0; o < 3; ++o) {
+              if (o < q) rank += popc(qm[o] & here);
+            }
+            const Mask left = Mask(1) << i;
+            if (mask & left) {
+              if (rank < S) dst[rank] = (col << 16) | int32_t(vals[i] & 0xffffu);
+              ++rank;
+            }
+            if ((mask & (left << P)) && rank < S) {
+              dst[rank] = ((col + 1) << 16) | int32_t(vals[i] >> 16);
             }
           }
-        }
+        });
       }
     }
   }
