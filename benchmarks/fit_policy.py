@@ -3,7 +3,7 @@ Host arithmetic on results JSON: no GPU needed.
 
     python3 benchmarks/fit_policy.py --check                        # arch.H200 vs the H200 files
     python3 benchmarks/fit_policy.py --check --gpu H100 --inference benchmarks/results/h100/ffn_inference.json \\
-        --decode ''                                                 # another record, another grid
+        --decode '' --small-m benchmarks/results/h100/ffn_small_m.json   # another record, its files
     python3 benchmarks/fit_policy.py --fit-decode benchmarks/results/h200/ffn_decode.json [--out fit.json]
 
 --check, for one record (runtime/arch.py; --gpu, default H200); a file given as '' is skipped:
@@ -22,6 +22,10 @@ Host arithmetic on results JSON: no GPU needed.
              wherever a forced form was >= 1.25x faster than dense the rule decodes; the form it
              picks is never more than 15% slower than the fastest measured there; and it decodes
              at --min-decode-picks points at least (15 of 56 on the H200 grid of 2026-11-25).
+  band       the density rule under min_tokens, where calls inside CUDA graphs take the per-row
+             path from graphs_min_tokens with graphs_margin, on a bench_ffn.py file of gated and
+             non-gated points there (--small-m), with inference's limits against Inductor's
+             fastest reading of each point's shape (its dense FFN does not depend on the values).
   fit        the record's decode constants are that grid's fit (--fit-decode) within 0.2%.
 It prints one line per check and each violation, and exits 1 on any.
 
@@ -52,6 +56,7 @@ from twell_compile.runtime import arch, select  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 INFERENCE = "benchmarks/results/h200/ffn_inference.json"    # relative to the checkout
 DECODE = "benchmarks/results/h200/ffn_decode.json"
+SMALL_M = "benchmarks/results/h200/ffn_small_m.json"
 RECORDS = {"H200": arch.H200, "H100": arch.H100, "FALLBACK": arch.FALLBACK}
 TWELL_SLOWER = 1.03       # the rule's TwELL picks: at most this x Inductor's time
 DENSE_MISSED = 1.1        # the rule's dense picks: TwELL not this much faster than Inductor
@@ -128,6 +133,45 @@ def check_inference(p: arch.GpuPolicy, rows: Iterable[dict[str, Any]], min_rows:
                           f"fewer than {min_rows}")
     c.summary = (f"{len(used)} rows at M >= {p.min_tokens}; TwELL at {picked} (its time at most {worst:.2f}x "
                  f"Inductor's, limit {TWELL_SLOWER}), dense at {len(used) - picked} (Inductor at most "
+                 f"{best_missed:.2f}x TwELL's time, limit {DENSE_MISSED})")
+    return c
+
+
+def check_graphs_band(p: arch.GpuPolicy, rows: Iterable[dict[str, Any]], min_rows: int = 6) -> Check:
+    """The density rule under min_tokens, where only calls inside CUDA graphs take the per-row
+    path (graphs_min_tokens <= M < min_tokens; select.twell_wins with M: graphs_margin), against
+    bench_ffn.py rows of gated and non-gated FFNs, with the limits of ``check_inference``.
+    Inductor's time of a point is its fastest reading over the file's rows of the same M, shape
+    and form: its dense FFN does not depend on the values, and its slower readings are the host's
+    (an H100 read 0.139-0.224 ms for the same non-gated FFN at 2048 tokens)."""
+    c = Check(f"inference rule under min_tokens ({p.name})")
+    lo = p.graphs_min_tokens or p.min_tokens
+    used = [r for r in rows if lo <= r["M"] < p.min_tokens and _finite(r.get("kernel_ms"))
+            and _finite(r.get("inductor_ms"))]
+    fastest: dict[tuple, float] = {}
+    for r in used:
+        key = (r["M"], r["K"], r["N"], r.get("gated", True))
+        fastest[key] = min(fastest.get(key, math.inf), r["inductor_ms"])
+    picked, worst, best_missed = 0, 0.0, 0.0
+    for r in used:
+        gated = r.get("gated", True)
+        d = r["nnz_per_row"] / r["N"]
+        t, ind = twell_ms(r), fastest[(r["M"], r["K"], r["N"], gated)]
+        where = f"M={r['M']} K={r['K']} N={r['N']} d={r['density']} {'gated' if gated else 'non-gated'}"
+        if select.twell_wins(p, d, gated, r["K"], r["N"], r.get("K_out", r["K"]), 2, r["M"]):
+            picked += 1
+            worst = max(worst, t / ind)
+            if t > TWELL_SLOWER * ind:
+                c.failures.append(f"{where}: rule runs TwELL at {t:.3f} ms, Inductor {ind:.3f} ms ({t / ind:.2f}x)")
+        else:
+            best_missed = max(best_missed, ind / t)
+            if t * DENSE_MISSED < ind:
+                c.failures.append(f"{where}: rule runs dense, TwELL {t:.3f} ms was {ind / t:.2f}x faster than "
+                                  f"Inductor {ind:.3f} ms")
+    if len(used) < min_rows:
+        c.failures.append(f"{len(used)} rows at {lo} <= M < {p.min_tokens}, fewer than {min_rows}")
+    c.summary = (f"{len(used)} rows at {lo} <= M < {p.min_tokens}; TwELL at {picked} (at most {worst:.2f}x "
+                 f"Inductor's fastest, limit {TWELL_SLOWER}), dense at {len(used) - picked} (Inductor at most "
                  f"{best_missed:.2f}x TwELL's time, limit {DENSE_MISSED})")
     return c
 
@@ -283,6 +327,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--gpu", choices=sorted(RECORDS), default="H200", help="the record (runtime/arch.py)")
     ap.add_argument("--inference", default=INFERENCE, help="bench_ffn.py JSON ('' skips)")
     ap.add_argument("--decode", default=DECODE, help="bench_ffn.py --decode JSON ('' skips)")
+    ap.add_argument("--small-m", default=SMALL_M,
+                    help="bench_ffn.py JSON at token counts under min_tokens, gated and non-gated ('' skips)")
     ap.add_argument("--min-decode-picks", type=int, default=MIN_PICKS)
     ap.add_argument("--out", default=None, help="--fit-decode: write the fit as JSON (bench_decode.py --policy)")
     a = ap.parse_args(argv)
@@ -303,6 +349,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if a.inference:
             checks.append(check_inference(p, load_rows(a.inference)))
             checks[-1].summary += f" [{a.inference}]"
+        if a.small_m and (p.graphs_min_tokens or p.min_tokens) < p.min_tokens:
+            checks.append(check_graphs_band(p, load_rows(a.small_m)))
+            checks[-1].summary += f" [{a.small_m}]"
         if a.decode:
             rows = load_rows(a.decode)
             checks += [check_decode(p, rows, a.min_decode_picks), check_fit(p, rows)]

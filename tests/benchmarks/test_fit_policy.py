@@ -49,6 +49,24 @@ def test_inference_rule_names_a_slow_twell_pick_and_a_missed_win():
     assert not fit_policy.check_inference(P, _infer_rows(), min_rows=20).ok      # too few rows
 
 
+def test_the_band_under_min_tokens_is_checked_with_graphs_margin_against_inductors_fastest_reading():
+    """Under min_tokens (2048-4095 tokens on the H200 record, graphs only) the rule takes
+    graphs_margin (0.75: TwELL to d=0.0072 gated, 0.0041 non-gated); a point's Inductor time is
+    the fastest reading of its shape, whatever the density (a slow reading is the host's)."""
+    rows = [_infer_row(2048, d, t, 1.0, gated=True) for d, t in ((0.003, 0.7), (0.005, 0.85), (0.009, 1.1))]
+    rows += [_infer_row(2048, d, t, ind, gated=False) for d, t, ind in ((0.003, 0.66, 0.7), (0.008, 0.8, 1.3))]
+    rows.append(_infer_row(4096, 0.009, 9.0, 1.0, gated=True))     # at min_tokens: check_inference's
+    c = fit_policy.check_graphs_band(P, rows, min_rows=5)
+    assert c.ok, c.report()
+    assert "5 rows at 2048 <= M < 4096; TwELL at 3" in c.summary and "dense at 2" in c.summary
+    # non-gated d=0.008 is dense: TwELL's 0.8 ms against Inductor's fastest 0.7, not its 1.3
+    wide = dataclasses.replace(P, graphs_margin=0.0)               # the large-M margin, 0.95
+    c = fit_policy.check_graphs_band(wide, rows, min_rows=5)
+    assert not c.ok and any("d=0.009 gated: rule runs TwELL" in f for f in c.failures), c.report()
+    assert select.twell_wins(P, 0.009, True, K, N, K, 2) and not select.twell_wins(P, 0.009, True, K, N, K, 2, 2048)
+    assert select.twell_wins(P, 0.009, True, K, N, K, 2, 4096)     # from min_tokens: the margin
+
+
 def test_inference_time_is_the_lower_of_kernel_and_op_where_the_op_ran_twell():
     assert fit_policy.twell_ms(dict(kernel_ms=1.0, op_ms=0.9, op_path="twell", twell_ms=2.0, path="inductor")) == 0.9
     assert fit_policy.twell_ms(dict(kernel_ms=1.0, op_ms=0.9, op_path="dense", twell_ms=2.0, path="twell")) == 1.0

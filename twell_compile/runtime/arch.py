@@ -181,6 +181,8 @@ class GpuPolicy:
     graphs_min_tokens: int = 0       # the per-row path's token bound where the call runs inside a
                                      # CUDA graph (reduce-overhead, twell.cudagraphs): GPU time alone
                                      # counts there; 0: min_tokens
+    graphs_margin: float = 0.0       # rule 2's margin for calls under min_tokens (the band the
+                                     # graphs bound opens; the cost model was fitted above it); 0: margin
     gate_cfg: int = -1               # the per-row path's gate GEMM: -1 cuBLAS, then a compaction
                                      # pass over g; c >= 0 twell::gate_pack's configuration c
                                      # (cuda_gate.CONFIGS), packing in its epilogue (bf16, sm90)
@@ -360,6 +362,11 @@ H200 = GpuPolicy(
     # The 16-layer model at 1 x 2048 tokens (densities 0.49-0.87%): 1.029x with it, 0.974x
     # without, within the runs' spread (results/h200/e2e_prefill_reduce_overhead.json).
     graphs_min_tokens=2048,
+    # ... with a narrower margin there: at 2048 tokens the forced per-row kernel ran 1.37x /
+    # 1.19x / 1.08x / 0.93x of Inductor at d = 0.003 / 0.005 / 0.007 / 0.009 gated and 1.08x /
+    # 0.96x / 0.86x at 0.003 / 0.005 / 0.008 non-gated (results/h200/ffn_small_m.json), where
+    # margin 0.95 would run it up to d=0.0114 / 0.0097; 0.75 runs it up to 0.0072 / 0.0041.
+    graphs_margin=0.75,
     # Launch sizes: the fastest of the probes of bench_ffn.py / bench_ffn_train.py at M=16384
     # K=2048 d=0.005 (the fused row kernel at 1 pair / 2 warps: 493 us against 531 at 4 / 4),
     # the wgrad passes' by the whole model's step (bench_e2e.py --train).
@@ -402,8 +409,11 @@ H100 = dataclasses.replace(
     row_prefetch=3, row_stages=4,
     # Inside CUDA graphs the per-row path from 2048 tokens: under reduce-overhead at 2048 tokens
     # the activity profile's layer 1.00x of Inductor (0.225 against 0.225 ms), i.i.d. d=0.005
-    # 1.11x (0.205 against 0.227; results/h100/ffn_prefill_reduce_overhead.json).
-    graphs_min_tokens=2048,
+    # 1.11x (0.205 against 0.227; results/h100/ffn_prefill_reduce_overhead.json). Its margin
+    # there: gated 1.28x / 1.11x / 0.99x / 0.84x at d = 0.003 / 0.005 / 0.007 / 0.009, non-gated
+    # 1.00x / 0.90x at 0.003 / 0.005 against Inductor's fastest reading of the point
+    # (results/h100/ffn_small_m.json); 0.85 runs it up to d=0.0064 gated, 0.0031 non-gated.
+    graphs_min_tokens=2048, graphs_margin=0.85,
     # W_down^T's per-call copy made in the compaction's launch: the per-row path's GPU time at
     # K=2048 N=5632 d=0.005, gated 2048 / 4096 / 8192 / 16384 tokens 181.3 / 324.8 / 615.0 /
     # 1180.2 us against 187.9 / 335.3 / 629.1 / 1188.6 with a transpose launch of its own,
@@ -434,7 +444,7 @@ H100 = dataclasses.replace(
 FALLBACK = dataclasses.replace(
     H200, name="fallback",
     measured_on="constants of the H200 with narrower margins; never measured on this GPU",
-    margin=0.8, decode_margin=0.75, sparse_max_density=0.008, min_tokens=8192, graphs_min_tokens=0,
+    margin=0.8, decode_margin=0.75, sparse_max_density=0.008, min_tokens=8192, graphs_min_tokens=0, graphs_margin=0.0,
     op_rows_host_us=0.0, gate_cfg=-1)
 
 # The C++ kernel against eager's dense calls (what an FFN costs inside a compiled graph) and

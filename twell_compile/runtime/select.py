@@ -18,7 +18,8 @@ tf32, about 3e-4 relative error, over twice eager fp32's):
      FFN, the layer runs TwELL while, in units of one dense M x K x N GEMM,
          gate_units + pair_units * d * (1 + g) / 2  <  margin * (2 + g)
      (cuBLAS gate + compaction + the row kernel vs the dense FFN); pair_units_hbm replaces
-     pair_units when W_u and W_d together exceed l2_bytes. A layer starts dense (a probe call);
+     pair_units when W_u and W_d together exceed l2_bytes; under min_tokens (inside CUDA graphs
+     only) graphs_margin, where set, replaces margin. A layer starts dense (a probe call);
      dense layers re-probe every probe_every calls, TwELL layers every refresh_every. The
      density also sets the per-row list width (``list_width``).
   3. Decode (M <= decode_max_m, same key and measurement): one predicted time per up/down
@@ -93,9 +94,15 @@ def twell_units(p: GpuPolicy, d: float, gated: bool, k: int, n: int, k_out: int,
     return p.gate_units + pair * d * (1 + g) / 2
 
 
-def twell_wins(p: GpuPolicy, d: float, gated: bool, k: int, n: int, k_out: int, itemsize: int) -> bool:
-    """Rule 2: the per-row path's units under the margin times dense's (2 or 3 GEMMs)."""
-    return twell_units(p, d, gated, k, n, k_out, itemsize) < p.margin * (3 if gated else 2)
+def twell_wins(p: GpuPolicy, d: float, gated: bool, k: int, n: int, k_out: int, itemsize: int,
+               m: Optional[int] = None) -> bool:
+    """Rule 2: the per-row path's units under the margin times dense's (2 or 3 GEMMs); for ``m``
+    tokens under min_tokens (the band the graphs bound opens) the record's graphs_margin, where
+    set: the units were fitted above it, and overpredict the per-row path's speed there."""
+    margin = p.margin
+    if m is not None and p.graphs_margin and m < paths.token_range(_ROWS, p)[0]:
+        margin = p.graphs_margin
+    return twell_units(p, d, gated, k, n, k_out, itemsize) < margin * (3 if gated else 2)
 
 
 def rows_us(p: GpuPolicy, d: float, m: int, k: int, n: int, k_out: int, gated: bool, itemsize: int = 2) -> float:
@@ -322,7 +329,7 @@ def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
         sparse = form is not None
     else:
         d = density.poll(key)
-        sparse = d is not None and twell_wins(p, d, gated, k, n, k_out, x.element_size())
+        sparse = d is not None and twell_wins(p, d, gated, k, n, k_out, x.element_size(), m)
     every = p.refresh_every if sparse else p.probe_every
     probe = density.wants_probe(key, every)
     if sparse and decode:
