@@ -487,5 +487,6 @@ def _train_backward(ctx, dy: Optional[Tensor], *_unused: Optional[Tensor]):
 ffn_train.register_autograd(_train_backward, setup_context=_train_setup_context)
 
 
-__all__ = ["PATHS", "arg_index", "caller_modules", "declare", "mark_graphs", "experts_train", "experts_train_bwd", "ffn_train",
-           "ffn_train_bwd", "next_instance", "experts_reason", "static_path", "static_reason", "tag", "tagged"]
+__all__ = ["PATHS", "arg_index", "caller_modules", "declare", "mark_graphs", "experts_train", "experts_train_bwd",
+           "ffn_train", "ffn_train_bwd", "next_instance", "experts_reason", "static_path", "static_reason", "tag",
+           "tagged"]
