@@ -109,16 +109,17 @@ def twell_ms(r: dict[str, Any]) -> float:
     return min(r["kernel_ms"], op_ms) if op_path == "twell" else r["kernel_ms"]
 
 
-def check_inference(p: arch.GpuPolicy, rows: Iterable[dict[str, Any]], min_rows: int = 20) -> Check:
-    """The density rule with record ``p`` against bench_ffn.py rows (gated FFNs, bf16)."""
-    c = Check(f"inference rule ({p.name})")
-    used = [r for r in rows if r["M"] >= p.min_tokens and _finite(r.get("kernel_ms")) and _finite(r.get("inductor_ms"))]
+def _judge(c: Check, p: arch.GpuPolicy, points: Iterable[tuple[str, dict[str, Any], bool, float, Optional[int]]]
+           ) -> tuple[int, float, float]:
+    """The density rule (select.twell_wins) at each point (where, row, gated, Inductor's time,
+    the token count it decides for or None): a TwELL pick at most TWELL_SLOWER x Inductor's
+    time, a dense pick missing at most DENSE_MISSED; violations into ``c``. Returns (TwELL
+    picks, the worst of their TwELL / Inductor, the best Inductor / TwELL among dense picks)."""
     picked, worst, best_missed = 0, 0.0, 0.0
-    for r in used:
+    for where, r, gated, ind, m in points:
         d = r["nnz_per_row"] / r["N"]
-        t, ind = twell_ms(r), r["inductor_ms"]
-        where = f"M={r['M']} K={r['K']} N={r['N']} d={r['density']} tail={r.get('tail')}"
-        if select.twell_wins(p, d, True, r["K"], r["N"], r.get("K_out", r["K"]), 2):
+        t = twell_ms(r)
+        if select.twell_wins(p, d, gated, r["K"], r["N"], r.get("K_out", r["K"]), 2, m):
             picked += 1
             worst = max(worst, t / ind)
             if t > TWELL_SLOWER * ind:
@@ -128,6 +129,16 @@ def check_inference(p: arch.GpuPolicy, rows: Iterable[dict[str, Any]], min_rows:
             if t * DENSE_MISSED < ind:
                 c.failures.append(f"{where}: rule runs dense, TwELL {t:.3f} ms was {ind / t:.2f}x faster than "
                                   f"Inductor {ind:.3f} ms")
+    return picked, worst, best_missed
+
+
+def check_inference(p: arch.GpuPolicy, rows: Iterable[dict[str, Any]], min_rows: int = 20) -> Check:
+    """The density rule with record ``p`` against bench_ffn.py rows (gated FFNs, bf16)."""
+    c = Check(f"inference rule ({p.name})")
+    used = [r for r in rows if r["M"] >= p.min_tokens and _finite(r.get("kernel_ms")) and _finite(r.get("inductor_ms"))]
+    picked, worst, best_missed = _judge(c, p, (
+        (f"M={r['M']} K={r['K']} N={r['N']} d={r['density']} tail={r.get('tail')}", r, True, r["inductor_ms"], None)
+        for r in used))
     if len(used) < min_rows:
         c.failures.append(f"{len(used)} rows at M >= {p.min_tokens} with a forced kernel and Inductor timed, "
                           f"fewer than {min_rows}")
@@ -148,26 +159,16 @@ def check_graphs_band(p: arch.GpuPolicy, rows: Iterable[dict[str, Any]], min_row
     lo = p.graphs_min_tokens or p.min_tokens
     used = [r for r in rows if lo <= r["M"] < p.min_tokens and _finite(r.get("kernel_ms"))
             and _finite(r.get("inductor_ms"))]
+
+    def shape(r: dict[str, Any]) -> tuple:
+        return r["M"], r["K"], r["N"], r.get("gated", True)
+
     fastest: dict[tuple, float] = {}
     for r in used:
-        key = (r["M"], r["K"], r["N"], r.get("gated", True))
-        fastest[key] = min(fastest.get(key, math.inf), r["inductor_ms"])
-    picked, worst, best_missed = 0, 0.0, 0.0
-    for r in used:
-        gated = r.get("gated", True)
-        d = r["nnz_per_row"] / r["N"]
-        t, ind = twell_ms(r), fastest[(r["M"], r["K"], r["N"], gated)]
-        where = f"M={r['M']} K={r['K']} N={r['N']} d={r['density']} {'gated' if gated else 'non-gated'}"
-        if select.twell_wins(p, d, gated, r["K"], r["N"], r.get("K_out", r["K"]), 2, r["M"]):
-            picked += 1
-            worst = max(worst, t / ind)
-            if t > TWELL_SLOWER * ind:
-                c.failures.append(f"{where}: rule runs TwELL at {t:.3f} ms, Inductor {ind:.3f} ms ({t / ind:.2f}x)")
-        else:
-            best_missed = max(best_missed, ind / t)
-            if t * DENSE_MISSED < ind:
-                c.failures.append(f"{where}: rule runs dense, TwELL {t:.3f} ms was {ind / t:.2f}x faster than "
-                                  f"Inductor {ind:.3f} ms")
+        fastest[shape(r)] = min(fastest.get(shape(r), math.inf), r["inductor_ms"])
+    picked, worst, best_missed = _judge(c, p, (
+        (f"M={r['M']} K={r['K']} N={r['N']} d={r['density']} {'gated' if shape(r)[3] else 'non-gated'}", r,
+         shape(r)[3], fastest[shape(r)], r["M"]) for r in used))
     if len(used) < min_rows:
         c.failures.append(f"{len(used)} rows at {lo} <= M < {p.min_tokens}, fewer than {min_rows}")
     c.summary = (f"{len(used)} rows at {lo} <= M < {p.min_tokens}; TwELL at {picked} (at most {worst:.2f}x "
