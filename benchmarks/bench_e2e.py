@@ -326,15 +326,17 @@ def controller_fields(history: list[dict[str, torch.Tensor]], target: Any) -> di
     return out
 
 
-def twell_sparse_layers(densities: dict[str, float], hidden: int, ffn: int) -> Optional[int]:
+def twell_sparse_layers(densities: dict[str, float], hidden: int, ffn: int, tokens: Optional[int] = None
+                        ) -> Optional[int]:
     """Layers whose measured density the GPU record's density rule sends to the TwELL kernels
-    (bf16 weights; select.twell_wins)."""
+    (bf16 weights; select.twell_wins, for ``tokens`` per FFN call where given: its margin under
+    min_tokens)."""
     if not torch.cuda.is_available():
         return None
     from twell_compile.runtime import arch, select
 
     p = arch.policy_for(torch.device("cuda"))
-    return sum(select.twell_wins(p, d, True, hidden, ffn, hidden, 2) for d in densities.values())
+    return sum(select.twell_wins(p, d, True, hidden, ffn, hidden, 2, tokens) for d in densities.values())
 
 
 def calibrated_model(a: argparse.Namespace, amp, density: Optional[float] = None) -> tuple[torch.nn.Module, list[float]]:
@@ -590,7 +592,8 @@ def run_forward(a: argparse.Namespace, rows: list[dict[str, Any]], shared: dict[
                            **energy_fields(timing, tokens * timing["reps"], energy, "--no-energy"))
                 if name == "twell":
                     row["twell_layer_density"] = twell_stats_density()
-                    row["twell_sparse_layers_by_policy"] = twell_sparse_layers(row["twell_layer_density"], a.hidden, a.ffn)
+                    row["twell_sparse_layers_by_policy"] = twell_sparse_layers(row["twell_layer_density"], a.hidden, a.ffn,
+                                                                                 a.batch * a.seq)
                 run["backends"][name] = row
                 print(f"  {name:>8}: {row['median_ms']:8.2f} ms  {row['tokens_per_s']:12.0f} tok/s  "
                       f"max|dlogit| {mx:.3g}  rel {rel:.2e}  first call {first_s:.1f} s  "
