@@ -4,7 +4,7 @@ Runs first, so ``fuse_ffn`` keeps their layer names unique and ``scale_l1`` can 
 the FFNs it scales: a prepared op carries its own options (L1 scale, tile sizes, stats flag),
 fixed by ``prepare`` for the whole model. Nodes are marked ``meta["twell_prepared"]``.
 Inference nodes get a fresh ``instance`` number: a new compile starts from fresh runtime
-state. Training nodes carry the module's tag (ops.tag), which names the instance and layer at
+state (marked for CUDA graphs, as fuse_ffn's are, where the graph runs inside them). Training nodes carry the module's tag (ops.tag), which names the instance and layer at
 run time: the tag's layer name is written into the node's ``layer`` for the passes and reports
 (a graph shared by several blocks shows the first block's name; each call runs as its own).
 """
@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from twell_compile.config import TwellConfig
-from twell_compile.ops import arg_index, next_instance, tagged
+from twell_compile.ops import arg_index, mark_graphs, next_instance, tagged
 from twell_compile.passes.pass_utils import arg, example, graph_modules, real_value, report_of, set_op_arg, tokens_str
 from twell_compile.report import RewriteEntry
 
@@ -39,6 +39,15 @@ def _report_experts(report, node: fx.Node, op: torch._ops.OpOverload, sub_name: 
         sub_name, via="prepare", act=str(arg(node, arg_index(op, "act"), "act", "relu")), experts=_size(wg, 0)))
 
 
+def _fresh_instance(node: fx.Node, op: torch._ops.OpOverload, config: TwellConfig) -> None:
+    """A new instance number for the node; an inference op's is marked where the graph runs
+    inside CUDA graphs, as fuse_ffn marks the ops it inserts (density.mark_graphs)."""
+    instance = next_instance()
+    set_op_arg(node, op, "instance", instance)
+    if config.cudagraphs != "off" and op in (torch.ops.twell.ffn.default, torch.ops.twell.experts.default):
+        mark_graphs(instance)
+
+
 def adopt_prepared(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
     report = report_of(gm)
     for sub_name, sub in graph_modules(gm):
@@ -49,7 +58,7 @@ def adopt_prepared(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
                                                      torch.ops.twell.experts_train.default):
                 node.meta[PREPARED] = True
                 changed = True
-                set_op_arg(node, op, "instance", next_instance())
+                _fresh_instance(node, op, config)
                 _report_experts(report, node, op, sub_name)
                 continue
             if node.op != "call_function" or op not in (torch.ops.twell.ffn.default, torch.ops.twell.ffn_train.default):
@@ -63,7 +72,7 @@ def adopt_prepared(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
             elif tag_arg is not None:      # a tag whose value the graph does not keep: named at run time
                 set_op_arg(node, op, "layer", "prepared FFN (layer named at run time)")
             else:
-                set_op_arg(node, op, "instance", next_instance())
+                _fresh_instance(node, op, config)
             x = node.args[0]
             xe = example(x)
             tokens = tokens_str(xe.shape) if xe is not None else "?"

@@ -4,6 +4,7 @@ where it does not; inference nodes get a fresh instance; every node is reported.
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch import fx
 
@@ -48,6 +49,17 @@ def test_tag_without_its_value_is_named_at_run_time():
     fake = torch._subclasses.FakeTensorMode().from_tensor(tag("x"))   # a fake is no value either
     gm = adopt_prepared(_graph(TRAIN, True, SimpleNamespace(example=fake)), TwellConfig())
     assert _node(gm).args[arg_index(TRAIN, "layer")] == "prepared FFN (layer named at run time)"
+
+
+@pytest.mark.parametrize("cudagraphs, marked", [("on", True), ("", True), ("off", False)])
+def test_adopted_inference_ops_are_marked_for_cuda_graphs_as_fused_ones_are(cudagraphs, marked):
+    from twell_compile.runtime import density
+
+    config = TwellConfig(cudagraphs=cudagraphs)
+    for op, want in ((INFER, marked), (TRAIN, False)):
+        gm = adopt_prepared(_graph(op, False), config)
+        with density.scope(_node(gm).args[arg_index(op, "instance")]):
+            assert density.in_graphs() == want, (cudagraphs, op)
 
 
 def test_nodes_without_tag_get_a_fresh_instance():
