@@ -44,7 +44,7 @@ def _fresh_instance(node: fx.Node, op: torch._ops.OpOverload, config: TwellConfi
     inside CUDA graphs, as fuse_ffn marks the ops it inserts (density.mark_graphs)."""
     instance = next_instance()
     set_op_arg(node, op, "instance", instance)
-    if config.cudagraphs != "off" and op in (torch.ops.twell.ffn.default, torch.ops.twell.experts.default):
+    if config.in_cudagraphs and op in (torch.ops.twell.ffn.default, torch.ops.twell.experts.default):
         mark_graphs(instance)
 
 

@@ -131,7 +131,7 @@ def _rewrite(graph: fx.Graph, m: Match, config: TwellConfig, layer: str,
     if owner is not None:
         kwargs["owner"] = owner[0]
         declare(instance, layer, owner[1])
-    if config.cudagraphs != "off" and not training:
+    if config.in_cudagraphs and not training:
         # the bounds static_reason applied (cudagraphs) hold for the op's calls too
         mark_graphs(instance)
     with graph.inserting_before(down_node):
@@ -297,7 +297,7 @@ def fuse_ffn(gm: fx.GraphModule, config: TwellConfig) -> fx.GraphModule:
                 why = static_reason(out.device, out.dtype, tokens, int(xe.shape[-1]), n,
                                     int(out.shape[-1]), gated=found.gated, training=out.requires_grad,
                                     l1=config.l1 or float(config.target_for(found.layer) is not None),
-                                    cudagraphs=config.cudagraphs != "off",
+                                    cudagraphs=config.in_cudagraphs,
                                     path=config.path_for(out.requires_grad), experts=experts)
                 if why is not None:
                     report.add_rejection(RejectionEntry(found.layer, f"{why}; Inductor's dense FFN is faster "

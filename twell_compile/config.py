@@ -173,6 +173,12 @@ class TwellConfig:
         return dict(t).get(layer)
 
     @property
+    def in_cudagraphs(self) -> bool:
+        """Whether the compiled graph may run inside CUDA graphs: ``cudagraphs`` not "off" (""
+        before the backend resolves it counts as on, as the compile-time rules read it)."""
+        return self.cudagraphs != "off"
+
+    @property
     def penalized(self) -> bool:
         """Whether training FFNs carry an L1 penalty (``l1`` or ``target_density``)."""
         return bool(self.l1) or self.target_density is not None

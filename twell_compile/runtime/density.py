@@ -93,7 +93,7 @@ def mark_graphs(instance: int) -> None:
 def in_graphs() -> bool:
     """Whether the call in progress runs inside a CUDA graph: the stream is capturing, or its
     op instance was compiled for CUDA graphs (``mark_graphs``)."""
-    return capturing() or getattr(_scope, "instance", 0) in _in_graphs
+    return capturing() or instance() in _in_graphs
 
 
 def _state(key: tuple) -> _Layer:
