@@ -6,8 +6,9 @@ gate_swizzle (runtime/arch.py), and #43's "within 1.03x of cuBLAS" rows.
         [--raster 0 1 2] [--swizzle 1 2 4] [--out benchmarks/results/<gpu>/gate_pack.json]
 
 Per M (bf16, K x N gate, make_ffn's inputs at --density): cuBLAS's F.linear; each variant's
-gate_pack (dense g written, packed tiles); the lists both ways (cuBLAS + compact_rows against
-gate_pack + merge_rows); the whole per-row path (twell_forward) both ways (--whole); with
+gate_pack with g written whole (gate_ms) and only where the packing spills (spills_ms, the
+per-row path's); the lists both ways (cuBLAS + compact_rows against gate_pack g="spills" +
+merge_rows); the whole per-row path (twell_forward) both ways (--whole); with
 --parts, CUTLASS's own GEMM at each variant's tile and the variant's g and packing apart; and
 the per-row path's error against fp32 beside eager bf16's. One row per (M, variant) in rows.py's schema. Timings are
 do_bench medians in one process, variants interleaved with cuBLAS (timing.interleaved_ms).
@@ -46,9 +47,12 @@ def point(a, m: int, variants: list[tuple[int, int, int]]) -> list[dict]:
            "compact": lambda: cuda_infer.compact_rows(g0, width, buckets=nb)}
     for cfg, raster, swz in variants:
         key = f"cfg{cfg}/r{raster}/s{swz}"
+        tn = cuda_gate.CONFIGS[cfg].tile_n
         fns[key] = (lambda c=cfg, r=raster, s=swz: cuda_gate.gate_pack(x, wg, None, c, a.slots, r, s))
-        fns[key + "+merge"] = (lambda c=cfg, r=raster, s=swz: cuda_infer.merge_rows(
-            *cuda_gate.gate_pack(x, wg, None, c, a.slots, r, s), width, nb))
+        fns[key + "/spills"] = (lambda c=cfg, r=raster, s=swz: cuda_gate.gate_pack(x, wg, None, c, a.slots, r, s,
+                                                                                   g="spills"))
+        fns[key + "+merge"] = (lambda c=cfg, r=raster, s=swz, t=tn: cuda_infer.merge_rows(    # the per-row path's
+            *cuda_gate.gate_pack(x, wg, None, c, a.slots, r, s, g="spills"), width, nb, tile_n=t))
         tiles = cuda_gate.gate_pack(x, wg, None, cfg, a.slots, raster, swz)
         fns[key + "/merge"] = (lambda t=tiles: cuda_infer.merge_rows(*t, width, nb))
         if a.parts:
@@ -57,7 +61,7 @@ def point(a, m: int, variants: list[tuple[int, int, int]]) -> list[dict]:
             fns[key + "/stock"] = (lambda c=cfg, r=raster, s=swz, o=out_buf: probe.gemm(x, wg, o, c, r, s))
             fns[key + "/g-only"] = (lambda c=cfg, r=raster, s=swz: cuda_gate.gate_pack(x, wg, None, c, 0, r, s))
             fns[key + "/pack-only"] = (lambda c=cfg, r=raster, s=swz: cuda_gate.gate_pack(
-                x, wg, None, c, a.slots, r, s, dense=False))
+                x, wg, None, c, a.slots, r, s, g="none"))
     ms = interleaved_ms(fns, a.reps, rounds=a.rounds)
     rr = min(m, 4096)
     ref = ffn_dense(x[:rr].float(), wg.float(), None, wu.float(), None, wd.float(), None)
@@ -81,13 +85,16 @@ def point(a, m: int, variants: list[tuple[int, int, int]]) -> list[dict]:
         err = rel(y, ref)
         row = dict(base, variant=key, config=cuda_gate.CONFIGS[cfg].what, gate_ms=ms[key], lists_ms=ms[key + "+merge"],
                    pass_ms=ms[key + "/merge"],
-                   gate_vs_cublas=ms[key] / ms["cublas"], spilled_tiles=spilled, err=err, eager_err=eager_err)
+                   gate_vs_cublas=ms[key] / ms["cublas"], spills_ms=ms[key + "/spills"],
+                   spills_vs_cublas=ms[key + "/spills"] / ms["cublas"], spilled_tiles=spilled, err=err,
+                   eager_err=eager_err)
         if a.parts:
             row.update(stock_ms=ms[key + "/stock"], g_only_ms=ms[key + "/g-only"], pack_only_ms=ms[key + "/pack-only"])
             print(f"    {key} parts: CUTLASS's own GEMM {ms[key + '/stock']:.4f}, g only {ms[key + '/g-only']:.4f}, "
                   f"packing only {ms[key + '/pack-only']:.4f}", flush=True)
         out.append(stamp(row))
-        print(f"    {key}: gate+pack {ms[key]:.4f} ms = {ms[key] / ms['cublas']:.3f}x cuBLAS; +merge "
+        print(f"    {key}: gate+pack {ms[key]:.4f} ms = {ms[key] / ms['cublas']:.3f}x cuBLAS, g only where it "
+              f"spills {ms[key + '/spills']:.4f} = {ms[key + '/spills'] / ms['cublas']:.3f}x; +merge "
               f"{ms[key + '+merge']:.4f} (merge_rows alone {ms[key + '/merge']:.4f}; cuBLAS+compact "
               f"{ms['cublas+compact']:.4f}); err {err:.2e} eager "
               f"{eager_err:.2e}{'  ERR>2x' if err > 2 * eager_err else ''}; tiles over slots {spilled}", flush=True)

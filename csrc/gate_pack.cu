@@ -19,8 +19,8 @@ namespace {
 using twell_gate::GateArgs;
 
 // Columns per TwELL tile of each configuration (its CTA tile's N).
-constexpr int kTileN[] = {256, 256, 128, 256, 128, 128};
-constexpr int kConfigs = 6;
+constexpr int kTileN[] = {256, 256, 128, 256, 128, 128, 176, 176};
+constexpr int kConfigs = 8;
 
 const char* run_config(int64_t cfg, GateArgs const& a) {
   switch (cfg) {
@@ -30,6 +30,8 @@ const char* run_config(int64_t cfg, GateArgs const& a) {
     case 3: return twell_gate::run_cfg3(a);
     case 4: return twell_gate::run_cfg4(a);
     case 5: return twell_gate::run_cfg5(a);
+    case 6: return twell_gate::run_cfg6(a);
+    case 7: return twell_gate::run_cfg7(a);
   }
   return "unknown configuration";
 }
@@ -42,6 +44,8 @@ size_t workspace_config(int64_t cfg, GateArgs const& a) {
     case 3: return twell_gate::workspace_cfg3(a);
     case 4: return twell_gate::workspace_cfg4(a);
     case 5: return twell_gate::workspace_cfg5(a);
+    case 6: return twell_gate::workspace_cfg6(a);
+    case 7: return twell_gate::workspace_cfg7(a);
   }
   return 0;
 }
@@ -59,7 +63,7 @@ int sm_count(int device) {
 }
 
 void gate_pack(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor g,
-               at::Tensor packed, at::Tensor tcnt, int64_t cfg, int64_t raster, int64_t swizzle) {
+               at::Tensor packed, at::Tensor tcnt, int64_t cfg, int64_t raster, int64_t swizzle, bool g_spills) {
   TORCH_CHECK(cfg >= 0 && cfg < kConfigs, "twell::gate_pack: cfg must be in [0, ", kConfigs, "), got ", cfg);
   TORCH_CHECK(x.is_cuda() && w.is_cuda(), "twell::gate_pack: x and w must be CUDA tensors");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
@@ -89,6 +93,8 @@ void gate_pack(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
                     g.stride(1) == 1 && g.stride(0) % 2 == 0,
                 "twell::gate_pack: g must be bfloat16 [M, N] with unit column stride and an even row stride");
   }
+  TORCH_CHECK(!g_spills || (pack && dense),
+              "twell::gate_pack: g_spills writes g where the packing spills: it needs both g and packed");
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 && bias->size(0) == n &&
                     bias->is_contiguous(), "twell::gate_pack: bias must be contiguous bfloat16 [N]");
@@ -100,7 +106,7 @@ void gate_pack(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
   a.x = x.data_ptr(); a.w = w.data_ptr(); a.bias = bias.has_value() ? bias->data_ptr() : nullptr;
   a.g = dense ? g.data_ptr() : nullptr; a.ldg = dense ? g.stride(0) : 0;
   a.packed = pack ? packed.data_ptr<int32_t>() : nullptr; a.tcnt = pack ? tcnt.data_ptr<int32_t>() : nullptr;
-  a.tiles = int(tiles); a.slots = pack ? int(packed.size(2)) : 0;
+  a.tiles = int(tiles); a.slots = pack ? int(packed.size(2)) : 0; a.g_spills = g_spills ? 1 : 0;
   a.raster = int(raster); a.swizzle = int(swizzle);
   a.sm_count = sm_count(x.get_device());
 #ifdef TWELL_HAVE_C10_CUDA

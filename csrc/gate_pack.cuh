@@ -4,7 +4,9 @@
 // shared-memory pipeline; consumer warpgroups run wgmma). Epilogue (TwellPackEpilogue): straight
 // from the accumulator registers, per CTA tile of BLK_N columns (one TwELL tile):
 //   g          the rounded pre-activation, written dense (the exact tail of the row kernels reads
-//              it for rows whose lists overflow);
+//              it for rows whose lists overflow), or with g_spills only where a row's tile holds
+//              more non-zeros than its S slots or a non-finite value (merge_tiles_kernel rebuilds
+//              the rest of the rows that need it from the slots);
 //   tcnt[m,t]  the non-zeros of relu(g) in row m, tile t (NaN counted, as eager propagates it);
 //   packed[m,t,s]  its first S non-zeros in column order, (column << 16) | bits(value).
 // A wgmma accumulator row is held by the four lanes of a quad, lane q holding columns 8j + 2q and
@@ -42,6 +44,7 @@ struct PackArgs {
   int32_t* tcnt;
   int tiles;
   int slots;
+  int g_spills;   // g written only for row tiles over their slots or holding a non-finite value
 };
 
 // bf16x2 of (lo, hi), rounded to nearest even: the low half holds lo (the left column).
@@ -55,6 +58,13 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 __device__ __forceinline__ uint32_t relu_nonzero_halves(uint32_t v) {
   uint32_t m;
   asm("set.gtu.u32.bf16x2 %0, %1, %2;" : "=r"(m) : "r"(v), "r"(0u));
+  return m;
+}
+
+// 0xffff in each half of v (bf16x2) that is +-Inf or NaN: |v| >= Inf, or unordered.
+__device__ __forceinline__ uint32_t nonfinite_halves(uint32_t v) {
+  uint32_t m;
+  asm("set.geu.u32.bf16x2 %0, %1, %2;" : "=r"(m) : "r"(v & 0x7fff7fffu), "r"(0x7f807f80u));
   return m;
 }
 
@@ -158,6 +168,7 @@ struct TwellPackEpilogue {
     const int S = params.slots;
     const bool pack = params.packed != nullptr;
     auto* g = reinterpret_cast<__nv_bfloat16*>(params.g);
+    const bool spills = params.g_spills != 0 && g != nullptr && pack;
     // every column of this CTA tile in range: no per-pair column test (N % 8 == 0, so a pair
     // is in range whole or not at all)
     const bool full_n = (n_coord + 1) * int(size<1>(blk_shape_MNK)) <= N;
@@ -212,15 +223,18 @@ struct TwellPackEpilogue {
         //    gives 0xffff per such half, and one AND with the pair's two bits files both.
         uint32_t vals[P];
         Mask mask = 0;
+        uint32_t nonfinite = 0;
         each_pair(r, mm, [&](int i, int col, float a0, float a1) {
           const float2 b = bias_of(i, col);
           vals[i] = pack_bf16x2(a0 + b.x, a1 + b.y);
           mask |= spread_halves<Mask, P>(relu_nonzero_halves(vals[i])) & pair_bits<Mask, P>(i);
+          if (spills) nonfinite |= nonfinite_halves(vals[i]);
         });
         mask = row_ok ? mask & in_n : Mask(0);
         // 2. the dense store of g (the exact paths read it): unpredicated where the tile holds
-        //    every column of its pairs
-        if (g != nullptr && row_ok) {
+        //    every column of its pairs; with g_spills, after the count (step 3), only where the
+        //    row's tile needs it
+        auto store_g = [&]() {
           __nv_bfloat16* grow = g + int64_t(row) * params.ldg;
           auto store = [&](auto all_cols) {
             each_pair(r, mm, [&](int i, int col, float, float) {
@@ -231,11 +245,12 @@ struct TwellPackEpilogue {
           };
           if (full_n) store(cute::true_type{});
           else store(cute::false_type{});
-        }
+        };
+        if (g != nullptr && row_ok && !spills) store_g();
         if (!pack) continue;   // g only (tune_gate.py times the parts apart)
         // 3. the row's count in this tile: the quad's masks' popcounts. Lanes whose quad holds
-        //    no non-zero (most, at low density) write 0 and are done.
-        const bool any = __any_sync(0xffffffffu, mask != 0);
+        //    no non-zero (most, at low density) and no non-finite value write 0 and are done.
+        const bool any = __any_sync(0xffffffffu, mask != 0 || nonfinite != 0);
         if (!any) {
           if (q == 0 && row_ok) params.tcnt[int64_t(row) * params.tiles + tile] = 0;
           continue;
@@ -251,11 +266,18 @@ struct TwellPackEpilogue {
             qm[o] = (uint64_t(hi) << 32) | lo;
           }
         }
+        // the quad's non-finite flag (g_spills): every lane of the warp takes part
+        unsigned quad_nonfinite = 0;
+        if (spills) {
+          quad_nonfinite = nonfinite != 0;
+          quad_nonfinite |= __shfl_xor_sync(0xffffffffu, quad_nonfinite, 1);
+          quad_nonfinite |= __shfl_xor_sync(0xffffffffu, quad_nonfinite, 2);
+        }
         if (!row_ok) continue;   // uniform per quad
         auto popc = [](Mask m) { return sizeof(Mask) == 4 ? __popc(uint32_t(m)) : __popcll(uint64_t(m)); };
-        if (q == 0) {
-          params.tcnt[int64_t(row) * params.tiles + tile] = popc(qm[0]) + popc(qm[1]) + popc(qm[2]) + popc(qm[3]);
-        }
+        const int count = popc(qm[0]) + popc(qm[1]) + popc(qm[2]) + popc(qm[3]);
+        if (q == 0) params.tcnt[int64_t(row) * params.tiles + tile] = count;
+        if (spills && (count > S || quad_nonfinite)) store_g();
         if (mask == 0) continue;
         // 4. each non-zero's rank in column order: the quad's non-zeros in earlier pairs (its
         //    lanes' masks below pair i), then those of the lanes before this one in pair i, then
@@ -287,8 +309,9 @@ struct TwellPackEpilogue {
   Params params;
 };
 
-// One kernel configuration: CTA tile, cluster, mainloop schedule.
-template <int BM, int BN, int BK, int CM, int CN, class Schedule>
+// One kernel configuration: CTA tile, cluster, mainloop schedule, tile scheduler (persistent
+// over whole tiles, or stream-K, which splits the last wave's tiles along K: cooperative only).
+template <int BM, int BN, int BK, int CM, int CN, class Schedule, class Scheduler = cutlass::gemm::PersistentScheduler>
 struct GateKernel {
   using Element = cutlass::bfloat16_t;
   using TileShape = cute::Shape<cute::Int<BM>, cute::Int<BN>, cute::Int<BK>>;
@@ -301,8 +324,7 @@ struct GateKernel {
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<0>,
       Schedule>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
-                                                      cutlass::gemm::PersistentScheduler>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue, Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static constexpr int kTileN = BN;
 
@@ -317,7 +339,7 @@ struct GateKernel {
     args.mainloop.ptr_B = reinterpret_cast<Element const*>(a.w);
     args.mainloop.dB = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(a.n, a.k, 1));
     args.epilogue = PackArgs{reinterpret_cast<Element*>(a.g), a.ldg, reinterpret_cast<Element const*>(a.bias),
-                             a.packed, a.tcnt, a.tiles, a.slots};
+                             a.packed, a.tcnt, a.tiles, a.slots, a.g_spills};
     args.hw_info.device_id = 0;
     args.hw_info.sm_count = a.sm_count;
     using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;

@@ -21,10 +21,11 @@ struct GateArgs {
   int32_t* tcnt;        // [M, T]
   int tiles;            // T = ceil(N / BLK_N)
   int slots;            // S
+  int g_spills;         // 1: g written only for row tiles over S slots or holding a non-finite value
   int raster;           // 0 heuristic, 1 along M, 2 along N
   int swizzle;          // 1, 2, 4 or 8
   int sm_count;
-  void* workspace;      // get_workspace_size bytes (0 for the persistent scheduler)
+  void* workspace;      // get_workspace_size bytes (0 for the persistent scheduler; stream-K's partial sums)
   cudaStream_t stream;
 };
 
@@ -36,11 +37,15 @@ const char* run_cfg2(GateArgs const& a);
 const char* run_cfg3(GateArgs const& a);
 const char* run_cfg4(GateArgs const& a);
 const char* run_cfg5(GateArgs const& a);
+const char* run_cfg6(GateArgs const& a);
+const char* run_cfg7(GateArgs const& a);
 size_t workspace_cfg0(GateArgs const& a);
 size_t workspace_cfg1(GateArgs const& a);
 size_t workspace_cfg2(GateArgs const& a);
 size_t workspace_cfg3(GateArgs const& a);
 size_t workspace_cfg4(GateArgs const& a);
 size_t workspace_cfg5(GateArgs const& a);
+size_t workspace_cfg6(GateArgs const& a);
+size_t workspace_cfg7(GateArgs const& a);
 
 }  // namespace twell_gate

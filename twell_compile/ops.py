@@ -204,12 +204,13 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, stats, instance=0, p
 # runtime/cuda_gate.py on first use): g = x w^T + bias into ``g`` (when it has elements), and per
 # row and tile of ``tile_n`` columns the non-zero count of relu(g) into ``tcnt`` [M, T] and its
 # first S non-zeros in column order into ``packed`` [M, T, S], (column << 16) | bits(value).
+# ``g_spills``: g only for the row tiles over their S slots or holding a non-finite value.
 _lib.define("gate_pack(Tensor x, Tensor w, Tensor? bias, Tensor(a!) g, Tensor(b!) packed, Tensor(c!) tcnt, "
-            "int cfg, int raster=0, int swizzle=1) -> ()")
+            "int cfg, int raster=0, int swizzle=1, bool g_spills=False) -> ()")
 
 
 @torch.library.register_fake("twell::gate_pack", lib=_lib)
-def _(x, w, bias, g, packed, tcnt, cfg, raster=0, swizzle=1):
+def _(x, w, bias, g, packed, tcnt, cfg, raster=0, swizzle=1, g_spills=False):
     return None
 
 

@@ -32,7 +32,7 @@ def main() -> int:
     for _ in range(3):
         probe.gemm(x, w, out, CFG, RASTER, 1)
         cuda_gate.gate_pack(x, w, None, CFG, 0, RASTER, 1)                 # g alone
-        cuda_gate.gate_pack(x, w, None, CFG, 16, RASTER, 1, dense=False)   # packing alone
+        cuda_gate.gate_pack(x, w, None, CFG, 16, RASTER, 1, g="none")     # packing alone
         cuda_gate.gate_pack(x, w, None, CFG, 16, RASTER, 1)                # both
     torch.cuda.synchronize()
     return 0

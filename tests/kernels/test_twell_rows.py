@@ -128,10 +128,32 @@ MERGE_SCRIPT = textwrap.dedent("""
     g = torch.randn(m, n).to(torch.float16) - 1.2       # ~12% of relu(g) non-zero
     g[:dense_rows] = g[:dense_rows].abs()                 # whole rows active: tiles over their slots
     g[m // 2, 3] = float("nan")
+    g[m // 2 + 1, 5] = float("-inf")                      # non-finite, not a non-zero of relu
     tcnt, packed = pack_tiles(g, tile_n, slots)
     packed = torch.where(packed == -1, torch.randint_like(packed, 1 << 30), packed)  # poison the unwritten slots
     want = compact_rows(g, width, buckets=nb)
-    got = merge_rows(g, packed, tcnt, width, nb)
+    gin = g.clone()
+    if {spills}:
+        # the gate GEMM's g="spills": only row tiles over their slots or holding a non-finite
+        # value written; the rest poisoned (positive, so a read of it would list or add it)
+        t = tcnt.shape[1]
+        pad = torch.zeros(m, t * tile_n, dtype=g.dtype)
+        pad[:, :n] = g
+        tiles = pad.view(m, t, tile_n)
+        kept = (tcnt > slots) | (~torch.isfinite(tiles)).any(2)
+        poison = torch.rand(m, t, tile_n).to(g.dtype) + 0.5
+        gin = torch.where(kept[:, :, None], tiles, poison).reshape(m, -1)[:, :n].contiguous()
+    got = merge_rows(gin, packed, tcnt, width, nb, tile_n=tile_n if {spills} else None)
+    if {spills}:
+        # the rows read from g later are relu-exact: blocks with a tile over its slots, rows over the width
+        bm = arch.launch_policy('cpu').merge_bm
+        spilled_block = (tcnt > slots).any(1).view(-1, 1)
+        blocks = torch.zeros(-(-m // bm) * bm, dtype=torch.bool)
+        blocks[:m] = spilled_block[:, 0]
+        need = blocks.view(-1, bm).any(1, keepdim=True).expand(-1, bm).reshape(-1)[:m] | (want.cnt > width)
+        r_got = torch.relu(gin[need].float()).nan_to_num(nan=-7.0)
+        r_want = torch.relu(g[need].float()).nan_to_num(nan=-7.0)
+        assert torch.equal(r_got, r_want), (need.sum(), (r_got != r_want).sum())
     assert torch.equal(got.cnt, want.cnt), (got.cnt, want.cnt)
     listed = torch.arange(width)[None, :] < want.cnt.clamp(max=width)[:, None]
     assert torch.equal(got.lst[listed], want.lst[listed]), "lists"
@@ -158,4 +180,12 @@ MERGE_CASES = [
 @pytest.mark.parametrize("launch", [dict(merge_bm=16), dict(merge_bm=4, compact_ch=32, compact_stages=2)])
 @pytest.mark.parametrize("case", MERGE_CASES)
 def test_merge_tiles_matches_compaction_under_interpreter(case, launch):
-    run_interpreted(MERGE_SCRIPT.format(seed=sum(case), case=case, launch=launch), timeout=60)
+    run_interpreted(MERGE_SCRIPT.format(seed=sum(case), case=case, launch=launch, spills=False), timeout=60)
+
+
+# with g written only where the packing spilled (gate_pack g="spills"; the rest poisoned), the
+# same lists, and g rebuilt relu-exact for every row read from it later
+@pytest.mark.parametrize("launch", [dict(merge_bm=16), dict(merge_bm=4, compact_ch=32, compact_stages=2)])
+@pytest.mark.parametrize("case", MERGE_CASES)
+def test_merge_tiles_rebuilds_g_where_the_gate_wrote_only_spills_under_interpreter(case, launch):
+    run_interpreted(MERGE_SCRIPT.format(seed=sum(case) + 1, case=case, launch=launch, spills=True), timeout=60)

@@ -110,7 +110,36 @@ def test_tile_order_changes_no_result(built, cfg, raster, swizzle):
 
 
 @gpu
-@pytest.mark.parametrize("cfg", [0, 2, 4])
+@pytest.mark.parametrize("cfg", range(len(cuda_gate.CONFIGS)))
+def test_g_spills_writes_the_row_tiles_the_slots_cannot_rebuild(built, cfg):
+    """g="spills": the same counts and slots as g="all", and g (poisoned first) equal to g="all"'s
+    on every row tile over its slots or holding a non-finite value (a NaN row and an Inf row);
+    what is left unwritten is never read (the per-row test below)."""
+    x, w, b = _inputs(333, 512, 1000, 0.02, True, True, 3, seed=cfg)
+    x[7, 2] = float("inf")
+    slots = 16
+    g_all, p_all, c_all = cuda_gate.gate_pack(x, w, b, cfg, slots)
+    poison()
+    g, packed, tcnt = cuda_gate.gate_pack(x, w, b, cfg, slots, g="spills")
+    torch.cuda.synchronize()
+    assert torch.equal(tcnt, c_all)
+    valid = torch.arange(slots, device=x.device)[None, None, :] < c_all.clamp(max=slots)[..., None]
+    assert torch.equal(packed[valid], p_all[valid])
+    tn, t = cuda_gate.CONFIGS[cfg].tile_n, tcnt.shape[1]
+    m, n = g_all.shape
+    col_tile = torch.arange(n, device=x.device) // tn
+    bad = torch.zeros((m, t * tn), dtype=torch.bool, device=x.device)
+    bad[:, :n] = ~torch.isfinite(g_all)
+    nonfinite = bad.view(m, t, tn).any(2)
+    kept = ((tcnt > slots) | nonfinite)[:, col_tile]            # [M, N]: written by the epilogue
+    assert kept.any(1)[7] and kept.any(1)[x.shape[0] // 2] and (tcnt > slots).any()
+    assert torch.equal(g[kept].view(torch.int16), g_all[kept].view(torch.int16))
+    with pytest.raises(RuntimeError, match="g_spills"):
+        torch.ops.twell.gate_pack(x, w, b, g, packed[:, :, :0].contiguous(), tcnt, cfg, 0, 1, True)
+
+
+@gpu
+@pytest.mark.parametrize("cfg", [0, 2, 4, 6, 7])
 @pytest.mark.parametrize("density, tail, gated, width", [(0.005, 0.0, True, 32), (0.005, 0.5, True, 8),
                                                          (0.2, 0.0, False, 32), (1.0, 0.0, True, 64)])
 def test_per_row_path_with_the_fused_gate_is_exact(built, cfg, density, tail, gated, width):
@@ -118,6 +147,7 @@ def test_per_row_path_with_the_fused_gate_is_exact(built, cfg, density, tail, ga
     args = ffn_args(p)
     x = args[0]
     x[5, 3] = float("nan")
+    x[7, 2] = float("inf")
     with arch.patched(gate_cfg=cfg, gate_slots=16, gate_min_m=0):
         assert cuda_gate.runs(x, args[1], args[2])
         poison()

@@ -144,9 +144,42 @@ def compact_rows_kernel(g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N
 
 
 @triton.jit
-def merge_tiles_kernel(packed_ptr, tcnt_ptr, g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N, W, T,
+def _rebuild_rows(packed_ptr, tcnt_ptr, g_ptr, sg_m, rm, need, N, T, TN, S: tl.constexpr, S_P: tl.constexpr,
+                  CT: tl.constexpr, CH: tl.constexpr):
+    """g's rows rm where ``need``, made relu-exact from the packed slots where the gate GEMM did
+    not write them (g="spills": it wrote the row tiles over their slots and those holding a
+    non-finite value): each row tile within its slots (tcnt <= S, all its non-zeros in the
+    slots) zeroed, then its slots' values stored. relu(g) is then g's at every column, which is
+    all that _compact_chunks and the row kernel's exact tail read (both take relu(g)). The
+    barriers order this program's stores before its own later loads."""
+    r64 = rm.to(tl.int64)[:, None]
+    dt = g_ptr.dtype.element_ty
+    ci = tl.arange(0, CH)
+    for c0 in range(0, N, CH):
+        cn = c0 + ci
+        ok = need[:, None] & (cn < N)[None, :]
+        tc = tl.load(tcnt_ptr + r64 * T + (cn // TN)[None, :], mask=ok, other=0)
+        tl.store(g_ptr + r64 * sg_m + cn[None, :], tl.zeros((rm.shape[0], CH), dtype=dt), mask=ok & (tc <= S))
+    tl.debug_barrier()
+    ct = tl.arange(0, CT)
+    ss = tl.arange(0, S_P)[None, None, :]
+    for t0 in range(0, T, CT):
+        t = t0 + ct
+        tcs = tl.load(tcnt_ptr + r64 * T + t[None, :], mask=need[:, None] & (t < T)[None, :], other=0)
+        live = (ss < tcs[:, :, None]) & (tcs[:, :, None] <= S)
+        slot = (r64 * T + t[None, :]).to(tl.int64)[:, :, None] * S + ss
+        v = tl.load(packed_ptr + slot, mask=live, other=0)
+        col = ((v >> 16) & 0xFFFF).to(tl.int64)
+        val = (v & 0xFFFF).to(tl.int16).to(dt, bitcast=True)
+        tl.store(g_ptr + r64[:, :, None] * sg_m + col, val, mask=live)
+    tl.debug_barrier()
+
+
+@triton.jit
+def merge_tiles_kernel(packed_ptr, tcnt_ptr, g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N, W, T, TN,
                        S: tl.constexpr, S_P: tl.constexpr, T_P: tl.constexpr, CT: tl.constexpr, BM: tl.constexpr,
-                       CH: tl.constexpr, NB: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):
+                       REBUILD: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, STAGES: tl.constexpr,
+                       ASM: tl.constexpr):
     """compact_rows_kernel's outputs from the gate GEMM's packed tiles (twell::gate_pack): a
     row's tiles CT at a time, as a [BM, CT, S_P] block of slots (S_P: S to a power of 2); slot s
     of tile t is live where s < tcnt[m, t] and goes to list[m, P_t + s] while < W (P_t: the non-zeros of the row's tiles
@@ -154,7 +187,9 @@ def merge_tiles_kernel(packed_ptr, tcnt_ptr, g_ptr, sg_m, list_ptr, cnt_ptr, ord
     one of the live slots (masked: a dead slot moves no bytes), no scan over the slots. Reads
     the counts and the slots, not g. A block holding a tile with more than S non-zeros (its
     slots keep only the first S) lists its rows from g itself, as compact_rows_kernel does:
-    exact either way."""
+    exact either way. REBUILD (g written only where the packing spilled, tiles of TN columns):
+    such a block's rows, and rows over W (the row kernel's tail reads them), are rebuilt from
+    the slots first (``_rebuild_rows``)."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     m_ok = rm < M
     r64 = rm.to(tl.int64)[:, None]
@@ -162,6 +197,8 @@ def merge_tiles_kernel(packed_ptr, tcnt_ptr, g_ptr, sg_m, list_ptr, cnt_ptr, ord
     tc = tl.load(tcnt_ptr + r64 * T + tt[None, :], mask=m_ok[:, None] & (tt < T)[None, :], other=0)
     spilled = tl.max(tl.max((tc > S).to(tl.int32), axis=1), axis=0)
     if spilled > 0:
+        if REBUILD:
+            _rebuild_rows(packed_ptr, tcnt_ptr, g_ptr, sg_m, rm, m_ok, N, T, TN, S, S_P, CT, CH)
         run = _compact_chunks(g_ptr, sg_m, list_ptr, rm, m_ok, N, W, CH, STAGES, ASM)
     else:
         run = tl.zeros(rm.shape, dtype=tl.int32)
@@ -178,6 +215,10 @@ def merge_tiles_kernel(packed_ptr, tcnt_ptr, g_ptr, sg_m, list_ptr, cnt_ptr, ord
             v = tl.load(packed_ptr + slot, mask=live, other=0)
             _store_b32(lbase[:, :, None] + rank.to(tl.int64) * 4, v, live & (rank < W), ASM)
             run += tl.sum(tcs, axis=1)
+        if REBUILD:
+            over = (run > W) & m_ok
+            if tl.max(over.to(tl.int32), axis=0) > 0:
+                _rebuild_rows(packed_ptr, tcnt_ptr, g_ptr, sg_m, rm, over, N, T, TN, S, S_P, CT, CH)
     tl.store(cnt_ptr + rm, run, mask=m_ok)
     _file_rows(order_ptr, ctr_ptr, rm, m_ok, run, M, W, NB)
 

@@ -36,7 +36,12 @@ CONFIGS = (
     GateConfig(256, "64x256x64 tile per warpgroup, 2x1 cluster, ping-pong"),
     GateConfig(128, "128x128x64 tile per warpgroup, 2x1 cluster, ping-pong"),
     GateConfig(128, "128x128x64 tile per warpgroup, 1x2 cluster, ping-pong"),
+    GateConfig(176, "128x176x64 CTA tile, 2x1 cluster, cooperative"),
+    GateConfig(176, "128x176x64 CTA tile, 2x1 cluster, cooperative, stream-K"),
 )
+# What gate_pack writes of g: all of it; only the row tiles that merge_rows cannot rebuild from
+# the slots (over their slots, or holding a non-finite value); none (the packing alone).
+G_MODES = ("all", "spills", "none")
 
 _build_error: list[str] = []
 _said: set[str] = set()     # reasons already logged (once each per process)
@@ -111,16 +116,23 @@ def tiles(n: int, cfg: int) -> int:
 
 
 def gate_pack(x2: Tensor, w: Tensor, b: Optional[Tensor], cfg: int, slots: int, raster: int = 0,
-              swizzle: int = 1, dense: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """(g [M, N] or an empty tensor when not ``dense``, packed [M, T, slots] int32, tcnt [M, T]
-    int32) by one launch of configuration ``cfg``. x2 [M, K] and w [N, K] contiguous bf16
-    (``unusable`` says None). ``slots`` 0: no packing, g alone (empty packed and tcnt; the
-    parts timed apart by tune_gate.py)."""
+              swizzle: int = 1, g: str = "all") -> tuple[Tensor, Tensor, Tensor]:
+    """(g [M, N] or an empty tensor for g="none", packed [M, T, slots] int32, tcnt [M, T] int32)
+    by one launch of configuration ``cfg``. x2 [M, K] and w [N, K] contiguous bf16 (``unusable``
+    says None). ``slots`` 0: no packing, g alone (empty packed and tcnt; the parts timed apart
+    by tune_gate.py). ``g``: "all" writes g whole; "spills" only the row tiles with more
+    non-zeros than slots or a non-finite value (the rest of g is left unwritten: the per-row
+    path's merge_rows(..., tile_n=) rebuilds the rows that need it from the slots), which
+    saves the epilogue g's store (M x N x 2 bytes); "none" writes no g."""
+    if g not in G_MODES:
+        raise ValueError(f"g must be one of {G_MODES}, got {g!r}")
+    if g == "spills" and not slots:
+        raise ValueError("g='spills' writes g where the packing spills: it needs slots > 0")
     module()
     m, n = x2.shape[0], w.shape[0]
     t = tiles(n, cfg) if slots else 0
-    g = torch.empty((m, n) if dense else (0,), dtype=x2.dtype, device=x2.device)
+    out = torch.empty((m, n) if g != "none" else (0,), dtype=x2.dtype, device=x2.device)
     packed = torch.empty((m, t, slots) if slots else (0, 0, 0), dtype=torch.int32, device=x2.device)
     tcnt = torch.empty((m, t) if slots else (0, 0), dtype=torch.int32, device=x2.device)
-    torch.ops.twell.gate_pack(x2, w, b, g, packed, tcnt, cfg, raster, swizzle)
-    return g, packed, tcnt
+    torch.ops.twell.gate_pack(x2, w, b, out, packed, tcnt, cfg, raster, swizzle, g == "spills")
+    return out, packed, tcnt

@@ -71,20 +71,25 @@ def gate_rows(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], width: int,
     p = arch.launch_policy(x2.device)
     if p.gate_cfg >= 0 and x2.shape[0] >= p.gate_min_m and cuda_gate.runs(x2, w_gate, b_gate):
         g, packed, tcnt = cuda_gate.gate_pack(x2, w_gate, b_gate, p.gate_cfg, p.gate_slots, p.gate_raster,
-                                              p.gate_swizzle)
+                                              p.gate_swizzle, g="spills")
         if transpose is not None:
             transposed(*transpose)
-        return merge_rows(g, packed, tcnt, width, p.row_buckets)
+        return merge_rows(g, packed, tcnt, width, p.row_buckets, tile_n=cuda_gate.CONFIGS[p.gate_cfg].tile_n)
     if transpose is not None and not p.compact_transpose:
         transposed(*transpose)
         transpose = None
     return compact_rows(F.linear(x2, w_gate, b_gate), width, buckets=p.row_buckets, transpose=transpose)
 
 
-def merge_rows(g: Tensor, packed: Tensor, tcnt: Tensor, width: int, buckets: int = 2) -> Rows:
+def merge_rows(g: Tensor, packed: Tensor, tcnt: Tensor, width: int, buckets: int = 2,
+               tile_n: Optional[int] = None) -> Rows:
     """The Rows compact_rows would make from g, from twell::gate_pack's packed tiles
     (merge_tiles_kernel): the same lists, counts and bucket order, g read only by a block
-    holding a tile over its slots."""
+    holding a tile over its slots. ``tile_n``: g was written only where the packing spilled
+    (gate_pack g="spills"), in tiles of tile_n columns; the rows that read g later (a block
+    with a tile over its slots, rows over ``width``: the row kernel's exact tail) get their
+    other tiles rebuilt from the slots first (relu-exact: zeros where no slot), so Rows.g
+    serves every reader as a whole g would."""
     p = arch.launch_policy(g.device)
     m, n = g.shape
     t, s = packed.shape[1], packed.shape[2]
@@ -92,9 +97,9 @@ def merge_rows(g: Tensor, packed: Tensor, tcnt: Tensor, width: int, buckets: int
     lst, cnt, order, ctr = r.lst, r.cnt, r.order, r.ctr
     if m:
         launch(merge_tiles_kernel, (-(-m // p.merge_bm),),
-               (packed, tcnt, g, g.stride(0), lst, cnt, order, ctr, m, n, width, t),
+               (packed, tcnt, g, g.stride(0), lst, cnt, order, ctr, m, n, width, t, tile_n or 1),
                dict(S=s, S_P=pow2(s), T_P=pow2(t), CT=min(max(p.compact_ch // pow2(s), 1), pow2(t)),
-                    BM=p.merge_bm, CH=min(p.compact_ch, pow2(n)), NB=buckets, STAGES=p.compact_stages,
+                    BM=p.merge_bm, REBUILD=tile_n is not None, CH=min(p.compact_ch, pow2(n)), NB=buckets, STAGES=p.compact_stages,
                     ASM=not INTERPRET),
                num_warps=p.compact_warps)
     return r
