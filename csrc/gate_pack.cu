@@ -19,8 +19,8 @@ namespace {
 using twell_gate::GateArgs;
 
 // Columns per TwELL tile of each configuration (its CTA tile's N).
-constexpr int kTileN[] = {256, 256, 128, 256, 128, 128, 176, 176};
-constexpr int kConfigs = 8;
+constexpr int kTileN[] = {256, 256, 128, 256, 128, 128};
+constexpr int kConfigs = 6;
 
 const char* run_config(int64_t cfg, GateArgs const& a) {
   switch (cfg) {
@@ -30,8 +30,6 @@ const char* run_config(int64_t cfg, GateArgs const& a) {
     case 3: return twell_gate::run_cfg3(a);
     case 4: return twell_gate::run_cfg4(a);
     case 5: return twell_gate::run_cfg5(a);
-    case 6: return twell_gate::run_cfg6(a);
-    case 7: return twell_gate::run_cfg7(a);
   }
   return "unknown configuration";
 }
@@ -44,8 +42,6 @@ size_t workspace_config(int64_t cfg, GateArgs const& a) {
     case 3: return twell_gate::workspace_cfg3(a);
     case 4: return twell_gate::workspace_cfg4(a);
     case 5: return twell_gate::workspace_cfg5(a);
-    case 6: return twell_gate::workspace_cfg6(a);
-    case 7: return twell_gate::workspace_cfg7(a);
   }
   return 0;
 }

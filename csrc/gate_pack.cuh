@@ -309,9 +309,8 @@ struct TwellPackEpilogue {
   Params params;
 };
 
-// One kernel configuration: CTA tile, cluster, mainloop schedule, tile scheduler (persistent
-// over whole tiles, or stream-K, which splits the last wave's tiles along K: cooperative only).
-template <int BM, int BN, int BK, int CM, int CN, class Schedule, class Scheduler = cutlass::gemm::PersistentScheduler>
+// One kernel configuration: CTA tile, cluster, mainloop schedule.
+template <int BM, int BN, int BK, int CM, int CN, class Schedule>
 struct GateKernel {
   using Element = cutlass::bfloat16_t;
   using TileShape = cute::Shape<cute::Int<BM>, cute::Int<BN>, cute::Int<BK>>;
@@ -324,7 +323,8 @@ struct GateKernel {
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<0>,
       Schedule>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue, Scheduler>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
+                                                      cutlass::gemm::PersistentScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static constexpr int kTileN = BN;
 

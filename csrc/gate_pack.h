@@ -25,7 +25,7 @@ struct GateArgs {
   int raster;           // 0 heuristic, 1 along M, 2 along N
   int swizzle;          // 1, 2, 4 or 8
   int sm_count;
-  void* workspace;      // get_workspace_size bytes (0 for the persistent scheduler; stream-K's partial sums)
+  void* workspace;      // get_workspace_size bytes (0 for the persistent scheduler)
   cudaStream_t stream;
 };
 
@@ -37,15 +37,11 @@ const char* run_cfg2(GateArgs const& a);
 const char* run_cfg3(GateArgs const& a);
 const char* run_cfg4(GateArgs const& a);
 const char* run_cfg5(GateArgs const& a);
-const char* run_cfg6(GateArgs const& a);
-const char* run_cfg7(GateArgs const& a);
 size_t workspace_cfg0(GateArgs const& a);
 size_t workspace_cfg1(GateArgs const& a);
 size_t workspace_cfg2(GateArgs const& a);
 size_t workspace_cfg3(GateArgs const& a);
 size_t workspace_cfg4(GateArgs const& a);
 size_t workspace_cfg5(GateArgs const& a);
-size_t workspace_cfg6(GateArgs const& a);
-size_t workspace_cfg7(GateArgs const& a);
 
 }  // namespace twell_gate

@@ -18,8 +18,7 @@
 
 namespace probe {
 
-template <int BM, int BN, int BK, int CM, int CN, class Schedule, class EpiSchedule,
-          class Scheduler = cutlass::gemm::PersistentScheduler>
+template <int BM, int BN, int BK, int CM, int CN, class Schedule, class EpiSchedule>
 const char* run(ProbeArgs const& a) {
   using namespace cute;
   using E = cutlass::bfloat16_t;
@@ -34,7 +33,8 @@ const char* run(ProbeArgs const& a) {
       E, cutlass::layout::ColumnMajor, 8, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epi::SharedStorage))>,
       Schedule>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Main, Epi, Scheduler>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Main, Epi,
+                                                      cutlass::gemm::PersistentScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   typename Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;

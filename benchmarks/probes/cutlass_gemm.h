@@ -24,7 +24,5 @@ const char* run2(ProbeArgs const& a);
 const char* run3(ProbeArgs const& a);
 const char* run4(ProbeArgs const& a);
 const char* run5(ProbeArgs const& a);
-const char* run6(ProbeArgs const& a);
-const char* run7(ProbeArgs const& a);
 
 }  // namespace probe

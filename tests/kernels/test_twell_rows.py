@@ -143,7 +143,12 @@ MERGE_SCRIPT = textwrap.dedent("""
         kept = (tcnt > slots) | (~torch.isfinite(tiles)).any(2)
         poison = torch.rand(m, t, tile_n).to(g.dtype) + 0.5
         gin = torch.where(kept[:, :, None], tiles, poison).reshape(m, -1)[:, :n].contiguous()
-    got = merge_rows(gin, packed, tcnt, width, nb, tile_n=tile_n if {spills} else None)
+    wd = torch.randn(70, 150).to(g.dtype)                # W_down^T written by the same launch (spills case)
+    wdt = torch.full((150, 70), float("nan"), dtype=g.dtype)
+    got = merge_rows(gin, packed, tcnt, width, nb, tile_n=tile_n if {spills} else None,
+                     transpose=(wd, wdt) if {spills} else None)
+    if {spills}:
+        assert torch.equal(wdt, wd.t()), "transpose"
     if {spills}:
         # the rows read from g later are relu-exact: blocks with a tile over its slots, rows over the width
         bm = arch.launch_policy('cpu').merge_bm

@@ -177,9 +177,10 @@ def _rebuild_rows(packed_ptr, tcnt_ptr, g_ptr, sg_m, rm, need, N, T, TN, S: tl.c
 
 @triton.jit
 def merge_tiles_kernel(packed_ptr, tcnt_ptr, g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N, W, T, TN,
+                       wd_ptr, wdt_ptr, TR, TC, s_r, s_c, NC,
                        S: tl.constexpr, S_P: tl.constexpr, T_P: tl.constexpr, CT: tl.constexpr, BM: tl.constexpr,
                        REBUILD: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, STAGES: tl.constexpr,
-                       ASM: tl.constexpr):
+                       ASM: tl.constexpr, TRANSPOSE: tl.constexpr = False, TB: tl.constexpr = 64):
     """compact_rows_kernel's outputs from the gate GEMM's packed tiles (twell::gate_pack): a
     row's tiles CT at a time, as a [BM, CT, S_P] block of slots (S_P: S to a power of 2); slot s
     of tile t is live where s < tcnt[m, t] and goes to list[m, P_t + s] while < W (P_t: the non-zeros of the row's tiles
@@ -189,8 +190,24 @@ def merge_tiles_kernel(packed_ptr, tcnt_ptr, g_ptr, sg_m, list_ptr, cnt_ptr, ord
     slots keep only the first S) lists its rows from g itself, as compact_rows_kernel does:
     exact either way. REBUILD (g written only where the packing spilled, tiles of TN columns):
     such a block's rows, and rows over W (the row kernel's tail reads them), are rebuilt from
-    the slots first (``_rebuild_rows``)."""
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    the slots first (``_rebuild_rows``). TRANSPOSE: programs from NC on write wdt = wd^T, as in
+    compact_rows_kernel."""
+    pid = tl.program_id(0)
+    if TRANSPOSE and pid >= NC:
+        t = pid - NC
+        tiles_c = tl.cdiv(TC, TB)
+        transpose_tile(wd_ptr, wdt_ptr, TR, TC, s_r, s_c, t // tiles_c, t % tiles_c, TB, TB)
+    else:
+        _merge_block(packed_ptr, tcnt_ptr, g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N, W, T, TN,
+                     pid, S, S_P, T_P, CT, BM, REBUILD, CH, NB, STAGES, ASM)
+
+
+@triton.jit
+def _merge_block(packed_ptr, tcnt_ptr, g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N, W, T, TN, pid,
+                 S: tl.constexpr, S_P: tl.constexpr, T_P: tl.constexpr, CT: tl.constexpr, BM: tl.constexpr,
+                 REBUILD: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):
+    """merge_tiles_kernel's work for its block of rows pid * BM .. pid * BM + BM - 1."""
+    rm = pid * BM + tl.arange(0, BM)
     m_ok = rm < M
     r64 = rm.to(tl.int64)[:, None]
     tt = tl.arange(0, T_P)

@@ -36,8 +36,6 @@ CONFIGS = (
     GateConfig(256, "64x256x64 tile per warpgroup, 2x1 cluster, ping-pong"),
     GateConfig(128, "128x128x64 tile per warpgroup, 2x1 cluster, ping-pong"),
     GateConfig(128, "128x128x64 tile per warpgroup, 1x2 cluster, ping-pong"),
-    GateConfig(176, "128x176x64 CTA tile, 2x1 cluster, cooperative"),
-    GateConfig(176, "128x176x64 CTA tile, 2x1 cluster, cooperative, stream-K"),
 )
 # What gate_pack writes of g: all of it; only the row tiles that merge_rows cannot rebuild from
 # the slots (over their slots, or holding a non-finite value); none (the packing alone).

@@ -67,40 +67,47 @@ def gate_rows(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], width: int,
     epilogue, then merge_rows, where the record names a configuration (gate_cfg) for this many
     tokens (gate_min_m) and the call can run it (cuda_gate.runs); else by cuBLAS, then one
     compaction pass over g. ``transpose`` (w, out): out = w^T is written too, by the compaction's
-    launch where the record says so (compact_transpose), else by a launch of its own."""
+    (or the merge's) launch where the record says so (compact_transpose), else by a launch of
+    its own."""
     p = arch.launch_policy(x2.device)
-    if p.gate_cfg >= 0 and x2.shape[0] >= p.gate_min_m and cuda_gate.runs(x2, w_gate, b_gate):
-        g, packed, tcnt = cuda_gate.gate_pack(x2, w_gate, b_gate, p.gate_cfg, p.gate_slots, p.gate_raster,
-                                              p.gate_swizzle, g="spills")
-        if transpose is not None:
-            transposed(*transpose)
-        return merge_rows(g, packed, tcnt, width, p.row_buckets, tile_n=cuda_gate.CONFIGS[p.gate_cfg].tile_n)
     if transpose is not None and not p.compact_transpose:
         transposed(*transpose)
         transpose = None
+    if p.gate_cfg >= 0 and x2.shape[0] >= p.gate_min_m and cuda_gate.runs(x2, w_gate, b_gate):
+        g, packed, tcnt = cuda_gate.gate_pack(x2, w_gate, b_gate, p.gate_cfg, p.gate_slots, p.gate_raster,
+                                              p.gate_swizzle, g="spills")
+        return merge_rows(g, packed, tcnt, width, p.row_buckets, tile_n=cuda_gate.CONFIGS[p.gate_cfg].tile_n,
+                          transpose=transpose)
     return compact_rows(F.linear(x2, w_gate, b_gate), width, buckets=p.row_buckets, transpose=transpose)
 
 
 def merge_rows(g: Tensor, packed: Tensor, tcnt: Tensor, width: int, buckets: int = 2,
-               tile_n: Optional[int] = None) -> Rows:
+               tile_n: Optional[int] = None, transpose: Optional[tuple[Tensor, Tensor]] = None) -> Rows:
     """The Rows compact_rows would make from g, from twell::gate_pack's packed tiles
     (merge_tiles_kernel): the same lists, counts and bucket order, g read only by a block
     holding a tile over its slots. ``tile_n``: g was written only where the packing spilled
     (gate_pack g="spills"), in tiles of tile_n columns; the rows that read g later (a block
     with a tile over its slots, rows over ``width``: the row kernel's exact tail) get their
     other tiles rebuilt from the slots first (relu-exact: zeros where no slot), so Rows.g
-    serves every reader as a whole g would."""
+    serves every reader as a whole g would. ``transpose`` (w, out): out = w^T written by the
+    same launch, as compact_rows does."""
     p = arch.launch_policy(g.device)
     m, n = g.shape
     t, s = packed.shape[1], packed.shape[2]
     r = _empty_rows(g, width, buckets)
     lst, cnt, order, ctr = r.lst, r.cnt, r.order, r.ctr
-    if m:
-        launch(merge_tiles_kernel, (-(-m // p.merge_bm),),
-               (packed, tcnt, g, g.stride(0), lst, cnt, order, ctr, m, n, width, t, tile_n or 1),
+    if transpose is not None and not m:
+        transposed(transpose[0], transpose[1])
+    elif m:
+        nc = -(-m // p.merge_bm)
+        w, wt = transpose if transpose is not None else (g, g)
+        tiles = -(-w.shape[0] // TRANSPOSE_TILE) * -(-w.shape[1] // TRANSPOSE_TILE) if transpose is not None else 0
+        launch(merge_tiles_kernel, (nc + tiles,),
+               (packed, tcnt, g, g.stride(0), lst, cnt, order, ctr, m, n, width, t, tile_n or 1,
+                w, wt, w.shape[0], w.shape[1], w.stride(0), w.stride(1), nc),
                dict(S=s, S_P=pow2(s), T_P=pow2(t), CT=min(max(p.compact_ch // pow2(s), 1), pow2(t)),
-                    BM=p.merge_bm, REBUILD=tile_n is not None, CH=min(p.compact_ch, pow2(n)), NB=buckets, STAGES=p.compact_stages,
-                    ASM=not INTERPRET),
+                    BM=p.merge_bm, REBUILD=tile_n is not None, CH=min(p.compact_ch, pow2(n)), NB=buckets,
+                    STAGES=p.compact_stages, ASM=not INTERPRET, TRANSPOSE=transpose is not None, TB=TRANSPOSE_TILE),
                num_warps=p.compact_warps)
     return r
 
