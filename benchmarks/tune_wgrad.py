@@ -2,8 +2,8 @@
 (``cuda_train.sparse_bwd_dy_pass`` and ``sparse_bwd_x_pass``, kernels/twell_train_wgrad.py):
 the numbers behind the record's wg_* launch sizes (runtime/arch.py).
 
-    python3 benchmarks/tune_wgrad.py --M 16384 --variants wg_dy_stages=1 wg_dy_stages=2 \\
-        wg_dy_stages=2,wg_x_stages=2 --out benchmarks/results/<gpu>/tune_wgrad.json
+    python3 benchmarks/tune_wgrad.py --M 16384 --variants wg_programs_per_sm=8 wg_programs_per_sm=4 \\
+        wg_dy_entries=2 --out benchmarks/results/<gpu>/tune_wgrad.json
 
 A variant is a space-free list of FIELD=VALUE pairs joined by "," (GpuPolicy fields, as --policy
 elsewhere); the first is the baseline. Inputs: bench_ffn_train.py's (timing.train_inputs: bf16,

@@ -120,7 +120,7 @@ def wgrad_kernel(
     dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr,   # fp32 [N, K], [N, K], [N, KO] (backup part in), [N], [N]
     K, KO,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, L1: tl.constexpr, L1_DEV: tl.constexpr,
-    DY: tl.constexpr, BKW: tl.constexpr, E: tl.constexpr, ACT: tl.constexpr, STAGES: tl.constexpr = 1,
+    DY: tl.constexpr, BKW: tl.constexpr, E: tl.constexpr, ACT: tl.constexpr,
 ):
     if L1_DEV:                                      # the controller's coefficient (fp32 [1])
         l1c = l1c * tl.load(l1_ptr)
@@ -148,7 +148,7 @@ def wgrad_kernel(
         su = tl.zeros((E,), dtype=tl.float32)
         if DY:
             wd = tl.load(wdt_ptr + n * swd_n + ks, mask=ok, other=0.0).to(tl.float32)
-        for e0 in tl.range(0, c, E, num_stages=STAGES):     # STAGES > 1: later entries' rows in flight
+        for e0 in range(0, c, E):
             e = e0 + ea
             live = e < c
             idx = tl.load(order_ptr + start + e, mask=live, other=0).to(tl.int64)

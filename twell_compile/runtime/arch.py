@@ -215,8 +215,6 @@ class GpuPolicy:
     wg_chunk: int = 128              # a neuron's entries per wgrad program step: at least this,
     wg_chunk_over_mean: int = 2      # ... and this many mean lists (only hot neurons split)
     wg_programs_per_sm: int = 8      # persistent wgrad programs per SM
-    wg_dy_stages: int = 1            # the passes' entry loops software-pipelined this deep (1: not)
-    wg_x_stages: int = 1
     dx_pairs: int = 4
     rank_bm: int = 8
     rank_bp: int = 32

@@ -401,10 +401,10 @@ def sparse_bwd_setup(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
         st.programs = min(bound, sm_count(dev) * p.wg_programs_per_sm)
         st.bkw = bkw
         st.tickets = tickets
-        # wgrad_kernel's constexprs in signature order, DY, BKW, E and STAGES filled in per pass
-        st.consts = lambda dy, bk, e, stages: dict(  # noqa: E731
+        # wgrad_kernel's constexprs in signature order, DY, BKW and E filled in per pass
+        st.consts = lambda dy, bk, e: dict(  # noqa: E731
             GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
-            L1_DEV=l1_coef is not None, DY=dy, BKW=bk, E=e, ACT=ACTS.index(act), STAGES=stages)
+            L1_DEV=l1_coef is not None, DY=dy, BKW=bk, E=e, ACT=ACTS.index(act))
         # wgrad_kernel's arguments on either side of its ticket
         st.head = (order, off, hist, nid, coff, cend[n - 1:])
         st.tail = (chunk, width, ell_g, ell_u if gated else ell_g, eg, eu, x2, x2.stride(0),
@@ -424,7 +424,7 @@ def sparse_bwd_dy_pass(st: SparseBwd) -> None:
     if st.n:
         warps = warps_by_width(st.k_out, st.p.wg_dy_cols_per_warp)
         launch(wgrad_kernel, (st.programs, 1), (*st.head, st.tickets[:1], *st.tail),    # whole dy rows for dh
-               st.consts(True, pow2(st.k_out), st.p.wg_dy_entries, st.p.wg_dy_stages), num_warps=warps)
+               st.consts(True, pow2(st.k_out), st.p.wg_dy_entries), num_warps=warps)
 
 
 def sparse_bwd_x_pass(st: SparseBwd) -> None:
@@ -432,7 +432,7 @@ def sparse_bwd_x_pass(st: SparseBwd) -> None:
     dW_g[n] and dW_u[n] from the DY pass's d_g, d_u. Tickets st.tickets[1:], as the DY pass's."""
     if st.n:
         launch(wgrad_kernel, (st.programs, -(-st.k // st.bkw)), (*st.head, st.tickets[1:], *st.tail),
-               st.consts(False, st.bkw, st.p.wg_x_entries, st.p.wg_x_stages), num_warps=st.p.wg_x_warps)
+               st.consts(False, st.bkw, st.p.wg_x_entries), num_warps=st.p.wg_x_warps)
 
 
 def sparse_bwd_dx(st: SparseBwd) -> None:
