@@ -5,6 +5,11 @@
 hist, entry (m, p) of column n goes to order[off[n] + rk[m, p]] = m * W + p. No host sync:
 order has the fixed size M * W.
 
+``wgrad_plan_kernel`` (one program, after the ranks): off = the exclusive prefix sum of hist (the
+counting sort's column offsets); CHUNK = max(OVER x (entries // N), FLOOR); each neuron's chunk
+count max(ceil(hist / CHUNK), 1), their exclusive prefix sum coff and total (the passes' ticket
+bound): the scans and the chunk arithmetic in one launch.
+
 ``wgrad_kernel``: persistent programs over (chunk of one neuron's entries, chunk of BKW
 columns), fp32, in one of two passes (constexpr DY). A neuron's entries are cut into chunks of
 at most CHUNK (``chunk_map_kernel`` lists each chunk's neuron), which the programs take in
@@ -49,6 +54,28 @@ def scatter_kernel(cols_ptr, rk_ptr, q_ptr, off_ptr, order_ptr, W, WP: tl.conste
         n = tl.load(cols_ptr + m * W + pp, mask=live, other=0)
         pos = tl.load(off_ptr + n, mask=live, other=0) + tl.load(rk_ptr + m * W + pp, mask=live, other=0)
         tl.store(order_ptr + pos.to(tl.int64), (m * W + pp).to(tl.int32), mask=live)
+
+
+@triton.jit
+def wgrad_plan_kernel(hist_ptr, off_ptr, coff_ptr, ctot_ptr, chunk_ptr, N, FLOOR, OVER, B: tl.constexpr):
+    b = tl.arange(0, B)
+    total = tl.sum(tl.zeros((B,), dtype=tl.int32), axis=0)
+    for n0 in range(0, N, B):
+        total += tl.sum(tl.load(hist_ptr + n0 + b, mask=n0 + b < N, other=0), axis=0)
+    chunk = tl.maximum((total // N) * OVER, FLOOR)
+    run = total * 0
+    crun = total * 0
+    for n0 in range(0, N, B):
+        nn = n0 + b
+        ok = nn < N
+        h = tl.load(hist_ptr + nn, mask=ok, other=0)
+        tl.store(off_ptr + nn, run + tl.cumsum(h, axis=0) - h, mask=ok)
+        nch = tl.where(ok, tl.maximum((h + chunk - 1) // chunk, 1), 0)
+        tl.store(coff_ptr + nn, crun + tl.cumsum(nch, axis=0) - nch, mask=ok)
+        run += tl.sum(h, axis=0)
+        crun += tl.sum(nch, axis=0)
+    tl.store(ctot_ptr, crun)
+    tl.store(chunk_ptr, chunk)
 
 
 @triton.jit

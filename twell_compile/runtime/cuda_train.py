@@ -45,11 +45,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from twell_compile import stats
-from twell_compile.kernels.twell_train_bwd import dx_rows_kernel, rank_kernel, train_bwd_kernel
+from twell_compile.kernels.twell_train_bwd import backup_rows_kernel, dx_rows_kernel, rank_kernel, train_bwd_kernel
 from twell_compile.kernels.twell_train_dense import train_dense_bwd_kernel
 from twell_compile.kernels.twell_train_densify import train_densify_kernel
 from twell_compile.kernels.twell_train_fwd import train_fwd_kernel
-from twell_compile.kernels.twell_train_wgrad import chunk_map_kernel, scatter_kernel, wgrad_kernel
+from twell_compile.kernels.twell_train_wgrad import chunk_map_kernel, scatter_kernel, wgrad_kernel, wgrad_plan_kernel
 from twell_compile.reference import ACTS
 from twell_compile.runtime import arch, density
 from twell_compile.runtime.cuda_infer import Rows, compact_rows, record_stats, relu_mul_rows
@@ -311,12 +311,16 @@ class SparseBwd:
 
 def sparse_bwd_setup(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_g, ell_u,
                      bidx, bg, bu, l1c, act="relu", l1_coef=None) -> SparseBwd:
-    """The sparse backward up to its per-neuron passes: ``rank_kernel`` (the quiet rows' ELL
+    """The sparse backward up to its per-neuron passes: ``backup_rows_kernel`` (each row's
+    dense-backup slot, the slots' x and dy rows gathered), ``rank_kernel`` (the quiet rows' ELL
     slots ranked in their columns, the busy rows listed), ``train_bwd_kernel`` (busy rows whole:
-    dense backup, or listed for recompute), the counting sort by neuron (cumsum +
-    ``scatter_kernel``), the dense-backup rows' three cuBLAS products (fp32, into the weight
+    dense backup, or listed for recompute), ``wgrad_plan_kernel`` (the counting sort's offsets,
+    the chunk length and each neuron's chunks), the counting sort by neuron
+    (``scatter_kernel``), the dense-backup rows' three cuBLAS products (fp32, into the weight
     gradients the passes complete), and the chunk map of the neurons' lists
-    (``chunk_map_kernel``); with the buffers' allocations and memsets."""
+    (``chunk_map_kernel``); with the buffers' allocations and memsets. Host work: a few small
+    calls besides the launches (the setup's scans and gathers are kernels: a training step was
+    host-bound on slow hosts, docs/training-design.md)."""
     p = arch.launch_policy(x2.device)
     m, k = x2.shape
     n, k_out = w_gate.shape[0], w_down.shape[0]
@@ -325,7 +329,6 @@ def sparse_bwd_setup(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
     gated = w_up is not None
     cap = bidx.shape[0]
     f32, i32 = torch.float32, torch.int32
-    slot_of = _slot_of(bidx, m)
     dx = torch.empty((m, k), dtype=dt, device=dev)
     # quiet rows: ranks in their columns, per-column counts; d_g, d_u per slot (fp32)
     rk = torch.empty((m, width), dtype=i32, device=dev)
@@ -347,6 +350,13 @@ def sparse_bwd_setup(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
     wu = unit_rows(w_up) if gated else w_gate
     wdt = transposed(w_down)
     blist = torch.empty((max(m, 1),), dtype=i32, device=dev)
+    # each row's backup slot (-1: none) and the slots' x and dy rows (padding slots: zero rows)
+    slot_of = torch.full((m + 1,), -1, dtype=i32, device=dev)
+    xb = torch.empty((cap, k), dtype=dt, device=dev)
+    dyb = torch.empty((cap, k_out), dtype=dt, device=dev)
+    if cap:
+        launch(backup_rows_kernel, (cap,), (bidx, slot_of, x2, x2.stride(0), dy2, dy2.stride(0), xb, dyb, k, k_out),
+               dict(BK=min(1024, pow2(max(k, k_out)))), num_warps=4)
     if m:
         launch(rank_kernel, (-(-m // p.rank_bm),),
                (x2, x2.stride(0), dy2, dy2.stride(0), cnt, cols, width, q, rk, hist, blist, bctr, m, k, k_out),
@@ -362,20 +372,19 @@ def sparse_bwd_setup(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
                     L1_DEV=l1_coef is not None, K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.train_pairs,
                     CH=min(CH, pow2(n)), BK=RBK, ACT=ACTS.index(act)),
                num_warps=_warps(k, k_out))
-    csum = torch.cumsum(hist, 0, dtype=i32)
-    off = csum - hist
+    # the counting sort's column offsets; each neuron's entries in chunks of `chunk` (a device
+    # scalar: wg_chunk_over_mean mean lists, at least wg_chunk), their offsets and total
+    floor_ = max(1, p.wg_chunk)
+    off, coff = torch.empty((2, n), dtype=i32, device=dev).unbind(0)
+    ctot, chunk = torch.empty((2,), dtype=i32, device=dev).split(1)
+    if n:
+        launch(wgrad_plan_kernel, (1,), (hist, off, coff, ctot, chunk, n, floor_, p.wg_chunk_over_mean),
+               dict(B=min(1024, pow2(n))), num_warps=4)
     order = torch.empty((max(m * width, 1),), dtype=i32, device=dev)
     if m:
         launch(scatter_kernel, (m,), (cols, rk, q, off, order, width), dict(WP=pow2(width)), num_warps=1)
-    # the backup rows' parts: cuBLAS on the gathered x / dy rows (padding slots: zero rows),
+    # the backup rows' parts: cuBLAS on the gathered x / dy rows (zero rows for padding slots),
     # fp32, written into the outputs that wgrad_kernel then completes in place
-    valid = (bidx >= 0).unsqueeze(1)
-    rows = bidx.clamp(min=0)
-    if m:
-        xb = torch.where(valid, x2[rows], torch.zeros((), dtype=dt, device=dev))
-        dyb = torch.where(valid, dy2[rows], torch.zeros((), dtype=dt, device=dev))
-    else:                                   # no rows (the op's M = 0 runs dense): all padding
-        xb, dyb = x2.new_zeros((cap, k)), dy2.new_zeros((cap, k_out))
     dwg = _mm_f32(sg.t(), xb)
     dwu = _mm_f32(su.t(), xb) if gated else None
     dwdt = _mm_f32(sh.t(), dyb)
@@ -384,19 +393,10 @@ def sparse_bwd_setup(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
                    eu=eu, q=q, cols=cols, width=width, w_gate=w_gate, wu=wu, sg=sg, su=su, dwg=dwg, dwu=dwu,
                    dwdt=dwdt, db=db, p=p)
     if n:
-        # each neuron's entries in chunks of `chunk` (a device scalar: wg_chunk_over_mean mean
-        # lists, at least wg_chunk), chunk -> neuron, persistent programs taking chunks from a
-        # ticket per pass and K chunk (deterministic mode never gets here: select.plan_train
-        # runs eager's path there)
-        floor_ = max(1, p.wg_chunk)
-        chunk = torch.clamp_min(torch.div(csum[n - 1], n, rounding_mode="floor")
-                                * p.wg_chunk_over_mean, floor_)
-        nch = torch.clamp_min(torch.div(hist + (chunk - 1), chunk, rounding_mode="floor"), 1)
-        cend = torch.cumsum(nch, 0, dtype=i32)
-        coff = cend - nch
+        # chunk -> neuron, persistent programs taking chunks from a ticket per pass and K chunk
+        # (deterministic mode never gets here: select.plan_train runs eager's path there)
         bound = n + -(-(m * width) // floor_)         # chunks: at most N + entries / chunk
         nid = torch.empty((bound,), dtype=i32, device=dev)
-        chunk = chunk.to(i32).reshape(1)
         launch(chunk_map_kernel, (n,), (hist, coff, nid, chunk), dict(BJ=32), num_warps=1)
         st.programs = min(bound, sm_count(dev) * p.wg_programs_per_sm)
         st.bkw = bkw
@@ -406,7 +406,7 @@ def sparse_bwd_setup(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
             GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
             L1_DEV=l1_coef is not None, DY=dy, BKW=bk, E=e, ACT=ACTS.index(act))
         # wgrad_kernel's arguments on either side of its ticket
-        st.head = (order, off, hist, nid, coff, cend[n - 1:])
+        st.head = (order, off, hist, nid, coff, ctot)
         st.tail = (chunk, width, ell_g, ell_u if gated else ell_g, eg, eu, x2, x2.stride(0),
                    dy2, dy2.stride(0), mlist, mctr, w_gate, w_gate.stride(0),
                    b_gate if b_gate is not None else w_gate, wu, wu.stride(0),
