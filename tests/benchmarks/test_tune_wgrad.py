@@ -22,7 +22,7 @@ def test_needs_a_gpu(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_rows_per_variant_and_the_program_count_changes_no_bit(tmp_path):
+def test_rows_per_variant_with_gradients_that_agree(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     out = tmp_path / "w.json"
@@ -31,7 +31,7 @@ def test_rows_per_variant_and_the_program_count_changes_no_bit(tmp_path):
     rows = load_rows(out)
     assert [r["variant"] for r in rows] == ["wg_programs_per_sm=8", "wg_programs_per_sm=3", "wg_dy_entries=2"]
     assert all(r["dy_ms"] > 0 and r["x_ms"] > 0 for r in rows)
-    # ~41 entries per neuron, chunks of 128: no neuron split, each summed in its entries' order
-    # by whichever program takes it; 2 entries per step sum in another order, to fp32 rounding
-    assert rows[0]["equal"] and rows[1]["equal"]
-    assert rows[2]["max_rel"] < 1e-5
+    # other program counts and entries per step sum in other orders (split neurons' chunks add
+    # atomically): the same gradients to fp32 rounding (H100: 1.1e-7)
+    assert rows[0]["equal"] and rows[0]["max_rel"] == 0.0
+    assert all(r["max_rel"] < 1e-5 for r in rows)
