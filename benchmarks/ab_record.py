@@ -21,7 +21,7 @@ import torch
 
 if __package__ in (None, ""):                  # run as a file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
+from benchmarks.rows import save_rows, stamp  # noqa: E402
 from benchmarks.timing import gpu_name, interleaved_ms, policy_changes  # noqa: E402
 
 from twell_compile.runtime import arch, cuda_infer  # noqa: E402
@@ -69,9 +69,7 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"M={m} {'gated' if gated else 'non-gated'}: " +
                   ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in ms.items()), flush=True)
-    path = out_path(a.out, gpu_name(), "ab_record.json")
-    write_json(path, rows)
-    print(f"wrote {path} ({len(rows)} rows)")
+    save_rows(rows, a.out, gpu_name(), "ab_record.json")
     return 0
 
 

@@ -150,3 +150,12 @@ def write_json(path: Union[Path, str], data: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def save_rows(rows: list[dict[str, Any]], given: Optional[str], tag: str, name: str) -> Path:
+    """Write a run's rows to ``given`` (default runs/<tag>/<name>, ``out_path``), say where in one
+    line, return the path: the end of a tuning script's run."""
+    path = out_path(given, tag, name)
+    write_json(path, rows)
+    print(f"wrote {path} ({len(rows)} rows)")
+    return path

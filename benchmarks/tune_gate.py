@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 if __package__ in (None, ""):                  # run as a file: python3 benchmarks/tune_gate.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
+from benchmarks.rows import save_rows, stamp  # noqa: E402
 from benchmarks.timing import gpu_name, interleaved_ms, rel  # noqa: E402
 
 from twell_compile.build import PROBES, load  # noqa: E402
@@ -138,9 +138,7 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     variants = [(c, r, s) for c in a.configs for r in a.raster for s in a.swizzle]
     rows = [row for m in a.M for row in point(a, m, variants)]
-    path = out_path(a.out, gpu_name(), "gate_pack.json")
-    write_json(path, rows)
-    print(f"wrote {path}")
+    save_rows(rows, a.out, gpu_name(), "gate_pack.json")
     return 0
 
 

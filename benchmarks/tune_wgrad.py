@@ -25,7 +25,7 @@ import torch
 
 if __package__ in (None, ""):                  # run as a file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
+from benchmarks.rows import save_rows, stamp  # noqa: E402
 from benchmarks.timing import gpu_name, interleaved_ms, policy_changes, train_inputs  # noqa: E402
 
 from twell_compile.config import TwellConfig  # noqa: E402
@@ -107,9 +107,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("tune_wgrad.py times the CUDA training kernels: it needs a GPU")
     rows = [r for m in a.M for r in point(a, m, variants)]
-    path = out_path(a.out, gpu_name(), "tune_wgrad.json")
-    write_json(path, rows)
-    print(f"wrote {path}")
+    save_rows(rows, a.out, gpu_name(), "tune_wgrad.json")
     return 0
 
 
