@@ -40,7 +40,7 @@ import triton.language as tl
 from twell_compile.kernels.act import hidden
 from twell_compile.kernels.pairs import pick, scan, select
 from twell_compile.kernels.pdl import pdl_enter
-from twell_compile.kernels.transpose import transpose_tile_at
+from twell_compile.kernels.transpose import transpose_tile
 
 
 @triton.jit
@@ -132,7 +132,9 @@ def compact_rows_kernel(g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N
     pdl_enter(PDL)
     pid = tl.program_id(0)
     if TRANSPOSE and pid >= NC:
-        transpose_tile_at(wd_ptr, wdt_ptr, TR, TC, s_r, s_c, pid - NC, TB)
+        t = pid - NC
+        tiles_c = tl.cdiv(TC, TB)
+        transpose_tile(wd_ptr, wdt_ptr, TR, TC, s_r, s_c, t // tiles_c, t % tiles_c, TB, TB)
     else:
         rm = pid * BM + tl.arange(0, BM)
         m_ok = rm < M
@@ -192,7 +194,9 @@ def merge_tiles_kernel(packed_ptr, tcnt_ptr, g_ptr, sg_m, list_ptr, cnt_ptr, ord
     compact_rows_kernel."""
     pid = tl.program_id(0)
     if TRANSPOSE and pid >= NC:
-        transpose_tile_at(wd_ptr, wdt_ptr, TR, TC, s_r, s_c, pid - NC, TB)
+        t = pid - NC
+        tiles_c = tl.cdiv(TC, TB)
+        transpose_tile(wd_ptr, wdt_ptr, TR, TC, s_r, s_c, t // tiles_c, t % tiles_c, TB, TB)
     else:
         _merge_block(packed_ptr, tcnt_ptr, g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N, W, T, TN,
                      pid, S, S_P, T_P, CT, BM, REBUILD, CH, NB, STAGES, ASM)
