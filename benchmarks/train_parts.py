@@ -77,8 +77,9 @@ OURS_PARTS = (
     ("fwd.up_down", "do_bench", "cuda_train.packed_forward: transpose_kernel (W_d^T) + train_fwd_kernel "
                                 "(u at the pairs, y, the ELL slots and dense backup)"),
     ("fwd", "do_bench", "cuda_train.forward_sparse: gate GEMM + pack + up/down"),
-    ("bwd.setup", "do_bench", "cuda_train.sparse_bwd_setup: allocations, rank_kernel, train_bwd_kernel (busy rows), "
-                              "cumsum + scatter_kernel (sort by neuron), 3 cuBLAS products of the backup rows, "
+    ("bwd.setup", "do_bench", "cuda_train.sparse_bwd_setup: allocations, backup_rows_kernel (slots, x / dy rows), "
+                              "rank_kernel, train_bwd_kernel (busy rows), wgrad_plan_kernel (offsets, chunks) + "
+                              "scatter_kernel (sort by neuron), 3 cuBLAS products of the backup rows, "
                               "chunk_map_kernel"),
     ("bwd.wgrad_dy", "do_bench", "cuda_train.sparse_bwd_dy_pass: wgrad_kernel DY pass (dh, d_g, d_u at the slots, "
                                  "dW_down, bias sums; dy rows gathered), after zeroing its ticket"),
@@ -99,8 +100,8 @@ OURS_KERNEL_PARTS = (
     ("fwd.up_down", "train_fwd_kernel and W_d^T's transpose_kernel"),
     ("fwd.other", "the forward's other launches (the lost-row count, the density probe)"),
     ("fwd.fill_copy", "the forward's fills, memsets and copies (the state's zeroed buffers)"),
-    ("bwd.setup", "the backward's launches before the first wgrad_kernel (ranks, busy rows, sort, backup GEMMs, "
-                  "chunk map)"),
+    ("bwd.setup", "the backward's launches before the first wgrad_kernel (backup rows, ranks, busy rows, sort, "
+                  "backup GEMMs, chunk map)"),
     ("bwd.wgrad_dy", "the first wgrad_kernel (DY pass)"),
     ("bwd.wgrad_x", "the second wgrad_kernel (X pass)"),
     ("bwd.dx", "dx_rows_kernel"),
