@@ -182,3 +182,54 @@ def test_train_kernels_under_interpreter(case, ent, coef):
 def test_train_activations_under_interpreter(act, case):
     run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 4, case=case, ent=(1, 2, 3, 1), coef=False, act=act),
                     timeout=300)
+
+
+SETUP_SCRIPT = textwrap.dedent("""
+    import torch
+    from twell_compile.kernels.twell_train_bwd import backup_rows_kernel
+    from twell_compile.kernels.twell_train_wgrad import wgrad_plan_kernel
+    from twell_compile.runtime.launch import launch
+    torch.manual_seed({seed})
+    n, floor_, over, block, m, k, ko, cap = {case}
+    # the plan: hist with empty, typical and hot neurons; outputs poisoned first
+    hist = torch.randint(0, 50, (n,), dtype=torch.int32)
+    hist[::7] = 0
+    hist[1::11] = 900
+    off, coff = torch.full((2, n), -77, dtype=torch.int32).unbind(0)
+    ctot, chunk = torch.full((2,), -77, dtype=torch.int32).split(1)
+    launch(wgrad_plan_kernel, (1,), (hist, off, coff, ctot, chunk, n, floor_, over), dict(B=block), num_warps=4)
+    want_chunk = max((int(hist.sum()) // n) * over, floor_)
+    nch = torch.clamp_min((hist + want_chunk - 1) // want_chunk, 1)
+    assert int(chunk) == want_chunk, (int(chunk), want_chunk)
+    assert torch.equal(off, torch.cumsum(hist, 0, dtype=torch.int32) - hist)
+    assert torch.equal(coff, (torch.cumsum(nch, 0) - nch).to(torch.int32))
+    assert int(ctot) == int(nch.sum())
+    # the backup rows: slots of some rows in any order, padding slots (-1) last
+    x = torch.randn(m, k).to(torch.float16)
+    dy = torch.randn(m, ko).to(torch.float16)
+    rows = torch.randperm(m)[: cap - 2].to(torch.int64)
+    bidx = torch.cat([rows, torch.full((2,), -1, dtype=torch.int64)])
+    slot_of = torch.full((m + 1,), -1, dtype=torch.int32)
+    xb = torch.full((cap, k), float("nan"), dtype=torch.float16)
+    dyb = torch.full((cap, ko), float("nan"), dtype=torch.float16)
+    launch(backup_rows_kernel, (cap,), (bidx, slot_of, x, x.stride(0), dy, dy.stride(0), xb, dyb, k, ko),
+           dict(BK=block), num_warps=4)
+    want = torch.full((m + 1,), -1, dtype=torch.int32)
+    want[rows] = torch.arange(cap - 2, dtype=torch.int32)
+    assert torch.equal(slot_of, want)
+    assert torch.equal(xb[: cap - 2], x[rows]) and torch.equal(dyb[: cap - 2], dy[rows])
+    assert (xb[cap - 2:] == 0).all() and (dyb[cap - 2:] == 0).all()
+    print("ok")
+""")
+
+
+# the setup's two kernels against their torch formulas: the plan's scans over several blocks (and
+# one), its chunk length from the mean or the floor; the backup rows' slots, rows and padding
+@pytest.mark.parametrize("case", [
+    # N, floor, over, block, M, K, K_out, backup slots
+    (300, 128, 2, 64, 40, 70, 24, 9),
+    (37, 1, 3, 64, 5, 8, 130, 4),
+    (1000, 16, 0, 1024, 64, 33, 33, 10),
+])
+def test_setup_kernels_under_interpreter(case):
+    run_interpreted(SETUP_SCRIPT.format(seed=sum(case), case=case), timeout=120)
