@@ -37,3 +37,16 @@ def test_every_suite_names_a_harness_and_a_committed_file():
         assert callable(check_perf.main_of(module)), name
         assert "--out" in argv_of("x.json") and fname.endswith(".json") and num.endswith("_ms") and den == "twell_ms"
         assert ("--non-gated" in argv_of("x.json")) == (not gated), name
+
+
+def test_a_confirmation_adds_samples_to_the_slow_points_only():
+    runs = {(16384,): [_row(16384, 1.13, "a"), _row(16384, 1.17, "a")], (4096,): [_row(4096, 1.2, "a")]}
+    more = {(16384,): [_row(16384, 1.31, "b"), _row(16384, 1.33, "b")], (4096,): [_row(4096, 9.0, "b")]}
+    check_perf.add_samples(runs, more, [(16384,)])
+    assert [r["inductor_ms"] for r in runs[(16384,)]] == [1.13, 1.17, 1.31, 1.33]
+    assert [r["inductor_ms"] for r in runs[(4096,)]] == [1.2]
+    # judged on every sample: a slow first pair that the second does not repeat passes (the H100
+    # training point of results/h100/check_perf.json), a loss that repeats stays slower
+    assert check_perf.judge(1.369, [1.13, 1.17], 0.05)[0] == "slower"
+    assert check_perf.judge(1.369, [1.13, 1.17, 1.31, 1.33], 0.05)[0] == "ok"
+    assert check_perf.judge(1.369, [1.13, 1.17, 1.14, 1.16], 0.05)[0] == "slower"
