@@ -348,8 +348,9 @@ H200 = GpuPolicy(
     # merge_rows: the per-row forward 1.125 ms against cuBLAS + compaction's 1.178 at 16384
     # tokens, 4.498 / 4.555 at 65536, 0.304 / 0.307 at 4096, 0.199 / 0.169 at 2048
     # (results/h200/gate_whole.json; H100: 1.184 / 1.195 and 4.794 / 4.920, h100/gate_whole.json).
-    # g is written only where the packing spills: on the H100 the gate + packing then 0.95-1.03x
-    # of cuBLAS at 16384 tokens against 1.05-1.15x with g whole (results/h100/gate_spills.json).
+    # g is written only where the packing spills: on the H100 the gate + packing then 0.95-1.13x
+    # of cuBLAS at 16384 tokens against 1.05-1.22x with g whole, the same four runs
+    # (results/h100/gate_spills.json).
     gate_cfg=4, gate_min_m=16384,
     # W_down^T's per-call copy made in the compaction's launch: the per-row path's GPU time at
     # K=2048 N=5632 d=0.005, gated 2048 / 4096 / 8192 tokens 161.5 / 302.0 / 573.7 us against
