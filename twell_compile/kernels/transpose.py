@@ -20,6 +20,14 @@ def transpose_tile(src_ptr, dst_ptr, R, C, s_r, s_c, tr, tc, BR: tl.constexpr, B
 
 
 @triton.jit
+def transpose_tile_at(src_ptr, dst_ptr, R, C, s_r, s_c, t, B: tl.constexpr):
+    """Tile t of the B x B tiles in row-major order: the programs a launch adds after its own
+    work write out = w^T this way (the compaction's and the merge's, twell_rows.py)."""
+    tiles_c = tl.cdiv(C, B)
+    transpose_tile(src_ptr, dst_ptr, R, C, s_r, s_c, t // tiles_c, t % tiles_c, B, B)
+
+
+@triton.jit
 def transpose_kernel(src_ptr, dst_ptr, R, C, s_r, s_c, BR: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     transpose_tile(src_ptr, dst_ptr, R, C, s_r, s_c, tl.program_id(0), tl.program_id(1), BR, BC)

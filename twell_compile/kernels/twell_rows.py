@@ -40,7 +40,7 @@ import triton.language as tl
 from twell_compile.kernels.act import hidden
 from twell_compile.kernels.pairs import pick, scan, select
 from twell_compile.kernels.pdl import pdl_enter
-from twell_compile.kernels.transpose import transpose_tile
+from twell_compile.kernels.transpose import transpose_tile_at
 
 
 @triton.jit
@@ -132,9 +132,7 @@ def compact_rows_kernel(g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N
     pdl_enter(PDL)
     pid = tl.program_id(0)
     if TRANSPOSE and pid >= NC:
-        t = pid - NC
-        tiles_c = tl.cdiv(TC, TB)
-        transpose_tile(wd_ptr, wdt_ptr, TR, TC, s_r, s_c, t // tiles_c, t % tiles_c, TB, TB)
+        transpose_tile_at(wd_ptr, wdt_ptr, TR, TC, s_r, s_c, pid - NC, TB)
     else:
         rm = pid * BM + tl.arange(0, BM)
         m_ok = rm < M
@@ -180,7 +178,8 @@ def merge_tiles_kernel(packed_ptr, tcnt_ptr, g_ptr, sg_m, list_ptr, cnt_ptr, ord
                        wd_ptr, wdt_ptr, TR, TC, s_r, s_c, NC,
                        S: tl.constexpr, S_P: tl.constexpr, T_P: tl.constexpr, CT: tl.constexpr, BM: tl.constexpr,
                        REBUILD: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr, STAGES: tl.constexpr,
-                       ASM: tl.constexpr, TRANSPOSE: tl.constexpr = False, TB: tl.constexpr = 64):
+                       ASM: tl.constexpr, PDL: tl.constexpr = False, TRANSPOSE: tl.constexpr = False,
+                       TB: tl.constexpr = 64):
     """compact_rows_kernel's outputs from the gate GEMM's packed tiles (twell::gate_pack): a
     row's tiles CT at a time, as a [BM, CT, S_P] block of slots (S_P: S to a power of 2); slot s
     of tile t is live where s < tcnt[m, t] and goes to list[m, P_t + s] while < W (P_t: the non-zeros of the row's tiles
@@ -191,12 +190,12 @@ def merge_tiles_kernel(packed_ptr, tcnt_ptr, g_ptr, sg_m, list_ptr, cnt_ptr, ord
     exact either way. REBUILD (g written only where the packing spilled, tiles of TN columns):
     such a block's rows, and rows over W (the row kernel's tail reads them), are rebuilt from
     the slots first (``_rebuild_rows``). TRANSPOSE: programs from NC on write wdt = wd^T, as in
-    compact_rows_kernel."""
+    compact_rows_kernel. PDL: launched with programmatic dependent launch (kernels/pdl.py), as
+    the compaction is, so the row kernel's launch overlaps this one."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     if TRANSPOSE and pid >= NC:
-        t = pid - NC
-        tiles_c = tl.cdiv(TC, TB)
-        transpose_tile(wd_ptr, wdt_ptr, TR, TC, s_r, s_c, t // tiles_c, t % tiles_c, TB, TB)
+        transpose_tile_at(wd_ptr, wdt_ptr, TR, TC, s_r, s_c, pid - NC, TB)
     else:
         _merge_block(packed_ptr, tcnt_ptr, g_ptr, sg_m, list_ptr, cnt_ptr, order_ptr, ctr_ptr, M, N, W, T, TN,
                      pid, S, S_P, T_P, CT, BM, REBUILD, CH, NB, STAGES, ASM)

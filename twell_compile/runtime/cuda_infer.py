@@ -102,13 +102,15 @@ def merge_rows(g: Tensor, packed: Tensor, tcnt: Tensor, width: int, buckets: int
         nc = -(-m // p.merge_bm)
         w, wt = transpose if transpose is not None else (g, g)
         tiles = -(-w.shape[0] // TRANSPOSE_TILE) * -(-w.shape[1] // TRANSPOSE_TILE) if transpose is not None else 0
+        pdl = pdl_ok(g.device)
         launch(merge_tiles_kernel, (nc + tiles,),
                (packed, tcnt, g, g.stride(0), lst, cnt, order, ctr, m, n, width, t, tile_n or 1,
                 w, wt, w.shape[0], w.shape[1], w.stride(0), w.stride(1), nc),
                dict(S=s, S_P=pow2(s), T_P=pow2(t), CT=min(max(p.compact_ch // pow2(s), 1), pow2(t)),
                     BM=p.merge_bm, REBUILD=tile_n is not None, CH=min(p.compact_ch, pow2(n)), NB=buckets,
-                    STAGES=p.compact_stages, ASM=not INTERPRET, TRANSPOSE=transpose is not None, TB=TRANSPOSE_TILE),
-               num_warps=p.compact_warps)
+                    STAGES=p.compact_stages, ASM=not INTERPRET, PDL=pdl, TRANSPOSE=transpose is not None,
+                    TB=TRANSPOSE_TILE),
+               num_warps=p.compact_warps, pdl=pdl)
     return r
 
 
