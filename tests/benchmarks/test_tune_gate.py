@@ -13,7 +13,7 @@ from twell_compile.runtime import arch
 
 @pytest.mark.parametrize("cfg", [-1, 0, 4])
 def test_each_variant_runs_its_own_gate_below_the_records_token_bound(cfg):
-    # the record's gate_min_m (16384 on both GPUs' records) would send a 2048-token call to
+    # a record's gate_min_m (the H100's 16384) would send a 2048-token call to
     # cuBLAS whatever gate_cfg says: the "fused" forward timed cuBLAS's path below it
     with tune_gate._gate(cfg, 0, 1, 16):
         p = arch.launch_policy("cpu")

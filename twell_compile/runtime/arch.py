@@ -343,15 +343,16 @@ H200 = GpuPolicy(
     # 0.040, 4096 0.034 / 0.035, 8192 0.055 / 0.058 (H200, tune_ffn.py --M 2048 4096 8192 --density
     # 0.005 --tail 0 --compact 4,256,4,1 4,256,4,3; results/h200/tune_compact.json)
     compact_stages=3,
-    # Gate GEMM from 16384 tokens: twell::gate_pack's configuration 4 (128x128 tile per warpgroup,
-    # ping-pong, so one warpgroup's packing epilogue overlaps the other's mainloop), then
-    # merge_rows: the per-row forward 1.125 ms against cuBLAS + compaction's 1.178 at 16384
-    # tokens, 4.498 / 4.555 at 65536, 0.304 / 0.307 at 4096, 0.199 / 0.169 at 2048
-    # (results/h200/gate_whole.json; H100: 1.184 / 1.195 and 4.794 / 4.920, h100/gate_whole.json).
-    # g is written only where the packing spills: on the H100 the gate + packing then 0.95-1.13x
-    # of cuBLAS at 16384 tokens against 1.05-1.22x with g whole, the same four runs
-    # (results/h100/gate_spills.json).
-    gate_cfg=4, gate_min_m=16384,
+    # Gate GEMM from 4096 tokens: twell::gate_pack's configuration 4 (128x128 tile per warpgroup,
+    # ping-pong, so one warpgroup's packing epilogue overlaps the other's mainloop), g written
+    # only where the packing spills, then merge_rows. The per-row path's GPU time (CUDA graph
+    # replays, y bit-equal) gated 290.3 / 558.0 us at 4096 / 8192 tokens against cuBLAS +
+    # compaction's 302.5 / 576.7, non-gated 225.3 / 427.6 against 236.0 / 439.7; at 2048 slower,
+    # 167.8 against 162.0 gated (results/h200/gate_min_m_ab.json). The forward at 16384 / 65536
+    # tokens 1.125 / 4.498 ms against 1.178 / 4.555 with g written whole (h200/gate_whole.json);
+    # the gate + packing with g only where it spills 0.98-1.01x of cuBLAS from 16384 tokens
+    # (h200/gate_spills.json).
+    gate_cfg=4, gate_min_m=4096,
     # W_down^T's per-call copy made in the compaction's launch: the per-row path's GPU time at
     # K=2048 N=5632 d=0.005, gated 2048 / 4096 / 8192 tokens 161.5 / 302.0 / 573.7 us against
     # 165.5 / 309.6 / 582.4 with a transpose launch of its own, non-gated 129.1 / 236.7 / 439.0
@@ -423,6 +424,12 @@ H100 = dataclasses.replace(
     # non-gated 147.3 / 249.2 / 463.6 / 911.6 against 154.3 / 260.4 / 475.3 / 923.7 (y bit-equal;
     # results/h100/ffn_compact_transpose_ab.json)
     compact_transpose=True,
+    # Fused gate from 16384 tokens (the forward 1.184 / 4.794 ms against cuBLAS + compaction's
+    # 1.195 / 4.920 at 16384 / 65536, g written whole; h100/gate_whole.json). Below 16384 on the
+    # H100 the lists alone are 3-8% faster at 8192 (h100/gate_spills.json, lists_ms); the path's
+    # GPU time there has not been compared on this card (the H200's comparison moved its bound
+    # to 4096: h200/gate_min_m_ab.json).
+    gate_min_m=16384,
     # Rows heaviest first, in 8 buckets by count: the activity profile's layer (34 non-zeros per
     # row, 6-137) at 2048 / 4096 tokens 0.91x / 1.09x of Inductor with rows over W first, 0.95x /
     # 1.14x in buckets (results/h100/ffn_prefill_buckets.json).
