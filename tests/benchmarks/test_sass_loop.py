@@ -1,0 +1,49 @@
+"""benchmarks/probes/sass_loop.py: a kernel's SASS for sm_90a compiled here (no GPU), its first
+loop's instructions counted."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.probes import sass_loop
+
+SASS = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R0, SR_TID.X ;
+        /*0020*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0030*/              @!P0 BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0040*/                   SHFL.BFLY PT, R5, R4, 0x1, 0x1f ;
+        /*0050*/                   CALL.REL.NOINC 0x90 ;
+        /*0060*/               @P1 BRA 0x20 ;
+        /*0070*/                   STG.E [R2.64], R5 ;
+        /*0080*/                   EXIT ;
+        /*0090*/                   RET.REL.NODEC R20 0x0 ;
+"""
+
+
+def test_first_loop_counts_the_backward_branchs_body():
+    s = sass_loop.first_loop(SASS)
+    assert s["instructions"] == 10 and s["loop_instructions"] == 5          # 0x20 .. 0x60
+    assert s["loop"] == {"BAR": 1, "SHFL": 1, "LDG": 1, "CALL": 1}          # predicated ones too
+    assert s["kernel"] == {"BAR": 1, "SHFL": 1, "LDG": 1, "STG": 1, "CALL": 1}
+
+
+def test_bad_arguments_name_the_fix():
+    with pytest.raises(ValueError, match="choose from"):
+        sass_loop.main(["no_such_kernel"])
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        sass_loop.main(["dx_rows", "--set", "PAIRS"])
+
+
+def test_a_preset_compiles_for_sm90a_here(capsys):
+    triton = pytest.importorskip("triton")
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
+        pytest.skip("ASTSource's constexpr keys differ before Triton 3.7")
+    if not (sass_loop.tools() / "cuobjdump").exists():
+        pytest.skip("this Triton carries no cuobjdump")
+    with pytest.raises(ValueError, match="not arguments of dx_rows_kernel"):
+        sass_loop.main(["dx_rows", "--set", "NO_SUCH=1"])
+    sass_loop.main(["dx_rows", "--set", "PAIRS=2"])
+    out = capsys.readouterr().out
+    assert out.startswith("dx_rows (dx_rows_kernel, 4 warps): ")
+    assert "'LDG'" in out and "CALL" not in out                 # its gathers, and no division routine
