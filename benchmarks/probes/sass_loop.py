@@ -79,6 +79,8 @@ def compile_sass(p: dict[str, Any]) -> tuple[str, int]:
     from triton.compiler import ASTSource
 
     fn, consts = p["fn"], p["consts"]
+    if not isinstance(fn, triton.runtime.JITFunction):
+        raise RuntimeError(f"{fn.__name__} is not a JIT function here ({type(fn).__name__}): unset TRITON_INTERPRET")
     names = fn.arg_names
     unknown = sorted(set(consts) - set(names))
     if unknown:
