@@ -61,6 +61,18 @@ class Rows(NamedTuple):
         return (self.lst & 0xFFFF).to(torch.int16).view(self.g.dtype)
 
 
+def _transpose_programs(transpose: Optional[tuple[Tensor, Tensor]], g: Tensor, nc: int
+                        ) -> tuple[int, tuple, dict]:
+    """What a compaction or merge launch of ``nc`` programs adds to write out = w^T for
+    ``transpose`` (w, out): its TRANSPOSE_TILE-square tiles as programs after the launch's own
+    (kernels/transpose.transpose_tile_at), as (their count, the kernel's trailing arguments, its
+    constexprs). None: no programs, g standing in for the unread pointers."""
+    w, wt = transpose if transpose is not None else (g, g)
+    tiles = -(-w.shape[0] // TRANSPOSE_TILE) * -(-w.shape[1] // TRANSPOSE_TILE) if transpose is not None else 0
+    return (tiles, (w, wt, w.shape[0], w.shape[1], w.stride(0), w.stride(1), nc),
+            dict(TRANSPOSE=transpose is not None, TB=TRANSPOSE_TILE))
+
+
 def gate_rows(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], width: int,
               transpose: Optional[tuple[Tensor, Tensor]] = None) -> Rows:
     """g = x2 W_g^T + b_g and its per-row lists: by twell::gate_pack, which packs them in its
@@ -100,16 +112,13 @@ def merge_rows(g: Tensor, packed: Tensor, tcnt: Tensor, width: int, buckets: int
         transposed(transpose[0], transpose[1])
     elif m:
         nc = -(-m // p.merge_bm)
-        w, wt = transpose if transpose is not None else (g, g)
-        tiles = -(-w.shape[0] // TRANSPOSE_TILE) * -(-w.shape[1] // TRANSPOSE_TILE) if transpose is not None else 0
+        tiles, targs, tconsts = _transpose_programs(transpose, g, nc)
         pdl = pdl_ok(g.device)
         launch(merge_tiles_kernel, (nc + tiles,),
-               (packed, tcnt, g, g.stride(0), lst, cnt, order, ctr, m, n, width, t, tile_n or 1,
-                w, wt, w.shape[0], w.shape[1], w.stride(0), w.stride(1), nc),
+               (packed, tcnt, g, g.stride(0), lst, cnt, order, ctr, m, n, width, t, tile_n or 1, *targs),
                dict(S=s, S_P=pow2(s), T_P=pow2(t), CT=min(max(p.compact_ch // pow2(s), 1), pow2(t)),
                     BM=p.merge_bm, REBUILD=tile_n is not None, CH=min(p.compact_ch, pow2(n)), NB=buckets,
-                    STAGES=p.compact_stages, ASM=not INTERPRET, PDL=pdl, TRANSPOSE=transpose is not None,
-                    TB=TRANSPOSE_TILE),
+                    STAGES=p.compact_stages, ASM=not INTERPRET, PDL=pdl, **tconsts),
                num_warps=p.compact_warps, pdl=pdl)
     return r
 
@@ -140,14 +149,11 @@ def compact_rows(g: Tensor, width: int, ctr: Optional[Tensor] = None, buckets: i
     elif m:
         bm = p.compact_rows_per_program(m)
         nc = -(-m // bm)
-        w, wt = transpose if transpose is not None else (g, g)
-        tiles = -(-w.shape[0] // TRANSPOSE_TILE) * -(-w.shape[1] // TRANSPOSE_TILE) if transpose is not None else 0
+        tiles, targs, tconsts = _transpose_programs(transpose, g, nc)
         pdl = pdl_ok(g.device)
-        launch(compact_rows_kernel, (nc + tiles,),
-               (g, g.stride(0), lst, cnt, order, ctr, m, n, width,
-                w, wt, w.shape[0], w.shape[1], w.stride(0), w.stride(1), nc),
+        launch(compact_rows_kernel, (nc + tiles,), (g, g.stride(0), lst, cnt, order, ctr, m, n, width, *targs),
                dict(BM=bm, CH=min(p.compact_ch, pow2(n)), NB=buckets, STAGES=p.compact_stages, ASM=not INTERPRET,
-                    PDL=pdl, TRANSPOSE=transpose is not None, TB=TRANSPOSE_TILE),
+                    PDL=pdl, **tconsts),
                num_warps=p.compact_warps, pdl=pdl)
     return r
 
