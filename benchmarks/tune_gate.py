@@ -69,7 +69,7 @@ def point(a, m: int, variants: list[tuple[int, int, int]]) -> list[dict]:
     whole = {"cublas": lambda: _patched_forward(x, wg, wu, wd, width, -1, 0, 1, a.slots)}
     out = []
     base = dict(M=m, K=a.K, N=a.N, density=a.density, nnz_per_row=round(nnz, 2), width=width, slots=a.slots)
-    with _gate(-1, 0, 1, a.slots):
+    with with_gate(-1, 0, 1, a.slots):
         y = cuda_infer.twell_forward(x[:rr], wg, None, wu, None, wd, None, width)[0]
     out.append(stamp(dict(base, variant="cublas", gate_ms=ms["cublas"], lists_ms=ms["cublas+compact"],
                           pass_ms=ms["compact"], gate_vs_cublas=1.0, err=rel(y, ref), eager_err=eager_err)))
@@ -79,7 +79,7 @@ def point(a, m: int, variants: list[tuple[int, int, int]]) -> list[dict]:
         key = f"cfg{cfg}/r{raster}/s{swz}"
         g, packed, tcnt = cuda_gate.gate_pack(x, wg, None, cfg, a.slots, raster, swz)
         spilled = int((tcnt > a.slots).sum())
-        with _gate(cfg, raster, swz, a.slots):
+        with with_gate(cfg, raster, swz, a.slots):
             y = cuda_infer.twell_forward(x[:rr], wg, None, wu, None, wd, None, width)[0]
             whole[key] = (lambda c=cfg, r=raster, s=swz: _patched_forward(x, wg, wu, wd, width, c, r, s, a.slots))
         err = rel(y, ref)
@@ -107,14 +107,14 @@ def point(a, m: int, variants: list[tuple[int, int, int]]) -> list[dict]:
     return out
 
 
-def _gate(cfg, raster, swz, slots):
+def with_gate(cfg, raster, swz, slots):
     """The record with this gate (cfg -1: cuBLAS and the compaction) at every token count: the
     record's own gate_min_m would send smaller calls to cuBLAS whatever cfg says."""
     return arch.patched(gate_cfg=cfg, gate_min_m=0, gate_raster=raster, gate_swizzle=swz, gate_slots=slots)
 
 
 def _patched_forward(x, wg, wu, wd, width, cfg, raster, swz, slots):
-    with _gate(cfg, raster, swz, slots):
+    with with_gate(cfg, raster, swz, slots):
         return cuda_infer.twell_forward(x, wg, None, wu, None, wd, None, width)
 
 

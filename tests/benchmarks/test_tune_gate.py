@@ -15,7 +15,7 @@ from twell_compile.runtime import arch
 def test_each_variant_runs_its_own_gate_below_the_records_token_bound(cfg):
     # a record's gate_min_m (the H100's 16384) would send a 2048-token call to
     # cuBLAS whatever gate_cfg says: the "fused" forward timed cuBLAS's path below it
-    with tune_gate._gate(cfg, 0, 1, 16):
+    with tune_gate.with_gate(cfg, 0, 1, 16):
         p = arch.launch_policy("cpu")
         assert (p.gate_cfg, p.gate_min_m, p.gate_slots) == (cfg, 0, 16)
     assert arch.launch_policy("cpu").gate_cfg == arch.cuda_default().gate_cfg
