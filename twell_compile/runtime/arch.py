@@ -426,9 +426,9 @@ H100 = dataclasses.replace(
     compact_transpose=True,
     # Fused gate from 16384 tokens (the forward 1.184 / 4.794 ms against cuBLAS + compaction's
     # 1.195 / 4.920 at 16384 / 65536, g written whole; h100/gate_whole.json). Below 16384 on the
-    # H100 the lists alone are 3-8% faster at 8192 (h100/gate_spills.json, lists_ms); the path's
-    # GPU time there has not been compared on this card (the H200's comparison moved its bound
-    # to 4096: h200/gate_min_m_ab.json).
+    # H100 the lists alone are 2-9% faster at 8192 over four runs (h100/gate_spills.json,
+    # lists_ms); the path's GPU time there has not been compared on this card (the H200's
+    # comparison moved its bound to 4096: h200/gate_min_m_ab.json).
     gate_min_m=16384,
     # Rows heaviest first, in 8 buckets by count: the activity profile's layer (34 non-zeros per
     # row, 6-137) at 2048 / 4096 tokens 0.91x / 1.09x of Inductor with rows over W first, 0.95x /
