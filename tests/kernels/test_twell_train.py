@@ -159,6 +159,7 @@ CASES = [
     (6, 40, 70, 40, True, True, 4, 3, True, False, 0.05),     # NaN/Inf in x, NaN in dy
     (6, 40, 70, 40, False, False, 4, 1000, True, False, 0.05),  # the same, non-gated, no backup room
     (0, 40, 70, 24, True, True, 8, 2, False, True, 0.1),      # no rows: empty y and dx, zero weight grads
+    (11, 40, 70, 24, True, True, 6, 2, False, True, 0.06),    # a list width not a power of 2 (entry codes m * 8 + p)
     (40, 24, 24, 16, True, True, 16, 2, False, True, 0.3),   # ~12 entries per neuron: many wgrad steps
 ]
 
@@ -233,3 +234,41 @@ SETUP_SCRIPT = textwrap.dedent("""
 ])
 def test_setup_kernels_under_interpreter(case):
     run_interpreted(SETUP_SCRIPT.format(seed=sum(case), case=case), timeout=120)
+
+
+# The wgrad passes' entry loop, compiled for sm_90a here (Triton's own ptxas and cuobjdump; no
+# GPU): no subroutine call in its SASS. A 64-bit m = idx // W compiled to a ~100-instruction
+# division routine, called once per entry between the order load and the row gather.
+@pytest.mark.parametrize("dy", [True, False])
+def test_wgrad_passes_call_no_division_routine(dy):
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
+        pytest.skip(f"Triton {triton.__version__}: ASTSource's constexpr keys differ before 3.7")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from twell_compile.kernels.twell_train_wgrad import wgrad_kernel
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (tools / "cuobjdump").exists() or not (tools / "ptxas").exists():
+        pytest.skip("this Triton carries no ptxas / cuobjdump")
+    consts = dict(GATED=True, HAS_BG=True, HAS_BU=True, L1=True, L1_DEV=False, DY=dy, BKW=2048, E=4, ACT=0, WP=256)
+    bf16 = {"ellg_ptr", "ellu_ptr", "x_ptr", "dy_ptr", "wg_ptr", "bgate_ptr", "wu_ptr", "bup_ptr", "wdt_ptr"}
+    f32 = {"eg_ptr", "eu_ptr", "l1_ptr", "dwg_ptr", "dwu_ptr", "dwd_ptr", "dbg_ptr", "dbu_ptr"}
+    names = wgrad_kernel.arg_names
+    sig = {a: "constexpr" if a in consts else "*bf16" if a in bf16 else "*fp32" if a in f32
+           else "*i32" if a.endswith("_ptr") else "fp32" if a == "l1c" else "i32" for a in names}
+    src = ASTSource(wgrad_kernel, sig, constexprs={(names.index(a),): v for a, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
+    with tempfile.TemporaryDirectory() as d:
+        cubin = Path(d) / "wgrad.cubin"
+        cubin.write_bytes(k.asm["cubin"])
+        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+    assert re.search(r"\bLDG\b", sass)                 # the SASS is the kernel's
+    calls = [ln.strip() for ln in sass.splitlines() if re.search(r"\bCALL\b", ln)]
+    assert not calls, calls[:4]

@@ -2,8 +2,10 @@
 
 ``scatter_kernel`` (counting sort, last step): the row kernel counted each column's entries
 (hist) and gave each entry its rank in its column (rk); with off = exclusive prefix sum of
-hist, entry (m, p) of column n goes to order[off[n] + rk[m, p]] = m * W + p. No host sync:
-order has the fixed size M * W.
+hist, entry (m, p) of column n goes to order[off[n] + rk[m, p]] = m * WP + p, 32 bits unsigned
+(WP: W to a power of 2), so a pass finds the entry's row and slot with a shift and a mask: a
+64-bit m = idx // W was an 84-instruction division routine per entry (sm_90a) on the path from
+the order load to the row gather. No host sync: order has the fixed size M * W.
 
 ``wgrad_plan_kernel`` (one program, after the ranks): off = the exclusive prefix sum of hist (the
 counting sort's column offsets); CHUNK = max(OVER x (entries // N), FLOOR); each neuron's chunk
@@ -53,7 +55,7 @@ def scatter_kernel(cols_ptr, rk_ptr, q_ptr, off_ptr, order_ptr, W, WP: tl.conste
         live = pp < q
         n = tl.load(cols_ptr + m * W + pp, mask=live, other=0)
         pos = tl.load(off_ptr + n, mask=live, other=0) + tl.load(rk_ptr + m * W + pp, mask=live, other=0)
-        tl.store(order_ptr + pos.to(tl.int64), (m * W + pp).to(tl.int32), mask=live)
+        tl.store(order_ptr + pos.to(tl.int64), (m * WP + pp).to(tl.uint32).to(tl.int32, bitcast=True), mask=live)
 
 
 @triton.jit
@@ -147,7 +149,7 @@ def wgrad_kernel(
     dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr,   # fp32 [N, K], [N, K], [N, KO] (backup part in), [N], [N]
     K, KO,
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, L1: tl.constexpr, L1_DEV: tl.constexpr,
-    DY: tl.constexpr, BKW: tl.constexpr, E: tl.constexpr, ACT: tl.constexpr,
+    DY: tl.constexpr, BKW: tl.constexpr, E: tl.constexpr, ACT: tl.constexpr, WP: tl.constexpr,
 ):
     if L1_DEV:                                      # the controller's coefficient (fp32 [1])
         l1c = l1c * tl.load(l1_ptr)
@@ -178,8 +180,9 @@ def wgrad_kernel(
         for e0 in range(0, c, E):
             e = e0 + ea
             live = e < c
-            idx = tl.load(order_ptr + start + e, mask=live, other=0).to(tl.int64)
-            m = idx // W
+            code = tl.load(order_ptr + start + e, mask=live, other=0).to(tl.uint32, bitcast=True)
+            m = (code // WP).to(tl.int64)                   # WP a power of 2: a shift
+            idx = m * W + (code % WP).to(tl.int64)          # the entry's slot in [M, W]
             if DY:
                 dyt = tl.load(dy_ptr + m[:, None] * sdy_m + ks[None, :], mask=live[:, None] & ok[None, :], other=0.0).to(tl.float32)
                 dh = tl.sum(dyt * wd[None, :], axis=1)

@@ -404,7 +404,7 @@ def sparse_bwd_setup(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
         # wgrad_kernel's constexprs in signature order, DY, BKW and E filled in per pass
         st.consts = lambda dy, bk, e: dict(  # noqa: E731
             GATED=gated, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, L1=bool(l1c),
-            L1_DEV=l1_coef is not None, DY=dy, BKW=bk, E=e, ACT=ACTS.index(act))
+            L1_DEV=l1_coef is not None, DY=dy, BKW=bk, E=e, ACT=ACTS.index(act), WP=pow2(width))
         # wgrad_kernel's arguments on either side of its ticket
         st.head = (order, off, hist, nid, coff, ctot)
         st.tail = (chunk, width, ell_g, ell_u if gated else ell_g, eg, eu, x2, x2.stride(0),
