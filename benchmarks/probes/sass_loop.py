@@ -10,8 +10,8 @@ ptxas; its bundled cuobjdump disassembles. Pointers and the integer arguments na
 preset's ``div16`` get Triton's 16-divisibility attribute, as runtime/launch.py's cached
 launches specialise them, so loads vectorise as on the device. A static count, not a timing:
 the instructions per step of a loop, not how long a step waits. It found the wgrad passes'
-64-bit division routine (84 instructions, called once per entry). Needs Triton >= 3.7 (the
-constexpr keys of ASTSource).
+64-bit division routine (84 instructions, called once per entry; tests/kernels/test_twell_train.py
+keeps it out). Needs Triton >= 3.7 (the constexpr keys of ASTSource).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _wgrad(dy: bool) -> dict[str, Any]:
 
     return dict(fn=wgrad_kernel, warps=4,
                 consts=dict(GATED=True, HAS_BG=False, HAS_BU=False, L1=False, L1_DEV=False, DY=dy, BKW=2048, E=4,
-                            ACT=0),
+                            ACT=0, WP=256),
                 bf16={"ellg_ptr", "ellu_ptr", "x_ptr", "dy_ptr", "wg_ptr", "bgate_ptr", "wu_ptr", "bup_ptr", "wdt_ptr"},
                 f32={"eg_ptr", "eu_ptr", "l1_ptr", "dwg_ptr", "dwu_ptr", "dwd_ptr", "dbg_ptr", "dbu_ptr", "l1c"},
                 div16={"sx_m", "sdy_m", "swg_n", "swu_n", "swd_n", "K", "KO", "W"})

@@ -9,6 +9,7 @@ test_twell_rows.py)."""
 
 from __future__ import annotations
 
+import os
 import textwrap
 
 import pytest
@@ -236,39 +237,22 @@ def test_setup_kernels_under_interpreter(case):
     run_interpreted(SETUP_SCRIPT.format(seed=sum(case), case=case), timeout=120)
 
 
-# The wgrad passes' entry loop, compiled for sm_90a here (Triton's own ptxas and cuobjdump; no
-# GPU): no subroutine call in its SASS. A 64-bit m = idx // W compiled to a ~100-instruction
-# division routine, called once per entry between the order load and the row gather.
-@pytest.mark.parametrize("dy", [True, False])
-def test_wgrad_passes_call_no_division_routine(dy):
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
+# The wgrad passes' entry loop, compiled for sm_90a here (benchmarks/probes/sass_loop.py: Triton's
+# own ptxas and cuobjdump, no GPU): no subroutine call. A 64-bit m = idx // W compiled to an
+# 84-instruction division routine, called once per entry between the order load and the row gather.
+@pytest.mark.parametrize("preset", ["wgrad_dy", "wgrad_x"])
+def test_wgrad_passes_call_no_division_routine(preset):
     import triton
+
+    from benchmarks.probes import sass_loop
     if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
         pytest.skip(f"Triton {triton.__version__}: ASTSource's constexpr keys differ before 3.7")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from twell_compile.kernels.twell_train_wgrad import wgrad_kernel
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    if not (tools / "cuobjdump").exists() or not (tools / "ptxas").exists():
-        pytest.skip("this Triton carries no ptxas / cuobjdump")
-    consts = dict(GATED=True, HAS_BG=True, HAS_BU=True, L1=True, L1_DEV=False, DY=dy, BKW=2048, E=4, ACT=0, WP=256)
-    bf16 = {"ellg_ptr", "ellu_ptr", "x_ptr", "dy_ptr", "wg_ptr", "bgate_ptr", "wu_ptr", "bup_ptr", "wdt_ptr"}
-    f32 = {"eg_ptr", "eu_ptr", "l1_ptr", "dwg_ptr", "dwu_ptr", "dwd_ptr", "dbg_ptr", "dbu_ptr"}
-    names = wgrad_kernel.arg_names
-    sig = {a: "constexpr" if a in consts else "*bf16" if a in bf16 else "*fp32" if a in f32
-           else "*i32" if a.endswith("_ptr") else "fp32" if a == "l1c" else "i32" for a in names}
-    src = ASTSource(wgrad_kernel, sig, constexprs={(names.index(a),): v for a, v in consts.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
-    with tempfile.TemporaryDirectory() as d:
-        cubin = Path(d) / "wgrad.cubin"
-        cubin.write_bytes(k.asm["cubin"])
-        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
-                              check=True).stdout
-    assert re.search(r"\bLDG\b", sass)                 # the SASS is the kernel's
-    calls = [ln.strip() for ln in sass.splitlines() if re.search(r"\bCALL\b", ln)]
-    assert not calls, calls[:4]
+    if not (sass_loop.tools() / "cuobjdump").exists():
+        pytest.skip("this Triton carries no cuobjdump")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1: the kernels are interpreted here, nothing compiles")
+    p = sass_loop.PRESETS[preset]()
+    p["consts"].update(HAS_BG=True, HAS_BU=True, L1=True)
+    s = sass_loop.first_loop(sass_loop.compile_sass(p)[0])
+    assert s["loop"].get("LDG")                        # the entry loop: its gathers
+    assert "CALL" not in s["kernel"], s

@@ -181,8 +181,9 @@ def wgrad_kernel(
             e = e0 + ea
             live = e < c
             code = tl.load(order_ptr + start + e, mask=live, other=0).to(tl.uint32, bitcast=True)
-            m = (code // WP).to(tl.int64)                   # WP a power of 2: a shift
-            idx = m * W + (code % WP).to(tl.int64)          # the entry's slot in [M, W]
+            row = code // WP                                # WP a power of 2: a shift
+            idx = (row * W + code % WP).to(tl.int64)        # the entry's slot in [M, W] (< 2^31)
+            m = row.to(tl.int64)
             if DY:
                 dyt = tl.load(dy_ptr + m[:, None] * sdy_m + ks[None, :], mask=live[:, None] & ok[None, :], other=0.0).to(tl.float32)
                 dh = tl.sum(dyt * wd[None, :], axis=1)
