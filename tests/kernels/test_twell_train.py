@@ -27,7 +27,8 @@ SCRIPT = textwrap.dedent("""
     # several K chunks per neuron in the weight-gradient kernel, several steps per neuron; small
     # chunks split the neurons' lists over programs (atomic sums), few programs loop over many
     PATCH = arch.patched(wg_bk=32, wg_dy_entries=dy_ent, wg_x_entries=x_ent, wg_chunk=chunk,
-                 wg_chunk_over_mean=0 if chunk < 8 else 2, wg_programs_per_sm=per_sm)
+                 wg_chunk_over_mean=0 if chunk < 8 else 2, wg_programs_per_sm=per_sm,
+                 wg_dy_maxnreg=128)   # a register cap passed through (the interpreter ignores it)
     PATCH.__enter__()     # held: a context manager nothing refers to is closed at once
     assert arch.launch_policy('cpu').wg_bk == 32
     torch.manual_seed({seed})

@@ -26,8 +26,10 @@ def test_non_jit_kernel_takes_the_standard_launch():
     before = L.cached()
     L.launch(k, (5,), (1, 2.0, None), dict(A=3, B=True), num_warps=4)
     L.launch(k, (5, 2), (1,), dict(A=4), num_warps=8, num_stages=3)
+    L.launch(k, (5,), (1,), dict(A=4), num_warps=4, maxnreg=128)
     assert k.calls == [((5, 1, 1), (1, 2.0, None), dict(A=3, B=True, num_warps=4)),
-                       ((5, 2, 1), (1,), dict(A=4, num_warps=8, num_stages=3))]
+                       ((5, 2, 1), (1,), dict(A=4, num_warps=8, num_stages=3)),
+                       ((5, 1, 1), (1,), dict(A=4, num_warps=4, maxnreg=128))]
     assert L.cached() == before
 
 
@@ -49,7 +51,7 @@ def test_fast_enabled_follows_the_environment(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- GPU
-def _relu_mul(g, u, block=64):
+def _relu_mul(g, u, block=64, maxnreg=0):
     from twell_compile.kernels.relu_mul import relu_mul_rows_kernel
 
     m, n = g.shape
@@ -57,7 +59,7 @@ def _relu_mul(g, u, block=64):
     cnt = torch.full((m,), -7, dtype=torch.int32, device=g.device)
     asum = torch.full((m,), float("nan"), dtype=torch.float32, device=g.device)
     L.launch(relu_mul_rows_kernel, (m, 1), (g, u, h, cnt, asum, n, n, g.stride(0), u.stride(0), h.stride(0)),
-             dict(GATED=True, ATOMIC=False, BLOCK=block, ACT=0), num_warps=4)
+             dict(GATED=True, ATOMIC=False, BLOCK=block, ACT=0), num_warps=4, maxnreg=maxnreg)
     return h, cnt, asum
 
 
@@ -66,8 +68,8 @@ def _expect(g, u):
     return h, (torch.relu(g) != 0).sum(1).to(torch.int32), h.float().abs().sum(1)
 
 
-def _check(g, u, block=64):
-    h, cnt, asum = _relu_mul(g, u, block)
+def _check(g, u, block=64, maxnreg=0):
+    h, cnt, asum = _relu_mul(g, u, block, maxnreg)
     eh, ecnt, esum = _expect(g, u)
     assert torch.equal(h, eh)
     assert torch.equal(cnt, ecnt)
@@ -99,6 +101,16 @@ def test_new_specializations_get_their_own_kernel():
     gh = torch.randn(8, 63, device="cuda", dtype=torch.float16)
     _check(gh, torch.randn(8, 63, device="cuda", dtype=torch.float16))  # dtype
     assert L.cached() == 6
+
+
+@pytest.mark.gpu
+def test_a_register_cap_is_its_own_specialization():
+    L.clear()
+    g = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    u = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    _check(g, u)
+    _check(g, u, maxnreg=32)                 # compiled anew under the cap, the same results
+    assert L.cached() == 2
 
 
 @pytest.mark.gpu

@@ -215,6 +215,8 @@ class GpuPolicy:
     wg_chunk: int = 128              # a neuron's entries per wgrad program step: at least this,
     wg_chunk_over_mean: int = 2      # ... and this many mean lists (only hot neurons split)
     wg_programs_per_sm: int = 8      # persistent wgrad programs per SM
+    wg_dy_maxnreg: int = 0           # > 0: the DY pass compiled to at most this many registers per
+                                     # thread (ptxas), so more of its programs stay resident
     dx_pairs: int = 4
     rank_bm: int = 8
     rank_bp: int = 32

@@ -424,7 +424,7 @@ def sparse_bwd_dy_pass(st: SparseBwd) -> None:
     if st.n:
         warps = warps_by_width(st.k_out, st.p.wg_dy_cols_per_warp)
         launch(wgrad_kernel, (st.programs, 1), (*st.head, st.tickets[:1], *st.tail),    # whole dy rows for dh
-               st.consts(True, pow2(st.k_out), st.p.wg_dy_entries), num_warps=warps)
+               st.consts(True, pow2(st.k_out), st.p.wg_dy_entries), num_warps=warps, maxnreg=st.p.wg_dy_maxnreg)
 
 
 def sparse_bwd_x_pass(st: SparseBwd) -> None:

@@ -115,18 +115,22 @@ def fast_enabled() -> bool:
 
 
 def launch(kernel, grid: Sequence[int], args: Sequence[Any], consts: dict[str, Any],
-           num_warps: int, num_stages: int | None = None, pdl: bool = False) -> None:
+           num_warps: int, num_stages: int | None = None, pdl: bool = False, maxnreg: int = 0) -> None:
     """``kernel[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)``.
 
     ``args``: the runtime arguments in signature order (tensors, ints, floats, None);
     ``consts``: every remaining parameter by name (the constexprs; the kernels here take no
     defaults). ``grid``: 1 to 3 ints. ``pdl``: launch with programmatic dependent launch
     (Triton's ``launch_pdl``; the kernel must wait on griddepcontrol before touching memory).
+    ``maxnreg`` > 0: compiled to at most this many registers per thread (Triton's ``maxnreg``;
+    the interpreter ignores it).
     """
     g = tuple(grid) + (1,) * (3 - len(grid))
     opts = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
     if pdl:
         opts["launch_pdl"] = True
+    if maxnreg > 0:
+        opts["maxnreg"] = maxnreg
     if type(kernel) is not JITFunction or not fast_enabled():
         _check_order(kernel, args, consts)      # (the interpreter's kernels too: CPU CI)
         kernel[g](*args, **consts, **opts)
@@ -134,7 +138,7 @@ def launch(kernel, grid: Sequence[int], args: Sequence[Any], consts: dict[str, A
     dev = torch.cuda.current_device()
     cvals = tuple(consts.values())
     # (the constexprs' names are fixed by the signature: _check_order on the first launch)
-    key = (id(kernel), dev, num_warps, num_stages, pdl, cvals,
+    key = (id(kernel), dev, num_warps, num_stages, pdl, maxnreg, cvals,
            tuple([a if type(a) in _PLAIN else (a.dtype, a.data_ptr() & 15) for a in args]), g)
     runner = _runners.get(key)
     if runner is None:
