@@ -20,7 +20,7 @@ ELL width, nor sparse and compact where the M tokens fit the dense backup (NaN).
 max_memory_allocated during the step minus the allocation before it (inputs and weights
 excluded, gradients included). grad_rel_err = max over the four gradients of ||g - g_fp32|| / ||g_fp32|| against
 fp32 autograd (TF32 off); dense_grad_rel_err is eager bf16's. Rows as benchmarks/rows.py
-stamps them, to --out (default runs/<gpu>/ffn_training.json; the canonical file:
+stamps them (``config``: the record fields --config changed, "record" for none), to --out (default runs/<gpu>/ffn_training.json; the canonical file:
 benchmarks/results/README.md).
 
 --reference DIR (the sparser-faster-llms folder, ../shared/anchor/README.md) runs the paper's
@@ -221,6 +221,7 @@ def main(argv=None) -> int:
 def grid(args, ms, ds, ts, k, n, cfg, dev, dt, cuda, out) -> list[dict]:
     rows = []
     act = args.act
+    launch = config_name(parse_config(args.config or ""))      # the rows' ``config``: record fields changed
     dense_fn = functools.partial(ffn_dense, act=act)
     hdr = (f"{'M':>6} {'dens':>6} {'tail':>4} {'nnz/r':>6} {'busy%':>5} {'dense':>7} {'induct':>7} {'twell':>7} "
            f"{'sparse':>7} {'compct':>7} {'dpath':>7} {'x_dns':>6} {'x_ind':>6} {'d_MiB':>7} {'t_MiB':>7} {'mem%':>5} "
@@ -292,7 +293,8 @@ def grid(args, ms, ds, ts, k, n, cfg, dev, dt, cuda, out) -> list[dict]:
                                  twell_ms=twell_ms, sparse_ms=sparse_ms, compact_ms=compact_ms, densepath_ms=dpath_ms,
                                  dense_peak_mib=dense_peak, twell_peak_mib=twell_peak, inductor_peak_mib=ind_peak,
                                  grad_rel_err=err, dense_grad_rel_err=derr, nnz_per_row=nnz, busy_row_pct=busy,
-                                 ell_width=cfg.ell_width, path=path, activity=args.activity, act=act, **paper), dev)
+                                 ell_width=cfg.ell_width, path=path, activity=args.activity, act=act,
+                                 config=launch, **paper), dev)
                 rows.append(row)
                 write_json(out, rows)       # after every row: partial runs keep theirs
                 print(f"{m:>6} {d:>6} {t:>4} {nnz:>6.1f} {busy:>5.1f} {dense_ms:>7.3f} {ind_ms:>7.3f} "

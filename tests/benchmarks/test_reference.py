@@ -157,7 +157,7 @@ def test_the_training_child_runs_on_the_benchmarks_inputs(tmp_path):
 
 def _grid_args(ref: str, **kw):
     return argparse.Namespace(**dict(dict(no_inductor=True, reps=10, reference=ref, ref_timeout=7.0, activity="iid",
-                                          act="relu"), **kw))
+                                          act="relu", config=None), **kw))
 
 
 def test_bench_ffn_train_rows_carry_the_reference(tmp_path, monkeypatch, capsys):
@@ -188,6 +188,7 @@ def test_bench_ffn_train_rows_carry_the_reference(tmp_path, monkeypatch, capsys)
     ok, crashed = rows
     assert (ok["ref_ms"], ok["ref_mib"], ok["ref_grad_rel_err"], ok["ref_status"]) == (2.0, 123.0, 5e-3, "ok")
     assert ok["ref_grad_rel_errs"]["w_gate"] == 5e-3
+    assert ok["config"] == crashed["config"] == "record"          # no --config: the record's own launch sizes
     assert crashed["ref_status"].startswith("crashed") and math.isnan(crashed["ref_ms"])
     assert json.loads(out.read_text().replace("NaN", "null"))[1]["ref_status"] == crashed["ref_status"]
     lines = capsys.readouterr().out.splitlines()
@@ -199,10 +200,11 @@ def test_bench_ffn_train_rows_carry_the_reference(tmp_path, monkeypatch, capsys)
 
 def test_bench_ffn_train_without_the_reference_has_no_reference_columns(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(reference, "run_train_point", lambda *a: pytest.fail("no --reference: no child"))
-    rows = bench_ffn_train.grid(_grid_args(None), [64], [0.05], [0.0], 64, 160, bench_ffn_train.TwellConfig(),
-                                bench_ffn_train.torch.device("cpu"), bench_ffn_train.torch.bfloat16, False,
-                                tmp_path / "rows.json")
+    rows = bench_ffn_train.grid(_grid_args(None, config="wg_dy_entries=2"), [64], [0.05], [0.0], 64, 160,
+                                bench_ffn_train.TwellConfig(), bench_ffn_train.torch.device("cpu"),
+                                bench_ffn_train.torch.bfloat16, False, tmp_path / "rows.json")
     assert not any(key.startswith("ref_") for key in rows[0])
+    assert rows[0]["config"] == "wg_dy_entries=2"          # --config's record fields name the row's launch sizes
     assert "ref" not in capsys.readouterr().out.splitlines()[0].split()
 
 
