@@ -301,7 +301,8 @@ _LAUNCH_FIELDS = ("compact_bm", "compact_programs", "compact_ch", "compact_warps
 
 H200 = GpuPolicy(
     name="H200",
-    measured_on="NVIDIA H200 (torch 2.11, Triton 3.6); the results files under benchmarks/results/h200/",
+    measured_on="NVIDIA H200 (torch 2.11, Triton 3.6); the results files under benchmarks/results/h200/ "
+                "(the DY weight-gradient pass's register cap measured on the H100)",
     # Per-row path: the cost model fitted to the forced-kernel column of bench_ffn.py at M =
     # 16384 and 65536 (pair_units_hbm once W_u and W_d leave the L2): TwELL below d = 0.0114 at
     # K=2048 N=5632, gated (benchmarks/results/h200/ffn_inference.json; fit_policy.py --check).
@@ -376,6 +377,13 @@ H200 = GpuPolicy(
     # Launch sizes: the fastest of the probes of bench_ffn.py / bench_ffn_train.py at M=16384
     # K=2048 d=0.005 (the fused row kernel at 1 pair / 2 warps: 493 us against 531 at 4 / 4),
     # the wgrad passes' by the whole model's step (bench_e2e.py --train).
+    # The DY weight-gradient pass capped at 128 registers per thread (164 uncapped, no spills
+    # capped: benchmarks/probes/sass_loop.py wgrad_dy), so 4 programs of 4 warps stay resident
+    # per SM instead of 3: on the H100 the pass 0.620 ms against 0.884 uncapped (tune_wgrad.py
+    # --M 16384, results/h100/tune_wgrad.json), the step 3.16 ms against 3.41-3.82 before the
+    # pass lost its division (bench_ffn_train.py --config; results/h100/ffn_training_ab.json).
+    # The same SM and register file on the H200; not timed there.
+    wg_dy_maxnreg=128,
 )
 
 # H100 (80 GB HBM3): the inference constants refitted on it, and the dense training path's saved
@@ -384,8 +392,8 @@ H100 = dataclasses.replace(
     H200, name="H100",
     measured_on="NVIDIA H100 80GB HBM3 (torch 2.11, Triton 3.6): per-row and decode cost "
                 "models, the row kernel's pipelined list loop, W_down^T made in the compaction's launch, the "
-                "per-row path's bound inside CUDA graphs, the "
-                "dense training path's saved state; other "
+                "per-row path's bound inside CUDA graphs, the fused gate's bound, the "
+                "DY weight-gradient pass's register cap, the dense training path's saved state; other "
                 "launch sizes, decode configs and the other training constants are the H200's",
     # Per-row path: least-relative-error fit of the forced-kernel column at M = 16384 and 65536
     # (benchmarks/results/h100/ffn_inference.json): TwELL below d = 0.0082.
@@ -426,12 +434,12 @@ H100 = dataclasses.replace(
     # non-gated 147.3 / 249.2 / 463.6 / 911.6 against 154.3 / 260.4 / 475.3 / 923.7 (y bit-equal;
     # results/h100/ffn_compact_transpose_ab.json)
     compact_transpose=True,
-    # Fused gate from 16384 tokens (the forward 1.184 / 4.794 ms against cuBLAS + compaction's
-    # 1.195 / 4.920 at 16384 / 65536, g written whole; h100/gate_whole.json). Below 16384 on the
-    # H100 the lists alone are 2-9% faster at 8192 over four runs (h100/gate_spills.json,
-    # lists_ms); the path's GPU time there has not been compared on this card (the H200's
-    # comparison moved its bound to 4096: h200/gate_min_m_ab.json).
-    gate_min_m=16384,
+    # Fused gate from 8192 tokens: the per-row path's GPU time (CUDA graph replays, y bit-equal)
+    # gated 589.0 us at 8192 tokens against cuBLAS + compaction's 608.8, non-gated 444.7 against
+    # 456.9; at 4096 slower, 328.1 against 322.2 gated, 252.1 against 246.4 non-gated
+    # (results/h100/gate_min_m_ab.json). At 16384 / 65536 the forward 1.184 / 4.794 ms against
+    # 1.195 / 4.920 (g written whole; h100/gate_whole.json).
+    gate_min_m=8192,
     # Rows heaviest first, in 8 buckets by count: the activity profile's layer (34 non-zeros per
     # row, 6-137) at 2048 / 4096 tokens 0.91x / 1.09x of Inductor with rows over W first, 0.95x /
     # 1.14x in buckets (results/h100/ffn_prefill_buckets.json).
