@@ -17,7 +17,7 @@ from tests.helpers import ARG_NAMES as NAMES, ffn_with_biases, last_paths, poiso
 from twell_compile.testing import GatedMLP
 from twell_compile.formats import backup_capacity
 from twell_compile.reference import activate
-from twell_compile.runtime import arch, cuda_train, density
+from twell_compile.runtime import arch, cuda_train, density, paths, select
 
 pytestmark = pytest.mark.gpu
 
@@ -30,6 +30,23 @@ def _fresh():
     with arch.patched(train_min_tokens=1, train_min_width=1):
         yield
     density.reset()
+
+
+
+def test_lists_past_the_32_bit_entry_codes_train_dense_and_refuse_the_forced_sparse_path():
+    """M x pow2(W) at MAX_LIST_SLOTS: "auto" leaves the sparse path at a measured low density (the
+    sparse backward codes entries in 32 bits), path="twell" says why; one token fewer fits."""
+    k, n, width = 64, 512, 256
+    m = paths.MAX_LIST_SLOTS // width
+    x = torch.zeros(1, k, device="cuda", dtype=torch.bfloat16).expand(m, k)     # the plan reads shapes only
+    key = ("train", "big", x.device, x.dtype, k, n, k, True)
+    density.submit(key, torch.tensor(float(m), device="cuda"), m * n)           # one unit per row
+    density.submit(("train-lost",) + key[1:], torch.tensor(0.0, device="cuda"), 1)
+    torch.cuda.synchronize()
+    assert select.plan_train(x, n, k, True, width, 16, "big").path in ("dense", "compact")   # (the record's compact_max_lost)
+    with pytest.raises(ValueError, match="32-bit entry codes .*twell.ell_width"):
+        select.plan_train(x, n, k, True, width, 16, "big", path="twell")
+    assert select.plan_train(x[: m - 1], n, k, True, width, 16, "big").path == "twell"
 
 
 def _path(x, wg, wd, layer):

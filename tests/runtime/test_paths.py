@@ -180,3 +180,15 @@ def test_explains_runs_column_is_the_tables_answer(tokens, k, n):
     cpu = paths.caps(Path.CPU, False)
     kernel = paths.auto_ok(cpu, arch.CPU, torch.float32, tokens, k, n, k)
     assert entry.runs == ("C++ CPU kernel" if kernel else "plain PyTorch")
+
+
+def test_list_slots_bound_the_sparse_training_path_only():
+    """The sparse backward codes an entry as row * pow2(W) + slot in 32 bits: M x pow2(W) stays
+    under MAX_LIST_SLOTS on the sparse training path; the other paths keep no such lists."""
+    c = paths.caps("twell", training=True)
+    assert paths.lists_fit(c, 2 ** 23 - 1, 256) and not paths.lists_fit(c, 2 ** 23, 256)
+    assert not paths.lists_fit(c, 2 ** 23, 129)          # the width to a power of 2: 256
+    assert paths.lists_fit(c, 2 ** 24 - 1, 128) and paths.lists_fit(c, 2 ** 31 - 1, 1)
+    for other in (paths.caps("dense", training=True), paths.caps("compact", training=True),
+                  paths.caps("twell", training=False)):
+        assert paths.lists_fit(other, 2 ** 40, 256)

@@ -72,6 +72,8 @@ DTYPES = (torch.bfloat16, torch.float16)      # the CUDA sparse kernels' dtypes
 CPU_DTYPES = (torch.float32, torch.bfloat16)  # the C++ CPU kernel's
 MAX_WIDTH = 8192        # K and K_out of the per-row and training kernels (a row in registers)
 MAX_N = 65536           # hidden units: the per-row lists pack the column in 16 bits
+MAX_LIST_SLOTS = 2 ** 31   # M x pow2(W) below this: the sparse backward's counting sort codes an
+                           # entry as row * pow2(W) + slot in 32 bits and ranks entries in int32
 ANY_GATING = frozenset((True, False))
 _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -91,7 +93,8 @@ class Caps:
     low bound instead for calls inside CUDA graphs, where host time does not count (0 in the
     record: the same bound). backup: needs more tokens than dense-backup rows
     (a compact state). form: the decode form it forces ("" the cost model's). atomics: sums
-    with atomics (not chosen by "auto" under torch.use_deterministic_algorithms)."""
+    with atomics (not chosen by "auto" under torch.use_deterministic_algorithms). max_slots:
+    tokens x the list width (to a power of 2) below this (``lists_fit``)."""
 
     what: str
     runs: str = ""
@@ -111,6 +114,7 @@ class Caps:
     backup: bool = False
     form: str = ""
     atomics: bool = False
+    max_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,8 @@ def _form(form: str, atomics: bool, **limits) -> PathRow:
 TABLE: Mapping[Path, PathRow] = MappingProxyType({
     Path.AUTO: PathRow(_RULES, _RULES),
     Path.DENSE: PathRow(_DENSE, _TRAIN),
-    Path.TWELL: PathRow(_ROWS, dataclasses.replace(_TRAIN_COMPACT, runs="twell", min_width_from="train_min_width")),
+    Path.TWELL: PathRow(_ROWS, dataclasses.replace(_TRAIN_COMPACT, runs="twell", min_width_from="train_min_width",
+                                                   max_slots=MAX_LIST_SLOTS)),
     Path.DECODE: PathRow(_DECODE, None),
     Path.DECODE_ROWS: _form("rows", True, max_m_from="vec_m"),
     Path.DECODE_TILES: _form("tiles", True),
@@ -238,6 +243,11 @@ def token_range(c: Caps, p, graphs: bool = False) -> tuple[int, Optional[int]]:
     if graphs and c.graphs_tokens_from:
         low = min(low, getattr(p, c.graphs_tokens_from) or low)
     return low, (getattr(p, hi) if hi else None)
+
+
+def lists_fit(c: Caps, m: int, width: int) -> bool:
+    """Whether M rows of per-row lists of ``width`` slots fit the path's 32-bit entry codes."""
+    return not c.max_slots or m * (1 << max(width - 1, 0).bit_length()) < c.max_slots
 
 
 def in_range(c: Caps, p, m: int, graphs: bool = False) -> bool:

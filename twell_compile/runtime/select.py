@@ -392,6 +392,10 @@ def plan_train(x: Tensor, n: int, k_out: int, gated: bool, ell_width: int, backu
         if c.backup and not compact_ok:
             raise _refuse(path, f"{m} tokens fit the dense backup ({cap} rows, backup_rows={backup_rows}); "
                                   "the sparse and compact states need more tokens than backup rows")
+        if not paths.lists_fit(c, m, width):
+            raise _refuse(path, f"{m} tokens x lists of width {width} (to a power of 2) reach the sparse "
+                                  f"backward's 32-bit entry codes ({paths.MAX_LIST_SLOTS}); split the batch, "
+                                  "or a narrower twell.ell_width")
         return TrainPlan(c.runs, p, key, lkey, probe=density.wants_probe(key, p.train_probe_every),
                          tick=compact_ok, width=width, cap=cap)
     if not (paths.in_range(_TRAIN_SPARSE, p, m) and compact_ok) or torch.are_deterministic_algorithms_enabled():
@@ -401,7 +405,8 @@ def plan_train(x: Tensor, n: int, k_out: int, gated: bool, ell_width: int, backu
         density.poll(key)
         density.poll(lkey)
     d, lost = density.measured(key), density.measured(lkey)
-    sparse = d is not None and d < p.sparse_max_density and k >= paths.min_width(_TRAIN_SPARSE, p)
+    sparse = (d is not None and d < p.sparse_max_density and k >= paths.min_width(_TRAIN_SPARSE, p)
+              and paths.lists_fit(_TRAIN_SPARSE, m, width))
     compact = not sparse and lost is not None and lost <= p.compact_max_lost
     return TrainPlan("twell" if sparse else "compact" if compact else "dense", p, key, lkey,
                      probe=density.wants_probe(key, p.train_probe_every), tick=True, width=width, cap=cap)
