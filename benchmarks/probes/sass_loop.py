@@ -72,8 +72,9 @@ def tools() -> Path:
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def compile_sass(p: dict[str, Any]) -> tuple[str, int]:
-    """(SASS text, registers per thread) of preset ``p`` compiled for sm_90a."""
+def compile_sass(p: dict[str, Any]) -> tuple[str, int, int]:
+    """(SASS text, registers per thread, bytes of stack and local memory per thread: spills) of
+    preset ``p`` compiled for sm_90a (``p["maxnreg"]``: ptxas's register cap, as the launcher's)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -96,8 +97,10 @@ def compile_sass(p: dict[str, Any]) -> tuple[str, int]:
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names
              if sig[a] != "constexpr" and (a.endswith("_ptr") or a in p["div16"])}
     src = ASTSource(fn, sig, constexprs={(names.index(a),): v for a, v in consts.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=p["warps"], num_stages=p.get("stages", 1)))
+    opts = dict(num_warps=p["warps"], num_stages=p.get("stages", 1))
+    if p.get("maxnreg"):
+        opts["maxnreg"] = p["maxnreg"]
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     with tempfile.TemporaryDirectory() as d:
         cubin = Path(d) / "k.cubin"
         cubin.write_bytes(k.asm["cubin"])
@@ -105,7 +108,8 @@ def compile_sass(p: dict[str, Any]) -> tuple[str, int]:
         sass = subprocess.run(run[:1] + ["-sass"] + run[1:], capture_output=True, text=True, check=True).stdout
         res = subprocess.run(run[:1] + ["-res-usage"] + run[1:], capture_output=True, text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", res)
-    return sass, int(regs.group(1)) if regs else -1
+    spill = sum(int(v) for v in re.findall(r"(?:STACK|LOCAL):(\d+)", res))
+    return sass, int(regs.group(1)) if regs else -1, spill
 
 
 def first_loop(sass: str) -> dict[str, Any]:
@@ -135,6 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("presets", nargs="*", default=list(PRESETS), help=f"of {', '.join(PRESETS)}")
     ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE", help="constexprs to change")
     ap.add_argument("--warps", type=int, default=None)
+    ap.add_argument("--maxnreg", type=int, default=0, help="ptxas's register cap (0: none), as a record's *_maxnreg")
     a = ap.parse_args(argv)
     bad = [n for n in a.presets if n not in PRESETS]
     if bad:
@@ -156,9 +161,11 @@ def main(argv=None) -> int:
         p["consts"] = {**p["consts"], **changes}
         if a.warps:
             p["warps"] = a.warps
-        sass, regs = compile_sass(p)
+        p["maxnreg"] = a.maxnreg
+        sass, regs, spill = compile_sass(p)
         s = first_loop(sass)
-        print(f"{name} ({p['fn'].__name__}, {p['warps']} warps): {regs} registers, {s['instructions']} instructions; "
+        print(f"{name} ({p['fn'].__name__}, {p['warps']} warps): {regs} registers, {spill} bytes of stack and local "
+              f"memory, {s['instructions']} instructions; "
               f"first loop {s['loop_instructions']}: {s['loop']}; kernel: {s['kernel']}", flush=True)
     return 0
 

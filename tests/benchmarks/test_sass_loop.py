@@ -51,3 +51,20 @@ def test_a_preset_compiles_for_sm90a_here(capsys):
     out = capsys.readouterr().out
     assert out.startswith("dx_rows (dx_rows_kernel, 4 warps): ")
     assert "'LDG'" in out and "CALL" not in out                 # its gathers, and no division routine
+
+
+def test_the_register_cap_is_ptxas_s_and_spills_are_counted(capsys):
+    """--maxnreg compiles as the launcher's maxnreg does: the DY pass at 128 registers (164
+    uncapped) with nothing spilled, at 96 with stack or local memory."""
+    triton = pytest.importorskip("triton")
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7) or not (sass_loop.tools() / "cuobjdump").exists():
+        pytest.skip("needs Triton >= 3.7 with its cuobjdump")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1: the kernels are interpreted here, nothing compiles")
+    _, free, free_spill = sass_loop.compile_sass(sass_loop.PRESETS["wgrad_dy"]())
+    _, capped, capped_spill = sass_loop.compile_sass({**sass_loop.PRESETS["wgrad_dy"](), "maxnreg": 128})
+    _, tight, tight_spill = sass_loop.compile_sass({**sass_loop.PRESETS["wgrad_dy"](), "maxnreg": 96})
+    assert free > 128 and capped <= 128 and tight <= 96
+    assert free_spill == capped_spill == 0 and tight_spill > 0
+    sass_loop.main(["wgrad_x", "--maxnreg", "96"])
+    assert "wgrad_x (wgrad_kernel, 4 warps): 96 registers, " in capsys.readouterr().out

@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent("""
     # chunks split the neurons' lists over programs (atomic sums), few programs loop over many
     PATCH = arch.patched(wg_bk=32, wg_dy_entries=dy_ent, wg_x_entries=x_ent, wg_chunk=chunk,
                  wg_chunk_over_mean=0 if chunk < 8 else 2, wg_programs_per_sm=per_sm,
-                 wg_dy_maxnreg=128)   # a register cap passed through (the interpreter ignores it)
+                 wg_dy_maxnreg=128, wg_x_maxnreg=96)   # register caps passed through (the interpreter ignores them)
     PATCH.__enter__()     # held: a context manager nothing refers to is closed at once
     assert arch.launch_policy('cpu').wg_bk == 32
     torch.manual_seed({seed})

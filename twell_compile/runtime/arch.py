@@ -217,6 +217,7 @@ class GpuPolicy:
     wg_programs_per_sm: int = 8      # persistent wgrad programs per SM
     wg_dy_maxnreg: int = 0           # > 0: the DY pass compiled to at most this many registers per
                                      # thread (ptxas), so more of its programs stay resident
+    wg_x_maxnreg: int = 0            # ... the X pass likewise
     dx_pairs: int = 4
     rank_bm: int = 8
     rank_bp: int = 32

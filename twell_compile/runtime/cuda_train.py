@@ -432,7 +432,7 @@ def sparse_bwd_x_pass(st: SparseBwd) -> None:
     dW_g[n] and dW_u[n] from the DY pass's d_g, d_u. Tickets st.tickets[1:], as the DY pass's."""
     if st.n:
         launch(wgrad_kernel, (st.programs, -(-st.k // st.bkw)), (*st.head, st.tickets[1:], *st.tail),
-               st.consts(False, st.bkw, st.p.wg_x_entries), num_warps=st.p.wg_x_warps)
+               st.consts(False, st.bkw, st.p.wg_x_entries), num_warps=st.p.wg_x_warps, maxnreg=st.p.wg_x_maxnreg)
 
 
 def sparse_bwd_dx(st: SparseBwd) -> None:
