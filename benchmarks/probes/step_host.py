@@ -13,11 +13,13 @@ Inductor (~285k tracked objects) stalls the host for tens of milliseconds, which
 per-step events would spread over a few hundred steps. This probe tells that apart from other
 host noise.
 
-A loop issues ``--steps`` steps without synchronizing (as do_bench does, without its L2 flush)
-and records a CUDA event pair per step (the host clock on the CPU); mode "gc_off" runs it under
+A loop issues ``--steps`` steps without synchronizing (as do_bench does; ``--flush`` adds its L2
+flush, a 256 MB memset before each step, outside the step's events: train_parts.py's auto step
+read 0.34 ms over the forced one under do_bench, equal in a plain loop) and records a CUDA event
+pair per step (the host clock on the CPU); mode "gc_off" runs it under
 ``gc.disable()`` after a ``gc.collect()``, mode "gc_on" after the same collection with the
 collector as the process has it. Rows (benchmarks/rows.py's stamp, then): M, K, N, density,
-path, mode, round, steps, median_ms, p90_ms, max_ms, mean_ms, loop_ms (the loop's wall time per
+path, mode, flush, round, steps, median_ms, p90_ms, max_ms, mean_ms, loop_ms (the loop's wall time per
 step, synchronized at its end), collections (count per generation 0-2), gc_ms (their summed
 host time). Probe code: it ships nothing.
 """
@@ -30,7 +32,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -58,13 +60,17 @@ class Collections:
             self.seen.append((info["generation"], 1e3 * (time.perf_counter() - self._t0)))
 
 
-def timed_loop(step: Callable[[], object], steps: int, cuda: bool) -> tuple[list[float], float]:
-    """(ms per step, the loop's wall ms per step): steps issued back to back."""
+def timed_loop(step: Callable[[], object], steps: int, cuda: bool,
+               flush: Optional[torch.Tensor] = None) -> tuple[list[float], float]:
+    """(ms per step, the loop's wall ms per step): steps issued back to back; ``flush``: zeroed
+    before each step, outside its events (do_bench's L2 flush)."""
     if cuda:
         torch.cuda.synchronize()
         evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
         t0 = time.perf_counter()
         for a, b in evs:
+            if flush is not None:
+                flush.zero_()
             a.record()
             step()
             b.record()
@@ -94,6 +100,8 @@ def run(args) -> list[dict]:
 
     for _ in range(args.warmup):
         step()
+    # do_bench's L2 flush: 256 MB zeroed before each timed step
+    flush = torch.empty(256 * 2 ** 20, dtype=torch.int8, device=dev) if args.flush and cuda else None
     rec = Collections()
     gc.callbacks.append(rec)
     rows = []
@@ -106,7 +114,7 @@ def run(args) -> list[dict]:
                     gc.disable()
                 rec.seen, rec.on = [], True
                 try:
-                    t, wall = timed_loop(step, args.steps, cuda)
+                    t, wall = timed_loop(step, args.steps, cuda, flush)
                 finally:
                     rec.on = False
                     if was:
@@ -114,6 +122,7 @@ def run(args) -> list[dict]:
                 q = sorted(t)
                 per_gen = [sum(1 for g, _ in rec.seen if g == i) for i in range(3)]
                 row = stamp(dict(M=args.M, K=args.K, N=args.N, density=args.density, path=args.path, mode=mode,
+                                 flush=flush is not None,
                                  round=r + 1, steps=args.steps, median_ms=statistics.median(t),
                                  p90_ms=q[int(0.9 * (len(q) - 1))], max_ms=q[-1], mean_ms=statistics.fmean(t),
                                  loop_ms=wall, collections=per_gen, gc_ms=sum(ms for _, ms in rec.seen)), dev)
@@ -136,6 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=200, help="steps per timed loop")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2, help="gc_on / gc_off loops alternating, this many each")
+    ap.add_argument("--flush", action="store_true", help="zero 256 MB before each step, as do_bench does (CUDA)")
     ap.add_argument("--cpu", action="store_true", help="on the CPU even where CUDA is available")
     ap.add_argument("--out", default=None, help="JSON path (default runs/<tag>/step_host.json)")
     a = ap.parse_args(argv)
@@ -144,8 +154,10 @@ def main(argv=None) -> int:
             raise ValueError(f"--{name} must be >= 1, got {getattr(a, name)}")
     if a.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {a.warmup}")
-    rows = run(a)
     cuda = torch.cuda.is_available() and not a.cpu
+    if a.flush and not cuda:
+        raise ValueError("--flush times do_bench's L2 flush on a GPU: drop it on the CPU (or --cpu)")
+    rows = run(a)
     save_rows(rows, a.out, gpu_name() if cuda else "cpu", "step_host.json")
     return 0
 

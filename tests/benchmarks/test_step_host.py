@@ -23,6 +23,7 @@ def test_rows_count_the_collections_of_each_mode(tmp_path):
         gc.set_threshold(*old)
     on, off = json.loads(out.read_text())
     assert (on["mode"], off["mode"]) == ("gc_on", "gc_off") and on["steps"] == off["steps"] == 6
+    assert on["flush"] is False
     assert sum(on["collections"]) > 0 and on["gc_ms"] > 0
     assert off["collections"] == [0, 0, 0] and off["gc_ms"] == 0
     assert gc.isenabled() and step_host.Collections not in map(type, gc.callbacks)   # left as found
@@ -34,3 +35,8 @@ def test_rows_count_the_collections_of_each_mode(tmp_path):
 def test_bad_arguments_name_the_flag(flag, value):
     with pytest.raises(ValueError, match=flag):
         step_host.main(TINY + [flag, value])
+
+
+def test_the_flush_is_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match="--flush"):
+        step_host.main(TINY + ["--flush"])
