@@ -8,9 +8,9 @@ that ran inside a timed loop (``gc.callbacks``: its generation and host duration
 
 Why: bench_ffn_train.py's auto-path column read 3.16-5.18 ms between runs of one code on one
 H100 while the forced path's held (results/h100/ffn_training_ab.json): a step there spends
-about as much host time as GPU time, and a full collection of a process holding Dynamo and
-Inductor (~285k tracked objects) stalls the host for tens of milliseconds, which do_bench's
-per-step events would spread over a few hundred steps. This probe tells that apart from other
+about as much host time as GPU time, and a full collection walks every tracked object (285k
+in a probe process that had run the step; its length here unmeasured), a stall do_bench's
+per-step events would spread over the steps around it. This probe tells that apart from other
 host noise.
 
 A loop issues ``--steps`` steps without synchronizing (as do_bench does; ``--flush`` adds its L2

@@ -379,7 +379,7 @@ H200 = GpuPolicy(
     # K=2048 d=0.005 (the fused row kernel at 1 pair / 2 warps: 493 us against 531 at 4 / 4),
     # the wgrad passes' by the whole model's step (bench_e2e.py --train).
     # The DY weight-gradient pass capped at 128 registers per thread (164 uncapped, no spills
-    # capped: benchmarks/probes/sass_loop.py wgrad_dy), so 4 programs of 4 warps stay resident
+    # capped: benchmarks/probes/sass_loop.py wgrad_dy --maxnreg 128), so 4 programs of 4 warps stay resident
     # per SM instead of 3: on the H100 the pass 0.620 ms against 0.884 uncapped (tune_wgrad.py
     # --M 16384, results/h100/tune_wgrad.json), the step 3.16 ms against 3.41-3.82 before the
     # pass lost its division (bench_ffn_train.py --config; results/h100/ffn_training_ab.json).
