@@ -27,9 +27,13 @@ measured on the timed batch (eager, hooks on gate_proj) and printed; twell's own
   batch x (new_tokens - 1) tokens. Greedy tokens are compared with eager generate.
   --seq is the prompt length here.
 --train: fp32 weights, bf16 autocast (fp32 without autocast on CPU), AdamW, ``--steps`` steps
-  on one fixed batch (labels = inputs): eager, Inductor and twell each start from the same
-  weights, are run one after the other (only one model alive), and report median step ms,
-  peak memory and the loss curve.
+  (labels = inputs): eager, Inductor and twell each start from the same weights, see the same
+  batches, are run one after the other (only one model alive), and report median step ms,
+  peak memory and the loss curve. ``--data fixed`` (default) repeats one random-token batch,
+  which the model memorises (the loss falls toward 0); ``--data text`` draws a fresh batch every
+  step from the bytes of the Python standard library's sources (offline on every machine, as
+  examples/train_sparse_lm.py's corpus), so the model keeps learning as in a real training:
+  what a density controller (``twell.target_density``) should be judged on.
 
 Backend options: ``--twell-opt twell.stats=false`` (repeatable) goes to
 ``torch.compile(..., backend="twell", options={...})``. Results go to --out as JSON (default
@@ -91,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                     help="forward/generate weights (default bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--lr", type=float, default=3e-4, help="--train: AdamW learning rate")
+    ap.add_argument("--data", choices=("fixed", "text"), default="fixed",
+                    help="--train: one random batch repeated (default), or a fresh batch of stdlib source bytes "
+                         "per step (calibration from the same text)")
     ap.add_argument("--pure-bf16", action="store_true",
                     help="--train: bf16 weights and AdamW state, no autocast (default fp32 weights, bf16 autocast)")
     ap.add_argument("--backends", nargs="+", default=["inductor", "twell"], choices=("inductor", "twell"))
@@ -185,6 +192,40 @@ def build_model(a: argparse.Namespace, dtype: torch.dtype, seed: int):
 def token_batch(a: argparse.Namespace, batch: int, seq: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, a.vocab, (batch, seq), generator=g).to(a.device)
+
+
+TEXT_BYTES = 64 << 20   # --data text reads this much of the standard library's sources at most
+
+
+def stdlib_bytes(limit: int = TEXT_BYTES) -> torch.Tensor:
+    """The bytes of the interpreter's own *.py sources (site-packages and caches left out),
+    files in path order, up to ``limit``: uint8 on the CPU."""
+    import sysconfig
+
+    root, parts, n = Path(sysconfig.get_paths()["stdlib"]), [], 0
+    for p in sorted(root.rglob("*.py")):
+        if {"site-packages", "dist-packages", "__pycache__"} & set(p.relative_to(root).parts):
+            continue
+        data = p.read_bytes()
+        parts.append(data)
+        n += len(data)
+        if n >= limit:
+            break
+    if not parts:
+        raise SystemExit(f"--data text: no *.py sources under {root}")
+    return torch.frombuffer(bytearray(b"".join(parts)[:limit]), dtype=torch.uint8)
+
+
+def text_batches(a: argparse.Namespace, count: int, batch: int, seq: int, seed: int) -> torch.Tensor:
+    """[count, batch, seq] token ids on a.device: windows of the stdlib's bytes at seeded random
+    offsets, each byte b as token 2 + b % (vocab - 2) (ids 0 and 1 unused, as token_batch)."""
+    text = stdlib_bytes()
+    if text.numel() <= seq:
+        raise SystemExit(f"--data text: {text.numel()} bytes of sources, fewer than --seq {seq}")
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, text.numel() - seq, (count * batch, 1), generator=g)
+    ids = text[start + torch.arange(seq)].long() % (a.vocab - 2) + 2
+    return ids.view(count, batch, seq).to(a.device)
 
 
 class _Captured(Exception):
@@ -344,7 +385,9 @@ def calibrated_model(a: argparse.Namespace, amp, density: Optional[float] = None
     (default a.density[0]) on the calibration batch, and the densities reached."""
     model = build_model(a, torch.float32, a.seed).eval()
     d = a.density[0] if density is None else density
-    return model, calibrate(model, token_batch(a, a.calib_batch, a.seq, a.seed + 1), d, amp, a.batch)
+    calib = (text_batches(a, 1, a.calib_batch, a.seq, a.seed + 1)[0] if getattr(a, "data", "fixed") == "text"
+             else token_batch(a, a.calib_batch, a.seq, a.seed + 1))
+    return model, calibrate(model, calib, d, amp, a.batch)
 
 
 def cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -779,7 +822,10 @@ def run_train(a: argparse.Namespace, rows: list[dict[str, Any]], shared: dict[st
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
-    ids = token_batch(a, a.batch, a.seq, a.seed + 2)
+    # one batch per step: the same one (--data fixed) or fresh text, the same for every backend
+    batches = (text_batches(a, a.steps, a.batch, a.seq, a.seed + 2) if a.data == "text"
+               else token_batch(a, a.batch, a.seq, a.seed + 2).unsqueeze(0).expand(a.steps, -1, -1))
+    ids = batches[0]
     tokens = a.batch * a.seq
     wdt = torch.bfloat16 if a.pure_bf16 else torch.float32
     step_amp = contextlib.nullcontext if a.pure_bf16 else amp
@@ -801,7 +847,7 @@ def run_train(a: argparse.Namespace, rows: list[dict[str, Any]], shared: dict[st
             losses, step_ms, pending, history = [], [], [], []
             # with twell.target_density: each step's per-layer density, kept on the device
             controlled = name == "twell" and "twell.target_density" in a.twell_options
-            for _ in range(a.steps):
+            for ids in batches:
                 t0 = time.perf_counter()
                 if cuda:
                     ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))

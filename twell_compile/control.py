@@ -5,6 +5,7 @@ Each controlled FFN layer (keyed by its layer name, like the statistics) keeps o
     log_coef [1] fp64   log of the layer's coefficient, in ``twell.l1``'s units
     coef     [1] fp32   exp(log_coef): what the layer's backward multiplies its penalty by
     acc      [2] fp64   non-zeros and slots (tokens x hidden units) of the calls of this step
+    level    [1] fp64   the measured log density, averaged over about SMOOTH_TOKENS tokens
 
 A training call (``twell::ffn_train``'s forward) adds its non-zero count to ``acc`` and hands
 its backward ``coef / k`` (a fresh [1] tensor; ``k`` = the layer's calls in the previous
@@ -12,24 +13,35 @@ optimizer step), so k accumulated micro-batches add up to one step's penalty, as
 by k does. The first call after an optimizer step (any ``torch.optim`` optimizer, counted by a
 global step post-hook; or ``step()``) closes the step: its counts are all-reduced over the
 ranks of the default process group (asynchronously; NCCL's wait only orders streams), and the
-previous step's reduced counts, waited for now, move the coefficient. With e = the smoothed
-log(density / target) (an EMA over steps) and e' its value at the previous update:
+previous step's reduced counts, waited for now, move the coefficient.
 
-    pace     = clamp(e / HORIZON, -PACE, PACE)          how fast the density should close in
-    log_coef = clamp(log_coef + clamp(GAIN * ((e - e') + pace), -MAX_DOWN, MAX_UP), LOG_MIN, LOG_MAX)
+The rule is a proportional-integral step on the log density, toward a reference that walks to
+the target. The measured log density is averaged over steps with weight 1 - exp(-tokens /
+SMOOTH_TOKENS) for a step of ``tokens`` tokens (a per-step density of a few hundred tokens is
+noisy, one of 16k is not, and an average over steps is a lag the loop pays for). The reference
+r starts at the layer's first level (or at the target, when that is under it) and walks toward
+the target by the smaller of PACE and 1/APPROACH of the distance left per update, never more
+than LEAD ahead of the level. With e = clamp(level - r, -E_MAX, E_MAX) and e' the previous
+update's e:
 
-a multiplicative step that pushes while the density closes in slower than ``pace`` and backs
-off while it closes in faster: far above the target the density is walked down at most PACE
-(2%) per step, slowing as it nears the target, and a density falling fast stops the push
-before it arrives. The density lags the coefficient by tens of optimizer steps and, once a
-layer is sparse, stays sparse with far less penalty (ReLU units that stop firing get no
-gradient), so a density driven under the target is not brought back by backing off: the push
-has to end before the target is reached. The step is bounded per optimizer step (MAX_UP,
-MAX_DOWN). Every rank applies the same function to the same all-reduced sums (exact: integer counts in fp64), so
-ranks hold bit-identical coefficients. One step of lag (the update uses the step before the
-one just closed) hides the all-reduce entirely, and a single process follows the same
-trajectory. No host sync anywhere: shapes and call counts are host integers, everything else
-stays on the device.
+    log_coef = clamp(log_coef + clamp(KP * (e - e') + KI * e, -MAX_DOWN, MAX_UP), LOG_MIN, LOG_MAX)
+
+Why these gains: fitted to a 4-layer H200 run (results/h200/e2e_train_target.json), a layer's
+log density follows its log coefficient with a gain of about -3 (twice the coefficient, an
+eighth of the density), a fall time of 3-4 optimizer steps, a rise time of 8-12 and 2 steps of
+delay, on top of the rule's own step of lag; KP and KI are the internal-model (lambda) tuning
+of such a plant for a closed loop of about 4 steps, and keep a layer of gain -1.5 and
+a rise lag of 15 steps (the tests' synthetic plant) from overshooting under its target. The
+reference paces a dense start (walked down, not collapsed: units that stop firing get no
+gradient and may not come back): a layer whose density waits for the coefficient (a tiny
+Llama's stays dense until it is about 10) is asked at most LEAD ahead of where it is, so the
+push does not wind up while it waits and then collapse it; E_MAX bounds what a far-off density
+asks of one step.
+Every rank applies the same function to the same all-reduced sums (exact: integer counts in
+fp64), so ranks hold bit-identical coefficients. One step of lag (the update uses the step
+before the one just closed) hides the all-reduce entirely, and a single process follows the
+same trajectory. No host sync anywhere: shapes and call counts are host integers, everything
+else stays on the device.
 
 With ``target_steps`` S, the target moves geometrically from the layer's first measured
 density to the requested one over S updates. Until the first optimizer step is seen in the
@@ -50,10 +62,13 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-GAIN = 2.0              # log-coefficient step per unit of (velocity error) below
-HORIZON = 100.0         # optimizer steps over which the remaining log error is asked to close
-PACE = 0.02             # the fastest the log density is asked to move toward the target per step
-SMOOTH = 0.1            # weight of the newest step in the smoothed log density
+KP = 0.3                # log-coefficient step per unit change of the log-density error
+KI = 0.05               # log-coefficient step per unit of log-density error, each optimizer step
+LEAD = 0.2              # the reference leads the level by at most this, in log density
+SMOOTH_TOKENS = 2560.0  # the level averages about this many tokens' densities (0.1 per 256-token step)
+E_MAX = 1.0             # the error's bound (a density e = 2.7x off asks no more than that)
+PACE = 0.02             # the reference's fastest walk toward the target, in log density per step
+APPROACH = 10.0         # the reference closes the last 1/APPROACH of its distance each step (the pace near it)
 MAX_UP = 0.08           # at most x1.083 per optimizer step
 MAX_DOWN = 0.15         # at most /1.16 per optimizer step (backing off beats pushing)
 FLOOR = 1e-6            # density floor inside the log (a layer with no non-zeros)
@@ -75,9 +90,11 @@ class LayerControl:
     coef: Tensor
     acc: Tensor
     start: Tensor                    # log of the first measured density (the schedule's start)
-    smooth: Tensor                   # [1] fp64: smoothed log density
-    err: Tensor                      # [1] fp64: the previous update's err (smooth - log target)
+    level: Tensor                    # [1] fp64: the measured log density, averaged (SMOOTH_TOKENS)
+    ref: Tensor                      # [1] fp64: the reference log density (walks to the target)
+    err: Tensor                      # [1] fp64: the previous update's err (log density - ref, bounded)
     slots: int = 0                   # tokens x hidden units of this step's calls
+    hidden: int = 1                  # the layer's hidden units (slots per token)
     calls: int = 0                   # training calls of this step
     per_call: int = 1                # calls of the last complete step (k)
     updates: int = 0                 # updates applied (the schedule's progress)
@@ -91,7 +108,8 @@ def _new(device: torch.device, target: float, steps: int, init: float) -> LayerC
         log_coef = torch.full((1,), math.log(init or COEF_INIT), dtype=torch.float64, device=device)
         zero = torch.zeros(1, dtype=torch.float64, device=device)
         return LayerControl(target, steps, log_coef, log_coef.exp().float(),
-                            torch.zeros(2, dtype=torch.float64, device=device), zero, zero.clone(), zero.clone())
+                            torch.zeros(2, dtype=torch.float64, device=device), zero, zero.clone(), zero.clone(),
+                            zero.clone())
 
 
 _layers: dict[str, LayerControl] = {}
@@ -138,10 +156,10 @@ def target_of(layer: str) -> Optional[float]:
 
 
 def update_rule(log_coef: Tensor, err: Tensor, err_prev: Tensor) -> Tensor:
-    """The next log coefficient (device tensors, no sync) from the smoothed log error ``err`` =
-    log(density / target) and the previous update's ``err_prev`` (module docstring)."""
-    pace = (err / HORIZON).clamp(-PACE, PACE)
-    step = GAIN * ((err - err_prev) + pace)
+    """The next log coefficient (device tensors, no sync) from the error ``err`` = log density -
+    reference, bounded to +-E_MAX, and the previous update's ``err_prev`` (module docstring)."""
+    err, err_prev = err.clamp(-E_MAX, E_MAX), err_prev.clamp(-E_MAX, E_MAX)
+    step = KP * (err - err_prev) + KI * err
     return (log_coef + step.clamp(-MAX_DOWN, MAX_UP)).clamp(LOG_MIN, LOG_MAX)
 
 
@@ -150,7 +168,7 @@ def _to(st: LayerControl, device: torch.device) -> None:
         if st.work is not None:
             st.work.wait()
             st.work = None
-        for name in ("log_coef", "coef", "acc", "start", "smooth", "err", "pending"):
+        for name in ("log_coef", "coef", "acc", "start", "level", "ref", "err", "pending"):
             t = getattr(st, name)
             if t is not None:
                 setattr(st, name, t.to(device))
@@ -169,20 +187,32 @@ def _apply(st: LayerControl, counts: Tensor) -> None:
     measured = slots > 0
     log_d = torch.log((nnz / slots.clamp(min=1.0)).clamp(min=FLOOR))
     first = st.updates == 0
+    log_t = math.log(st.target)
     if first:
         st.start.copy_(log_d)
-    smooth = torch.where(measured, log_d if first else st.smooth + SMOOTH * (log_d - st.smooth), st.smooth)
-    log_t = math.log(st.target)
+    # the level: this step's log density, averaged with the earlier ones by the tokens it saw
+    # (all ranks' together: slots / hidden, on the device)
+    weight = -torch.expm1(-(slots / (st.hidden * SMOOTH_TOKENS)))
+    level = torch.where(measured, log_d if first else st.level + weight * (log_d - st.level), st.level)
     if st.steps:
         frac = min(1.0, (st.updates + 1) / st.steps)
-        log_target = st.start.clamp(min=log_t) * (1.0 - frac) + log_t * frac
+        goal = st.start.clamp(min=log_t) * (1.0 - frac) + log_t * frac
     else:
-        log_target = torch.full_like(st.start, log_t)
-    err = smooth - log_target
+        goal = torch.full_like(st.start, log_t)
+    # the reference: from the first level (when above the goal) toward the goal, at most PACE a
+    # step, and no more than LEAD ahead of the level until it is within LEAD of the goal
+    if first:
+        ref = torch.maximum(goal, level)
+    else:
+        walked = st.ref - ((st.ref - goal) / APPROACH).clamp(max=PACE)
+        walked = torch.where(st.ref > goal + LEAD, torch.maximum(walked, level - LEAD), walked)
+        ref = torch.maximum(goal, torch.minimum(st.ref, walked))
+    err = (level - ref).clamp(-E_MAX, E_MAX)
     new = update_rule(st.log_coef, err, err if first else st.err)
     st.log_coef.copy_(torch.where(measured, new, st.log_coef))
     st.coef.copy_(st.log_coef.exp())
-    st.smooth.copy_(smooth)
+    st.level.copy_(level)
+    st.ref.copy_(torch.where(measured, ref, st.ref))
     st.err.copy_(torch.where(measured, err, st.err))
     st.updates += 1
 
@@ -200,10 +230,10 @@ def _close_step(st: LayerControl) -> None:
     st.calls, st.slots = 0, 0
 
 
-def on_call(layer: str, nnz: Tensor, slots: int) -> Optional[Tensor]:
+def on_call(layer: str, nnz: Tensor, tokens: int, hidden: int) -> Optional[Tensor]:
     """A training call of ``layer``: count its non-zeros (``nnz``, a 0-d device tensor) over
-    ``slots`` = tokens x hidden units; return the coefficient its backward applies ([1] fp32,
-    a fresh tensor), or None when the layer is not controlled."""
+    ``tokens`` x ``hidden`` units; return the coefficient its backward applies ([1] fp32, a
+    fresh tensor), or None when the layer is not controlled."""
     st = _layers.get(layer)
     if st is None:
         return None
@@ -213,7 +243,8 @@ def on_call(layer: str, nnz: Tensor, slots: int) -> Optional[Tensor]:
             _close_step(st)
         st.seen = _steps
         st.acc[0:1].add_(nnz.to(torch.float64))
-        st.slots += slots
+        st.slots += tokens * hidden
+        st.hidden = hidden
         st.calls += 1
         return st.coef * (1.0 / st.per_call)
 
@@ -238,7 +269,8 @@ def state_dict() -> dict[str, dict[str, Any]]:
                 st.work = None
             out[layer] = {
                 "target": st.target, "steps": st.steps, "log_coef": st.log_coef.cpu(), "acc": st.acc.cpu(),
-                "start": st.start.cpu(), "smooth": st.smooth.cpu(), "err": st.err.cpu(), "slots": st.slots, "calls": st.calls, "per_call": st.per_call,
+                "start": st.start.cpu(), "level": st.level.cpu(), "ref": st.ref.cpu(), "err": st.err.cpu(),
+                "slots": st.slots, "hidden": st.hidden, "calls": st.calls, "per_call": st.per_call,
                 "updates": st.updates, "pending": None if st.pending is None else st.pending.cpu(),
             }
     return out
@@ -258,10 +290,11 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
                 log_coef = s["log_coef"].to(torch.float64).reshape(1)
                 st = LayerControl(float(s["target"]), int(s["steps"]), log_coef.clone(),
                                   log_coef.exp().float(), s["acc"].to(torch.float64).clone(),
-                                  s["start"].to(torch.float64).clone(), s["smooth"].to(torch.float64).clone(),
-                                  s["err"].to(torch.float64).clone(), int(s["slots"]), int(s["calls"]),
-                                  int(s["per_call"]), int(s["updates"]), None,
-                                  None if s["pending"] is None else s["pending"].to(torch.float64).clone())
+                                  s["start"].to(torch.float64).clone(), s["level"].to(torch.float64).clone(),
+                                  s["ref"].to(torch.float64).clone(), s["err"].to(torch.float64).clone(),
+                                  slots=int(s["slots"]), hidden=int(s["hidden"]), calls=int(s["calls"]),
+                                  per_call=int(s["per_call"]), updates=int(s["updates"]),
+                                  pending=None if s["pending"] is None else s["pending"].to(torch.float64).clone())
             except (KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"load_controller_state_dict: layer {layer!r}: not a state saved by "
                                  f"controller_state_dict ({type(e).__name__}: {e})") from None

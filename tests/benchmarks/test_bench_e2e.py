@@ -9,6 +9,7 @@ import json
 import math
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -47,6 +48,11 @@ def generate(tmp_path_factory):
 @pytest.fixture(scope="module")
 def train(tmp_path_factory):
     return run(tmp_path_factory, "--train", "--backends", "twell", "--steps", "3", *REWRITE)
+
+
+@pytest.fixture(scope="module")
+def train_text(tmp_path_factory):
+    return run(tmp_path_factory, "--train", "--backends", "twell", "--steps", "3", "--data", "text", *REWRITE)
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +141,31 @@ def test_train_follows_the_eager_loss_curve(train):
     assert b["twell"]["max_abs_loss_diff_vs_eager"] == pytest.approx(max(abs(x - y) for x, y in zip(twell, eager)))
     assert b["twell"]["step_median_ms"] > 0
     check_twell_ran(b["twell"], layers)
+
+
+def test_text_training_sees_a_fresh_batch_each_step_and_follows_eager(train_text):
+    run_ = train_text
+    assert run_["config"]["data"] == "text"
+    check_calibration(run_, run_["config"]["layers"])    # calibrated on the same text
+    b = run_["backends"]
+    eager, twell = b["eager"]["losses"], b["twell"]["losses"]
+    assert len(eager) == 3 and twell == pytest.approx(eager, abs=1e-4)
+    check_twell_ran(b["twell"], run_["config"]["layers"])
+
+
+def test_text_batches_are_seeded_windows_of_the_stdlib_sources():
+    a = E2E.parse_args(["--tiny", "--device", "cpu", "--train", "--data", "text"])
+    ids = E2E.text_batches(a, 4, 2, 64, seed=5)
+    assert ids.shape == (4, 2, 64) and ids.dtype == torch.int64
+    assert int(ids.min()) >= 2 and int(ids.max()) < a.vocab
+    assert torch.equal(ids, E2E.text_batches(a, 4, 2, 64, seed=5))               # seeded
+    assert not torch.equal(ids[0], ids[1]) and not torch.equal(ids, E2E.text_batches(a, 4, 2, 64, seed=6))
+    # each row is a window of the bytes, mapped into the vocabulary
+    text = E2E.stdlib_bytes()
+    row = ids[2, 1]
+    mapped = text.long() % (a.vocab - 2) + 2
+    hits = (mapped.unfold(0, 8, 1) == row[:8]).all(1).nonzero()
+    assert any(torch.equal(mapped[int(i):int(i) + 64], row) for i in hits[:, 0])
 
 
 def test_pure_bf16_training_has_no_autocast_and_takes_policy_changes(train_bf16):

@@ -148,7 +148,7 @@ def _coef(counts: Tensor, n: int, layer: str, l1_control: bool) -> Tensor:
     coefficient (zero for a layer the per-layer target names not)."""
     if not l1_control:
         return counts.new_empty((0,), dtype=torch.float32)
-    coef = control.on_call(layer, counts.sum(dtype=torch.float64), counts.numel() * n)
+    coef = control.on_call(layer, counts.sum(dtype=torch.float64), counts.numel(), n)
     return coef if coef is not None else counts.new_zeros((1,), dtype=torch.float32)
 
 
