@@ -28,26 +28,34 @@ def _t(v: float) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ update rule
-def test_update_rule_is_bounded_multiplicative_and_still_at_rest():
+_HELD, _WALK = torch.tensor([True]), torch.tensor([False])
+
+
+def test_held_rule_is_a_bounded_proportional_integral_step():
     lc = _t(math.log(2.0))
-    assert torch.equal(control.update_rule(lc, _t(0.0), _t(0.0)), lc)          # on the reference, not moving
-    # a steady error: the integral term alone, KI per unit of (bounded) error
-    assert float(control.update_rule(lc, _t(0.4), _t(0.4)) - lc) == pytest.approx(control.KI * 0.4)
-    assert float(control.update_rule(lc, _t(-0.4), _t(-0.4)) - lc) == pytest.approx(-control.KI * 0.4)
-    far = control.update_rule(lc, _t(50.0), _t(50.0))                            # far above: bounded error
-    assert float(far - lc) == pytest.approx(control.KI * control.E_MAX)
-    # above the reference but falling: the proportional term backs off before it arrives
-    assert float(control.update_rule(lc, _t(0.3), _t(0.6)) - lc) < 0
-    # a jump in the error: KP per unit of change, plus the integral
-    assert float(control.update_rule(lc, _t(0.2), _t(0.1)) - lc) == pytest.approx(control.KP * 0.1 + control.KI * 0.2)
-    # bounded per step, up and down (backing off may go further than pushing)
-    assert float(control.update_rule(lc, _t(50.0), _t(-50.0)) - lc) == pytest.approx(control.MAX_UP)
-    assert float(control.update_rule(lc, _t(-50.0), _t(50.0)) - lc) == pytest.approx(-control.MAX_DOWN)
-    assert control.MAX_DOWN > control.MAX_UP
-    # monotone in the error at rest
-    steps = [float(control.update_rule(lc, _t(e), _t(e)) - lc) for e in (-1.0, -0.1, 0.0, 0.1, 1.0)]
+    rule = lambda e, e_prev: float(control.update_rule(lc, _t(e), _t(e_prev), _HELD) - lc)  # noqa: E731
+    assert rule(0.0, 0.0) == 0.0                                                 # on target, at rest
+    assert rule(0.4, 0.4) == pytest.approx(control.KI * 0.4)                    # a steady error: integral
+    assert rule(-0.4, -0.4) == pytest.approx(-control.KI * 0.4)
+    assert rule(50.0, 50.0) == pytest.approx(control.KI * control.E_MAX)         # far off: bounded error
+    assert rule(0.3, 0.6) < 0                      # above but falling fast: backs off before it arrives
+    assert rule(0.2, 0.1) == pytest.approx(control.KP * 0.1 + control.KI * 0.2)
+    assert rule(50.0, -50.0) == pytest.approx(control.MAX_UP)                    # bounded per step
+    assert rule(-50.0, 50.0) == pytest.approx(-control.MAX_DOWN)
+    steps = [rule(e, e) for e in (-1.0, -0.1, 0.0, 0.1, 1.0)]
     assert steps == sorted(steps) and steps[0] < 0 < steps[-1]
-    assert float(control.update_rule(_t(control.LOG_MAX), _t(50.0), _t(0.0))) == control.LOG_MAX
+    assert float(control.update_rule(_t(control.LOG_MAX), _t(50.0), _t(0.0), _HELD)) == control.LOG_MAX
+
+
+def test_walking_rule_paces_a_dense_layer_down():
+    lc = _t(math.log(2.0))
+    rule = lambda e, e_prev: float(control.update_rule(lc, _t(e), _t(e_prev), _WALK) - lc)  # noqa: E731
+    assert rule(0.0, 0.0) == 0.0
+    assert rule(5.0, 5.0) == pytest.approx(min(control.MAX_UP, control.GAIN * control.PACE))  # far, still: push
+    assert rule(2.0, 2.2) < 0                                         # falling faster than the pace: back off
+    assert rule(3.0, 3.0 + control.PACE) == pytest.approx(0, abs=1e-12)        # falling at the pace: no change
+    assert rule(-50.0, 0.0) == pytest.approx(-control.MAX_DOWN)
+    assert rule(50.0, -50.0) == pytest.approx(control.MAX_UP)
 
 
 def _plant(coef: float, d_now: float, lag: float = 15.0) -> float:
@@ -112,6 +120,22 @@ def test_controller_holds_a_fast_high_gain_layer_from_step_20(init):
         d = plant(float(control.coefficient("f")), d)
         control.step()
     assert all(abs(x / 0.005 - 1) < 0.25 for x in dens[20:]), [f"{x:.4f}" for x in dens[::5]]
+
+
+def test_a_layer_near_its_target_is_held_from_the_start_a_dense_one_once_it_arrives():
+    def steps(layer, d, k):
+        for _ in range(k):
+            control.on_call(layer, torch.tensor(d * 16384 * 1000, dtype=torch.float64), 16384, 1000)
+            control.step()
+        return bool(control.state_dict()[layer]["held"])
+
+    control.configure("near", 0.05, 0)
+    assert steps("near", 0.05 * math.exp(0.9 * control.START), 4)
+    control.configure("dense", 0.05, 0)
+    assert not steps("dense", 0.05 * math.exp(1.1 * control.START), 4)
+    assert not steps("dense", 0.05 * math.exp(1.1 * control.NEAR), 4)
+    assert steps("dense", 0.05 * math.exp(0.9 * control.NEAR), 4)
+    assert steps("dense", 0.4, 4)                                   # held once arrived, whatever follows
 
 
 def test_accumulated_micro_batches_split_one_steps_penalty_and_update_once_per_step():

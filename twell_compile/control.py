@@ -15,28 +15,30 @@ global step post-hook; or ``step()``) closes the step: its counts are all-reduce
 ranks of the default process group (asynchronously; NCCL's wait only orders streams), and the
 previous step's reduced counts, waited for now, move the coefficient.
 
-The rule is a proportional-integral step on the log density, toward a reference that walks to
-the target. The measured log density is averaged over steps with weight 1 - exp(-tokens /
-SMOOTH_TOKENS) for a step of ``tokens`` tokens (a per-step density of a few hundred tokens is
-noisy, one of 16k is not, and an average over steps is a lag the loop pays for). The reference
-r starts at the layer's first level (or at the target, when that is under it) and walks toward
-the target by the smaller of PACE and 1/APPROACH of the distance left per update, never more
-than LEAD ahead of the level. With e = clamp(level - r, -E_MAX, E_MAX) and e' the previous
-update's e:
+The level is the measured log density averaged over steps with weight 1 - exp(-tokens /
+SMOOTH_TOKENS) for a step of ``tokens`` tokens (all ranks'): a per-step density of a few hundred
+tokens is noisy, one of 16k is not, and an average is a lag the loop pays for. With e = level -
+log target and e' the previous update's e, the step has two regimes:
 
-    log_coef = clamp(log_coef + clamp(KP * (e - e') + KI * e, -MAX_DOWN, MAX_UP), LOG_MIN, LOG_MAX)
+    walking  (a layer that starts over START from the target, until its level first comes
+             within NEAR of it):
+             GAIN * ((e - e') + clamp(e / HORIZON, -PACE, PACE))
+    held     (from then on):
+             KP * (clamp(e) - clamp(e')) + KI * clamp(e)            clamp: to +-E_MAX
+    log_coef = clamp(log_coef + clamp(step, -MAX_DOWN, MAX_UP), LOG_MIN, LOG_MAX)
 
-Why these gains: fitted to a 4-layer H200 run (results/h200/e2e_train_target.json), a layer's
-log density follows its log coefficient with a gain of about -3 (twice the coefficient, an
-eighth of the density), a fall time of 3-4 optimizer steps, a rise time of 8-12 and 2 steps of
-delay, on top of the rule's own step of lag; KP and KI are the internal-model (lambda) tuning
-of such a plant for a closed loop of about 4 steps, and keep a layer of gain -1.5 and
-a rise lag of 15 steps (the tests' synthetic plant) from overshooting under its target. The
-reference paces a dense start (walked down, not collapsed: units that stop firing get no
-gradient and may not come back): a layer whose density waits for the coefficient (a tiny
-Llama's stays dense until it is about 10) is asked at most LEAD ahead of where it is, so the
-push does not wind up while it waits and then collapse it; E_MAX bounds what a far-off density
-asks of one step.
+Walking is for a dense start: the step pushes while the density closes in slower than the pace
+(at most PACE a step, slower near the target) and backs off while it closes in faster, so a
+density falling fast stops the push before it arrives. A density driven under its target is not
+brought back by backing off (ReLU units that stop firing get no gradient, and a small model's
+layer stays sparse with no penalty at all): the walk must not overshoot. Held is a
+proportional-integral step that keeps a layer at its target while what the density needs moves
+with training; its gains are the internal-model (lambda) tuning of the layers of a 4-layer H200
+run (results/h200/e2e_train_target.json): the log density follows the log coefficient with a
+gain of about -3 (twice the coefficient, an eighth of the density), a fall time of 3-4 optimizer
+steps, a rise time of 8-12 and 2 steps of delay, on top of the rule's own step of lag. There the
+walking rule alone, on a density smoothed over 10 steps, swung every layer 0.13-1.1% around a
+0.5% target. The step is bounded per optimizer step (MAX_UP, MAX_DOWN).
 Every rank applies the same function to the same all-reduced sums (exact: integer counts in
 fp64), so ranks hold bit-identical coefficients. One step of lag (the update uses the step
 before the one just closed) hides the all-reduce entirely, and a single process follows the
@@ -62,13 +64,15 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-KP = 0.3                # log-coefficient step per unit change of the log-density error
-KI = 0.05               # log-coefficient step per unit of log-density error, each optimizer step
-LEAD = 0.2              # the reference leads the level by at most this, in log density
+GAIN = 2.0              # walking: log-coefficient step per unit of (velocity error) below
+HORIZON = 100.0         # walking: optimizer steps over which the remaining log error is asked to close
+PACE = 0.02             # walking: the fastest the log density is asked to move toward the target per step
+START = 0.5             # a layer that starts within this of the log target (1.65x) is held from the start
+NEAR = 0.15             # else walking ends once the level comes within this of the log target (1.16x)
+KP = 0.3                # held: log-coefficient step per unit change of the log-density error
+KI = 0.05               # held: log-coefficient step per unit of log-density error, each optimizer step
+E_MAX = 1.0             # held: the error's bound (a density 2.7x off asks no more than that)
 SMOOTH_TOKENS = 2560.0  # the level averages about this many tokens' densities (0.1 per 256-token step)
-E_MAX = 1.0             # the error's bound (a density e = 2.7x off asks no more than that)
-PACE = 0.02             # the reference's fastest walk toward the target, in log density per step
-APPROACH = 10.0         # the reference closes the last 1/APPROACH of its distance each step (the pace near it)
 MAX_UP = 0.08           # at most x1.083 per optimizer step
 MAX_DOWN = 0.15         # at most /1.16 per optimizer step (backing off beats pushing)
 FLOOR = 1e-6            # density floor inside the log (a layer with no non-zeros)
@@ -91,8 +95,8 @@ class LayerControl:
     acc: Tensor
     start: Tensor                    # log of the first measured density (the schedule's start)
     level: Tensor                    # [1] fp64: the measured log density, averaged (SMOOTH_TOKENS)
-    ref: Tensor                      # [1] fp64: the reference log density (walks to the target)
-    err: Tensor                      # [1] fp64: the previous update's err (log density - ref, bounded)
+    held: Tensor                     # [1] bool: the level has come within NEAR of the target
+    err: Tensor                      # [1] fp64: the previous update's err (level - log target)
     slots: int = 0                   # tokens x hidden units of this step's calls
     hidden: int = 1                  # the layer's hidden units (slots per token)
     calls: int = 0                   # training calls of this step
@@ -108,8 +112,8 @@ def _new(device: torch.device, target: float, steps: int, init: float) -> LayerC
         log_coef = torch.full((1,), math.log(init or COEF_INIT), dtype=torch.float64, device=device)
         zero = torch.zeros(1, dtype=torch.float64, device=device)
         return LayerControl(target, steps, log_coef, log_coef.exp().float(),
-                            torch.zeros(2, dtype=torch.float64, device=device), zero, zero.clone(), zero.clone(),
-                            zero.clone())
+                            torch.zeros(2, dtype=torch.float64, device=device), zero, zero.clone(),
+                            torch.zeros(1, dtype=torch.bool, device=device), zero.clone())
 
 
 _layers: dict[str, LayerControl] = {}
@@ -155,11 +159,13 @@ def target_of(layer: str) -> Optional[float]:
     return None if st is None else st.target
 
 
-def update_rule(log_coef: Tensor, err: Tensor, err_prev: Tensor) -> Tensor:
-    """The next log coefficient (device tensors, no sync) from the error ``err`` = log density -
-    reference, bounded to +-E_MAX, and the previous update's ``err_prev`` (module docstring)."""
-    err, err_prev = err.clamp(-E_MAX, E_MAX), err_prev.clamp(-E_MAX, E_MAX)
-    step = KP * (err - err_prev) + KI * err
+def update_rule(log_coef: Tensor, err: Tensor, err_prev: Tensor, held: Tensor) -> Tensor:
+    """The next log coefficient (device tensors, no sync) from ``err`` = level - log target, the
+    previous update's ``err_prev``, and whether the layer is ``held`` (module docstring)."""
+    walk = GAIN * ((err - err_prev) + (err / HORIZON).clamp(-PACE, PACE))
+    e, e_prev = err.clamp(-E_MAX, E_MAX), err_prev.clamp(-E_MAX, E_MAX)
+    hold = KP * (e - e_prev) + KI * e
+    step = torch.where(held, hold, walk)
     return (log_coef + step.clamp(-MAX_DOWN, MAX_UP)).clamp(LOG_MIN, LOG_MAX)
 
 
@@ -168,7 +174,7 @@ def _to(st: LayerControl, device: torch.device) -> None:
         if st.work is not None:
             st.work.wait()
             st.work = None
-        for name in ("log_coef", "coef", "acc", "start", "level", "ref", "err", "pending"):
+        for name in ("log_coef", "coef", "acc", "start", "level", "held", "err", "pending"):
             t = getattr(st, name)
             if t is not None:
                 setattr(st, name, t.to(device))
@@ -199,20 +205,15 @@ def _apply(st: LayerControl, counts: Tensor) -> None:
         goal = st.start.clamp(min=log_t) * (1.0 - frac) + log_t * frac
     else:
         goal = torch.full_like(st.start, log_t)
-    # the reference: from the first level (when above the goal) toward the goal, at most PACE a
-    # step, and no more than LEAD ahead of the level until it is within LEAD of the goal
-    if first:
-        ref = torch.maximum(goal, level)
-    else:
-        walked = st.ref - ((st.ref - goal) / APPROACH).clamp(max=PACE)
-        walked = torch.where(st.ref > goal + LEAD, torch.maximum(walked, level - LEAD), walked)
-        ref = torch.maximum(goal, torch.minimum(st.ref, walked))
-    err = (level - ref).clamp(-E_MAX, E_MAX)
-    new = update_rule(st.log_coef, err, err if first else st.err)
+    err = level - goal
+    # held from the start when the first level is within START of the goal; else walked down
+    # until it comes within NEAR, and held from then on
+    held = st.held | (err.abs() < (START if first else NEAR))
+    new = update_rule(st.log_coef, err, err if first else st.err, held)
     st.log_coef.copy_(torch.where(measured, new, st.log_coef))
     st.coef.copy_(st.log_coef.exp())
     st.level.copy_(level)
-    st.ref.copy_(torch.where(measured, ref, st.ref))
+    st.held.copy_(held & measured | st.held)
     st.err.copy_(torch.where(measured, err, st.err))
     st.updates += 1
 
@@ -269,7 +270,7 @@ def state_dict() -> dict[str, dict[str, Any]]:
                 st.work = None
             out[layer] = {
                 "target": st.target, "steps": st.steps, "log_coef": st.log_coef.cpu(), "acc": st.acc.cpu(),
-                "start": st.start.cpu(), "level": st.level.cpu(), "ref": st.ref.cpu(), "err": st.err.cpu(),
+                "start": st.start.cpu(), "level": st.level.cpu(), "held": st.held.cpu(), "err": st.err.cpu(),
                 "slots": st.slots, "hidden": st.hidden, "calls": st.calls, "per_call": st.per_call,
                 "updates": st.updates, "pending": None if st.pending is None else st.pending.cpu(),
             }
@@ -291,7 +292,7 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
                 st = LayerControl(float(s["target"]), int(s["steps"]), log_coef.clone(),
                                   log_coef.exp().float(), s["acc"].to(torch.float64).clone(),
                                   s["start"].to(torch.float64).clone(), s["level"].to(torch.float64).clone(),
-                                  s["ref"].to(torch.float64).clone(), s["err"].to(torch.float64).clone(),
+                                  s["held"].to(torch.bool).clone(), s["err"].to(torch.float64).clone(),
                                   slots=int(s["slots"]), hidden=int(s["hidden"]), calls=int(s["calls"]),
                                   per_call=int(s["per_call"]), updates=int(s["updates"]),
                                   pending=None if s["pending"] is None else s["pending"].to(torch.float64).clone())
