@@ -52,7 +52,8 @@ def train(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def train_text(tmp_path_factory):
-    return run(tmp_path_factory, "--train", "--backends", "twell", "--steps", "3", "--data", "text", *REWRITE)
+    return run(tmp_path_factory, "--train", "--backends", "twell", "--steps", "3", "--data", "text", "--lr-warmup", "2",
+               *REWRITE)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +146,7 @@ def test_train_follows_the_eager_loss_curve(train):
 
 def test_text_training_sees_a_fresh_batch_each_step_and_follows_eager(train_text):
     run_ = train_text
-    assert run_["config"]["data"] == "text"
+    assert run_["config"]["data"] == "text" and run_["config"]["lr_warmup"] == 2
     check_calibration(run_, run_["config"]["layers"])    # calibrated on the same text
     b = run_["backends"]
     eager, twell = b["eager"]["losses"], b["twell"]["losses"]
@@ -187,6 +188,7 @@ def test_pure_bf16_training_has_no_autocast_and_takes_policy_changes(train_bf16)
     (["--new-tokens", "1"], "--new-tokens"),
     (["--generate", "--step-loop", "--new-tokens", "4"], "--new-tokens"),
     (["--layers", "0"], "--layers"),
+    (["--lr-warmup", "-1"], "--lr-warmup"),
 ])
 def test_bad_arguments_are_named(argv, match):
     with pytest.raises(ValueError, match=match):
