@@ -357,16 +357,23 @@ def twell_layer_densities() -> dict[str, torch.Tensor]:
     return stats.densities()
 
 
+def twell_dead_units() -> dict[str, Optional[int]]:
+    """Each layer's hidden units that fired on none of its last training tokens
+    (``layer_stats()``'s ``dead``: stats.DEAD_WINDOW tokens), with a fixed penalty or none too."""
+    import twell_compile
+
+    return {k: s.dead for k, s in twell_compile.layer_stats().items()}
+
+
 def controller_fields(history: list[dict[str, torch.Tensor]], target: Any) -> dict[str, Any]:
     """A twell.target_density training's per-step per-layer densities, its final coefficients
-    and dead units per layer, and (one target for every layer) the worst relative deviation of
-    any layer's density from the target from step 20 on."""
+    and (one target for every layer) the worst relative deviation of any layer's density from
+    the target from step 20 on."""
     import twell_compile
 
     per_step = {k: [float(h[k]) for h in history if k in h] for k in (history[-1] if history else {})}
     st = twell_compile.layer_stats()
-    out = dict(twell_layer_density_per_step=per_step, twell_layer_l1_coef={k: s.l1_coef for k, s in st.items()},
-               twell_layer_dead_units={k: s.dead for k, s in st.items()})
+    out = dict(twell_layer_density_per_step=per_step, twell_layer_l1_coef={k: s.l1_coef for k, s in st.items()})
     after = [d for v in per_step.values() for d in v[20:]]
     if isinstance(target, float) and after:
         out["twell_worst_rel_dev_from_step_20"] = max(abs(d / target - 1) for d in after)
@@ -797,6 +804,7 @@ def run_generate(a: argparse.Namespace, rows: list[dict[str, Any]], shared: dict
                       f"({row['step_loop_ms_per_step']:.3f} ms/step)", flush=True)
             if name == "twell":
                 row["twell_layer_density"] = twell_stats_density()
+                row["twell_layer_dead_units"] = twell_dead_units()
             run["backends"][name] = row
             print(f"  {name:>8}: decode {row['decode_tokens_per_s']:10.0f} tok/s ({row['decode_ms_per_step']:.3f} "
                   f"ms/step)  generate {timing['median_ms']:.1f} ms  first {first_s:.1f} s  greedy first {k} "
@@ -886,6 +894,7 @@ def run_train(a: argparse.Namespace, rows: list[dict[str, Any]], shared: dict[st
                        resident_before_bytes=resident)
             if name == "twell":
                 row["twell_layer_density"] = twell_stats_density()
+                row["twell_layer_dead_units"] = twell_dead_units()
             if controlled:
                 row.update(controller_fields(history, a.twell_options["twell.target_density"]))
                 if "twell_worst_rel_dev_from_step_20" in row:

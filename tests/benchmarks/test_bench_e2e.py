@@ -142,6 +142,9 @@ def test_train_follows_the_eager_loss_curve(train):
     assert b["twell"]["max_abs_loss_diff_vs_eager"] == pytest.approx(max(abs(x - y) for x, y in zip(twell, eager)))
     assert b["twell"]["step_median_ms"] > 0
     check_twell_ran(b["twell"], layers)
+    dead = b["twell"]["twell_layer_dead_units"]           # reported without a controller too
+    assert set(dead) == set(b["twell"]["twell_layer_density"])
+    assert all(isinstance(v, int) and 0 <= v <= run_["config"]["ffn"] for v in dead.values()), dead
 
 
 def test_text_training_sees_a_fresh_batch_each_step_and_follows_eager(train_text):
