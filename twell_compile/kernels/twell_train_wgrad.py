@@ -81,12 +81,14 @@ def wgrad_plan_kernel(hist_ptr, off_ptr, coff_ptr, ctot_ptr, chunk_ptr, N, FLOOR
 
 
 @triton.jit
-def chunk_map_kernel(hist_ptr, coff_ptr, nid_ptr, chunk_ptr, BJ: tl.constexpr):
-    """nid[coff[n] + j] = n for each chunk j < max(1, ceil(hist[n] / CHUNK)) of neuron n."""
+def chunk_map_kernel(coff_ptr, ctot_ptr, nid_ptr, N, BJ: tl.constexpr):
+    """nid[coff[n] + j] = n for each chunk j of neuron n: its count is the next neuron's chunk
+    offset (ctot after the last) minus its own, as wgrad_plan_kernel laid them out."""
     n = tl.program_id(0)
-    CHUNK = tl.load(chunk_ptr)
-    nch = tl.maximum((tl.load(hist_ptr + n) + CHUNK - 1) // CHUNK, 1)
     start = tl.load(coff_ptr + n)
+    last = n + 1 >= N
+    end = tl.where(last, tl.load(ctot_ptr), tl.load(coff_ptr + n + 1, mask=n + 1 < N, other=0))
+    nch = end - start
     j = tl.arange(0, BJ)
     for j0 in range(0, nch, BJ):
         tl.store(nid_ptr + start + j0 + j, n, mask=j0 + j < nch)

@@ -397,7 +397,7 @@ def sparse_bwd_setup(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
         # (deterministic mode never gets here: select.plan_train runs eager's path there)
         bound = n + -(-(m * width) // floor_)         # chunks: at most N + entries / chunk
         nid = torch.empty((bound,), dtype=i32, device=dev)
-        launch(chunk_map_kernel, (n,), (hist, coff, nid, chunk), dict(BJ=32), num_warps=1)
+        launch(chunk_map_kernel, (n,), (coff, ctot, nid, n), dict(BJ=32), num_warps=1)
         st.programs = min(bound, sm_count(dev) * p.wg_programs_per_sm)
         st.bkw = bkw
         st.tickets = tickets
