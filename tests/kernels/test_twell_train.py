@@ -190,7 +190,8 @@ def test_train_activations_under_interpreter(act, case):
 SETUP_SCRIPT = textwrap.dedent("""
     import torch
     from twell_compile.kernels.twell_train_bwd import backup_rows_kernel
-    from twell_compile.kernels.twell_train_wgrad import wgrad_plan_kernel
+    from twell_compile.kernels.twell_train_wgrad import chunk_map_kernel, wgrad_plan_kernel
+    from twell_compile.runtime.cuda_train import backup_slots
     from twell_compile.runtime.launch import launch
     torch.manual_seed({seed})
     n, floor_, over, block, m, k, ko, cap = {case}
@@ -207,7 +208,13 @@ SETUP_SCRIPT = textwrap.dedent("""
     assert torch.equal(off, torch.cumsum(hist, 0, dtype=torch.int32) - hist)
     assert torch.equal(coff, (torch.cumsum(nch, 0) - nch).to(torch.int32))
     assert int(ctot) == int(nch.sum())
-    # the backup rows: slots of some rows in any order, padding slots (-1) last
+    # the chunk map from the plan's offsets: each neuron's chunks name it (poisoned first)
+    nid = torch.full((int(ctot) + 5,), -77, dtype=torch.int32)
+    launch(chunk_map_kernel, (n,), (coff, ctot, nid, n), dict(BJ=32), num_warps=1)
+    assert torch.equal(nid[: int(ctot)], torch.repeat_interleave(torch.arange(n, dtype=torch.int32), nch))
+    assert (nid[int(ctot):] == -77).all()
+    # the backup rows: slots of some rows in any order, padding slots (-1) last; the slots alone
+    # (the densify backward's) the same
     x = torch.randn(m, k).to(torch.float16)
     dy = torch.randn(m, ko).to(torch.float16)
     rows = torch.randperm(m)[: cap - 2].to(torch.int64)
@@ -216,18 +223,23 @@ SETUP_SCRIPT = textwrap.dedent("""
     xb = torch.full((cap, k), float("nan"), dtype=torch.float16)
     dyb = torch.full((cap, ko), float("nan"), dtype=torch.float16)
     launch(backup_rows_kernel, (cap,), (bidx, slot_of, x, x.stride(0), dy, dy.stride(0), xb, dyb, k, ko),
-           dict(BK=block), num_warps=4)
+           dict(BK=block, ROWS=True), num_warps=4)
     want = torch.full((m + 1,), -1, dtype=torch.int32)
     want[rows] = torch.arange(cap - 2, dtype=torch.int32)
     assert torch.equal(slot_of, want)
     assert torch.equal(xb[: cap - 2], x[rows]) and torch.equal(dyb[: cap - 2], dy[rows])
     assert (xb[cap - 2:] == 0).all() and (dyb[cap - 2:] == 0).all()
+    got = backup_slots(bidx, m, x, dy)                # the launcher both backward paths call
+    assert torch.equal(got[0], want) and torch.equal(got[1], xb) and torch.equal(got[2], dyb)
+    alone, no_x, no_dy = backup_slots(bidx, m)
+    assert torch.equal(alone, want) and no_x is None and no_dy is None
     print("ok")
 """)
 
 
-# the setup's two kernels against their torch formulas: the plan's scans over several blocks (and
-# one), its chunk length from the mean or the floor; the backup rows' slots, rows and padding
+# the setup's kernels against their torch formulas: the plan's scans over several blocks (and
+# one), its chunk length from the mean or the floor, the chunk map from its offsets; the backup rows'
+# slots, rows and padding, through the launcher and alone
 @pytest.mark.parametrize("case", [
     # N, floor, over, block, M, K, K_out, backup slots
     (300, 128, 2, 64, 40, 70, 24, 9),

@@ -15,8 +15,9 @@ For every active (m, n) pair, with h_g = relu(g) and u as saved:
   (The ranks were first taken in the busy-row kernel, one row per program, 4 slots per
   serial atomic: 0.32 ms at M=16384, d=0.005, H200.)
 ``backup_rows_kernel``, one program per dense-backup slot s, before the others: slot_of[r] = s for
-the slot's row r (slot_of holds -1 for rows without one) and that row's x and dy copied to
-xb[s], dyb[s] (zeros for a padding slot), the operands of the backup rows' cuBLAS products.
+the slot's row r (slot_of holds -1 for rows without one) and, with ROWS, that row's x and dy
+copied to xb[s], dyb[s] (zeros for a padding slot), the operands of the backup rows' cuBLAS
+products (the densify backward takes the slots alone).
 ``train_bwd_kernel``, a fixed grid of G programs striding over the busy-row list:
   * busy rows in the dense backup (slot_of[m] >= 0): the backup row scanned CH columns at a
     time, non-zeros picked with a prefix count (as twell_rows' tail); values into row ``slot``
@@ -81,23 +82,26 @@ def recompute(x_ptr, sx_m, m, w_ptr, sw_n, b_ptr, cn, c_ok, K, dt,
 
 
 @triton.jit
-def backup_rows_kernel(bidx_ptr, slot_ptr, x_ptr, sx_m, dy_ptr, sdy_m, xb_ptr, dyb_ptr, K, KO, BK: tl.constexpr):
+def backup_rows_kernel(bidx_ptr, slot_ptr, x_ptr, sx_m, dy_ptr, sdy_m, xb_ptr, dyb_ptr, K, KO, BK: tl.constexpr,
+                       ROWS: tl.constexpr):
     s = tl.program_id(0)
     r = tl.load(bidx_ptr + s).to(tl.int64)          # -1: a padding slot
     ok = r >= 0
     rr = tl.maximum(r, 0)
     if ok:
         tl.store(slot_ptr + rr, s)
-    s64 = s.to(tl.int64)
-    kb = tl.arange(0, BK)
-    kx = tl.where(ok, K, 0)                         # columns read: none for a padding slot
-    ky = tl.where(ok, KO, 0)
-    for k0 in range(0, K, BK):
-        kk = k0 + kb
-        tl.store(xb_ptr + s64 * K + kk, tl.load(x_ptr + rr * sx_m + kk, mask=kk < kx, other=0.0), mask=kk < K)
-    for k0 in range(0, KO, BK):
-        kk = k0 + kb
-        tl.store(dyb_ptr + s64 * KO + kk, tl.load(dy_ptr + rr * sdy_m + kk, mask=kk < ky, other=0.0), mask=kk < KO)
+    if ROWS:                                        # (False: the slots alone, for the densify backward)
+        s64 = s.to(tl.int64)
+        kb = tl.arange(0, BK)
+        kx = tl.where(ok, K, 0)                     # columns read: none for a padding slot
+        ky = tl.where(ok, KO, 0)
+        for k0 in range(0, K, BK):
+            kk = k0 + kb
+            tl.store(xb_ptr + s64 * K + kk, tl.load(x_ptr + rr * sx_m + kk, mask=kk < kx, other=0.0), mask=kk < K)
+        for k0 in range(0, KO, BK):
+            kk = k0 + kb
+            tl.store(dyb_ptr + s64 * KO + kk, tl.load(dy_ptr + rr * sdy_m + kk, mask=kk < ky, other=0.0),
+                     mask=kk < KO)
 
 
 @triton.jit

@@ -351,12 +351,7 @@ def sparse_bwd_setup(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
     wdt = transposed(w_down)
     blist = torch.empty((max(m, 1),), dtype=i32, device=dev)
     # each row's backup slot (-1: none) and the slots' x and dy rows (padding slots: zero rows)
-    slot_of = torch.full((m + 1,), -1, dtype=i32, device=dev)
-    xb = torch.empty((cap, k), dtype=dt, device=dev)
-    dyb = torch.empty((cap, k_out), dtype=dt, device=dev)
-    if cap:
-        launch(backup_rows_kernel, (cap,), (bidx, slot_of, x2, x2.stride(0), dy2, dy2.stride(0), xb, dyb, k, k_out),
-               dict(BK=min(1024, pow2(max(k, k_out)))), num_warps=4)
+    slot_of, xb, dyb = backup_slots(bidx, m, x2, dy2)
     if m:
         launch(rank_kernel, (-(-m // p.rank_bm),),
                (x2, x2.stride(0), dy2, dy2.stride(0), cnt, cols, width, q, rk, hist, blist, bctr, m, k, k_out),
@@ -520,13 +515,24 @@ def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
     return a.float().mm(b.float())
 
 
-def _slot_of(bidx: Tensor, m: int) -> Tensor:
-    """[M + 1] int32: each row's dense-backup slot, -1 for rows without one (padding slots,
-    backup_idx -1, land on the extra entry M)."""
+def backup_slots(bidx: Tensor, m: int, x2: Optional[Tensor] = None,
+                 dy2: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """(slot_of, xb, dyb) by ``backup_rows_kernel`` (one launch): slot_of [M + 1] int32, each
+    row's dense-backup slot (-1 for rows without one; entry M unused); with ``x2`` and ``dy2``
+    the slots' x and dy rows [C, K], [C, K_out] (zero rows for padding slots, backup_idx -1),
+    else None for both."""
+    rows = x2 is not None
     slot_of = torch.full((m + 1,), -1, dtype=torch.int32, device=bidx.device)
-    slot_of.scatter_(0, torch.where(bidx >= 0, bidx, m),
-                     torch.arange(bidx.shape[0], dtype=torch.int32, device=bidx.device))
-    return slot_of
+    cap = bidx.shape[0]
+    xb = x2.new_empty((cap, x2.shape[1])) if rows else None
+    dyb = dy2.new_empty((cap, dy2.shape[1])) if rows else None
+    if cap:
+        # (without rows the copies are compiled out: slot_of stands in for their pointers)
+        x, dy, k, k_out = (x2, dy2, x2.shape[1], dy2.shape[1]) if rows else (slot_of, slot_of, 0, 0)
+        launch(backup_rows_kernel, (cap,), (bidx, slot_of, x, x.stride(0), dy, dy.stride(0),
+                                            xb if rows else slot_of, dyb if rows else slot_of, k, k_out),
+               dict(BK=min(1024, pow2(max(k, k_out, 1))), ROWS=rows), num_warps=4)
+    return slot_of, xb, dyb
 
 
 def backward_densify(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell_g, ell_u,
@@ -539,7 +545,7 @@ def backward_densify(dy2, x2, w_gate, b_gate, w_up, b_up, w_down, cnt, cols, ell
     n = w_gate.shape[0]
     gated = w_up is not None
     width = cols.shape[1]
-    slot_of = _slot_of(bidx, m)
+    slot_of = backup_slots(bidx, m)[0]
     h = dy2.mm(w_down)                                  # dh; the kernel leaves h in its place
     dg = torch.empty_like(h)
     du = torch.empty_like(h) if gated else None
