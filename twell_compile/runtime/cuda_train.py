@@ -525,7 +525,7 @@ def backup_slots(bidx: Tensor, m: int, x2: Optional[Tensor] = None,
     slot_of = torch.full((m + 1,), -1, dtype=torch.int32, device=bidx.device)
     cap = bidx.shape[0]
     xb = x2.new_empty((cap, x2.shape[1])) if rows else None
-    dyb = dy2.new_empty((cap, dy2.shape[1])) if rows else None
+    dyb = x2.new_empty((cap, dy2.shape[1])) if rows else None     # (in x's dtype, as the products take it)
     if cap:
         # (without rows the copies are compiled out: slot_of stands in for their pointers)
         x, dy, k, k_out = (x2, dy2, x2.shape[1], dy2.shape[1]) if rows else (slot_of, slot_of, 0, 0)
