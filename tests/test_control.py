@@ -251,6 +251,27 @@ def run_on(model, opt, steps, offset):
     return model, opt, coefs
 
 
+def test_a_state_saved_before_the_held_regime_still_loads():
+    """A checkpoint of the controller before ``level``/``held``/``hidden`` (its smoothed log
+    density under ``smooth``) resumes: the level from it, held where it is within NEAR."""
+    control.configure("a", 0.05, 0)
+    control.configure("b", 0.05, 0)
+    for _ in range(4):
+        control.on_call("a", torch.tensor(0.051 * 1000, dtype=torch.float64), 1, 1000)
+        control.on_call("b", torch.tensor(0.4 * 1000, dtype=torch.float64), 1, 1000)
+        control.step()
+    saved = control.state_dict()
+    old = {k: {f: v for f, v in s.items() if f not in ("level", "held", "hidden")} | {"smooth": s["level"]}
+           for k, s in saved.items()}
+    control.reset()
+    control.load_state_dict(old)
+    now = control.state_dict()
+    assert now["a"]["held"].item() and not now["b"]["held"].item()
+    for k in ("a", "b"):
+        assert torch.equal(now[k]["log_coef"], saved[k]["log_coef"]) and torch.equal(now[k]["level"], saved[k]["level"])
+    control.on_call("a", torch.tensor(0.051 * 1000, dtype=torch.float64), 1, 1000)   # closes the saved step
+
+
 def test_load_refuses_what_controller_state_dict_did_not_make():
     with pytest.raises(TypeError, match="controller_state_dict"):
         twell_compile.load_controller_state_dict([1, 2])

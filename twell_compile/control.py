@@ -289,11 +289,16 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
         for layer, s in state.items():
             try:
                 log_coef = s["log_coef"].to(torch.float64).reshape(1)
+                # a state saved before the held regime: its smoothed log density is the level, and
+                # the layer is held when that is within NEAR of its target (as the latch would be)
+                level = (s["level"] if "level" in s else s["smooth"]).to(torch.float64).reshape(1)
+                held = (s["held"].to(torch.bool) if "held" in s
+                        else (level - math.log(float(s["target"]))).abs() < NEAR)
                 st = LayerControl(float(s["target"]), int(s["steps"]), log_coef.clone(),
                                   log_coef.exp().float(), s["acc"].to(torch.float64).clone(),
-                                  s["start"].to(torch.float64).clone(), s["level"].to(torch.float64).clone(),
-                                  s["held"].to(torch.bool).clone(), s["err"].to(torch.float64).clone(),
-                                  slots=int(s["slots"]), hidden=int(s["hidden"]), calls=int(s["calls"]),
+                                  s["start"].to(torch.float64).clone(), level.clone(),
+                                  held.clone(), s["err"].to(torch.float64).clone(),
+                                  slots=int(s["slots"]), hidden=int(s.get("hidden", 1)), calls=int(s["calls"]),
                                   per_call=int(s["per_call"]), updates=int(s["updates"]),
                                   pending=None if s["pending"] is None else s["pending"].to(torch.float64).clone())
             except (KeyError, TypeError, AttributeError) as e:
