@@ -6,6 +6,7 @@ Each controlled FFN layer (keyed by its layer name, like the statistics) keeps o
     coef     [1] fp32   exp(log_coef): what the layer's backward multiplies its penalty by
     acc      [2] fp64   non-zeros and slots (tokens x hidden units) of the calls of this step
     level    [1] fp64   the measured log density, averaged over about SMOOTH_TOKENS tokens
+    held     [1] bool   whether the layer is held (near its target) or still walked down
 
 A training call (``twell::ffn_train``'s forward) adds its non-zero count to ``acc`` and hands
 its backward ``coef / k`` (a fresh [1] tensor; ``k`` = the layer's calls in the previous
