@@ -398,7 +398,7 @@ def calibrated_model(a: argparse.Namespace, amp, density: Optional[float] = None
     (default a.density[0]) on the calibration batch, and the densities reached."""
     model = build_model(a, torch.float32, a.seed).eval()
     d = a.density[0] if density is None else density
-    calib = (text_batches(a, 1, a.calib_batch, a.seq, a.seed + 1)[0] if getattr(a, "data", "fixed") == "text"
+    calib = (text_batches(a, 1, a.calib_batch, a.seq, a.seed + 1)[0] if a.data == "text"
              else token_batch(a, a.calib_batch, a.seq, a.seed + 1))
     return model, calibrate(model, calib, d, amp, a.batch)
 
@@ -804,7 +804,6 @@ def run_generate(a: argparse.Namespace, rows: list[dict[str, Any]], shared: dict
                       f"({row['step_loop_ms_per_step']:.3f} ms/step)", flush=True)
             if name == "twell":
                 row["twell_layer_density"] = twell_stats_density()
-                row["twell_layer_dead_units"] = twell_dead_units()
             run["backends"][name] = row
             print(f"  {name:>8}: decode {row['decode_tokens_per_s']:10.0f} tok/s ({row['decode_ms_per_step']:.3f} "
                   f"ms/step)  generate {timing['median_ms']:.1f} ms  first {first_s:.1f} s  greedy first {k} "
