@@ -93,9 +93,10 @@ def test_controller_reaches_the_target_without_overshooting_under_it():
 
 
 def _fast_plant(delay: int = 2, ceq: float = 26.0):
-    """A layer as the H200's 4-layer run showed them (results/h200/e2e_train_target.json, fitted
-    in control.py's docstring): log density = log(0.005) - 3 log(coef / ceq) at rest, reached
-    with time constants of 3 steps falling and 10 rising, 2 steps after the coefficient."""
+    """A layer near the H200's 4-layer run's (results/h200/e2e_train_target.json; fits by
+    benchmarks/probes/controller_fit.py --fit): log density = log(0.005) - 3 log(coef / ceq) at
+    rest, reached with time constants of 3 steps falling and 10 rising, 2 steps after the
+    coefficient."""
     seen: list[float] = []
 
     def step(coef: float, d_now: float) -> float:
