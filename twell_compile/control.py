@@ -34,10 +34,12 @@ density falling fast stops the push before it arrives. A density driven under it
 brought back by backing off (ReLU units that stop firing get no gradient, and a small model's
 layer stays sparse with no penalty at all): the walk must not overshoot. Held is a
 proportional-integral step that keeps a layer at its target while what the density needs moves
-with training; its gains are the internal-model (lambda) tuning of the layers of a 4-layer H200
-run (results/h200/e2e_train_target.json): the log density follows the log coefficient with a
-gain of about -3 (twice the coefficient, an eighth of the density), a fall time of 3-4 optimizer
-steps, a rise time of 8-12 and 2 steps of delay, on top of the rule's own step of lag. There the
+with training. Its gains are the internal-model (lambda) tuning of a plant of gain -3 (twice the
+coefficient, an eighth of the density), a fall time of 3 optimizer steps, a rise time of 10 and
+2 steps of delay, on top of the rule's own step of lag (tests/test_control.py's _fast_plant),
+near the best fits to the layers of a 4-layer H200 run (results/h200/e2e_train_target.json,
+``benchmarks/probes/controller_fit.py --fit``: gains of -3 to -5, fall times of 2-6 steps, rise
+times of 12-16, delays of 1-2 for three layers; the fourth's gain -0.5). There the
 walking rule alone, on a density smoothed over 10 steps, swung every layer 0.13-1.1% around a
 0.5% target. The step is bounded per optimizer step (MAX_UP, MAX_DOWN).
 Every rank applies the same function to the same all-reduced sums (exact: integer counts in
@@ -209,12 +211,12 @@ def _apply(st: LayerControl, counts: Tensor) -> None:
     err = level - goal
     # held from the start when the first level is within START of the goal; else walked down
     # until it comes within NEAR, and held from then on
-    held = st.held | (err.abs() < (START if first else NEAR))
+    held = st.held | (measured & (err.abs() < (START if first else NEAR)))
     new = update_rule(st.log_coef, err, err if first else st.err, held)
     st.log_coef.copy_(torch.where(measured, new, st.log_coef))
     st.coef.copy_(st.log_coef.exp())
     st.level.copy_(level)
-    st.held.copy_(held & measured | st.held)
+    st.held.copy_(held)
     st.err.copy_(torch.where(measured, err, st.err))
     st.updates += 1
 
