@@ -90,7 +90,7 @@ MAX_MB = 32           # rows per program: M-tiles of 64 select Hopper's wgmma, w
 
 
 def next_pow2(v: int) -> int:
-    """The smallest power of two >= v (1 for v <= 1)."""
+    """The smallest power of two >= v, for v >= 1 (v <= 0 gives 2: (v - 1).bit_length() is 1)."""
     return 1 << max(0, (int(v) - 1).bit_length())
 
 

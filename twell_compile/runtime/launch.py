@@ -28,6 +28,7 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 
 from twell_compile.kernels.transpose import transpose_kernel
+from twell_compile.runtime.arch import next_pow2 as pow2  # the launchers' name for it
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # no inline PTX there
 
@@ -54,11 +55,6 @@ def pdl_ok(device: torch.device) -> bool:
             has = False
         ok = _pdl_devices[i] = has and torch.cuda.get_device_capability(i)[0] >= 9
     return ok
-
-
-def pow2(v: int) -> int:
-    """The smallest power of two >= v (1 for v <= 1)."""
-    return 1 << max(0, (int(v) - 1).bit_length())
 
 
 def warps_by_width(width: int, cols_per_warp: int) -> int:

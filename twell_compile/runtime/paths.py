@@ -30,7 +30,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from twell_compile.runtime.arch import MAX_M
+from twell_compile.runtime.arch import MAX_M, next_pow2
 
 
 class Path(str, enum.Enum):
@@ -247,7 +247,7 @@ def token_range(c: Caps, p, graphs: bool = False) -> tuple[int, Optional[int]]:
 
 def lists_fit(c: Caps, m: int, width: int) -> bool:
     """Whether M rows of per-row lists of ``width`` slots fit the path's 32-bit entry codes."""
-    return not c.max_slots or m * (1 << max(width - 1, 0).bit_length()) < c.max_slots
+    return not c.max_slots or m * next_pow2(width) < c.max_slots
 
 
 def in_range(c: Caps, p, m: int, graphs: bool = False) -> bool:
