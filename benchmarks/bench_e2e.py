@@ -50,6 +50,7 @@ import argparse
 import contextlib
 import copy
 import ctypes
+import functools
 import gc
 import math
 import statistics
@@ -203,9 +204,11 @@ def token_batch(a: argparse.Namespace, batch: int, seq: int, seed: int) -> torch
 TEXT_BYTES = 64 << 20   # --data text reads this much of the standard library's sources at most
 
 
+@functools.lru_cache(maxsize=1)
 def stdlib_bytes(limit: int = TEXT_BYTES) -> torch.Tensor:
     """The bytes of the interpreter's own *.py sources (site-packages and caches left out),
-    files in path order, up to ``limit``: uint8 on the CPU."""
+    files in path order, up to ``limit``: uint8 on the CPU, read once per process (calibration
+    and training both draw from it; callers only index it)."""
     import sysconfig
 
     root, parts, n = Path(sysconfig.get_paths()["stdlib"]), [], 0
