@@ -9,7 +9,8 @@ backend="twell" beside the op called directly and the module under Inductor.
 Per variant: the path it ran (the product's from its own op instance's state), host us per call
 (calls issued back to back, no sync), wall us per call (then synchronised), whether a call syncs
 (torch.cuda.set_sync_debug_mode("error") around one call), and torch.profiler's top ops by CUDA
-and by CPU time over --calls calls; then cProfile's top Python functions of the product's calls.
+and by CPU time over --calls calls; then cProfile's top Python functions of the --cprofile variants' calls
+(the product's by default).
 """
 
 from __future__ import annotations
@@ -67,6 +68,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tail", type=float, default=0.0)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--host-only", action="store_true",
+                    help="print the paths and the host / wall times only (no profiler tables, no cProfile)")
+    ap.add_argument("--cprofile", nargs="*", default=["product"], choices=("product", "op", "inductor"),
+                    help="the variants whose Python functions cProfile lists (default: product)")
     ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="run with these fields of the GPU record replaced (arch.patched)")
     ap.add_argument("--non-gated", action="store_true",
@@ -110,6 +115,8 @@ def _run(a) -> int:
     for name, fn in fns.items():
         host, wall = per_call_us(fn, a.calls)
         print(f"{name:>9}: host {host:7.1f} us/call, wall {wall:7.1f} us/call, syncs: {syncs(fn)}")
+    if a.host_only:
+        return 0
     from torch.profiler import ProfilerActivity, profile
 
     for name, fn in fns.items():
@@ -126,16 +133,17 @@ def _run(a) -> int:
     import io
     import pstats
 
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(a.calls):
-        fns["product"]()
-    prof.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
-    print(f"=== product: cProfile over {a.calls} calls")
-    print("\n".join(s.getvalue().splitlines()[:a.top + 12]))
+    for name in a.cprofile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(a.calls):
+            fns[name]()
+        prof.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
+        print(f"=== {name}: cProfile over {a.calls} calls")
+        print("\n".join(s.getvalue().splitlines()[:a.top + 12]))
     return 0
 
 

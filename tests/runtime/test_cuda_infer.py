@@ -370,6 +370,47 @@ def test_graphed_per_row_calls_read_x_where_it_lies_when_its_address_repeats():
     decode_graphs.clear()
 
 
+def test_graphed_per_row_calls_write_y_where_the_allocator_hands_its_block_back():
+    """Where a per-row call's y comes at the previous call's address (the caller dropped its
+    last y), the graph captured then writes y in place: no clone, the block NaN-filled before
+    each call is overwritten, every result within the 2x rule; outputs kept alive take other
+    blocks and the graph that clones, never aliased."""
+    from twell_compile.runtime import decode_graphs
+
+    decode_graphs.clear()
+    p = _ffn(2048, 256, 1024, 256, 0.005, 0.0, torch.bfloat16)
+    x = p["x"]
+
+    def call():
+        args = (x,) + _args(p)[1:]
+        y = torch.ops.twell.ffn(*args, "graphed_out", False, 0, "twell")
+        ref = ffn_dense(*(None if a is None else a.float() for a in args))
+        derr = _rel(ffn_dense(*args), ref)
+        assert _rel(y, ref) <= 2 * derr + 1e-6
+        return y, ref, derr
+
+    with arch.patched(op_rows_host_us=1e6):
+        ptrs = []
+        for i in range(6):
+            x.copy_(_inputs(2048, 256) * (1 + 0.2 * i))
+            y = call()[0]
+            ptrs.append(y.data_ptr())
+            y.fill_(float("nan"))              # the block the next call's y gets
+            del y
+        assert decode_graphs.bindings() == [(True, True)]   # captured at the second call
+        assert len(set(ptrs[1:])) == 1
+        outs = []
+        for i in range(4):                                  # kept: y lands elsewhere each call
+            x.copy_(_inputs(2048, 256) * (1 - 0.1 * i))
+            outs.append(call())
+        assert sorted(decode_graphs.bindings()) == [(True, False), (True, True)]
+        assert len({o[0].data_ptr() for o in outs}) == len(outs)
+        torch.cuda.synchronize()
+        for y, ref, derr in outs:                           # earlier outputs untouched
+            assert _rel(y, ref) <= 2 * derr + 1e-6
+    decode_graphs.clear()
+
+
 def test_dense_paths_bit_identical_to_eager():
     # M between the decode and per-row paths, fp32 (shape rule), and a dense layer (policy):
     # eager's numbers, bit for bit

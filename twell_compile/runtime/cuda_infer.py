@@ -160,17 +160,17 @@ def compact_rows(g: Tensor, width: int, ctr: Optional[Tensor] = None, buckets: i
 
 def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tensor],
                w_down: Tensor, b_down: Optional[Tensor], act: str = "relu",
-               wdt: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+               wdt: Optional[Tensor] = None, out: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(y [M, K_out], sum |h| per row [M] fp32) from the per-row lists (of relu(g); ``act``
     forms h from them). ``wdt``: W_down^T contiguous, written by this call's earlier launches;
-    None: transposed here."""
+    None: transposed here. ``out``: y's storage, [M, K_out] of x2's dtype (else allocated)."""
     p = arch.launch_policy(x2.device)
     m, k = x2.shape
     n, k_out = r.g.shape[1], w_down.shape[0]
     if wdt is None:
         wdt = transposed(w_down)   # per call: ~15 us of ~1 ms, never stale
     wu = w_up if w_up is not None else wdt
-    y = torch.empty((m, k_out), dtype=x2.dtype, device=x2.device)
+    y = torch.empty((m, k_out), dtype=x2.dtype, device=x2.device) if out is None else out
     hsum = torch.empty((m,), dtype=torch.float32, device=x2.device)
     if m == 0:
         return y, hsum
@@ -189,9 +189,10 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
 
 def twell_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                   b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], width: int,
-                  act: str = "relu") -> tuple[Tensor, Tensor, Tensor]:
+                  act: str = "relu", out: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(y [M, K_out], non-zeros of relu(g) per row [M] int32, sum|h| per row [M] fp32). x2 is
-    [M, K]; ``width``: the per-row list width W (select.list_width)."""
+    [M, K]; ``width``: the per-row list width W (select.list_width); ``out``: y's storage
+    (fused_rows)."""
     n = w_gate.shape[0]
     if n > MAX_N:
         raise ValueError(f"per-row TwELL path packs columns in 16 bits: N={n} > {MAX_N}")
@@ -204,7 +205,7 @@ def twell_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
         wdt = torch.empty(wdt.shape, dtype=w_down.dtype, device=w_down.device)
         pending = (w_down, wdt)
     r = gate_rows(x2, w_gate, b_gate, width, transpose=pending)
-    y, hsum = fused_rows(x2, r, w_up, b_up, w_down, b_down, act, wdt)
+    y, hsum = fused_rows(x2, r, w_up, b_up, w_down, b_down, act, wdt, out)
     return y, r.cnt, hsum
 
 
@@ -243,14 +244,17 @@ def twell_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
             policy.launch_key, None if buf is None else buf.data_ptr())
            + decode_graphs.weights_key(w_gate, b_gate, w_up, b_up, w_down, b_down))
 
-    def run(xs: Tensor) -> tuple[Tensor, ...]:
-        y, per_token, hsum = twell_forward(xs, w_gate, b_gate, w_up, b_up, w_down, b_down, width, act)
+    def run(xs: Tensor, ys: Optional[Tensor]) -> tuple[Tensor, ...]:
+        y, per_token, hsum = twell_forward(xs, w_gate, b_gate, w_up, b_up, w_down, b_down, width, act, ys)
         if not totals:
             return (y,)
         out = buf if buf is not None else stats.scratch_buffer(xs.device)
         return y, record_stats(None, per_token, hsum, w_gate.shape[0], width, buf=out)[0]
 
-    out = decode_graphs.run(key, x2, run, bind=True)
+    # y allocated here: where the allocator hands back the previous call's block, the graph
+    # writes y in place (decode_graphs.run's ``out``) and no clone of the graph's y follows
+    y = torch.empty((x2.shape[0], w_down.shape[0]), dtype=x2.dtype, device=x2.device)
+    out = decode_graphs.run(key, x2, run, bind=True, out=y)
     return out[0], (out[1] if totals else None)
 
 

@@ -8,7 +8,8 @@ loads its kernels), captured into a CUDA graph on the second call, and replayed 
 a copy of x into the graph's input, one replay, one clone of its output. The dense path at the
 same sizes (eager's GEMMs, cuda_infer.dense_forward without statistics) is graphed likewise, and
 so are per-row calls whose GPU time is under their eager host time (select.rows_host_bound),
-whose graphs also read x in place where it comes at a repeated address (``run``'s ``bind``).
+whose graphs also read x and write y in place where they come at a repeated address (``run``'s
+``bind`` and ``out``: no copy, no clone).
 
 Semantics are the eager call's: the output is a fresh tensor; the weights are read at replay
 time, from the parameters themselves (no copies: updates made any way are seen);
@@ -26,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -37,15 +38,26 @@ MAX_GRAPHS = 1024
 
 class _Graph(NamedTuple):
     graph: Any            # torch.cuda.CUDAGraph
-    x: Tensor             # the graph's input [M, K]
-    out: tuple            # the graph's outputs (y first; the rest returned as they are)
+    x: Any                # the graph's input [M, K], or None where it reads x where it lies
+    out: tuple            # the graph's outputs (y first, None where it writes the caller's y;
+                          # the rest returned as they are)
 
 
-MAX_BOUND = 2                      # graphs per key that read x where it lies (``run``'s bind)
-_graphs: dict[tuple, _Graph] = {}
-_seen: set[tuple] = set()
-_last: dict[tuple, tuple] = {}     # key -> x's (address, strides) at its previous bound call
-_bound: dict[tuple, int] = {}      # key -> graphs captured for it that read x where it lies
+class _Entry:
+    """One key's graphs by variant (x's address or None: copied into the graph's input; y's
+    address or None: cloned from the graph's output), and the addresses of its last call."""
+    __slots__ = ("variants", "last_x", "last_y", "bound")
+
+    def __init__(self) -> None:
+        self.variants: dict[tuple, _Graph] = {}
+        self.last_x: Any = None
+        self.last_y: Any = None
+        self.bound = 0                   # variants captured that bind an address
+
+
+MAX_BOUND = 2                      # graphs per key that bind x's or y's address (``run``)
+_entries: dict[tuple, _Entry] = {}
+_held = 0                          # graphs held over every key
 _pools: dict[int, Any] = {}
 _lock = threading.Lock()
 
@@ -69,47 +81,62 @@ def usable(x: Tensor) -> bool:
     return ENABLED and x.is_cuda and not torch.cuda.is_current_stream_capturing()
 
 
-def run(key: tuple, x: Tensor, fn: Callable[[Tensor], tuple], bind: bool = False) -> tuple:
+def run(key: tuple, x: Tensor, fn: Callable[..., tuple], bind: bool = False,
+        out: Optional[Tensor] = None) -> tuple:
     """``fn(x)`` (a tuple of tensors, y first), from a replay of its graph once captured.
 
-    ``key`` must name everything ``fn`` bakes into its launches other than x's values: shapes,
-    flags, and the addresses of every weight, bias and buffer it reads or writes. The y
-    returned is a fresh copy; the other outputs are the graph's own buffers (overwritten by
-    the key's next call).
+    ``key`` must name everything ``fn`` bakes into its launches other than x's values and
+    y's address: shapes, flags, and the addresses of every weight, bias and buffer it reads or
+    writes. The y returned is a fresh tensor; the other outputs are the graph's own buffers
+    (overwritten by the key's next call).
 
     ``bind``: where x comes at the address of the key's previous call (a compiled model's
-    activations do, call after call), a graph reading x where it lies is captured for that
-    address (at most MAX_BOUND per key) and replayed without the copy into its input: 8 MB at
-    2048 tokens of width 2048 in bf16. Other addresses take the key's copying graph."""
-    if bind:
-        addr = (x.data_ptr(), x.stride())
-        g = _graphs.get(key + (addr,))
+    activations do, call after call), a graph reading x where it lies is replayed without the
+    copy into its input (8 MB at 2048 tokens of width 2048 in bf16). ``out``: y freshly
+    allocated by the caller, and ``fn(x, y_or_None)`` writes y there when given one: where
+    ``out`` comes at the address of the key's previous call's (the allocator hands a freed y's
+    block back), a graph writing y where it lies is replayed and ``out`` returned, without the
+    clone of the graph's y (a launch, and M x K_out elements copied). A graph binds what
+    repeated when it was captured; at most MAX_BOUND such graphs per key, other calls take the
+    key's copying graph. No graph holds a bound x or y (their blocks stay the allocator's)."""
+    e = _entries.get(key)
+    xa = (x.data_ptr(), x.stride()) if bind else None
+    ya = out.data_ptr() if out is not None else None
+    if e is not None:
+        v = e.variants
+        g = v.get((xa, ya))
         if g is not None:
-            g.graph.replay()
-            return (g.out[0].clone(),) + g.out[1:]
-    g = _graphs.get(key)
-    last = _last.get(key) if bind else None
-    if bind:
-        _last[key] = addr
-    if bind and last == addr and _bound.get(key, 0) < MAX_BOUND and (g is not None or key in _seen):
-        with _lock:
-            _bound[key] = _bound.get(key, 0) + 1
-        return _capture(key + (addr,), x, fn, bound=True)
-    if g is not None:
+            return _replay(g, x, xa, ya, out)
+        bx = xa if xa is not None and xa == e.last_x else None
+        by = ya if ya is not None and ya == e.last_y else None
+        e.last_x, e.last_y = xa, ya
+        if (bx is not None or by is not None) and e.bound < MAX_BOUND and (bx, by) not in v:
+            with _lock:
+                e.bound += 1
+            return _capture(key, e, (bx, by), x, fn, out)
+        for vk in ((xa, None), (None, ya), (None, None)):
+            g = v.get(vk)
+            if g is not None:
+                return _replay(g, x, vk[0], vk[1], out)
+        return _capture(key, e, (None, None), x, fn, out)
+    with _lock:                     # first call: eager (compiles and loads the kernels)
+        if len(_entries) >= 4 * MAX_GRAPHS:      # keys that never came back (fresh weights)
+            _drop()
+        e = _entries.setdefault(key, _Entry())
+    e.last_x, e.last_y = xa, ya
+    return fn(x) if out is None else fn(x, out)
+
+
+def _replay(g: _Graph, x: Tensor, xa: Any, ya: Any, out: Optional[Tensor]) -> tuple:
+    if xa is None:
         g.x.copy_(x)
-        g.graph.replay()
-        return (g.out[0].clone(),) + g.out[1:]
-    if key not in _seen:            # first call: eager (compiles and loads the kernels)
-        with _lock:
-            if len(_seen) >= 4 * MAX_GRAPHS:      # keys that never came back (fresh weights)
-                _seen.clear()
-                _last.clear()
-            _seen.add(key)
-        return fn(x)
-    return _capture(key, x, fn)
+    g.graph.replay()
+    return (out if ya is not None else g.out[0].clone(),) + g.out[1:]
 
 
-def _capture(key: tuple, x: Tensor, fn: Callable[[Tensor], tuple], bound: bool = False) -> tuple:
+def _capture(key: tuple, e: _Entry, variant: tuple, x: Tensor, fn: Callable[..., tuple], out: Optional[Tensor]) -> tuple:
+    global _held
+    bx, by = variant
     dev = x.device
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     graph = torch.cuda.CUDAGraph()
@@ -127,37 +154,46 @@ def _capture(key: tuple, x: Tensor, fn: Callable[[Tensor], tuple], bound: bool =
             # warm-up (a recompile under reduce-overhead) that is Inductor's, which then fails
             # its check "Detected 16 tensor(s) in the cudagraph pool not tracked as outputs"
             # (generate() after a cache-length recompile)
-            if bound:                            # read where it lies: the key holds its address
+            if bx is not None:                   # read where it lies: the variant holds its address
                 xs = x
             else:
                 with torch.inference_mode(False):   # copied into at every replay, in any mode
                     xs = torch.empty(x.shape, dtype=x.dtype, device=dev)
-            out = fn(xs)
+            res = tuple(fn(xs) if out is None else fn(xs, out if by is not None else None))
         finally:
             graph.capture_end()
     cur.wait_stream(side)
-    if not bound:
+    if bx is None:
         xs.copy_(x)
+    g = _Graph(graph, None if bx is not None else xs, ((None,) if by is not None else res[:1]) + res[1:])
     with _lock:
-        if len(_graphs) >= MAX_GRAPHS:
+        if _held >= MAX_GRAPHS:
             _drop()
-        _graphs[key] = _Graph(graph, xs, tuple(out))
+            e.variants.clear()
+            e.bound = int(variant != (None, None))
+            _entries[key] = e
+        e.variants[variant] = g
+        _held += 1
     graph.replay()
-    return (out[0].clone(),) + tuple(out[1:])
+    return (out if by is not None else res[0].clone(),) + res[1:]
 
 
 def count() -> int:
     """Graphs held (for tests)."""
-    return len(_graphs)
+    return _held
+
+
+def bindings() -> list[tuple[bool, bool]]:
+    """(reads x where it lies, writes y where it lies) of every graph held (for tests)."""
+    return [(vx is not None, vy is not None) for e in list(_entries.values()) for vx, vy in list(e.variants)]
 
 
 def _drop() -> None:
     # the pools go too: a pool whose graphs are all gone is released by PyTorch's allocator,
     # and capturing into its stale handle fails an internal assert
-    _graphs.clear()
-    _seen.clear()
-    _last.clear()
-    _bound.clear()
+    global _held
+    _entries.clear()
+    _held = 0
     _pools.clear()
 
 
