@@ -142,6 +142,13 @@ def test_training_stats_count_overflows():
     (lambda a: a.__setitem__(1, a[1].double()), TypeError, "w_gate has dtype"),
     (lambda a: a.__setitem__(0, torch.ones(5, 8, dtype=torch.int64)), TypeError, "x must be floating"),
     (lambda a: a.__setitem__(3, None), ValueError, "b_up given without w_up"),
+    # near misses of the per-call fast test (ops._fits), each one check away from passing
+    (lambda a: a.__setitem__(4, torch.randn(11)), ValueError, "b_up"),
+    (lambda a: a.__setitem__(2, torch.randn(1, 12)), ValueError, "b_gate"),
+    (lambda a: a.__setitem__(3, a[3].double()), TypeError, "w_up has dtype"),
+    (lambda a: a.__setitem__(6, a[6].half()), TypeError, "b_down has dtype"),
+    (lambda a: a.__setitem__(3, torch.randn(12, 9)), ValueError, "w_up"),
+    (lambda a: a.__setitem__(0, torch.tensor(1.0)), ValueError, "x must have at least one dimension"),
 ])
 def test_bad_arguments_name_the_argument(change, err, match):
     args = make(5, 8, 12, 7)
