@@ -131,7 +131,13 @@ def _replay(g: _Graph, x: Tensor, xa: Any, ya: Any, out: Optional[Tensor]) -> tu
     if xa is None:
         g.x.copy_(x)
     g.graph.replay()
-    return (out if ya is not None else g.out[0].clone(),) + g.out[1:]
+    return (out if ya is not None else _fresh(g.out[0], out),) + g.out[1:]
+
+
+def _fresh(y: Tensor, out: Optional[Tensor]) -> Tensor:
+    """The graph's y as a fresh tensor: copied into the caller's ``out`` where given (its block
+    is then the caller's, not freed to come back at the next call as a repeat), else cloned."""
+    return y.clone() if out is None else out.copy_(y)
 
 
 def _capture(key: tuple, e: _Entry, variant: tuple, x: Tensor, fn: Callable[..., tuple], out: Optional[Tensor]) -> tuple:
@@ -175,7 +181,7 @@ def _capture(key: tuple, e: _Entry, variant: tuple, x: Tensor, fn: Callable[...,
         e.variants[variant] = g
         _held += 1
     graph.replay()
-    return (out if by is not None else res[0].clone(),) + res[1:]
+    return (out if by is not None else _fresh(res[0], out),) + res[1:]
 
 
 def count() -> int:
