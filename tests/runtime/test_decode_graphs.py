@@ -23,6 +23,53 @@ def test_not_usable_on_cpu():
     assert not decode_graphs.usable(torch.zeros(2, 3))
 
 
+def _taken(k, xa, ya):
+    """KeyGraphs.choose, holding what it captures (a stand-in object for the graph)."""
+    capture, vk = k.choose(xa, ya)
+    if capture:
+        assert vk not in k.variants
+        k.variants[vk] = object()
+    return ("capture" if capture else "replay"), vk
+
+
+def test_a_key_binds_the_addresses_that_repeat_and_copies_otherwise():
+    """The variant choice of one key (CPU): the first call's addresses are remembered; a
+    repeat of x's and y's captures a graph binding both, replayed while they repeat; a y at a
+    new address (the caller kept the last) takes a graph binding x alone; at most MAX_BOUND
+    binding graphs, then the copying one; a call that binds nothing copies."""
+    A, B, C = (10, (4, 1)), (20, (4, 1)), (30, (4, 1))
+    k = decode_graphs.KeyGraphs()
+    k.first(A, 100)
+    assert _taken(k, A, 100) == ("capture", (A, 100))
+    assert _taken(k, A, 100) == ("replay", (A, 100))
+    assert _taken(k, A, 200) == ("capture", (A, None))        # y kept by the caller: x bound alone
+    assert _taken(k, A, 300) == ("replay", (A, None))
+    assert k.bound == decode_graphs.MAX_BOUND == 2
+    assert _taken(k, B, 300) == ("capture", (None, None))     # nothing repeats: the copying graph
+    assert _taken(k, B, 300) == ("replay", (None, None))      # both repeat, but MAX_BOUND bind already
+    assert _taken(k, C, 400) == ("replay", (None, None))
+    assert _taken(k, A, 500) == ("replay", (A, None))
+    assert len(k.variants) == 3
+
+
+def test_a_key_without_addresses_to_bind_keeps_one_copying_graph():
+    k = decode_graphs.KeyGraphs()
+    k.first(None, None)
+    assert _taken(k, None, None) == ("capture", (None, None))
+    for _ in range(3):
+        assert _taken(k, None, None) == ("replay", (None, None))
+    assert k.bound == 0 and len(k.variants) == 1
+
+
+def test_a_y_address_that_repeats_alone_binds_y():
+    """x at a new address each call (copied), y's block handed back each call: y bound alone."""
+    k = decode_graphs.KeyGraphs()
+    k.first((1, (8, 1)), 700)
+    assert _taken(k, (2, (8, 1)), 700) == ("capture", (None, 700))
+    assert _taken(k, (3, (8, 1)), 700) == ("replay", (None, 700))
+    assert _taken(k, (4, (8, 1)), 800) == ("capture", (None, None))
+
+
 def test_the_switch_is_scoped_and_restored():
     was = decode_graphs.ENABLED
     with decode_graphs.enabled(False):

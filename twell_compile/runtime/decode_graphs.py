@@ -43,20 +43,45 @@ class _Graph(NamedTuple):
                           # the rest returned as they are)
 
 
-class _Entry:
-    """One key's graphs by variant (x's address or None: copied into the graph's input; y's
-    address or None: cloned from the graph's output), and the addresses of its last call."""
+class KeyGraphs:
+    """One key's graphs by variant, (x's address or None: x copied into the graph's input,
+    y's address or None: y copied out of the graph's output), and the choice a call makes
+    among them (``choose``) from the addresses of the key's last call."""
     __slots__ = ("variants", "last_x", "last_y", "bound")
 
     def __init__(self) -> None:
-        self.variants: dict[tuple, _Graph] = {}
+        self.variants: dict[tuple, Any] = {}
         self.last_x: Any = None
         self.last_y: Any = None
         self.bound = 0                   # variants captured that bind an address
 
+    def first(self, xa: Any, ya: Any) -> None:
+        """The key's first call (run eagerly) came with these addresses."""
+        self.last_x, self.last_y = xa, ya
+
+    def choose(self, xa: Any, ya: Any) -> tuple[bool, tuple]:
+        """(capture, variant) for a call whose x and y come at ``xa`` and ``ya`` (None: not
+        bindable): the variant binding both where held; else, where x's or y's address repeats
+        the last call's and fewer than MAX_BOUND variants bind, a new one binding what
+        repeated (capture); else the held variant binding x, then y, then neither; else the
+        copying variant (capture)."""
+        v = self.variants
+        if (xa, ya) in v:
+            return False, (xa, ya)
+        bx = xa if xa is not None and xa == self.last_x else None
+        by = ya if ya is not None and ya == self.last_y else None
+        self.last_x, self.last_y = xa, ya
+        if (bx is not None or by is not None) and self.bound < MAX_BOUND and (bx, by) not in v:
+            self.bound += 1
+            return True, (bx, by)
+        for vk in ((xa, None), (None, ya), (None, None)):
+            if vk in v:
+                return False, vk
+        return True, (None, None)
+
 
 MAX_BOUND = 2                      # graphs per key that bind x's or y's address (``run``)
-_entries: dict[tuple, _Entry] = {}
+_entries: dict[tuple, KeyGraphs] = {}
 _held = 0                          # graphs held over every key
 _pools: dict[int, Any] = {}
 _lock = threading.Lock()
@@ -103,27 +128,16 @@ def run(key: tuple, x: Tensor, fn: Callable[..., tuple], bind: bool = False,
     xa = (x.data_ptr(), x.stride()) if bind else None
     ya = out.data_ptr() if out is not None else None
     if e is not None:
-        v = e.variants
-        g = v.get((xa, ya))
-        if g is not None:
-            return _replay(g, x, xa, ya, out)
-        bx = xa if xa is not None and xa == e.last_x else None
-        by = ya if ya is not None and ya == e.last_y else None
-        e.last_x, e.last_y = xa, ya
-        if (bx is not None or by is not None) and e.bound < MAX_BOUND and (bx, by) not in v:
-            with _lock:
-                e.bound += 1
-            return _capture(key, e, (bx, by), x, fn, out)
-        for vk in ((xa, None), (None, ya), (None, None)):
-            g = v.get(vk)
-            if g is not None:
-                return _replay(g, x, vk[0], vk[1], out)
-        return _capture(key, e, (None, None), x, fn, out)
+        with _lock:
+            capture, vk = e.choose(xa, ya)
+        if capture:
+            return _capture(key, e, vk, x, fn, out)
+        return _replay(e.variants[vk], x, vk[0], vk[1], out)
     with _lock:                     # first call: eager (compiles and loads the kernels)
         if len(_entries) >= 4 * MAX_GRAPHS:      # keys that never came back (fresh weights)
             _drop()
-        e = _entries.setdefault(key, _Entry())
-    e.last_x, e.last_y = xa, ya
+        e = _entries.setdefault(key, KeyGraphs())
+        e.first(xa, ya)
     return fn(x) if out is None else fn(x, out)
 
 
@@ -140,7 +154,7 @@ def _fresh(y: Tensor, out: Optional[Tensor]) -> Tensor:
     return y.clone() if out is None else out.copy_(y)
 
 
-def _capture(key: tuple, e: _Entry, variant: tuple, x: Tensor, fn: Callable[..., tuple], out: Optional[Tensor]) -> tuple:
+def _capture(key: tuple, e: KeyGraphs, variant: tuple, x: Tensor, fn: Callable[..., tuple], out: Optional[Tensor]) -> tuple:
     global _held
     bx, by = variant
     dev = x.device
