@@ -332,6 +332,19 @@ def test_a_per_row_graph_replays_only_under_the_launch_sizes_it_was_captured_wit
     decode_graphs.clear()
 
 
+def _checked_call(p, x, layer):
+    """(y, fp32 reference, eager's error) of the op on the per-row path on x and p's weights, y
+    within the 2x rule; the first call's measurement taken at once (density.settle), so no
+    width change from a later landing re-keys the graphs the tests count."""
+    args = (x,) + _args(p)[1:]
+    y = torch.ops.twell.ffn(*args, layer, False, 0, "twell")
+    density.settle()
+    ref = ffn_dense(*(None if a is None else a.float() for a in args))
+    derr = _rel(ffn_dense(*args), ref)
+    assert _rel(y, ref) <= 2 * derr + 1e-6
+    return y, ref, derr
+
+
 def test_graphed_per_row_calls_read_x_where_it_lies_when_its_address_repeats():
     """A per-row call whose x comes at the previous call's address replays a graph that reads
     x in place (no copy into the graph's input): values written into that same tensor between
@@ -345,13 +358,7 @@ def test_graphed_per_row_calls_read_x_where_it_lies_when_its_address_repeats():
     others = [_inputs(2048, 256) for _ in range(4)]
 
     def call(xx):
-        args = (xx,) + _args(p)[1:]
-        y = torch.ops.twell.ffn(*args, "graphed_bound", False, 0, "twell")
-        density.settle()       # the first call's measurement taken now: no later width change re-keys
-        ref = ffn_dense(*(None if a is None else a.float() for a in args))
-        derr = _rel(ffn_dense(*args), ref)
-        assert _rel(y, ref) <= 2 * derr + 1e-6
-        return y, ref, derr
+        return _checked_call(p, xx, "graphed_bound")
 
     with arch.patched(op_rows_host_us=1e6):
         outs = [call(x)]                                   # eager
@@ -385,13 +392,7 @@ def test_graphed_per_row_calls_write_y_where_the_allocator_hands_its_block_back(
     x = p["x"]
 
     def call():
-        args = (x,) + _args(p)[1:]
-        y = torch.ops.twell.ffn(*args, "graphed_out", False, 0, "twell")
-        density.settle()       # the first call's measurement taken now: no later width change re-keys
-        ref = ffn_dense(*(None if a is None else a.float() for a in args))
-        derr = _rel(ffn_dense(*args), ref)
-        assert _rel(y, ref) <= 2 * derr + 1e-6
-        return y, ref, derr
+        return _checked_call(p, x, "graphed_out")
 
     with arch.patched(op_rows_host_us=1e6):
         ptrs = []
