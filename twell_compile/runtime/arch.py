@@ -308,8 +308,10 @@ H200 = GpuPolicy(
     # 16384 and 65536 (pair_units_hbm once W_u and W_d leave the L2): TwELL below d = 0.0114 at
     # K=2048 N=5632, gated (benchmarks/results/h200/ffn_inference.json; fit_policy.py --check).
     gate_units=1.2, pair_units=145.0, pair_units_hbm=230.0, l2_bytes=50e6, margin=0.95,
-    # Under these the per-row kernels' fixed costs outweigh the GEMMs they save (M=4096 d=0.005:
-    # TwELL 0.48 ms against dense 0.44)
+    # Per-row calls from 4096 tokens in the default mode (inside CUDA graphs from graphs_min_tokens).
+    # Gated calls at 2048 tokens run 1.19-1.24x of Inductor with the op's graph writing y in place
+    # (results/h200/ffn_prefill.json, policy min_tokens=2048); the non-gated FFN and the activity
+    # profile have no 2048-token rows with it yet, so the bound stays
     min_tokens=4096, min_width=2048,
     probe_every=64, refresh_every=16,
     # Per-row calls replay the op's own graph while their modeled GPU time (select.rows_us: the
