@@ -135,7 +135,8 @@ def run(key: tuple, x: Tensor, fn: Callable[..., tuple], bind: bool = False,
         return _replay(e.variants[vk], x, vk[0], vk[1], out)
     with _lock:                     # first call: eager (compiles and loads the kernels)
         if len(_entries) >= 4 * MAX_GRAPHS:      # keys that never came back (fresh weights)
-            _drop()
+            for k in [k for k, v in _entries.items() if not v.variants]:
+                del _entries[k]
         e = _entries.setdefault(key, KeyGraphs())
         e.first(xa, ya)
     return fn(x) if out is None else fn(x, out)
