@@ -416,8 +416,8 @@ H100 = dataclasses.replace(
     # launches took 491 / 381 us of host time per op call at 2048 / 4096 tokens against ~200 /
     # ~320 us of GPU time, graphed 76 / 91 us (profile_product.py --M 2048 / 4096 --policy
     # min_tokens=2048, graphs off / on); the compiled module 0.37x -> 1.04x and 0.71x -> 1.18x of
-    # Inductor. Gated at 8192 eager 1.31-1.32x, graphed 1.27-1.28x (the clone of y costs more
-    # than the host time saved; rows with policy op_rows_host_us=500 / 700, same file).
+    # Inductor. Gated at 8192 eager 1.31-1.32x, graphed 1.27-1.28x while graphs cloned y (the clone
+    # cost more than the host time saved; rows with policy op_rows_host_us=500 / 700, same file).
     op_rows_host_us=500.0,
     # Row kernel's list loop pipelined by Triton (cp.async, 3 pairs' weight rows in flight, 24 KB
     # of shared memory per program): K=2048 N=5632 d=0.005, M=16384 0.573 ms against 0.593, M=65536
