@@ -36,6 +36,9 @@ measured on the timed batch (eager, hooks on gate_proj) and printed; twell's own
   what a density controller (``twell.target_density``) should be judged on. ``--lr-warmup N``
   ramps the learning rate linearly over the first N steps (without it, on text, the first AdamW
   step at 3e-4 lifted an H200 run's loss from 10.8 to 16 and every layer's density 15-30x).
+  twell's row carries every step's per-layer density (``twell_layer_density_per_step``) and
+  each layer's spread over the second half (``twell_layer_density_log_sd``), with a fixed
+  ``twell.l1`` too: there the spread is the batches' own, the floor a controller works above.
 
 Backend options: ``--twell-opt twell.stats=false`` (repeatable) goes to
 ``torch.compile(..., backend="twell", options={...})``. Results go to --out as JSON (default
@@ -368,19 +371,29 @@ def twell_dead_units() -> dict[str, Optional[int]]:
     return {k: s.dead for k, s in twell_compile.layer_stats().items()}
 
 
-def controller_fields(history: list[dict[str, torch.Tensor]], target: Any) -> dict[str, Any]:
-    """A twell.target_density training's per-step per-layer densities, its final coefficients
-    and (one target for every layer) the worst relative deviation of any layer's density from
-    the target from step 20 on."""
+def density_fields(history: list[dict[str, torch.Tensor]], target: Any) -> dict[str, Any]:
+    """A twell training's per-step per-layer densities, its final coefficients, each layer's
+    spread (``twell_layer_density_log_sd``: the standard deviation of log density over the
+    second half of the steps: with a fixed coefficient, how far the batches alone move a
+    layer's density step to step; with a target, what the controller leaves), and (one target
+    for every layer) the worst relative deviation of any layer's density from the target from
+    step 20 on."""
     import twell_compile
 
     per_step = {k: [float(h[k]) for h in history if k in h] for k in (history[-1] if history else {})}
     st = twell_compile.layer_stats()
-    out = dict(twell_layer_density_per_step=per_step, twell_layer_l1_coef={k: s.l1_coef for k, s in st.items()})
+    out = dict(twell_layer_density_per_step=per_step, twell_layer_l1_coef={k: s.l1_coef for k, s in st.items()},
+               twell_layer_density_log_sd={k: log_sd(v[len(v) // 2:]) for k, v in per_step.items()})
     after = [d for v in per_step.values() for d in v[20:]]
     if isinstance(target, float) and after:
         out["twell_worst_rel_dev_from_step_20"] = max(abs(d / target - 1) for d in after)
     return out
+
+
+def log_sd(values: list[float]) -> Optional[float]:
+    """Population standard deviation of log(v) over the positive values (None under two)."""
+    logs = [math.log(v) for v in values if v > 0]
+    return statistics.pstdev(logs) if len(logs) >= 2 else None
 
 
 def twell_sparse_layers(densities: dict[str, float], hidden: int, ffn: int, tokens: Optional[int] = None
@@ -864,8 +877,7 @@ def run_train(a: argparse.Namespace, rows: list[dict[str, Any]], shared: dict[st
             reset_peak(dev)
             resident = torch.cuda.memory_allocated(dev) if cuda else None
             losses, step_ms, pending, history = [], [], [], []
-            # with twell.target_density: each step's per-layer density, kept on the device
-            controlled = name == "twell" and "twell.target_density" in a.twell_options
+            # each twell step's per-layer density, kept on the device (read after the loop)
             for ids in batches:
                 t0 = time.perf_counter()
                 if cuda:
@@ -884,7 +896,7 @@ def run_train(a: argparse.Namespace, rows: list[dict[str, Any]], shared: dict[st
                     pending.append(ev)
                 else:
                     step_ms.append((time.perf_counter() - t0) * 1e3)
-                if controlled:
+                if name == "twell":
                     history.append(twell_layer_densities())
             sync(dev)
             if cuda:
@@ -897,8 +909,7 @@ def run_train(a: argparse.Namespace, rows: list[dict[str, Any]], shared: dict[st
             if name == "twell":
                 row["twell_layer_density"] = twell_stats_density()
                 row["twell_layer_dead_units"] = twell_dead_units()
-            if controlled:
-                row.update(controller_fields(history, a.twell_options["twell.target_density"]))
+                row.update(density_fields(history, a.twell_options.get("twell.target_density")))
                 if "twell_worst_rel_dev_from_step_20" in row:
                     print(f"  {name:>8}: worst per-layer density from step 20: "
                           f"{row['twell_worst_rel_dev_from_step_20']:+.1%} of the target", flush=True)

@@ -7,7 +7,8 @@ writes (``twell_layer_density_per_step``).
 
 Windows (default): per row, the mean over layers and steps of |log(density / target)| and the
 share of layer-steps within 25% of the target, in the step windows ``--windows`` bounds
-(docs/training.md's table).
+(docs/training.md's table). Rows of a fixed coefficient (``twell.l1``, no target) print each
+layer's ``twell_layer_density_log_sd``: the batches' own spread, which no controller removes.
 
 ``--fit`` (the first row of the file: the run of 54e2707, whose controller was the walking rule
 alone): each step's coefficient replayed from the densities by that rule (REPLAYED, below, its
@@ -97,8 +98,15 @@ def main(argv=None) -> int:
         raise ValueError(f"--windows needs two or more increasing step numbers >= 0, got {a.windows!r}")
     rows = [r for r in json.loads(Path(a.results).read_text())
             if "twell_layer_density_per_step" in r.get("backends", {}).get("twell", {})]
-    if not rows:
-        raise ValueError(f"{a.results}: no row with per-step densities (bench_e2e --train with twell.target_density)")
+    fixed = [r for r in rows if "twell.target_density" not in r["config"]["twell_options"]]
+    rows = [r for r in rows if r not in fixed]
+    for r in fixed:          # a fixed coefficient: the batches' own spread, the floor under a controller
+        print(f"{r['commit'][:7]} data={r['config'].get('data', 'fixed')} lr_warmup={r['config'].get('lr_warmup', 0)} "
+              f"options={r['config']['twell_options']} (no target)")
+        for layer, sd in r["backends"]["twell"].get("twell_layer_density_log_sd", {}).items():
+            print(f"  {layer}: sd of log density over the second half {'-' if sd is None else f'{sd:.3f}'}")
+    if not rows and not fixed:
+        raise ValueError(f"{a.results}: no row with per-step densities (bench_e2e --train)")
     for r in rows[:1] if a.fit else rows:
         opts = r["config"]["twell_options"]
         target, per_step = float(opts["twell.target_density"]), r["backends"]["twell"]["twell_layer_density_per_step"]

@@ -7,6 +7,7 @@ run twell alone to stay quick on 2 cores (about 40 s for the module with a warm 
 
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -145,6 +146,13 @@ def test_train_follows_the_eager_loss_curve(train):
     dead = b["twell"]["twell_layer_dead_units"]           # reported without a controller too
     assert set(dead) == set(b["twell"]["twell_layer_density"])
     assert all(isinstance(v, int) and 0 <= v <= run_["config"]["ffn"] for v in dead.values()), dead
+    per_step = b["twell"]["twell_layer_density_per_step"]     # and every step's density
+    assert set(per_step) == set(dead) and all(len(v) == 3 and all(0 <= d <= 1 for d in v) for v in per_step.values())
+    sd = b["twell"]["twell_layer_density_log_sd"]             # over steps 2-3 of 3
+    for k, v in per_step.items():
+        logs = [math.log(d) for d in v[1:] if d > 0]
+        assert sd[k] == (pytest.approx(statistics.pstdev(logs)) if len(logs) == 2 else None), k
+    assert "twell_worst_rel_dev_from_step_20" not in b["twell"]   # no target: no deviation from one
 
 
 def test_text_training_sees_a_fresh_batch_each_step_and_follows_eager(train_text):

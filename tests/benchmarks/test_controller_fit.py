@@ -46,3 +46,19 @@ def test_bad_arguments_are_named(tmp_path):
     empty.write_text(json.dumps([{"backends": {"twell": {}}}]))
     with pytest.raises(ValueError, match="per-step densities"):
         CF.main([str(empty)])
+
+
+def test_a_fixed_coefficient_row_prints_its_spread(tmp_path, capsys):
+    """A row without a target (twell.l1 fixed) gives each layer's spread, the floor a controller
+    works above; a controlled row of the same file still gets its windows."""
+    fixed = {"commit": "f" * 40, "config": {"twell_options": {"twell.l1": 5.0}, "data": "text"},
+             "backends": {"twell": {"twell_layer_density_per_step": {"l0": [0.004, 0.006]},
+                                    "twell_layer_density_log_sd": {"l0": 0.2027, "l1": None}}}}
+    controlled = json.loads(RUN.read_text())[0]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([fixed, controlled]))
+    assert CF.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "(no target)" in out and "l0: sd of log density over the second half 0.203" in out
+    assert "l1: sd of log density over the second half -" in out
+    assert "within 25%" in out
