@@ -309,7 +309,7 @@ H200 = GpuPolicy(
     # K=2048 N=5632, gated (benchmarks/results/h200/ffn_inference.json; fit_policy.py --check).
     gate_units=1.2, pair_units=145.0, pair_units_hbm=230.0, l2_bytes=50e6, margin=0.95,
     # Per-row calls from 4096 tokens in the default mode (inside CUDA graphs from graphs_min_tokens).
-    # Gated calls at 2048 tokens run 1.19-1.24x of Inductor with the op's graph writing y in place
+    # Gated calls at 2048 tokens reach 1.19-1.24x of Inductor with the op's graph writing y in place
     # (results/h200/ffn_prefill.json, policy min_tokens=2048); the non-gated FFN and the activity
     # profile have no 2048-token rows with it yet, so the bound stays
     min_tokens=4096, min_width=2048,
