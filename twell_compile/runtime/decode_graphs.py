@@ -155,7 +155,8 @@ def _fresh(y: Tensor, out: Optional[Tensor]) -> Tensor:
     return y.clone() if out is None else out.copy_(y)
 
 
-def _capture(key: tuple, e: KeyGraphs, variant: tuple, x: Tensor, fn: Callable[..., tuple], out: Optional[Tensor]) -> tuple:
+def _capture(key: tuple, e: KeyGraphs, variant: tuple, x: Tensor, fn: Callable[..., tuple],
+             out: Optional[Tensor]) -> tuple:
     global _held
     bx, by = variant
     dev = x.device
