@@ -383,17 +383,21 @@ def density_fields(history: list[dict[str, torch.Tensor]], target: Any) -> dict[
     per_step = {k: [float(h[k]) for h in history if k in h] for k in (history[-1] if history else {})}
     st = twell_compile.layer_stats()
     out = dict(twell_layer_density_per_step=per_step, twell_layer_l1_coef={k: s.l1_coef for k, s in st.items()},
-               twell_layer_density_log_sd={k: log_sd(v[len(v) // 2:]) for k, v in per_step.items()})
+               twell_layer_density_log_sd=layer_spreads(per_step))
     after = [d for v in per_step.values() for d in v[20:]]
     if isinstance(target, float) and after:
         out["twell_worst_rel_dev_from_step_20"] = max(abs(d / target - 1) for d in after)
     return out
 
 
-def log_sd(values: list[float]) -> Optional[float]:
-    """Population standard deviation of log(v) over the positive values (None under two)."""
-    logs = [math.log(v) for v in values if v > 0]
-    return statistics.pstdev(logs) if len(logs) >= 2 else None
+def layer_spreads(per_step: dict[str, list[float]]) -> dict[str, Optional[float]]:
+    """Each layer's ``twell_layer_density_log_sd``: the population standard deviation of log
+    density over the positive densities of the second half of its steps (None under two)."""
+    out = {}
+    for layer, dens in per_step.items():
+        logs = [math.log(v) for v in dens[len(dens) // 2:] if v > 0]
+        out[layer] = statistics.pstdev(logs) if len(logs) >= 2 else None
+    return out
 
 
 def twell_sparse_layers(densities: dict[str, float], hidden: int, ffn: int, tokens: Optional[int] = None

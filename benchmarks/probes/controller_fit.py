@@ -7,8 +7,10 @@ writes (``twell_layer_density_per_step``).
 
 Windows (default): per row, the mean over layers and steps of |log(density / target)| and the
 share of layer-steps within 25% of the target, in the step windows ``--windows`` bounds
-(docs/training.md's table). Rows of a fixed coefficient (``twell.l1``, no target) print each
-layer's ``twell_layer_density_log_sd``: the batches' own spread, which no controller removes.
+(docs/training.md's table), after each layer's spread about its own level over the second half
+of the steps (bench_e2e's ``twell_layer_density_log_sd``, computed from the densities, so rows
+written before that field get it too); rows of a fixed coefficient (``twell.l1``, no target)
+print the spread alone: the batches' own, which no controller removes.
 
 ``--fit`` (the first row of the file: the run of 54e2707, whose controller was the walking rule
 alone): each step's coefficient replayed from the densities by that rule (REPLAYED, below, its
@@ -29,6 +31,10 @@ import math
 import sys
 from pathlib import Path
 from typing import Sequence
+
+if __package__ in (None, ""):                  # run as a file
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.bench_e2e import layer_spreads  # noqa: E402  (the field's own formula)
 
 # the walking rule as it ran at 54e2707 (results/h200/e2e_train_target.json's first row)
 REPLAYED = dict(gain=2.0, horizon=100.0, pace=0.02, smooth=0.1, max_up=0.08, max_down=0.15)
@@ -98,24 +104,26 @@ def main(argv=None) -> int:
         raise ValueError(f"--windows needs two or more increasing step numbers >= 0, got {a.windows!r}")
     rows = [r for r in json.loads(Path(a.results).read_text())
             if "twell_layer_density_per_step" in r.get("backends", {}).get("twell", {})]
-    fixed = [r for r in rows if "twell.target_density" not in r["config"]["twell_options"]]
-    rows = [r for r in rows if r not in fixed]
-    for r in fixed:          # a fixed coefficient: the batches' own spread, the floor under a controller
-        print(f"{r['commit'][:7]} data={r['config'].get('data', 'fixed')} lr_warmup={r['config'].get('lr_warmup', 0)} "
-              f"options={r['config']['twell_options']} (no target)")
-        for layer, sd in r["backends"]["twell"].get("twell_layer_density_log_sd", {}).items():
-            print(f"  {layer}: sd of log density over the second half {'-' if sd is None else f'{sd:.3f}'}")
-    if not rows and not fixed:
+    if not rows:
         raise ValueError(f"{a.results}: no row with per-step densities (bench_e2e --train)")
-    for r in rows[:1] if a.fit else rows:
+    if a.fit:
+        rows = [r for r in rows if "twell.target_density" in r["config"]["twell_options"]][:1]
+    for r in rows:
         opts = r["config"]["twell_options"]
-        target, per_step = float(opts["twell.target_density"]), r["backends"]["twell"]["twell_layer_density_per_step"]
+        per_step = r["backends"]["twell"]["twell_layer_density_per_step"]
+        target = opts.get("twell.target_density")
         print(f"{r['commit'][:7]} data={r['config'].get('data', 'fixed')} lr_warmup={r['config'].get('lr_warmup', 0)} "
-              f"options={opts}")
+              f"options={opts}{'' if target is not None else ' (no target)'}")
         if not a.fit:
-            for lo, hi, err, share in windows(per_step, target, bounds):
-                print(f"  steps {lo:3d}-{hi:3d}: mean |log(d / target)| {err:.2f}, within 25% {share:.0%}")
+            # the spread about each layer's own level (with a fixed coefficient the batches' own,
+            # the floor under a controller), from the densities: rows written before the field too
+            for layer, sd in layer_spreads(per_step).items():
+                print(f"  {layer}: sd of log density over the second half {'-' if sd is None else f'{sd:.3f}'}")
+            if target is not None:
+                for lo, hi, err, share in windows(per_step, float(target), bounds):
+                    print(f"  steps {lo:3d}-{hi:3d}: mean |log(d / target)| {err:.2f}, within 25% {share:.0%}")
             continue
+        target = float(target)
         init = float(opts.get("twell.target_l1_init", 0.5) or 0.5)
         for layer, dens in per_step.items():
             coefs = replay(dens, target, init)

@@ -49,11 +49,12 @@ def test_bad_arguments_are_named(tmp_path):
 
 
 def test_a_fixed_coefficient_row_prints_its_spread(tmp_path, capsys):
-    """A row without a target (twell.l1 fixed) gives each layer's spread, the floor a controller
-    works above; a controlled row of the same file still gets its windows."""
+    """A row without a target (twell.l1 fixed) gives each layer's spread over the second half
+    (bench_e2e.layer_spreads: |log 1.5| / 2 for l0; one positive density for l1, so none), the
+    floor a controller works above; a controlled row of the same file gets its windows too."""
     fixed = {"commit": "f" * 40, "config": {"twell_options": {"twell.l1": 5.0}, "data": "text"},
-             "backends": {"twell": {"twell_layer_density_per_step": {"l0": [0.004, 0.006]},
-                                    "twell_layer_density_log_sd": {"l0": 0.2027, "l1": None}}}}
+             "backends": {"twell": {"twell_layer_density_per_step": {"l0": [0.004, 0.006, 0.004, 0.006],
+                                                                     "l1": [0.005, 0.005, 0.0, 0.005]}}}}
     controlled = json.loads(RUN.read_text())[0]
     path = tmp_path / "rows.json"
     path.write_text(json.dumps([fixed, controlled]))
