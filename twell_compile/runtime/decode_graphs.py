@@ -82,7 +82,6 @@ class KeyGraphs:
 
 MAX_BOUND = 2                      # graphs per key that bind x's or y's address (``run``)
 _entries: dict[tuple, KeyGraphs] = {}
-_held = 0                          # graphs held over every key
 _pools: dict[int, Any] = {}
 _lock = threading.Lock()
 
@@ -157,7 +156,6 @@ def _fresh(y: Tensor, out: Optional[Tensor]) -> Tensor:
 
 def _capture(key: tuple, e: KeyGraphs, variant: tuple, x: Tensor, fn: Callable[..., tuple],
              out: Optional[Tensor]) -> tuple:
-    global _held
     bx, by = variant
     dev = x.device
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -189,20 +187,19 @@ def _capture(key: tuple, e: KeyGraphs, variant: tuple, x: Tensor, fn: Callable[.
         xs.copy_(x)
     g = _Graph(graph, None if bx is not None else xs, ((None,) if by is not None else res[:1]) + res[1:])
     with _lock:
-        if _held >= MAX_GRAPHS:
+        if count() >= MAX_GRAPHS:
             _drop()
             e.variants.clear()
             e.bound = int(variant != (None, None))
             _entries[key] = e
         e.variants[variant] = g
-        _held += 1
     graph.replay()
     return (out if by is not None else _fresh(res[0], out),) + res[1:]
 
 
 def count() -> int:
-    """Graphs held (for tests)."""
-    return _held
+    """Graphs held, over every key (a capture's bound, and tests)."""
+    return sum(len(e.variants) for e in list(_entries.values()))
 
 
 def bindings() -> list[tuple[bool, bool]]:
@@ -213,9 +210,7 @@ def bindings() -> list[tuple[bool, bool]]:
 def _drop() -> None:
     # the pools go too: a pool whose graphs are all gone is released by PyTorch's allocator,
     # and capturing into its stale handle fails an internal assert
-    global _held
     _entries.clear()
-    _held = 0
     _pools.clear()
 
 
