@@ -211,7 +211,8 @@ def twell_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
 
 def dense_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                   b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], counts: bool = True,
-                  act: str = "relu") -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+                  act: str = "relu", out: Optional[Tensor] = None
+                  ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """Eager's GEMMs, bit-identical to eager. Returns (y, non-zeros of relu(g) per row [M] int32
     (NaN counted), sum of |h| per row [M] fp32).
 
@@ -220,13 +221,21 @@ def dense_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
     ``counts`` (no statistics, no probe) and up to the record's eager_elementwise_max_m rows,
     eager's own relu and mul run instead (no counts returned): two aten calls cost less host
     time than the Triton launch's bookkeeping, and the extra pass over [M, N] is small there.
+    ``out``: y [M, K_out] written there (the down GEMM's own output: addmm / mm, F.linear's calls).
     """
     g = F.linear(x2, w_gate, b_gate)
     if not counts and x2.shape[0] <= arch.launch_policy(x2.device).eager_elementwise_max_m:
         h = activate(torch.relu(g), None if w_up is None else F.linear(x2, w_up, b_up), act)
-        return F.linear(h, w_down, b_down), None, None
+        return _linear(h, w_down, b_down, out), None, None
     h, cnt, asum = relu_mul_rows(g, None if w_up is None else F.linear(x2, w_up, b_up), act)
-    return F.linear(h, w_down, b_down), cnt, asum
+    return _linear(h, w_down, b_down, out), cnt, asum
+
+
+def _linear(h: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Tensor]) -> Tensor:
+    """F.linear(h, w, b) for 2-D h, into ``out`` where given (the same addmm / mm it calls)."""
+    if out is None:
+        return F.linear(h, w, b)
+    return torch.mm(h, w.t(), out=out) if b is None else torch.addmm(b, h, w.t(), out=out)
 
 
 def twell_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
@@ -259,14 +268,30 @@ def twell_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
 
 
 def dense_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
-                  b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], act: str = "relu") -> Tensor:
-    """dense_forward without statistics at decode sizes, replayed from the op's own CUDA graph
-    (decode_graphs: eager's five calls cost more host time than the GEMMs' GPU time there)."""
-    key = (("dense", x2.shape, x2.dtype, x2.device, act, decode_graphs.math_mode(),
-            arch.launch_policy(x2.device).launch_key)
+                  b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], buf: Optional[Tensor] = None,
+                  probe: bool = False, act: str = "relu") -> tuple[Tensor, Optional[Tensor]]:
+    """dense_forward replayed from the op's own CUDA graph, where eager's calls cost more host
+    time than the GEMMs' GPU time (select.dense_host_bound, prefill_dense_host_bound).
+    Statistics go into ``buf`` (the layer's buffer), or, for a ``probe`` without one, into a
+    scratch buffer of the graph's; neither: no counting. Returns (y, non-zeros summed over the
+    call as a 0-d view the next replay overwrites, or None without statistics); y as
+    twell_graphed's."""
+    totals = buf is not None or probe
+    key = (("dense", x2.shape, x2.dtype, x2.device, act, totals, decode_graphs.math_mode(),
+            arch.launch_policy(x2.device).launch_key, None if buf is None else buf.data_ptr())
            + decode_graphs.weights_key(w_gate, b_gate, w_up, b_up, w_down, b_down))
-    return decode_graphs.run(key, x2, lambda xs: dense_forward(
-        xs, w_gate, b_gate, w_up, b_up, w_down, b_down, counts=False, act=act)[:1])[0]
+
+    def run(xs: Tensor, ys: Optional[Tensor]) -> tuple[Tensor, ...]:
+        y, cnt, hsum = dense_forward(xs, w_gate, b_gate, w_up, b_up, w_down, b_down, counts=totals, act=act,
+                                     out=ys)
+        if not totals:
+            return (y,)
+        out = buf if buf is not None else stats.scratch_buffer(xs.device)
+        return y, record_stats(None, cnt, hsum, w_gate.shape[0], buf=out)[0]
+
+    y = torch.empty((x2.shape[0], w_down.shape[0]), dtype=x2.dtype, device=x2.device)
+    out = decode_graphs.run(key, x2, run, bind=True, out=y)
+    return out[0], (out[1] if totals else None)
 
 
 def relu_mul_rows(g: Tensor, u: Optional[Tensor], act: str = "relu") -> tuple[Tensor, Tensor, Tensor]:
@@ -352,11 +377,14 @@ def ffn_infer(plan: InferPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tenso
         total = record_stats(layer, per_token, hsum, n, plan.width)[0] if keep_stats else None
         if plan.probe:
             density.submit(plan.key, per_token.sum() if total is None else total, m * n)
-    elif plan.graphed:
-        y = dense_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, act)
+    elif plan.graphed and decode_graphs.usable(x2):
+        sbuf = stats.device_buffer(layer, x.device, m, n) if keep_stats else None
+        y, total = dense_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, sbuf, plan.probe, act)
+        if plan.probe:
+            density.submit(plan.key, total, m * n)
     else:
-        y, per_token, hsum = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, counts=plan.counts,
-                                           act=act)
+        y, per_token, hsum = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down,
+                                           counts=plan.counts or keep_stats or plan.probe, act=act)
         total = record_stats(layer, per_token, hsum, n)[0] if keep_stats else None
         if plan.probe:
             density.submit(plan.key, per_token.sum() if total is None else total, m * n)

@@ -39,7 +39,9 @@ tf32, about 3e-4 relative error, over twice eager fp32's):
   4. A dense call at decode sizes replays the op's own CUDA graph where eager's calls take more
      host time (op_dense_host_us) than their GPU time (``dense_host_bound``); a per-row call
      likewise where its modeled GPU time (rule 2's units times one GEMM at gemm_tflops,
-     ``rows_us``) is under op_rows_host_us (``rows_host_bound``).
+     ``rows_us``) is under op_rows_host_us (``rows_host_bound``), and a layer rule 2 keeps
+     dense where its GEMMs' modeled time (``prefill_dense_us``) is (``prefill_dense_host_bound``).
+     Statistics and the probe's count are taken inside the graph.
 Inference, CPU: the C++ kernel (cpu_ffn.py) for fp32/bf16 from min_tokens tokens at K >=
 min_width (it picks sparse or dense up/down inside, from the non-zeros it counts); plain PyTorch
 (eager's calls) otherwise.
@@ -187,6 +189,19 @@ def dense_host_bound(p: GpuPolicy, k: int, n: int, k_out: int, gated: bool, elem
     return dense_us(p, k, n, k_out, gated, elem) < p.op_dense_host_us
 
 
+def prefill_dense_us(p: GpuPolicy, m: int, k: int, n: int, k_out: int, gated: bool) -> float:
+    """Modeled GPU time of the dense FFN on m tokens: its 2 or 3 GEMMs at gemm_tflops."""
+    return 2e-6 * m * n * (k * (2 if gated else 1) + k_out) / p.gemm_tflops
+
+
+def prefill_dense_host_bound(p: GpuPolicy, m: int, k: int, n: int, k_out: int, gated: bool) -> bool:
+    """Whether a dense call of a layer on the per-row path's token range takes less GPU time
+    than a compiled module's eager call takes host time (op_rows_host_us): its GEMMs, the counting
+    relu pass and the statistics launch (non-gated at 2048 tokens, K=2048 N=5632, policy
+    min_tokens=2048: the module 0.27x of Inductor eager, 0.96x graphed; H200)."""
+    return prefill_dense_us(p, m, k, n, k_out, gated) < p.op_rows_host_us
+
+
 def _forms(forms: Optional[tuple[str, ...]], t: dict[str, float]) -> dict[str, float]:
     return t if forms is None else {f: v for f, v in t.items() if f in forms}
 
@@ -300,7 +315,7 @@ def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
     p = arch.policy_for(x.device)
     key = (layer, x.device, x.dtype, k, n, k_out, gated)
     if c.runs == "dense":       # eager's calls, replayed from the op's graph where host-bound
-        return InferPlan("dense", p, graphed=not keep_stats and _graph_dense(p, x, m, k, n, k_out, gated),
+        return InferPlan("dense", p, graphed=_graph_dense(p, x, m, k, n, k_out, gated),
                          counts=keep_stats)
     if c.runs == "decode":
         d = density.poll(key) or 0.0
@@ -323,7 +338,7 @@ def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
     rows_ok = paths.auto_ok(_ROWS, p, x.dtype, m, k, n, k_out, density.in_graphs())
     if not decode and not rows_ok:
         # eager's calls (fp32, M between the sparse paths, unsupported shapes): no bookkeeping
-        return InferPlan("dense", p, graphed=not keep_stats and _graph_dense(p, x, m, k, n, k_out, gated),
+        return InferPlan("dense", p, graphed=_graph_dense(p, x, m, k, n, k_out, gated),
                          counts=keep_stats)
     if decode:
         sparse = form is not None
@@ -336,7 +351,9 @@ def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
         return InferPlan("decode", p, key, form=form, probe=probe, tick=True, every=every)
     if sparse:
         return _rows_plan(p, x, key, m, n, k_out, gated, d, probe, every)
-    graphed = not keep_stats and not probe and _graph_dense(p, x, m, k, n, k_out, gated)
+    # a layer kept dense: replayed from the op's graph where host-bound, statistics and probe inside
+    graphed = (_graphs_usable(x) and prefill_dense_host_bound(p, m, k, n, k_out, gated) if rows_ok
+               else _graph_dense(p, x, m, k, n, k_out, gated))
     return InferPlan("dense", p, key, probe=probe, graphed=graphed, counts=not graphed, tick=True, every=every)
 
 
