@@ -311,21 +311,21 @@ def test_graphed_per_row_calls_are_exact_fresh_and_see_weight_updates(keep_stats
 
 @pytest.mark.parametrize("keep_stats", [True, False])
 def test_a_layer_kept_dense_replays_its_graph_with_statistics_and_probe_inside(keep_stats):
-    """prefill_dense_host_bound: a layer rule 2 keeps dense on the per-row path's token range
-    replays the op's own CUDA graph (first call eager, then captured): fresh inputs each call,
-    outputs never aliased, the statistics and the density probe's count taken inside the graph,
-    in-place weight updates seen by replays."""
+    """dense_host_bound: a layer the decode rule keeps dense replays the op's own CUDA graph
+    (first call eager, then captured), statistics or not: fresh inputs each call, outputs never
+    aliased, the statistics and the density probe's count taken inside the graph, in-place
+    weight updates seen by replays."""
     from twell_compile.runtime import decode_graphs
 
     decode_graphs.clear()
-    p = _ffn(2048, 256, 1024, 256, 0.3, 0.0, torch.bfloat16)
+    p = _ffn(32, 2048, 5632, 2048, 1.0, 0.0, torch.bfloat16)
     layer = f"graphed_dense{keep_stats}"
-    key = (layer, p["x"].device, torch.bfloat16, 256, 1024, 256, True)
+    key = (layer, p["x"].device, torch.bfloat16, 2048, 5632, 2048, True)
     twell_compile.reset_stats()
-    with arch.patched(op_rows_host_us=1e6, probe_every=2):
+    with arch.patched(op_dense_host_us=1e6, probe_every=2):
         outs, dens = [], []
         for i in range(8):
-            p["x"] = _inputs(2048, 256) * (1 + 0.1 * i)
+            p["x"] = _inputs(32, 2048) * (1 + 0.1 * i)
             args = _args(p)
             _poison()
             y = torch.ops.twell.ffn(*args, layer, keep_stats)
@@ -336,7 +336,7 @@ def test_a_layer_kept_dense_replays_its_graph_with_statistics_and_probe_inside(k
             assert _rel(y, ref) <= 2 * derr + 1e-6, i
             outs.append((y, ref, derr))
             dens.append(float((F.linear(args[0], p["w_gate"], p["b_gate"]) > 0).float().mean()))
-        plan = select.plan_infer(p["x"], 1024, 256, True, layer, keep_stats)
+        plan = select.plan_infer(p["x"], 5632, 2048, True, layer, keep_stats)
         assert plan.path == "dense" and plan.graphed
         assert decode_graphs.count() >= 1
         torch.cuda.synchronize()
@@ -353,7 +353,7 @@ def test_a_layer_kept_dense_replays_its_graph_with_statistics_and_probe_inside(k
     if keep_stats:
         st = twell_compile.layer_stats()[layer]
         hg = torch.relu(F.linear(p["x"], p["w_gate"], p["b_gate"]))
-        assert st.tokens == 2048 and abs(st.mean_nnz - float((hg != 0).sum()) / 2048) <= 0.01 * st.mean_nnz + 0.1
+        assert st.tokens == 32 and abs(st.mean_nnz - float((hg != 0).sum()) / 32) <= 0.01 * st.mean_nnz + 0.1
     decode_graphs.clear()
 
 

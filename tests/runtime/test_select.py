@@ -47,21 +47,27 @@ def test_cuda_static_tokens_between_the_sparse_paths_are_dense_but_dynamic_token
             assert reason(CUDA, torch.bfloat16, m, cudagraphs=graphs) is None
 
 
-def test_inside_cuda_graphs_the_per_row_path_takes_the_records_bound_for_graphs():
-    """Host time does not count inside CUDA graphs: the H200 record runs the per-row path from
-    2048 tokens there (graphs_min_tokens), from 4096 without graphs; 0 in the record: the same
-    bound both ways."""
-    assert P.graphs_min_tokens == 2048 < P.min_tokens == 4096
-    assert reason(CUDA, torch.bfloat16, 2048, cudagraphs=True) is None
-    assert "below the per-row path's 4096" in reason(CUDA, torch.bfloat16, 2048, cudagraphs=False)
-    with arch.patched(graphs_min_tokens=0):
-        assert "below the per-row path's 4096" in reason(CUDA, torch.bfloat16, 2048, cudagraphs=True)
-    # a dynamic count is guarded to the range its hint falls in, by the same bound
-    env, m = tokens(3000)
-    assert reason(CUDA, torch.bfloat16, m, cudagraphs=True) is None
-    assert guards(env)
-    env, m = tokens(3000)
-    assert "below the per-row path's 4096" in reason(CUDA, torch.bfloat16, m, cudagraphs=False)
+@pytest.mark.parametrize("record", [arch.H200, arch.H100])
+def test_inside_cuda_graphs_the_per_row_path_takes_the_records_bound_for_graphs(record):
+    """Host time does not count inside CUDA graphs: a record's graphs_min_tokens (the H100's
+    2048) opens the per-row path there under its min_tokens (the H100's 4096); 0 in the record
+    (the H200's, whose min_tokens is 2048 both ways): the same bound both ways."""
+    with arch.patched(**{f: getattr(record, f) for f in ("min_tokens", "graphs_min_tokens")}):
+        lo = record.graphs_min_tokens or record.min_tokens
+        assert reason(CUDA, torch.bfloat16, lo, cudagraphs=True) is None
+        if lo == record.min_tokens:
+            assert reason(CUDA, torch.bfloat16, lo, cudagraphs=False) is None
+        with arch.patched(min_tokens=4096, graphs_min_tokens=2048):
+            assert reason(CUDA, torch.bfloat16, 2048, cudagraphs=True) is None
+            assert "below the per-row path's 4096" in reason(CUDA, torch.bfloat16, 2048, cudagraphs=False)
+            with arch.patched(graphs_min_tokens=0):
+                assert "below the per-row path's 4096" in reason(CUDA, torch.bfloat16, 2048, cudagraphs=True)
+            # a dynamic count is guarded to the range its hint falls in, by the same bound
+            env, m = tokens(3000)
+            assert reason(CUDA, torch.bfloat16, m, cudagraphs=True) is None
+            assert guards(env)
+            env, m = tokens(3000)
+            assert "below the per-row path's 4096" in reason(CUDA, torch.bfloat16, m, cudagraphs=False)
 
 
 def test_cuda_grouped_experts_stay_dense_unless_forced_or_penalised():

@@ -309,9 +309,10 @@ H200 = GpuPolicy(
     # K=2048 N=5632, gated (benchmarks/results/h200/ffn_inference.json; fit_policy.py --check).
     gate_units=1.2, pair_units=145.0, pair_units_hbm=230.0, l2_bytes=50e6, margin=0.95,
     # Per-row calls from 4096 tokens in the default mode (inside CUDA graphs from graphs_min_tokens).
-    # Gated calls at 2048 tokens reach 1.19-1.24x of Inductor with the op's graph writing y in place
-    # (results/h200/ffn_prefill.json, policy min_tokens=2048); the non-gated FFN and the activity
-    # profile have no 2048-token rows with it yet, so the bound stays
+    # From 2048 tokens gated i.i.d. d=0.005 ran 1.21x of Inductor, but the activity profile's
+    # layer 0.92-0.93x (its op alone 0.98-0.99x) and layers kept dense 0.96x non-gated, 0.98x /
+    # 0.90x gated at d=0.012 / 0.02, their dense call replayed from the op's graph (0.27x eager;
+    # results/h200/ffn_prefill.json, policy min_tokens=2048), so the bound stays
     min_tokens=4096, min_width=2048,
     probe_every=64, refresh_every=16,
     # Per-row calls replay the op's own graph while their modeled GPU time (select.rows_us: the
@@ -365,10 +366,9 @@ H200 = GpuPolicy(
     # against 133.0 / 242.1 / 446.3 (y bit-equal; results/h200/ffn_compact_transpose_ab.json)
     compact_transpose=True,
     # Inside CUDA graphs (host time does not count) the per-row path from 2048 tokens: under
-    # reduce-overhead 1.19x / 1.29x / 1.37x of Inductor at 2048 / 4096 / 8192 tokens (i.i.d.
-    # d=0.005; results/h200/ffn_prefill_reduce_overhead.json), the activity profile's layer at
-    # 2048 1.04x on the GPU (op 0.2065 against Inductor's 0.2145 ms); without graphs the module
-    # at 2048 read 0.84x, host-bound (results/h200/ffn_prefill.json), so min_tokens stays 4096.
+    # reduce-overhead 1.17-1.19x / 1.29-1.37x / 1.37-1.40x of Inductor at 2048 / 4096 / 8192
+    # tokens over two runs (i.i.d. d=0.005; results/h200/ffn_prefill_reduce_overhead.json), the
+    # activity profile's layer at 2048 1.04x on the GPU (op 0.2065 against Inductor's 0.2145 ms).
     # The 16-layer model at 1 x 2048 tokens (densities 0.49-0.87%): 1.029x with it, 0.974x
     # without, within the runs' spread (results/h200/e2e_prefill_reduce_overhead.json).
     graphs_min_tokens=2048,

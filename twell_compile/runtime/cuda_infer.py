@@ -271,7 +271,7 @@ def dense_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
                   b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], buf: Optional[Tensor] = None,
                   probe: bool = False, act: str = "relu") -> tuple[Tensor, Optional[Tensor]]:
     """dense_forward replayed from the op's own CUDA graph, where eager's calls cost more host
-    time than the GEMMs' GPU time (select.dense_host_bound, prefill_dense_host_bound).
+    time than the GEMMs' GPU time (select.dense_host_bound: decode sizes).
     Statistics go into ``buf`` (the layer's buffer), or, for a ``probe`` without one, into a
     scratch buffer of the graph's; neither: no counting. Returns (y, non-zeros summed over the
     call as a 0-d view the next replay overwrites, or None without statistics); y as

@@ -39,9 +39,8 @@ tf32, about 3e-4 relative error, over twice eager fp32's):
   4. A dense call at decode sizes replays the op's own CUDA graph where eager's calls take more
      host time (op_dense_host_us) than their GPU time (``dense_host_bound``); a per-row call
      likewise where its modeled GPU time (rule 2's units times one GEMM at gemm_tflops,
-     ``rows_us``) is under op_rows_host_us (``rows_host_bound``), and a layer rule 2 keeps
-     dense where its GEMMs' modeled time (``prefill_dense_us``) is (``prefill_dense_host_bound``).
-     Statistics and the probe's count are taken inside the graph.
+     ``rows_us``) is under op_rows_host_us (``rows_host_bound``). Statistics and the probe's
+     count are taken inside the graph.
 Inference, CPU: the C++ kernel (cpu_ffn.py) for fp32/bf16 from min_tokens tokens at K >=
 min_width (it picks sparse or dense up/down inside, from the non-zeros it counts); plain PyTorch
 (eager's calls) otherwise.
@@ -187,19 +186,6 @@ def dense_host_bound(p: GpuPolicy, k: int, n: int, k_out: int, gated: bool, elem
     host time: then replaying it from the op's own CUDA graph saves time (K=4096, N=11008,
     ~88 us predicted: graphed 0.098 ms per call at M=1 against 0.18-0.47 ungraphed, H200)."""
     return dense_us(p, k, n, k_out, gated, elem) < p.op_dense_host_us
-
-
-def prefill_dense_us(p: GpuPolicy, m: int, k: int, n: int, k_out: int, gated: bool) -> float:
-    """Modeled GPU time of the dense FFN on m tokens: its 2 or 3 GEMMs at gemm_tflops."""
-    return 2e-6 * m * n * (k * (2 if gated else 1) + k_out) / p.gemm_tflops
-
-
-def prefill_dense_host_bound(p: GpuPolicy, m: int, k: int, n: int, k_out: int, gated: bool) -> bool:
-    """Whether a dense call of a layer on the per-row path's token range takes less GPU time
-    than a compiled module's eager call takes host time (op_rows_host_us): its GEMMs, the counting
-    relu pass and the statistics launch (non-gated at 2048 tokens, K=2048 N=5632, policy
-    min_tokens=2048: the module 0.27x of Inductor eager, 0.96x graphed; H200)."""
-    return prefill_dense_us(p, m, k, n, k_out, gated) < p.op_rows_host_us
 
 
 def _forms(forms: Optional[tuple[str, ...]], t: dict[str, float]) -> dict[str, float]:
@@ -351,9 +337,7 @@ def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
         return InferPlan("decode", p, key, form=form, probe=probe, tick=True, every=every)
     if sparse:
         return _rows_plan(p, x, key, m, n, k_out, gated, d, probe, every)
-    # a layer kept dense: replayed from the op's graph where host-bound, statistics and probe inside
-    graphed = (_graphs_usable(x) and prefill_dense_host_bound(p, m, k, n, k_out, gated) if rows_ok
-               else _graph_dense(p, x, m, k, n, k_out, gated))
+    graphed = _graph_dense(p, x, m, k, n, k_out, gated)     # statistics and the probe inside
     return InferPlan("dense", p, key, probe=probe, graphed=graphed, counts=not graphed, tick=True, every=every)
 
 
