@@ -5,6 +5,7 @@ backend="twell" beside the op called directly and the module under Inductor.
     python3 benchmarks/profile_product.py --M 4096 --policy min_tokens=4096   # a record's field changed
     python3 benchmarks/profile_product.py --M 2048 --down-layout transposed  # W_down stored transposed
     python3 benchmarks/profile_product.py --M 8192 --non-gated     # down(relu(gate(x))) (testing.PlainMLP)
+    python3 benchmarks/profile_product.py --M 4096 --activity benchmarks/profiles/h100_activity.json:model.layers.3.mlp
 
 Per variant: the path it ran (the product's from its own op instance's state), host us per call
 (calls issued back to back, no sync), wall us per call (then synchronised), whether a call syncs
@@ -28,7 +29,7 @@ from benchmarks.timing import policy_changes  # noqa: E402
 
 import twell_compile  # noqa: E402,F401  (backend="twell")
 from twell_compile.runtime import arch, density  # noqa: E402
-from twell_compile.testing import GatedMLP, PlainMLP, make_ffn  # noqa: E402
+from twell_compile.testing import GatedMLP, PlainMLP, make_ffn_for, parse_activity  # noqa: E402
 
 
 def per_call_us(fn, calls: int) -> tuple[float, float]:
@@ -66,6 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--N", type=int, default=5632)
     ap.add_argument("--density", type=float, default=0.005)
     ap.add_argument("--tail", type=float, default=0.0)
+    ap.add_argument("--activity", default="iid", metavar="iid|PROFILE.json[:LAYER]|checkpoint:PATH",
+                    help="the inputs' activity, as bench_ffn.py's (a profile's or checkpoint's own "
+                         "density; --density and --tail apply to iid only)")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--host-only", action="store_true",
@@ -80,26 +84,42 @@ def main(argv=None) -> int:
                     help="W_down's storage: nn.Linear's [K_out, N] rows, or [N, K_out] rows behind the same "
                          "shape (the per-row kernels then read it without a per-call transpose); both modules")
     a = ap.parse_args(argv)
+    try:
+        parse_activity(a.activity)
+    except ValueError as e:
+        ap.error(str(e))
     with arch.patched(**policy_changes(a.policy)):
         return _run(a)
 
 
+def modules(a, device: str = "cuda") -> tuple[torch.Tensor, list[torch.nn.Module]]:
+    """The point's x and two bf16 copies of its FFN module (GatedMLP or PlainMLP, with biases
+    where the inputs carry them), weights from ``a.activity``'s generator."""
+    p = make_ffn_for(a.activity, a.M, a.K, a.N, a.density, a.tail, gated=not a.non_gated, device=device, seed=7)
+    bias = p["b_gate"] is not None            # a checkpoint's FFN may carry biases
+    mods = [(PlainMLP if a.non_gated else GatedMLP)(a.K, a.N, bias=bias).to(device, torch.bfloat16)
+            for _ in range(2)]
+    with torch.no_grad():
+        for m in mods:
+            for lin, w, b in ((m.gate, "w_gate", "b_gate"), (None if a.non_gated else m.up, "w_up", "b_up"),
+                              (m.down, "w_down", "b_down")):
+                if lin is not None:
+                    lin.weight.copy_(p[w])
+                    if bias:
+                        lin.bias.copy_(p[b])
+            if a.down_layout == "transposed":
+                m.down.weight.data = m.down.weight.detach().t().contiguous().t()
+    return p["x"], mods
+
+
 def _run(a) -> int:
     torch.set_grad_enabled(False)
-    p = make_ffn(a.M, a.K, a.N, a.density, a.tail, device="cuda", seed=7)
-    x = p["x"]
-    mods = [(PlainMLP if a.non_gated else GatedMLP)(a.K, a.N).cuda().to(torch.bfloat16) for _ in range(2)]
-    for m in mods:
-        m.gate.weight.copy_(p["w_gate"])
-        if not a.non_gated:
-            m.up.weight.copy_(p["w_up"])
-        m.down.weight.copy_(p["w_down"])
-        if a.down_layout == "transposed":
-            m.down.weight.data = m.down.weight.detach().t().contiguous().t()
+    x, mods = modules(a)
     tw = torch.compile(mods[0], backend="twell", dynamic=False)
     ind = torch.compile(mods[1], dynamic=False)
     w = mods[0]
-    args7 = (x, w.gate.weight, None, None if a.non_gated else w.up.weight, None, w.down.weight, None)
+    args7 = (x, w.gate.weight, w.gate.bias, None if a.non_gated else w.up.weight,
+             None if a.non_gated else w.up.bias, w.down.weight, w.down.bias)
     fns = {"product": lambda: tw(x), "op": lambda: torch.ops.twell.ffn(*args7, "profile/op", False),
            "inductor": lambda: ind(x)}
     for fn in fns.values():
@@ -108,7 +128,8 @@ def _run(a) -> int:
     torch.cuda.synchronize()
     paths = {("op" if inst == 0 else f"product (op instance {inst})"): path
              for inst, key, _, path in density.snapshot()}
-    print(f"M={a.M} K={a.K} N={a.N} d={a.density} tail={a.tail} {'non-gated' if a.non_gated else 'gated'} "
+    point = f"d={a.density} tail={a.tail}" if a.activity == "iid" else f"activity {a.activity}"
+    print(f"M={a.M} K={a.K} N={a.N} {point} {'non-gated' if a.non_gated else 'gated'} "
           f"W_down {a.down_layout} "
           f"policy {a.policy} on {torch.cuda.get_device_name()}")
     print("paths:", paths)
