@@ -49,9 +49,9 @@ def test_cuda_static_tokens_between_the_sparse_paths_are_dense_but_dynamic_token
 
 @pytest.mark.parametrize("record", [arch.H200, arch.H100])
 def test_inside_cuda_graphs_the_per_row_path_takes_the_records_bound_for_graphs(record):
-    """Host time does not count inside CUDA graphs: a record's graphs_min_tokens (the H100's
-    2048) opens the per-row path there under its min_tokens (the H100's 4096); 0 in the record
-    (the H200's, whose min_tokens is 2048 both ways): the same bound both ways."""
+    """Host time does not count inside CUDA graphs: a record's graphs_min_tokens (2048 on the
+    H200 and the H100) opens the per-row path there under its min_tokens (4096 on both); 0 in
+    the record: the same bound both ways."""
     with arch.patched(**{f: getattr(record, f) for f in ("min_tokens", "graphs_min_tokens")}):
         lo = record.graphs_min_tokens or record.min_tokens
         assert reason(CUDA, torch.bfloat16, lo, cudagraphs=True) is None

@@ -311,8 +311,8 @@ H200 = GpuPolicy(
     # Per-row calls from 4096 tokens in the default mode (inside CUDA graphs from graphs_min_tokens).
     # From 2048 tokens gated i.i.d. d=0.005 ran 1.21x of Inductor, but the activity profile's
     # layer 0.92-0.93x (its op alone 0.98-0.99x) and layers kept dense 0.96x non-gated, 0.98x /
-    # 0.90x gated at d=0.012 / 0.02, their dense call replayed from the op's graph (0.27x eager;
-    # results/h200/ffn_prefill.json, policy min_tokens=2048), so the bound stays
+    # 0.90x gated at d=0.012 / 0.02, their dense call replayed from the op's graph by the code of
+    # 553cd03 (0.27x eager; results/h200/ffn_prefill.json, policy min_tokens=2048), so the bound stays
     min_tokens=4096, min_width=2048,
     probe_every=64, refresh_every=16,
     # Per-row calls replay the op's own graph while their modeled GPU time (select.rows_us: the
