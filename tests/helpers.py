@@ -26,10 +26,13 @@ def ffn_with_biases(m: int, k: int, n: int, k_out: int, density: float, tail: fl
                     seed: int | None = None, down_floor: float = 1e-3) -> dict:
     """A CUDA FFN for the GPU kernel tests: ``twell_compile.testing.make_ffn``'s inputs (fresh
     seed unless given) with K_out != K allowed (W_down scaled by 1/sqrt(N max(density,
-    down_floor))), random biases, and at density 0 a gate that never fires."""
+    down_floor))), random biases, and at density 0 a gate that never fires. The seed is printed:
+    pytest shows it under a failed test's captured output, so a fresh draw that fails can be
+    replayed (``seed=``)."""
     from twell_compile.testing import make_ffn
 
     seed = torch.randint(0, 2**31, ()).item() if seed is None else seed
+    print(f"ffn_with_biases(m={m}, k={k}, n={n}, k_out={k_out}, density={density}, tail={tail}, seed={seed})")
     p = make_ffn(m, k, n, max(density, 1e-9), tail, gated=gated, dtype=torch.float32, seed=seed)
     g = torch.Generator("cuda").manual_seed(seed + 1)
     p["w_down"] = torch.randn(k_out, n, generator=g, device="cuda") / (n * max(density, down_floor)) ** 0.5
