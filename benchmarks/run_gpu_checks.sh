@@ -45,6 +45,9 @@ for f in "$OUT"/tests_shard_*.log; do
     line=$(grep -E "passed|failed|error" "$f" | tail -n 1)
     echo "$(basename "$f"): ${line:-no summary line (cut by T_TESTS)}"
     grep -E "^(FAILED|ERROR)" "$f" | cut -c1-250
+    # a failure's assertion and the seeds of its fresh inputs (tests/helpers.ffn_with_biases), in
+    # this call's output: the shard's log may be one of the files left behind
+    grep -q -E "^(FAILED|ERROR)" "$f" && grep -E "^E |^ffn_with_biases\(" "$f" | head -n 20 | cut -c1-250
 done
 if [ "${T_PERF:-200}" -gt 0 ]; then
     timeout "${T_PERF:-200}" python3 benchmarks/check_perf.py --suites ${PERF_SUITES:-inference nongated decode training} \
