@@ -152,7 +152,7 @@ def run_point(sets, m: int, d: float, reps: int, tag: str, act: str = "relu",
     for _ in range(3):                      # the rules: first call probes, later calls decide
         op()
         torch.cuda.synchronize()
-    plan = select.plan_infer(xs[0], n, k_out, gated, names[0], False)    # what the next call runs
+    plan = select.plan_infer(xs[0], n, k_out, gated, names[0])    # what the next call runs
     path = f"decode-{plan.form}" if plan.path == "decode" else plan.path
     kname = "decode" if m <= arch.MAX_M else "twell"
     nnz = [float((F.linear(x, p["w_gate"]) > 0).sum()) / m for x, p in zip(xs, sets)]

@@ -233,7 +233,7 @@ class ActFFN(nn.Module):
 def op_path(x, n: int, k_out: int, layer: str, gated: bool = True) -> str:
     """The path the op's next call on x takes for this layer (its rules and lagged density):
     "decode:<form>", "twell" or "dense"."""
-    plan = select.plan_infer(x, n, k_out, gated, layer, False)
+    plan = select.plan_infer(x, n, k_out, gated, layer)
     return f"decode:{plan.form}" if plan.path == "decode" else plan.path
 
 

@@ -95,7 +95,7 @@ def run_grid(ms: Iterable[int] = (1, 16, 256, 2048), densities: Iterable[float] 
             with torch.no_grad():
                 y_dense = _dense(x, w_gate, w_up, w_down)
                 y_twell = _twell(x, w_gate, w_up, w_down, path)
-                op_path = select.plan_infer(x, n, k, True, "bench", False, path).path
+                op_path = select.plan_infer(x, n, k, True, "bench", path).path
                 measured = float((F.linear(x, w_gate) > 0).float().mean())
             err, dense_err = _rel_err(y_twell, ref), _rel_err(y_dense, ref)
             del ref

@@ -263,7 +263,7 @@ def test_stats_match_plain_pytorch(path):
 # ------------------------------------------------------------------------------- the plan
 def test_plan_picks_the_kernel_by_dtype_tokens_and_width():
     def path(m, k, dtype):
-        return select.plan_infer(torch.empty(m, k, dtype=dtype), 512, k, True, "t", False).path
+        return select.plan_infer(torch.empty(m, k, dtype=dtype), 512, k, True, "t").path
 
     with arch.patched(min_tokens=4, min_width=64):
         for dtype in DTYPES:
@@ -319,7 +319,7 @@ _NO_COMPILER = textwrap.dedent("""
     with warnings.catch_warnings(record=True) as caught, arch.patched(min_tokens=0, min_width=0):
         warnings.simplefilter("always")
         y1, y2 = twell(t, force="auto"), twell(t, force="auto")
-        assert select.plan_infer(t["x"], 40, 16, True, "t", False).path == "torch"
+        assert select.plan_infer(t["x"], 40, 16, True, "t").path == "torch"
         try:
             twell(t)
             raise AssertionError("the forced C++ kernel ran without a build")

@@ -257,10 +257,10 @@ def test_op_plan_starts_dense_then_twell_and_stays_dense_when_dense():
     for d, want in ((0.002, "twell"), (0.3, "dense")):
         p = _ffn(4096, 256, 1024, 256, d, 0.0, torch.bfloat16)
         layer = f"policy{d}"
-        assert select.plan_infer(p["x"], 1024, 256, True, layer, True).path == "dense"  # nothing measured
+        assert select.plan_infer(p["x"], 1024, 256, True, layer).path == "dense"  # nothing measured
         y0 = torch.ops.twell.ffn(*_args(p), layer, True)
         torch.cuda.synchronize()
-        assert select.plan_infer(p["x"], 1024, 256, True, layer, True).path == want
+        assert select.plan_infer(p["x"], 1024, 256, True, layer).path == want
         y1 = torch.ops.twell.ffn(*_args(p), layer, True)
         ref = ffn_dense(*(None if a is None else a.float() for a in _args(p)))
         assert _rel(y1, ref) <= 2 * _rel(y0, ref) + 1e-6
@@ -348,7 +348,7 @@ def test_a_layer_kept_dense_replays_its_graph_with_statistics_and_probe_inside(k
             assert _rel(y, ref) <= 2 * derr + 1e-6, i
             outs.append((y, ref, derr))
             dens.append(float((F.linear(args[0], p["w_gate"], p["b_gate"]) > 0).float().mean()))
-        plan = select.plan_infer(p["x"], 5632, 2048, True, layer, keep_stats)
+        plan = select.plan_infer(p["x"], 5632, 2048, True, layer)
         assert plan.path == "dense" and plan.graphed
         assert decode_graphs.count() >= 1
         torch.cuda.synchronize()

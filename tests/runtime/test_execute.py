@@ -37,17 +37,17 @@ def test_cpu_plans_are_cached_per_shape_and_follow_patches():
 
     x = torch.randn(3, 16)
     execute.reset()
-    first = execute.infer_plan(x, 40, 16, True, "cache", False, 0, "auto")
-    assert execute.infer_plan(x, 40, 16, True, "cache", False, 0, "auto") is first
-    assert execute.infer_plan(torch.randn(5, 16), 40, 16, True, "cache", False, 0, "auto") is not first
+    first = execute.infer_plan(x, 40, 16, True, "cache", 0, "auto")
+    assert execute.infer_plan(x, 40, 16, True, "cache", 0, "auto") is first
+    assert execute.infer_plan(torch.randn(5, 16), 40, 16, True, "cache", 0, "auto") is not first
     with decode_graphs.enabled(not decode_graphs.ENABLED):
-        assert execute.infer_plan(x, 40, 16, True, "cache", False, 0, "auto") is not first
-    assert execute.infer_plan(x, 40, 16, True, "cache", False, 0, "auto") is first
+        assert execute.infer_plan(x, 40, 16, True, "cache", 0, "auto") is not first
+    assert execute.infer_plan(x, 40, 16, True, "cache", 0, "auto") is first
     with arch.patched(min_width=8):
-        patched = execute.infer_plan(x, 40, 16, True, "cache", False, 0, "auto")
+        patched = execute.infer_plan(x, 40, 16, True, "cache", 0, "auto")
         assert patched is not first and patched.path in ("cpu", "torch")
     density.reset()
-    assert execute.infer_plan(x, 40, 16, True, "cache", False, 0, "auto") is not first
+    assert execute.infer_plan(x, 40, 16, True, "cache", 0, "auto") is not first
 
 
 @pytest.mark.gpu
@@ -60,7 +60,7 @@ def test_cuda_plans_are_reused_until_a_measurement_lands_and_probe_on_their_inte
         with density.scope(7):
             plans = []
             for _ in range(10):
-                plan = execute.infer_plan(x, 1000, 256, True, "cache", False, 7, "auto")
+                plan = execute.infer_plan(x, 1000, 256, True, "cache", 7, "auto")
                 plans.append(plan)
                 if plan.probe:                       # as execute does: a measurement in flight
                     density.submit(plan.key, torch.tensor(5.0, device="cuda"), 4096 * 1000)
@@ -68,8 +68,8 @@ def test_cuda_plans_are_reused_until_a_measurement_lands_and_probe_on_their_inte
             torch.cuda.synchronize()
             assert plans[0].probe                    # the first call measures
             assert not any(p.probe for p in plans[1:4])
-            landed = execute.infer_plan(x, 1000, 256, True, "cache", False, 7, "auto")
+            landed = execute.infer_plan(x, 1000, 256, True, "cache", 7, "auto")
             assert density.measured(plans[0].key) is not None
             assert landed is not plans[1]            # a landed measurement: a new plan
-            again = execute.infer_plan(x, 1000, 256, True, "cache", False, 7, "auto")
+            again = execute.infer_plan(x, 1000, 256, True, "cache", 7, "auto")
             assert again is landed or again.probe

@@ -56,7 +56,7 @@ def test_paths_are_strings_to_users():
     with pytest.raises(ValueError, match="path must be one of"):
         config.TwellConfig(path="decode-fast")
     x = torch.randn(2, 16)
-    assert select.plan_infer(x, 40, 16, True, "l", False, path=Path.TORCH).path == "torch"
+    assert select.plan_infer(x, 40, 16, True, "l", path=Path.TORCH).path == "torch"
 
 
 def test_rows_name_fields_of_the_records_and_hold_no_measured_numbers():
@@ -79,7 +79,7 @@ def test_rows_name_fields_of_the_records_and_hold_no_measured_numbers():
 ])
 def test_a_forced_path_its_row_refuses_raises_the_rows_reason(path, x, match):
     with pytest.raises(ValueError, match=f"path='{path}' cannot run this call: {match}"):
-        select.plan_infer(x, 40, 16, True, "l", False, path=path)
+        select.plan_infer(x, 40, 16, True, "l", path=path)
 
 
 def test_refusals_on_cuda_name_what_the_row_takes():
@@ -160,8 +160,8 @@ def test_auto_plans_follow_the_rows_on_the_cpu():
     x = torch.randn(8, 16)
     cpu = paths.caps(Path.CPU, False)
     assert not paths.auto_ok(cpu, arch.CPU, x.dtype, 8, 16, 40, 16) or paths.min_width(cpu, arch.CPU) <= 16
-    assert select.plan_infer(x, 40, 16, True, "l", False).path == "torch"       # K=16: under min_width
-    assert select.plan_infer(x.half(), 40, 16, True, "l", False).path == "torch"
+    assert select.plan_infer(x, 40, 16, True, "l").path == "torch"       # K=16: under min_width
+    assert select.plan_infer(x.half(), 40, 16, True, "l").path == "torch"
 
 
 @pytest.mark.parametrize("tokens, k, n", [(4096, 1024, 64), (8, 16, 40)])

@@ -226,15 +226,15 @@ def test_cpu_inference_at_the_kernels_sizes_is_rewritten():
 # --------------------------------------------------------------------------- per-call plans
 def test_cpu_plans_by_size_and_forced_paths():
     small = torch.randn(2, 16)
-    assert select.plan_infer(small, 40, 16, True, "l", False).path == "torch"
-    assert select.plan_infer(small, 40, 16, True, "l", False, path="torch").path == "torch"
+    assert select.plan_infer(small, 40, 16, True, "l").path == "torch"
+    assert select.plan_infer(small, 40, 16, True, "l", path="torch").path == "torch"
     for path in ("dense", "twell", "decode", "decode-rows", "decode-union", "decode-union2"):
         with pytest.raises(ValueError, match="CUDA path"):
-            select.plan_infer(small, 40, 16, True, "l", False, path=path)
+            select.plan_infer(small, 40, 16, True, "l", path=path)
     with pytest.raises(ValueError, match="path must be one of"):
-        select.plan_infer(small, 40, 16, True, "l", False, path="fast")
+        select.plan_infer(small, 40, 16, True, "l", path="fast")
     with pytest.raises(ValueError, match="float16"):
-        select.plan_infer(small.half(), 40, 16, True, "l", False, path="cpu")
+        select.plan_infer(small.half(), 40, 16, True, "l", path="cpu")
 
 
 def test_training_plans_on_cpu_run_plain_pytorch_and_refuse_forced_cuda_paths():

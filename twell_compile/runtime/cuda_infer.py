@@ -384,7 +384,7 @@ def ffn_infer(plan: InferPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tenso
             density.submit(plan.key, total, m * n)
     else:
         y, per_token, hsum = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down,
-                                           counts=plan.counts or keep_stats or plan.probe, act=act)
+                                           counts=keep_stats or plan.probe, act=act)
         total = record_stats(layer, per_token, hsum, n)[0] if keep_stats else None
         if plan.probe:
             density.submit(plan.key, per_token.sum() if total is None else total, m * n)

@@ -42,13 +42,12 @@ MAX_PLANS = 4096                   # cached inference plans (cleared past this: 
 _plans: dict[tuple, tuple] = {}    # cache key -> (plan, its layer state or None, the state's version)
 
 
-def infer_plan(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stats: bool, instance: int,
+def infer_plan(x: Tensor, n: int, k_out: int, gated: bool, layer: str, instance: int,
                path: str) -> select.InferPlan:
     """The call's plan: the cached one while its layer's density state has not moved and this
-    call is not due to probe (the plan's interval); else select.plan_infer's (a probe call's
-    flags are the rules', e.g. a dense probe counts instead of replaying a graph), cached when
-    it probes nothing."""
-    ck = (instance, layer, x.device, x.dtype, x.shape, n, k_out, gated, keep_stats, path,
+    call is not due to probe (the plan's interval); else select.plan_infer's, cached when it
+    probes nothing. Statistics do not change the plan: the launchers take them on any path."""
+    ck = (instance, layer, x.device, x.dtype, x.shape, n, k_out, gated, path,
           torch.are_deterministic_algorithms_enabled(), decode_graphs.ENABLED, arch.generation,
           density.generation)
     capturing = x.is_cuda and density.capturing()
@@ -60,7 +59,7 @@ def infer_plan(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
         density.take_landed(st)
         if st.version == version and not density.due(st, plan.every):
             return plan
-    plan = select.plan_infer(x, n, k_out, gated, layer, keep_stats, path)
+    plan = select.plan_infer(x, n, k_out, gated, layer, path)
     if not capturing and not plan.probe:
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
@@ -89,7 +88,7 @@ def ffn_infer(x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optiona
     n, k_out = w_gate.shape[0], w_down.shape[0]
     prev = density.enter(instance)
     try:
-        plan = infer_plan(x, n, k_out, w_up is not None, layer, keep_stats, instance, path)
+        plan = infer_plan(x, n, k_out, w_up is not None, layer, instance, path)
         if plan.path == "torch":
             return torch_impl.ffn_infer(x, w_gate, b_gate, w_up, b_up, w_down, b_down, layer, keep_stats, act)
         if plan.path == "cpu":

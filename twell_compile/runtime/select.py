@@ -220,8 +220,8 @@ class InferPlan(NamedTuple):
     or "torch" (plain PyTorch). key: the layer's density-state key ("" paths without state).
     form: the decode form. width: the per-row list width. probe: measure the layer's density
     this call. graphed: the dense or per-row call replayed from the op's own CUDA graph.
-    counts: the dense call also counts non-zeros (statistics, probe). tick: count the call in
-    the layer's state. every: the probe interval in calls (plans with a key).
+    tick: count the call in the layer's state. every: the probe interval in calls (plans with
+    a key).
     """
     path: str
     policy: Union[GpuPolicy, CpuPolicy, None] = None
@@ -230,7 +230,6 @@ class InferPlan(NamedTuple):
     width: int = 0
     probe: bool = False
     graphed: bool = False
-    counts: bool = False
     tick: bool = False
     every: int = 0
 
@@ -272,8 +271,7 @@ def _graph_rows(p: GpuPolicy, x: Tensor, m: int, d: Optional[float], n: int, k_o
             and _graphs_usable(x))
 
 
-def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stats: bool,
-               path: str = "auto") -> InferPlan:
+def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, path: str = "auto") -> InferPlan:
     """The plan for one ``twell::ffn`` call on x [..., K] with N hidden units and K_out outputs.
     Reads the layer's lagged density (never syncs). Eligibility is the capability table's
     (runtime/paths.py): a forced path's record refuses or runs the call; "auto" runs a path
@@ -301,8 +299,7 @@ def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
     p = arch.policy_for(x.device)
     key = (layer, x.device, x.dtype, k, n, k_out, gated)
     if c.runs == "dense":       # eager's calls, replayed from the op's graph where host-bound
-        return InferPlan("dense", p, graphed=_graph_dense(p, x, m, k, n, k_out, gated),
-                         counts=keep_stats)
+        return InferPlan("dense", p, graphed=_graph_dense(p, x, m, k, n, k_out, gated))
     if c.runs == "decode":
         d = density.poll(key) or 0.0
         form = c.form or decode_form(
@@ -324,8 +321,7 @@ def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
     rows_ok = paths.auto_ok(_ROWS, p, x.dtype, m, k, n, k_out, density.in_graphs())
     if not decode and not rows_ok:
         # eager's calls (fp32, M between the sparse paths, unsupported shapes): no bookkeeping
-        return InferPlan("dense", p, graphed=_graph_dense(p, x, m, k, n, k_out, gated),
-                         counts=keep_stats)
+        return InferPlan("dense", p, graphed=_graph_dense(p, x, m, k, n, k_out, gated))
     if decode:
         sparse = form is not None
     else:
@@ -337,8 +333,8 @@ def plan_infer(x: Tensor, n: int, k_out: int, gated: bool, layer: str, keep_stat
         return InferPlan("decode", p, key, form=form, probe=probe, tick=True, every=every)
     if sparse:
         return _rows_plan(p, x, key, m, n, k_out, gated, d, probe, every)
-    graphed = _graph_dense(p, x, m, k, n, k_out, gated)     # statistics and the probe inside
-    return InferPlan("dense", p, key, probe=probe, graphed=graphed, counts=not graphed, tick=True, every=every)
+    return InferPlan("dense", p, key, probe=probe, graphed=_graph_dense(p, x, m, k, n, k_out, gated), tick=True,
+                     every=every)
 
 
 def _rows_plan(p: GpuPolicy, x: Tensor, key: tuple, m: int, n: int, k_out: int, gated: bool, d: Optional[float],
