@@ -19,7 +19,7 @@ overflow is decided on the device. Launch sizes come from the device's record (a
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -243,53 +243,46 @@ def twell_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
                   buf: Optional[Tensor], probe: bool, act: str, policy: arch.GpuPolicy
                   ) -> tuple[Tensor, Optional[Tensor]]:
     """The per-row path replayed from the op's own CUDA graph, where the calls' host time
-    exceeds their GPU time (select.rows_host_bound). Statistics go into ``buf`` (the
-    layer's buffer), or, for a ``probe`` without one, into a scratch buffer of the graph's;
-    neither: no statistics launch. ``policy``: the record of x2's device (the plan's), whose
-    launch sizes the key holds. Returns (y, non-zeros summed over the call as a 0-d view
-    the next replay overwrites, or None without statistics)."""
-    totals = buf is not None or probe
-    key = (("rows", x2.shape, x2.dtype, x2.device, width, act, totals, decode_graphs.math_mode(),
-            policy.launch_key, None if buf is None else buf.data_ptr())
-           + decode_graphs.weights_key(w_gate, b_gate, w_up, b_up, w_down, b_down))
-
-    def run(xs: Tensor, ys: Optional[Tensor]) -> tuple[Tensor, ...]:
-        y, per_token, hsum = twell_forward(xs, w_gate, b_gate, w_up, b_up, w_down, b_down, width, act, ys)
-        if not totals:
-            return (y,)
-        out = buf if buf is not None else stats.scratch_buffer(xs.device)
-        return y, record_stats(None, per_token, hsum, w_gate.shape[0], width, buf=out)[0]
-
-    # y allocated here: where the allocator hands back the previous call's block, the graph
-    # writes y in place (decode_graphs.run's ``out``) and no clone of the graph's y follows
-    y = torch.empty((x2.shape[0], w_down.shape[0]), dtype=x2.dtype, device=x2.device)
-    out = decode_graphs.run(key, x2, run, bind=True, out=y)
-    return out[0], (out[1] if totals else None)
+    exceeds their GPU time (select.rows_host_bound); statistics and result as ``_graphed``'s.
+    ``policy``: the record of x2's device (the plan's), whose launch sizes the key holds."""
+    weights = (w_gate, b_gate, w_up, b_up, w_down, b_down)
+    return _graphed(("rows", width, act, policy.launch_key), x2, weights, buf, probe, width,
+                    lambda xs, ys, totals: twell_forward(xs, *weights, width, act, ys))
 
 
 def dense_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                   b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], buf: Optional[Tensor] = None,
                   probe: bool = False, act: str = "relu") -> tuple[Tensor, Optional[Tensor]]:
     """dense_forward replayed from the op's own CUDA graph, where eager's calls cost more host
-    time than the GEMMs' GPU time (select.dense_host_bound: decode sizes).
-    Statistics go into ``buf`` (the layer's buffer), or, for a ``probe`` without one, into a
-    scratch buffer of the graph's; neither: no counting. Returns (y, non-zeros summed over the
-    call as a 0-d view the next replay overwrites, or None without statistics); y as
-    twell_graphed's."""
+    time than the GEMMs' GPU time (select.dense_host_bound: decode sizes); statistics and
+    result as ``_graphed``'s (no counting pass without them)."""
+    weights = (w_gate, b_gate, w_up, b_up, w_down, b_down)
+    return _graphed(("dense", act, arch.launch_policy(x2.device).launch_key), x2, weights, buf, probe, 0,
+                    lambda xs, ys, totals: dense_forward(xs, *weights, counts=totals, act=act, out=ys))
+
+
+def _graphed(kind: tuple, x2: Tensor, weights: tuple, buf: Optional[Tensor], probe: bool, width: int,
+             forward: Callable[[Tensor, Optional[Tensor], bool], tuple[Tensor, Optional[Tensor], Tensor]]
+             ) -> tuple[Tensor, Optional[Tensor]]:
+    """``forward(x, y_or_None, totals)`` -> (y, per-row counts, per-row |h| sums), replayed from
+    the op's own graph under a key of ``kind`` (what the launches bake in besides shapes and
+    weights). Statistics go into ``buf`` (the layer's buffer), or, for a ``probe`` without one,
+    into a scratch buffer of the graph's; neither: none taken. Returns (y, non-zeros summed
+    over the call as a 0-d view the next replay overwrites, or None without statistics)."""
     totals = buf is not None or probe
-    key = (("dense", x2.shape, x2.dtype, x2.device, act, totals, decode_graphs.math_mode(),
-            arch.launch_policy(x2.device).launch_key, None if buf is None else buf.data_ptr())
-           + decode_graphs.weights_key(w_gate, b_gate, w_up, b_up, w_down, b_down))
+    key = ((kind, x2.shape, x2.dtype, x2.device, totals, decode_graphs.math_mode(),
+            None if buf is None else buf.data_ptr()) + decode_graphs.weights_key(*weights))
 
     def run(xs: Tensor, ys: Optional[Tensor]) -> tuple[Tensor, ...]:
-        y, cnt, hsum = dense_forward(xs, w_gate, b_gate, w_up, b_up, w_down, b_down, counts=totals, act=act,
-                                     out=ys)
+        y, cnt, hsum = forward(xs, ys, totals)
         if not totals:
             return (y,)
         out = buf if buf is not None else stats.scratch_buffer(xs.device)
-        return y, record_stats(None, cnt, hsum, w_gate.shape[0], buf=out)[0]
+        return y, record_stats(None, cnt, hsum, weights[0].shape[0], width, buf=out)[0]
 
-    y = torch.empty((x2.shape[0], w_down.shape[0]), dtype=x2.dtype, device=x2.device)
+    # y allocated here: where the allocator hands back the previous call's block, the graph
+    # writes y in place (decode_graphs.run's ``out``) and no clone of the graph's y follows
+    y = torch.empty((x2.shape[0], weights[4].shape[0]), dtype=x2.dtype, device=x2.device)
     out = decode_graphs.run(key, x2, run, bind=True, out=y)
     return out[0], (out[1] if totals else None)
 
