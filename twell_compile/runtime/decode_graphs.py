@@ -47,13 +47,17 @@ class KeyGraphs:
     """One key's graphs by variant, (x's address or None: x copied into the graph's input,
     y's address or None: y copied out of the graph's output), and the choice a call makes
     among them (``choose``) from the addresses of the key's last call."""
-    __slots__ = ("variants", "last_x", "last_y", "bound")
+    __slots__ = ("variants", "last_x", "last_y")
 
     def __init__(self) -> None:
         self.variants: dict[tuple, Any] = {}
         self.last_x: Any = None
         self.last_y: Any = None
-        self.bound = 0                   # variants captured that bind an address
+
+    @property
+    def bound(self) -> int:
+        """Variants held that bind an address."""
+        return sum(vk != (None, None) for vk in self.variants)
 
     def first(self, xa: Any, ya: Any) -> None:
         """The key's first call (run eagerly) came with these addresses."""
@@ -72,7 +76,6 @@ class KeyGraphs:
         by = ya if ya is not None and ya == self.last_y else None
         self.last_x, self.last_y = xa, ya
         if (bx is not None or by is not None) and self.bound < MAX_BOUND and (bx, by) not in v:
-            self.bound += 1
             return True, (bx, by)
         for vk in ((xa, None), (None, ya), (None, None)):
             if vk in v:
@@ -190,7 +193,6 @@ def _capture(key: tuple, e: KeyGraphs, variant: tuple, x: Tensor, fn: Callable[.
         if count() >= MAX_GRAPHS:
             _drop()
             e.variants.clear()
-            e.bound = int(variant != (None, None))
             _entries[key] = e
         e.variants[variant] = g
     graph.replay()
