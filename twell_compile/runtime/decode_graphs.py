@@ -6,10 +6,10 @@ its Python launches, allocations and views most of the op's ~150 us (docs/infere
 time"). Here each (shapes, form, flags, weights) key is run eagerly once (Triton compiles and
 loads its kernels), captured into a CUDA graph on the second call, and replayed from then on:
 a copy of x into the graph's input, one replay, one clone of its output. The dense path at the
-same sizes (eager's GEMMs, cuda_infer.dense_forward without statistics) is graphed likewise, and
-so are per-row calls whose GPU time is under their eager host time (select.rows_host_bound),
-whose graphs also read x and write y in place where they come at a repeated address (``run``'s
-``bind`` and ``out``: no copy, no clone).
+same sizes (eager's GEMMs, cuda_infer.dense_forward, statistics inside the graph) is graphed
+likewise, and so are per-row calls whose GPU time is under their eager host time
+(select.rows_host_bound); the dense and per-row graphs also read x and write y in place where
+they come at a repeated address (``run``'s ``bind`` and ``out``: no copy, no clone).
 
 Semantics are the eager call's: the output is a fresh tensor; the weights are read at replay
 time, from the parameters themselves (no copies: updates made any way are seen);
