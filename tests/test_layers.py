@@ -147,6 +147,8 @@ def test_private_uses_are_found():
 TEST_PRIVATE_ALLOWED = {
     # a newer entry at a reused address surviving the old entry's weakref drop (a GC race)
     "tests/runtime/test_decode_state.py",
+    # the one-pass argument check passing every valid set (refusing one is only slower)
+    "tests/test_ops_fits.py",
 }
 
 

@@ -157,22 +157,6 @@ def test_bad_arguments_name_the_argument(change, err, match):
         OPS.ffn(*args, "t", False)
 
 
-@pytest.mark.parametrize("gated, bias, lead", [(True, True, (5,)), (True, False, (2, 3)), (False, True, (4,)),
-                                              (False, False, (1, 1, 2))])
-def test_valid_arguments_take_the_one_pass_check(gated, bias, lead):
-    """The per-call check (ops._fits) passes every valid argument set by itself, so the explaining
-    checks run only where an argument is bad (a fits that refused good ones would only be slower)."""
-    from twell_compile import ops
-
-    args = make(5, 8, 12, 7)
-    args[0] = torch.randn(*lead, 8)
-    if not gated:
-        args[3] = args[4] = None
-    if not bias:
-        args[2] = args[4] = args[6] = None
-    assert ops._fits(*args)
-
-
 def test_bad_knobs():
     args = make(5, 8, 12, 7)
     with pytest.raises(ValueError, match="ell_width"):
