@@ -232,6 +232,36 @@ def test_the_compaction_launch_transposes_w_down(m, k, n, k_out, density, tail, 
         assert torch.equal(cuda_infer.twell_forward(*stored, width)[0], want)
 
 
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("m, density, tail, width, launch", [
+    # the heaviest 256 rows of a long tail in four parts, the rest whole
+    (4096, 0.005, 0.5, 64, dict(row_split=4, row_split_pairs=16, row_split_rows=256, row_buckets=8)),
+    # every row a candidate, in arbitrary order: thousands of rows meeting at once
+    (3000, 0.02, 0.2, 32, dict(row_split=2, row_split_pairs=4, row_split_rows=4096, row_buckets=1)),
+    (1, 0.2, 0.0, 32, dict(row_split=4, row_split_pairs=8, row_split_rows=256, row_buckets=8)),   # M = 1
+])
+def test_split_rows_are_exact_and_repeatable(m, density, tail, width, launch, gated):
+    """row_split: the heaviest rows' lists cut in parts that meet in an fp32 slot; y within the
+    2x rule, the same bits call after call (the parts added in part order whichever finishes
+    last), counts and |h| sums as the unsplit kernel's."""
+    p = _ffn(m, 512, 2048, 384, density, tail, torch.bfloat16, gated=gated)
+    args = _args(p)
+    whole = cuda_infer.twell_forward(*args, width)
+    with arch.patched(**launch):
+        r = cuda_infer.gate_rows(args[0], args[1], args[2], width)
+        heavy = r.cnt[r.rows_in_order()[:r.tick.numel()].long()].clamp(max=width)
+        assert (heavy > launch["row_split_pairs"]).any(), "the point splits no row"
+        counts = _check_exact(p, width=width)
+        _poison()
+        y, c2, hsum = cuda_infer.twell_forward(*args, width)
+        for _ in range(3):
+            _poison()
+            assert torch.equal(cuda_infer.twell_forward(*args, width)[0], y), "not repeatable"
+    assert torch.equal(counts, whole[1]) and torch.equal(c2, whole[1])
+    torch.testing.assert_close(hsum, whole[2], rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(y.float(), whole[0].float(), rtol=2e-2, atol=2e-2)
+
+
 def test_fresh_inputs_repeatable():
     """Same inputs twice give the same bits (no race); fresh inputs each give a right answer."""
     for _ in range(3):

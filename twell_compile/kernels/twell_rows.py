@@ -30,6 +30,11 @@ global memory:
      (chunks of CH, non-zeros found with a prefix count); rows whose x holds NaN/Inf take
      every column (0 * Inf = NaN as in eager). Nothing is dropped, no capacity to exhaust.
 Also writes sum |h| per row (stats), in fp32.
+  3. split rows (SPLIT > 1): a program per row waits on its longest row's chain of pairs, and a
+     trained layer's rows are skewed (6-169 listed pairs at 34 on average). The H heaviest rows in
+     the order take SPLIT programs each: a row over SEG listed pairs is cut in up to SPLIT even
+     parts, each part sums its pairs into an fp32 slot, and the last part to arrive adds the
+     slots in part order and writes y (deterministic; the exact tail stays with part 0).
 compact_rows_kernel and twell_rows_kernel take PDL: launched with programmatic dependent launch
 (kernels/pdl.py), each waits on the previous kernel before touching memory.
 """
@@ -275,19 +280,56 @@ def _pair(acc, hs, xr, g, n, live, wu, wd, bu_ptr, k_ok,
 
 
 @triton.jit
+def _join_parts(acc, hrow, part_ptr, tick_ptr, p, part, s, ko, KO, SPLIT: tl.constexpr):
+    """A split row's parts meet here. Each part stores its fp32 sums (y's row, then sum |h|) in
+    its slot of part_ptr [H * SPLIT, KO + 1] and takes a ticket on the row's counter; the last
+    to arrive adds the s slots in part order (the same sum whichever program finishes last) and
+    writes. Returns (y's sums, sum |h|, whether this program writes the row)."""
+    split = (s > 1) & (part < s)
+    slot = part_ptr + (p * SPLIT + part).to(tl.int64) * (KO + 1)
+    tl.store(slot + ko, acc, mask=ko < tl.where(split, KO, 0))
+    tl.store(slot + KO, hrow, mask=split)
+    # split-K's serial fixup: the CTA barrier orders every thread's stores before the release;
+    # the acquire (and loads past the L1) make the other parts' visible to the last
+    tl.debug_barrier()
+    ticket = tl.atomic_add(tick_ptr + p, 1, mask=split, sem="acq_rel")
+    last = split & (ticket == s - 1)
+    total = tl.zeros_like(acc)
+    htot = hrow * 0.0
+    base = part_ptr + (p * SPLIT).to(tl.int64) * (KO + 1)
+    for j in tl.static_range(SPLIT):
+        use = last & (j < s)
+        total += tl.load(base + j * (KO + 1) + ko, mask=ko < tl.where(use, KO, 0), other=0.0, cache_modifier=".cg")
+        htot += tl.load(base + j * (KO + 1) + KO, mask=use, other=0.0, cache_modifier=".cg")
+    return tl.where(last, total, acc), tl.where(last, htot, hrow), (s == 1) & (part == 0) | last
+
+
+@triton.jit
 def twell_rows_kernel(
     x_ptr, sx_m, sx_k, g_ptr, sg_m,
     list_ptr, cnt_ptr, order_ptr, ctr_ptr,
     wu_ptr, swu_n, swu_k, bu_ptr,
     wdt_ptr, swd_n, swd_k, bd_ptr,
     y_ptr, sy_m, sy_k, hsum_ptr,
+    part_ptr, tick_ptr, H,
     M, K, N, KO, W,
     GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
     PF: tl.constexpr, STAGES: tl.constexpr, NB: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, SEG: tl.constexpr,
 ):
     pdl_enter(PDL)
-    m = row_at(order_ptr, ctr_ptr, tl.program_id(0), M, NB)
+    pid = tl.program_id(0)
+    if SPLIT > 1:
+        # the first H rows in order (the heaviest) take SPLIT programs each, the others one
+        heavy = pid < H * SPLIT
+        p = tl.where(heavy, pid // SPLIT, pid - H * (SPLIT - 1))
+        part = tl.where(heavy, pid % SPLIT, 0)
+    else:
+        heavy = pid < 0
+        p = pid
+        part = pid * 0
+    m = row_at(order_ptr, ctr_ptr, p, M, NB)
     ks = tl.arange(0, K_P)
     k_ok = ks < K
     ko = tl.arange(0, KO_P)
@@ -296,7 +338,14 @@ def twell_rows_kernel(
     bad = tl.sum(((xr != xr) | (tl.abs(xr) == float("inf"))).to(tl.int32), axis=0) > 0
     cnt = tl.load(cnt_ptr + m)
     nl = tl.where(bad, 0, tl.minimum(cnt, W))
-    lrow = m * W
+    # a heavy row over SEG listed pairs: its list cut in s <= SPLIT even parts, this program's
+    # the part-th (s = 1: the whole row, parts past s idle); the exact tail stays with part 0
+    s = tl.where(heavy & (nl > SEG), tl.minimum(tl.cdiv(nl, SEG), SPLIT), 1)
+    seg = tl.cdiv(nl, s)
+    s = tl.where(s > 1, tl.cdiv(nl, tl.maximum(seg, 1)), 1)     # no empty part (4 pairs in 3: 2 + 2)
+    lo = tl.minimum(part * seg, nl)
+    nl = tl.minimum(nl - lo, seg)
+    lrow = m * W + lo
     pa = tl.arange(0, PAIRS)
     acc = tl.zeros((KO_P,), dtype=tl.float32)
     hs = tl.zeros((PAIRS,), dtype=tl.float32)
@@ -348,9 +397,9 @@ def twell_rows_kernel(
                 n, g = _unpack(tl.load(list_ptr + lrow + p1, mask=live, other=0), dt)
 
     # 2. exact tail over g itself: after the W-th listed column (cnt > W), or every column (bad x).
-    over = (cnt > W) & (~bad)
-    last = (tl.load(list_ptr + lrow + W - 1, mask=over, other=0) >> 16) & 0xFFFF
-    start = tl.where(bad, 0, tl.where(over, last + 1, N))
+    over = (cnt > W) & (~bad) & (part == 0)
+    last = (tl.load(list_ptr + m * W + W - 1, mask=over, other=0) >> 16) & 0xFFFF
+    start = tl.where(part != 0, N, tl.where(bad, 0, tl.where(over, last + 1, N)))
     cc = tl.arange(0, CH)
     for c0 in range(start, N, CH):
         cn = c0 + cc
@@ -365,7 +414,12 @@ def twell_rows_kernel(
             twu = _wrows(wu_ptr, tn, swu_n, ks, swu_k, tl_live, wu_m, tg, GATED)
             twd = _wrows(wdt_ptr, tn, swd_n, ko, swd_k, tl_live, wd_m, tg, True)
             acc, hs = _pair(acc, hs, xr, tg, tn, tl_live, twu, twd, bu_ptr, k_ok, GATED, HAS_BU, ACT)
+    hrow = tl.sum(hs, axis=0)
+    write = part < s
+    if SPLIT > 1:
+        acc, hrow, write = _join_parts(acc, hrow, part_ptr, tick_ptr, p, part, s, ko, KO, SPLIT)
     if HAS_BD:
         acc += tl.load(bd_ptr + ko, mask=ko_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m * sy_m + ko * sy_k, acc.to(y_ptr.dtype.element_ty), mask=ko_ok)
-    tl.store(hsum_ptr + m, tl.sum(hs, axis=0))
+    # (masks of a vector and a scalar as one comparison: the interpreter's & of them is int32)
+    tl.store(y_ptr + m * sy_m + ko * sy_k, acc.to(y_ptr.dtype.element_ty), mask=ko < tl.where(write, KO, 0))
+    tl.store(hsum_ptr + m, hrow, mask=write)
