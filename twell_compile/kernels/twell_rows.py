@@ -280,11 +280,24 @@ def _pair(acc, hs, xr, g, n, live, wu, wd, bu_ptr, k_ok,
 
 
 @triton.jit
+def _split_range(nl, heavy, part, SEG: tl.constexpr, SPLIT: tl.constexpr):
+    """A heavy row's nl listed pairs cut in s <= SPLIT even parts of about SEG or more, none
+    empty (4 pairs in 3: 2 + 2); s = 1 for a row at most SEG long or not heavy. Returns (s, the
+    part's first pair, its pair count: 0 for parts past s)."""
+    s = tl.where(heavy & (nl > SEG), tl.minimum(tl.cdiv(nl, SEG), SPLIT), 1)
+    seg = tl.cdiv(nl, s)
+    s = tl.where(s > 1, tl.cdiv(nl, tl.maximum(seg, 1)), 1)
+    lo = tl.minimum(part * seg, nl)
+    return s, lo, tl.minimum(nl - lo, seg)
+
+
+@triton.jit
 def _join_parts(acc, hrow, part_ptr, tick_ptr, p, part, s, ko, KO, SPLIT: tl.constexpr):
     """A split row's parts meet here. Each part stores its fp32 sums (y's row, then sum |h|) in
     its slot of part_ptr [H * SPLIT, KO + 1] and takes a ticket on the row's counter; the last
     to arrive adds the s slots in part order (the same sum whichever program finishes last) and
-    writes. Returns (y's sums, sum |h|, whether this program writes the row)."""
+    writes. Returns (y's sums, sum |h|, whether this program writes the row). Masks of a vector
+    and a scalar are one comparison (ko < KO or 0): the interpreter's & of the two is int32."""
     split = (s > 1) & (part < s)
     slot = part_ptr + (p * SPLIT + part).to(tl.int64) * (KO + 1)
     tl.store(slot + ko, acc, mask=ko < tl.where(split, KO, 0))
@@ -294,14 +307,14 @@ def _join_parts(acc, hrow, part_ptr, tick_ptr, p, part, s, ko, KO, SPLIT: tl.con
     tl.debug_barrier()
     ticket = tl.atomic_add(tick_ptr + p, 1, mask=split, sem="acq_rel")
     last = split & (ticket == s - 1)
-    total = tl.zeros_like(acc)
-    htot = hrow * 0.0
+    acc = tl.where(split, 0.0, acc)          # a split row's sums restart from its slots
+    hrow = tl.where(split, 0.0, hrow)
     base = part_ptr + (p * SPLIT).to(tl.int64) * (KO + 1)
     for j in tl.static_range(SPLIT):
         use = last & (j < s)
-        total += tl.load(base + j * (KO + 1) + ko, mask=ko < tl.where(use, KO, 0), other=0.0, cache_modifier=".cg")
-        htot += tl.load(base + j * (KO + 1) + KO, mask=use, other=0.0, cache_modifier=".cg")
-    return tl.where(last, total, acc), tl.where(last, htot, hrow), (s == 1) & (part == 0) | last
+        acc += tl.load(base + j * (KO + 1) + ko, mask=ko < tl.where(use, KO, 0), other=0.0, cache_modifier=".cg")
+        hrow += tl.load(base + j * (KO + 1) + KO, mask=use, other=0.0, cache_modifier=".cg")
+    return acc, hrow, ((s == 1) & (part == 0)) | last
 
 
 @triton.jit
@@ -320,15 +333,12 @@ def twell_rows_kernel(
 ):
     pdl_enter(PDL)
     pid = tl.program_id(0)
+    p = pid
     if SPLIT > 1:
         # the first H rows in order (the heaviest) take SPLIT programs each, the others one
         heavy = pid < H * SPLIT
         p = tl.where(heavy, pid // SPLIT, pid - H * (SPLIT - 1))
         part = tl.where(heavy, pid % SPLIT, 0)
-    else:
-        heavy = pid < 0
-        p = pid
-        part = pid * 0
     m = row_at(order_ptr, ctr_ptr, p, M, NB)
     ks = tl.arange(0, K_P)
     k_ok = ks < K
@@ -338,14 +348,12 @@ def twell_rows_kernel(
     bad = tl.sum(((xr != xr) | (tl.abs(xr) == float("inf"))).to(tl.int32), axis=0) > 0
     cnt = tl.load(cnt_ptr + m)
     nl = tl.where(bad, 0, tl.minimum(cnt, W))
-    # a heavy row over SEG listed pairs: its list cut in s <= SPLIT even parts, this program's
-    # the part-th (s = 1: the whole row, parts past s idle); the exact tail stays with part 0
-    s = tl.where(heavy & (nl > SEG), tl.minimum(tl.cdiv(nl, SEG), SPLIT), 1)
-    seg = tl.cdiv(nl, s)
-    s = tl.where(s > 1, tl.cdiv(nl, tl.maximum(seg, 1)), 1)     # no empty part (4 pairs in 3: 2 + 2)
-    lo = tl.minimum(part * seg, nl)
-    nl = tl.minimum(nl - lo, seg)
-    lrow = m * W + lo
+    row0 = m * W
+    lrow = row0
+    if SPLIT > 1:
+        # this program's part of the row's list (the exact tail stays with part 0)
+        s, lo, nl = _split_range(nl, heavy, part, SEG, SPLIT)
+        lrow += lo
     pa = tl.arange(0, PAIRS)
     acc = tl.zeros((KO_P,), dtype=tl.float32)
     hs = tl.zeros((PAIRS,), dtype=tl.float32)
@@ -397,9 +405,13 @@ def twell_rows_kernel(
                 n, g = _unpack(tl.load(list_ptr + lrow + p1, mask=live, other=0), dt)
 
     # 2. exact tail over g itself: after the W-th listed column (cnt > W), or every column (bad x).
-    over = (cnt > W) & (~bad) & (part == 0)
-    last = (tl.load(list_ptr + m * W + W - 1, mask=over, other=0) >> 16) & 0xFFFF
-    start = tl.where(part != 0, N, tl.where(bad, 0, tl.where(over, last + 1, N)))
+    over = (cnt > W) & (~bad)
+    if SPLIT > 1:
+        over = over & (part == 0)
+    last = (tl.load(list_ptr + row0 + W - 1, mask=over, other=0) >> 16) & 0xFFFF
+    start = tl.where(bad, 0, tl.where(over, last + 1, N))
+    if SPLIT > 1:
+        start = tl.where(part == 0, start, N)
     cc = tl.arange(0, CH)
     for c0 in range(start, N, CH):
         cn = c0 + cc
@@ -415,11 +427,13 @@ def twell_rows_kernel(
             twd = _wrows(wdt_ptr, tn, swd_n, ko, swd_k, tl_live, wd_m, tg, True)
             acc, hs = _pair(acc, hs, xr, tg, tn, tl_live, twu, twd, bu_ptr, k_ok, GATED, HAS_BU, ACT)
     hrow = tl.sum(hs, axis=0)
-    write = part < s
     if SPLIT > 1:
         acc, hrow, write = _join_parts(acc, hrow, part_ptr, tick_ptr, p, part, s, ko, KO, SPLIT)
+        ko_ok = ko < tl.where(write, KO, 0)
     if HAS_BD:
         acc += tl.load(bd_ptr + ko, mask=ko_ok, other=0.0).to(tl.float32)
-    # (masks of a vector and a scalar as one comparison: the interpreter's & of them is int32)
-    tl.store(y_ptr + m * sy_m + ko * sy_k, acc.to(y_ptr.dtype.element_ty), mask=ko < tl.where(write, KO, 0))
-    tl.store(hsum_ptr + m, hrow, mask=write)
+    tl.store(y_ptr + m * sy_m + ko * sy_k, acc.to(y_ptr.dtype.element_ty), mask=ko_ok)
+    if SPLIT > 1:
+        tl.store(hsum_ptr + m, hrow, mask=write)
+    else:
+        tl.store(hsum_ptr + m, hrow)
