@@ -292,16 +292,18 @@ def _split_range(nl, heavy, part, SEG: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _join_parts(acc, hrow, part_ptr, tick_ptr, p, part, s, ko, KO, SPLIT: tl.constexpr):
-    """A split row's parts meet here. Each part stores its fp32 sums (y's row, then sum |h|) in
-    its slot of part_ptr [H * SPLIT, KO + 1] and takes a ticket on the row's counter; the last
-    to arrive adds the s slots in part order (the same sum whichever program finishes last) and
-    writes. Returns (y's sums, sum |h|, whether this program writes the row). Masks of a vector
-    and a scalar are one comparison (ko < KO or 0): the interpreter's & of the two is int32."""
+def _join_parts(acc, hrow, part_ptr, tick_ptr, p, part, s, ko, H, KO, SPLIT: tl.constexpr):
+    """A split row's parts meet here. Each part stores its fp32 sums in its slot of part_ptr (y's
+    row in [H * SPLIT, KO], rows 16-byte aligned where KO is a multiple of 4; sum |h| in the
+    [H * SPLIT] after them) and takes a ticket on the row's counter; the last to arrive adds the
+    s slots in part order (the same sum whichever program finishes last) and writes. Returns
+    (y's sums, sum |h|, whether this program writes the row). Masks of a vector and a scalar are
+    one comparison (ko < KO or 0): the interpreter's & of the two is int32."""
     split = (s > 1) & (part < s)
-    slot = part_ptr + (p * SPLIT + part).to(tl.int64) * (KO + 1)
-    tl.store(slot + ko, acc, mask=ko < tl.where(split, KO, 0))
-    tl.store(slot + KO, hrow, mask=split)
+    first = p * SPLIT
+    hs_ptr = part_ptr + (first * 0 + H * SPLIT).to(tl.int64) * KO      # (a tensor even where H is 1, a constexpr)
+    tl.store(part_ptr + (first + part).to(tl.int64) * KO + ko, acc, mask=ko < tl.where(split, KO, 0))
+    tl.store(hs_ptr + first + part, hrow, mask=split)
     # split-K's serial fixup: the CTA barrier orders every thread's stores before the release;
     # the acquire (and loads past the L1) make the other parts' visible to the last
     tl.debug_barrier()
@@ -309,11 +311,11 @@ def _join_parts(acc, hrow, part_ptr, tick_ptr, p, part, s, ko, KO, SPLIT: tl.con
     last = split & (ticket == s - 1)
     acc = tl.where(split, 0.0, acc)          # a split row's sums restart from its slots
     hrow = tl.where(split, 0.0, hrow)
-    base = part_ptr + (p * SPLIT).to(tl.int64) * (KO + 1)
     for j in tl.static_range(SPLIT):
         use = last & (j < s)
-        acc += tl.load(base + j * (KO + 1) + ko, mask=ko < tl.where(use, KO, 0), other=0.0, cache_modifier=".cg")
-        hrow += tl.load(base + j * (KO + 1) + KO, mask=use, other=0.0, cache_modifier=".cg")
+        acc += tl.load(part_ptr + (first + j).to(tl.int64) * KO + ko, mask=ko < tl.where(use, KO, 0), other=0.0,
+                       cache_modifier=".cg")
+        hrow += tl.load(hs_ptr + first + j, mask=use, other=0.0, cache_modifier=".cg")
     return acc, hrow, ((s == 1) & (part == 0)) | last
 
 
@@ -428,7 +430,7 @@ def twell_rows_kernel(
             acc, hs = _pair(acc, hs, xr, tg, tn, tl_live, twu, twd, bu_ptr, k_ok, GATED, HAS_BU, ACT)
     hrow = tl.sum(hs, axis=0)
     if SPLIT > 1:
-        acc, hrow, write = _join_parts(acc, hrow, part_ptr, tick_ptr, p, part, s, ko, KO, SPLIT)
+        acc, hrow, write = _join_parts(acc, hrow, part_ptr, tick_ptr, p, part, s, ko, H, KO, SPLIT)
         ko_ok = ko < tl.where(write, KO, 0)
     if HAS_BD:
         acc += tl.load(bd_ptr + ko, mask=ko_ok, other=0.0).to(tl.float32)

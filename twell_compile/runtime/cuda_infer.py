@@ -190,7 +190,8 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
     pdl = pdl_ok(x2.device)
     heavy = min(r.tick.numel(), m)
     split = p.row_split if heavy else 1
-    parts = torch.empty((heavy * split, k_out + 1), dtype=torch.float32, device=x2.device) if heavy else hsum
+    # the split rows' fp32 sums: [H * split, K_out] for y's rows, then [H * split] for sum |h|
+    parts = torch.empty((heavy * split * (k_out + 1),), dtype=torch.float32, device=x2.device) if heavy else hsum
     launch(twell_rows_kernel, (m + heavy * (split - 1),),
            (x2, x2.stride(0), x2.stride(1), r.g, r.g.stride(0), r.lst, r.cnt, r.order, r.ctr,
             wu, wu.stride(0), wu.stride(1), b_up if b_up is not None else x2,
