@@ -188,7 +188,7 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
     if m == 0:
         return y, hsum
     pdl = pdl_ok(x2.device)
-    heavy = min(r.tick.numel(), m)
+    heavy = min(r.tick.numel(), m) if p.row_split > 1 else 0
     split = p.row_split if heavy else 1
     # the split rows' fp32 sums: [H * split, K_out] for y's rows, then [H * split] for sum |h|
     parts = torch.empty((heavy * split * (k_out + 1),), dtype=torch.float32, device=x2.device) if heavy else hsum
@@ -201,7 +201,7 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
            dict(GATED=w_up is not None, HAS_BU=b_up is not None, HAS_BD=b_down is not None,
                 K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.row_pairs, CH=min(TAIL_CH, pow2(n)), PF=p.row_prefetch,
                 STAGES=p.row_stages, NB=r.ctr.numel(), ACT=ACTS.index(act), PDL=pdl,
-                SPLIT=split, SEG=p.row_split_pairs),
+                SPLIT=split, SEG=p.row_split_pairs if heavy else 0),
            num_warps=warps_by_width(max(k, k_out), p.row_cols_per_warp), pdl=pdl)
     return y, hsum
 
