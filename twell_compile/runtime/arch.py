@@ -179,7 +179,7 @@ class GpuPolicy:
     row_split: int = 1               # > 1: the first row_split_rows rows in that order (the
                                      # heaviest where row_buckets > 2) take this many programs
                                      # each, a row over row_split_pairs listed pairs cut in even parts
-    row_split_pairs: int = 48
+    row_split_pairs: int = 48        # (at least 1)
     row_split_rows: int = 256
     compact_transpose: bool = False  # W_down^T's per-call copy made by the compaction's launch
                                      # (tiles after its programs), not a launch of its own

@@ -201,7 +201,7 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
            dict(GATED=w_up is not None, HAS_BU=b_up is not None, HAS_BD=b_down is not None,
                 K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.row_pairs, CH=min(TAIL_CH, pow2(n)), PF=p.row_prefetch,
                 STAGES=p.row_stages, NB=r.ctr.numel(), ACT=ACTS.index(act), PDL=pdl,
-                SPLIT=split, SEG=p.row_split_pairs if heavy else 0),
+                SPLIT=split, SEG=max(1, p.row_split_pairs) if heavy else 0),
            num_warps=warps_by_width(max(k, k_out), p.row_cols_per_warp), pdl=pdl)
     return y, hsum
 
