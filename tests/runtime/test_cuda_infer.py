@@ -300,18 +300,21 @@ def test_op_plan_starts_dense_then_twell_and_stays_dense_when_dense():
         assert abs(st.mean_nnz - float((hg != 0).sum()) / 4096) <= 0.01 * st.mean_nnz + 0.1
 
 
+@pytest.mark.parametrize("launch", [{}, dict(row_split=4, row_split_pairs=2, row_split_rows=512, row_buckets=8)],
+                         ids=["whole-rows", "split-rows"])
 @pytest.mark.parametrize("keep_stats", [True, False])
-def test_graphed_per_row_calls_are_exact_fresh_and_see_weight_updates(keep_stats):
+def test_graphed_per_row_calls_are_exact_fresh_and_see_weight_updates(keep_stats, launch):
     """op_rows_host_us: the per-row path replays the op's own CUDA graph (first call eager,
     second captured, then replays): fresh inputs each call, outputs never aliased, statistics
-    and the density probe written, in-place weight updates seen by replays."""
+    and the density probe written, in-place weight updates seen by replays; with rows split,
+    their counters zeroed and their parts met again at every replay."""
     from twell_compile.runtime import decode_graphs
 
     decode_graphs.clear()
     p = _ffn(2048, 256, 1024, 256, 0.005, 0.0, torch.bfloat16)
-    layer = f"graphed_rows{keep_stats}"
+    layer = f"graphed_rows{keep_stats}{sorted(launch.items())}"
     twell_compile.reset_stats()
-    with arch.patched(op_rows_host_us=1e6):
+    with arch.patched(op_rows_host_us=1e6, **launch):
         outs = []
         for i in range(6):
             p["x"] = _inputs(2048, 256) * (1 + 0.1 * i)
