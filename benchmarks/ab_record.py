@@ -9,12 +9,12 @@ y is compared bit for bit with the first variant's.
 A variant is a space-free list of FIELD=VALUE pairs joined by "," (GpuPolicy fields, as
 --policy elsewhere). One row per (M, gated): ``ms`` maps each variant to its median ms,
 ``y_bit_equal`` each variant to whether its y equals the first's, ``y_rel_diff`` its relative
-difference from the first's (a variant that sums in another order, row_split, differs in the
-last bits). --activity: bench_ffn.py's (iid, a profile's layer, a checkpoint), e.g.
+difference from the first's (a variant that sums in another order differs in the last bits).
+--activity: bench_ffn.py's (iid, a profile's layer, a checkpoint), e.g.
 
     python3 benchmarks/ab_record.py --M 2048 4096 --gated yes \
         --activity benchmarks/profiles/h100_activity.json:model.layers.3.mlp \
-        --variants row_buckets=8 row_buckets=8,row_split=4
+        --variants row_buckets=2 row_buckets=8
 """
 
 from __future__ import annotations

@@ -44,13 +44,7 @@ SCRIPT = textwrap.dedent("""
     assert torch.allclose(hsum[fin_rows], want_hsum[fin_rows], rtol=2e-2, atol=1e-2), (hsum, want_hsum)
     assert torch.equal(counts, (hg != 0).sum(1).int()), "counts"
     r = gate_rows(x, wg, bg, width)
-    assert r.tick.numel() == arch.launch_policy('cpu').split_rows(m), "split rows' counters"
-    assert not r.tick.any(), "split rows' counters start at zero"
     o = r.rows_in_order().long()      # the row kernels' order
-    pol = arch.launch_policy('cpu')
-    if pol.row_split > 1:             # the case splits a row: its first rows in order hold one over the cut
-        heavy = counts[o[:pol.split_rows(m)]].clamp(max=width)
-        assert (heavy > pol.row_split_pairs).any(), ("no row split", heavy)
     assert torch.equal(o.sort().values, torch.arange(m)), ("order: a permutation", o)
     nb, c = r.ctr.numel(), counts.long()
     want = torch.where(c > width, 0, 1 + ((nb - 2) - c * (nb - 1) // (width + 1)).clamp(min=0)) if nb > 1 else 0 * c
@@ -98,19 +92,6 @@ def test_pipelined_list_loop_under_interpreter(case, launch):
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[5]])
 def test_row_buckets_under_interpreter(case, launch):
     run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 2, case=case, launch=launch, act="relu"), timeout=60)
-
-
-# split rows: the first row_split_rows rows in order take row_split programs each, a row over
-# row_split_pairs listed pairs cut in even parts whose fp32 sums the last part adds (heaviest rows
-# first in eight buckets, or in one bucket with every row a candidate; the pipelined list loop
-# with two pairs per step; rows over the width keep their exact tail in part 0; NaN/Inf rows)
-@pytest.mark.parametrize("launch", [dict(row_split=4, row_split_pairs=2, row_split_rows=3, row_buckets=8),
-                                    dict(row_split=3, row_split_pairs=1, row_split_rows=64, row_buckets=1),
-                                    dict(row_split=2, row_split_pairs=3, row_split_rows=8, row_buckets=8,
-                                         row_prefetch=3, row_stages=3, row_pairs=2)])
-@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4], CASES[5]])
-def test_split_rows_under_interpreter(case, launch):
-    run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 6, case=case, launch=launch, act="relu"), timeout=60)
 
 
 # W_down^T made by the compaction's launch (tiles after its programs): every case, one with the
