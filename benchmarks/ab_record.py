@@ -8,7 +8,13 @@ y is compared bit for bit with the first variant's.
 
 A variant is a space-free list of FIELD=VALUE pairs joined by "," (GpuPolicy fields, as
 --policy elsewhere). One row per (M, gated): ``ms`` maps each variant to its median ms,
-``y_bit_equal`` each variant to whether its y equals the first's.
+``y_bit_equal`` each variant to whether its y equals the first's, ``y_rel_diff`` its relative
+difference from the first's (a variant that sums in another order differs in the last bits).
+--activity: bench_ffn.py's (iid, a profile's layer, a checkpoint), e.g.
+
+    python3 benchmarks/ab_record.py --M 2048 4096 --gated yes \
+        --activity benchmarks/profiles/h100_activity.json:model.layers.3.mlp \
+        --variants row_buckets=2 row_buckets=8
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from benchmarks.rows import save_rows, stamp  # noqa: E402
 from benchmarks.timing import gpu_name, interleaved_ms, policy_changes  # noqa: E402
 
 from twell_compile.runtime import arch, cuda_infer  # noqa: E402
-from twell_compile.testing import make_ffn  # noqa: E402
+from twell_compile.testing import make_ffn_for, parse_activity  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -34,6 +40,8 @@ def main(argv=None) -> int:
     ap.add_argument("--K", type=int, default=2048)
     ap.add_argument("--N", type=int, default=5632)
     ap.add_argument("--density", type=float, default=0.005)
+    ap.add_argument("--activity", default="iid", metavar="iid|PROFILE.json[:LAYER]|checkpoint:PATH",
+                    help="the inputs' activity, as bench_ffn.py's (default iid: make_ffn at --density)")
     ap.add_argument("--width", type=int, default=256, help="per-row list width W")
     ap.add_argument("--gated", choices=("yes", "no", "both"), default="both")
     ap.add_argument("--variants", nargs="+", required=True, metavar="F=V[,F=V...]")
@@ -41,14 +49,15 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=400)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    parse_activity(a.activity)                     # a bad spec fails before the GPU check
     if not torch.cuda.is_available():
         raise SystemExit("ab_record.py times CUDA graphs: it needs a GPU")
     variants = {v: policy_changes(v.split(",")) for v in a.variants}
     rows = []
     for gated in {"yes": (True,), "no": (False,), "both": (True, False)}[a.gated]:
         for m in a.M:
-            p = make_ffn(m, a.K, a.N, a.density, gated=gated)
-            args = (p["x"], p["w_gate"], None, p["w_up"], None, p["w_down"], None)
+            p = make_ffn_for(a.activity, m, a.K, a.N, a.density, gated=gated)
+            args = tuple(p.get(f) for f in ("x", "w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down"))
             fns, ys = {}, {}
             for name, patch in variants.items():
                 with arch.patched(**patch):
@@ -63,8 +72,11 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             first = ys[a.variants[0]]
             ms = interleaved_ms(fns, reps=a.reps, rounds=a.rounds)
+            ref = first.float().norm().clamp_min(1e-30)
             row = stamp(dict(M=m, K=a.K, N=a.N, density=a.density, tail=0.0, gated=gated, width=a.width,
-                             ms=ms, y_bit_equal={k: bool(torch.equal(y, first)) for k, y in ys.items()},
+                             activity=a.activity, ms=ms,
+                             y_bit_equal={k: bool(torch.equal(y, first)) for k, y in ys.items()},
+                             y_rel_diff={k: float((y.float() - first.float()).norm() / ref) for k, y in ys.items()},
                              method="twell_forward replayed from a CUDA graph per variant, interleaved rounds"))
             rows.append(row)
             print(f"M={m} {'gated' if gated else 'non-gated'}: " +

@@ -7,6 +7,9 @@ backend="twell" beside the op called directly and the module under Inductor.
     python3 benchmarks/profile_product.py --M 8192 --non-gated     # down(relu(gate(x))) (testing.PlainMLP)
     python3 benchmarks/profile_product.py --M 4096 --activity benchmarks/profiles/h100_activity.json:model.layers.3.mlp
 
+Variants: the compiled module (product), the op it calls called directly without statistics (op)
+and with them (op_stats, as the module calls it: the difference between op and op_stats is the
+statistics' cost, between op_stats and product the module's own), Inductor's module (inductor).
 Per variant: the path it ran (the product's from its own op instance's state), host us per call
 (calls issued back to back, no sync), wall us per call (then synchronised), whether a call syncs
 (torch.cuda.set_sync_debug_mode("error") around one call), and torch.profiler's top ops by CUDA
@@ -74,7 +77,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--host-only", action="store_true",
                     help="print the paths and the host / wall times only (no profiler tables, no cProfile)")
-    ap.add_argument("--cprofile", nargs="*", default=["product"], choices=("product", "op", "inductor"),
+    ap.add_argument("--cprofile", nargs="*", default=["product"], choices=("product", "op", "op_stats", "inductor"),
                     help="the variants whose Python functions cProfile lists (default: product)")
     ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="run with these fields of the GPU record replaced (arch.patched)")
@@ -121,12 +124,12 @@ def _run(a) -> int:
     args7 = (x, w.gate.weight, w.gate.bias, None if a.non_gated else w.up.weight,
              None if a.non_gated else w.up.bias, w.down.weight, w.down.bias)
     fns = {"product": lambda: tw(x), "op": lambda: torch.ops.twell.ffn(*args7, "profile/op", False),
-           "inductor": lambda: ind(x)}
+           "op_stats": lambda: torch.ops.twell.ffn(*args7, "profile/op_stats", True), "inductor": lambda: ind(x)}
     for fn in fns.values():
         for _ in range(40):
             fn()
     torch.cuda.synchronize()
-    paths = {("op" if inst == 0 else f"product (op instance {inst})"): path
+    paths = {(key[0] if inst == 0 else f"product (op instance {inst})"): path
              for inst, key, _, path in density.snapshot()}
     point = f"d={a.density} tail={a.tail}" if a.activity == "iid" else f"activity {a.activity}"
     print(f"M={a.M} K={a.K} N={a.N} {point} {'non-gated' if a.non_gated else 'gated'} "

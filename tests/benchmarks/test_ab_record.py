@@ -16,6 +16,11 @@ def test_needs_a_gpu(monkeypatch):
         ab_record.main(["--variants", "compact_transpose=0"])
 
 
+def test_rejects_a_bad_activity_spec_before_the_gpu_check():
+    with pytest.raises(ValueError, match="--activity 'nope'"):
+        ab_record.main(["--activity", "nope", "--variants", "compact_transpose=0"])
+
+
 def test_rejects_an_unknown_field():
     if not torch.cuda.is_available():
         pytest.skip("checked after the GPU check")
@@ -37,3 +42,4 @@ def test_rows_per_point_with_every_variant(tmp_path):
         assert set(r["ms"]) == {"compact_transpose=0", "compact_transpose=1,row_buckets=1"}
         assert all(v > 0 for v in r["ms"].values())
         assert all(r["y_bit_equal"].values())
+        assert r["y_rel_diff"] == {k: 0.0 for k in r["ms"]} and r["activity"] == "iid"

@@ -365,6 +365,11 @@ H200 = GpuPolicy(
     # 165.5 / 309.6 / 582.4 with a transpose launch of its own, non-gated 129.1 / 236.7 / 439.0
     # against 133.0 / 242.1 / 446.3 (y bit-equal; results/h200/ffn_compact_transpose_ab.json)
     compact_transpose=True,
+    # Rows heaviest first, in 8 buckets by count: the per-row path's GPU time on the activity
+    # profile's layer (34 non-zeros per row, up to 169) at 4096 tokens 300.5 us against 360.3 with
+    # rows over W first (4 buckets: 314.3); i.i.d. gated 2048-16384 tokens within 1%, non-gated
+    # within 1% to 8192 and 817.8 against 800.7 at 16384 (results/h200/row_buckets_ab.json).
+    row_buckets=8,
     # Inside CUDA graphs (host time does not count) the per-row path from 2048 tokens: under
     # reduce-overhead 1.17-1.19x / 1.29-1.37x / 1.37-1.40x of Inductor at 2048 / 4096 / 8192
     # tokens over two runs (i.i.d. d=0.005; results/h200/ffn_prefill_reduce_overhead.json), the
