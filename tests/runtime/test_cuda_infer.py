@@ -232,6 +232,43 @@ def test_the_compaction_launch_transposes_w_down(m, k, n, k_out, density, tail, 
         assert torch.equal(cuda_infer.twell_forward(*stored, width)[0], want)
 
 
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("m, density, tail, width, launch", [
+    # the heaviest 256 rows in four parts where their buckets end within them, the rest whole
+    (4096, 0.005, 0.05, 64, dict(row_split=4, row_split_pairs=16, row_split_rows=256, row_buckets=8)),
+    # every row a candidate, heaviest first: the rows over the width (half of them) in parts too
+    (4096, 0.005, 0.5, 64, dict(row_split=4, row_split_pairs=16, row_split_rows=4096, row_buckets=8)),
+    # every row a candidate, in arbitrary order: thousands of rows meeting at once
+    (3000, 0.02, 0.2, 32, dict(row_split=2, row_split_pairs=4, row_split_rows=4096, row_buckets=1)),
+    (1, 0.2, 0.0, 32, dict(row_split=4, row_split_pairs=8, row_split_rows=256, row_buckets=8)),   # M = 1
+])
+def test_split_rows_are_exact_and_repeatable(m, density, tail, width, launch, gated):
+    """row_split: the heaviest rows' lists cut in parts that meet in an fp32 slot; y within the
+    2x rule, the same bits call after call (the rows split are whole buckets, the same whatever
+    order the atomics gave a bucket's rows; the parts added in part order whichever finishes
+    last), counts and |h| sums as the unsplit kernel's."""
+    p = _ffn(m, 512, 2048, 384, density, tail, torch.bfloat16, gated=gated)
+    args = _args(p)
+    whole = cuda_infer.twell_forward(*args, width)
+    with arch.patched(**launch):
+        r = cuda_infer.gate_rows(args[0], args[1], args[2], width)
+        cuda_infer.fused_rows(args[0], r, *args[3:])
+        h = r.tick.numel()
+        ends = r.ctr.long().cumsum(0)
+        in_whole = ends[torch.bucketize(torch.arange(h, device=ends.device), ends, right=True)] <= h
+        assert r.tick.gt(0).any(), "the point splits no row"
+        assert not r.tick[~in_whole].any() and r.tick.le(launch["row_split"]).all(), "rows split outside whole buckets"
+        counts = _check_exact(p, width=width)
+        _poison()
+        y, c2, hsum = cuda_infer.twell_forward(*args, width)
+        for _ in range(3):
+            _poison()
+            assert torch.equal(cuda_infer.twell_forward(*args, width)[0], y), "not repeatable"
+    assert torch.equal(counts, whole[1]) and torch.equal(c2, whole[1])
+    torch.testing.assert_close(hsum, whole[2], rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(y.float(), whole[0].float(), rtol=2e-2, atol=2e-2)
+
+
 def test_fresh_inputs_repeatable():
     """Same inputs twice give the same bits (no race); fresh inputs each give a right answer."""
     for _ in range(3):
@@ -270,18 +307,21 @@ def test_op_plan_starts_dense_then_twell_and_stays_dense_when_dense():
         assert abs(st.mean_nnz - float((hg != 0).sum()) / 4096) <= 0.01 * st.mean_nnz + 0.1
 
 
+@pytest.mark.parametrize("launch", [{}, dict(row_split=4, row_split_pairs=2, row_split_rows=512, row_buckets=8)],
+                         ids=["whole-rows", "split-rows"])
 @pytest.mark.parametrize("keep_stats", [True, False])
-def test_graphed_per_row_calls_are_exact_fresh_and_see_weight_updates(keep_stats):
+def test_graphed_per_row_calls_are_exact_fresh_and_see_weight_updates(keep_stats, launch):
     """op_rows_host_us: the per-row path replays the op's own CUDA graph (first call eager,
     second captured, then replays): fresh inputs each call, outputs never aliased, statistics
-    and the density probe written, in-place weight updates seen by replays."""
+    and the density probe written, in-place weight updates seen by replays; with rows split,
+    their counters zeroed and their parts met again at every replay."""
     from twell_compile.runtime import decode_graphs
 
     decode_graphs.clear()
     p = _ffn(2048, 256, 1024, 256, 0.005, 0.0, torch.bfloat16)
-    layer = f"graphed_rows{keep_stats}"
+    layer = f"graphed_rows{keep_stats}{sorted(launch.items())}"
     twell_compile.reset_stats()
-    with arch.patched(op_rows_host_us=1e6):
+    with arch.patched(op_rows_host_us=1e6, **launch):
         outs = []
         for i in range(6):
             p["x"] = _inputs(2048, 256) * (1 + 0.1 * i)

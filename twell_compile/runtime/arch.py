@@ -176,6 +176,12 @@ class GpuPolicy:
     row_cols_per_warp: int = 1024    # warps = pow2(max(K, K_out)) / this
     row_buckets: int = 2             # the row kernel's order: rows over W, then the rest in
                                      # row_buckets - 1 bins by count, heaviest first
+    row_split: int = 1               # > 1: the first row_split_rows rows in that order (the
+                                     # heaviest where row_buckets > 2) take this many programs
+                                     # each; a row among them over row_split_pairs listed pairs,
+                                     # in a bucket that ends within them, is cut in even parts
+    row_split_pairs: int = 48        # (at least 1)
+    row_split_rows: int = 256
     compact_transpose: bool = False  # W_down^T's per-call copy made by the compaction's launch
                                      # (tiles after its programs), not a launch of its own
     graphs_min_tokens: int = 0       # the per-row path's token bound where the call runs inside a
@@ -230,6 +236,11 @@ class GpuPolicy:
         captured with (a record made by ``patched`` is freed when its block closes, so its id()
         can come back as another record's)."""
         return tuple(getattr(self, f) for f in _LAUNCH_FIELDS)
+
+    def split_rows(self, m: int) -> int:
+        """How many of M rows (the first in the row kernel's order) it may split: row_split_rows,
+        at most M; 0 where row_split is off."""
+        return min(m, self.row_split_rows) if self.row_split > 1 else 0
 
     def compact_rows_per_program(self, m: int) -> int:
         """Rows per compaction program for M rows: compact_bm, fewer (down to 4) where M / 16
@@ -296,7 +307,8 @@ _WIDE_DECODE_CONFIGS = {
 }
 
 _LAUNCH_FIELDS = ("compact_bm", "compact_programs", "compact_ch", "compact_warps", "compact_stages", "row_pairs",
-                  "row_prefetch", "row_stages", "row_cols_per_warp", "row_buckets", "compact_transpose", "gate_cfg",
+                  "row_prefetch", "row_stages", "row_cols_per_warp", "row_buckets", "row_split", "row_split_pairs",
+                  "row_split_rows", "compact_transpose", "gate_cfg",
                   "gate_min_m", "gate_slots", "gate_raster", "gate_swizzle", "merge_bm", "eager_elementwise_max_m",
                   "dense_block", "dense_warps", "dense_programs")
 

@@ -46,6 +46,8 @@ class Rows(NamedTuple):
     cnt: Tensor      # [M] int32 non-zeros per row (may exceed W); slots >= cnt unwritten
     order: Tensor    # [NB * M] int32: the rows by bucket, heaviest first (cnt > W in bucket 0)
     ctr: Tensor      # [NB] int32 rows per bucket
+    tick: Tensor     # [H] int32 zeroed: the row kernel's counters for the first H rows in order,
+                     # which it splits (the record's row_split; empty: no split)
 
     def rows_in_order(self) -> Tensor:
         """The row kernels' order as one permutation [M] (tests; syncs)."""
@@ -85,16 +87,19 @@ def gate_rows(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], width: int,
     if transpose is not None and not p.compact_transpose:
         transposed(*transpose)
         transpose = None
+    split = p.split_rows(x2.shape[0])
     if p.gate_cfg >= 0 and x2.shape[0] >= p.gate_min_m and cuda_gate.runs(x2, w_gate, b_gate):
         g, packed, tcnt = cuda_gate.gate_pack(x2, w_gate, b_gate, p.gate_cfg, p.gate_slots, p.gate_raster,
                                               p.gate_swizzle, g="spills")
         return merge_rows(g, packed, tcnt, width, p.row_buckets, tile_n=cuda_gate.CONFIGS[p.gate_cfg].tile_n,
-                          transpose=transpose)
-    return compact_rows(F.linear(x2, w_gate, b_gate), width, buckets=p.row_buckets, transpose=transpose)
+                          transpose=transpose, split_rows=split)
+    return compact_rows(F.linear(x2, w_gate, b_gate), width, buckets=p.row_buckets, transpose=transpose,
+                        split_rows=split)
 
 
 def merge_rows(g: Tensor, packed: Tensor, tcnt: Tensor, width: int, buckets: int = 2,
-               tile_n: Optional[int] = None, transpose: Optional[tuple[Tensor, Tensor]] = None) -> Rows:
+               tile_n: Optional[int] = None, transpose: Optional[tuple[Tensor, Tensor]] = None,
+               split_rows: int = 0) -> Rows:
     """The Rows compact_rows would make from g, from twell::gate_pack's packed tiles
     (merge_tiles_kernel): the same lists, counts and bucket order, g read only by a block
     holding a tile over its slots. ``tile_n``: g was written only where the packing spilled
@@ -102,11 +107,11 @@ def merge_rows(g: Tensor, packed: Tensor, tcnt: Tensor, width: int, buckets: int
     with a tile over its slots, rows over ``width``: the row kernel's exact tail) get their
     other tiles rebuilt from the slots first (relu-exact: zeros where no slot), so Rows.g
     serves every reader as a whole g would. ``transpose`` (w, out): out = w^T written by the
-    same launch, as compact_rows does."""
+    same launch, as compact_rows does; ``split_rows``: as compact_rows'."""
     p = arch.launch_policy(g.device)
     m, n = g.shape
     t, s = packed.shape[1], packed.shape[2]
-    r = _empty_rows(g, width, buckets)
+    r = _empty_rows(g, width, buckets, split_rows=split_rows)
     lst, cnt, order, ctr = r.lst, r.cnt, r.order, r.ctr
     if transpose is not None and not m:
         transposed(transpose[0], transpose[1])
@@ -123,26 +128,32 @@ def merge_rows(g: Tensor, packed: Tensor, tcnt: Tensor, width: int, buckets: int
     return r
 
 
-def _empty_rows(g: Tensor, width: int, buckets: int, ctr: Optional[Tensor] = None) -> Rows:
-    """Rows' outputs for g [M, N], unwritten; the order's ``buckets`` counters zeroed (``ctr``
-    when given)."""
+def _empty_rows(g: Tensor, width: int, buckets: int, ctr: Optional[Tensor] = None, split_rows: int = 0) -> Rows:
+    """Rows' outputs for g [M, N], unwritten; the order's ``buckets`` counters and the row
+    kernel's ``split_rows`` ones zeroed, by one memset (``ctr`` when given: no split)."""
     m = g.shape[0]
     i32 = dict(dtype=torch.int32, device=g.device)
+    if ctr is None:
+        zeros = torch.zeros((buckets + split_rows,), **i32)
+        ctr, tick = zeros[:buckets], zeros[buckets:]
+    else:
+        tick = ctr[:0]
     return Rows(g, torch.empty((m, width), **i32), torch.empty((m,), **i32), torch.empty((buckets * m,), **i32),
-                torch.zeros((buckets,), **i32) if ctr is None else ctr)
+                ctr, tick)
 
 
 def compact_rows(g: Tensor, width: int, ctr: Optional[Tensor] = None, buckets: int = 2,
-                 transpose: Optional[tuple[Tensor, Tensor]] = None) -> Rows:
+                 transpose: Optional[tuple[Tensor, Tensor]] = None, split_rows: int = 0) -> Rows:
     """The per-row lists of relu(g) for g [M, N] (unit column stride; any row stride), and the
     rows' order in ``buckets`` buckets by cost. ``ctr``: the order's counters, ``buckets``
     zeroed int32 (a caller that zeroes other counters with them saves a memset); allocated
     here when None. Inference and training both compact through this. ``transpose`` (w [R, C],
     out [C, R] contiguous): the same launch also writes out = w^T, 64 x 64 tiles in programs
-    after the compaction's (the rows' pass and the copy overlap)."""
+    after the compaction's (the rows' pass and the copy overlap). ``split_rows``: the first this
+    many rows in order are the row kernel's to split (GpuPolicy.split_rows; Rows.tick)."""
     p = arch.launch_policy(g.device)
     m, n = g.shape
-    r = _empty_rows(g, width, buckets, ctr)
+    r = _empty_rows(g, width, buckets, ctr, split_rows)
     lst, cnt, order, ctr = r.lst, r.cnt, r.order, r.ctr
     if transpose is not None and not m:
         transposed(transpose[0], transpose[1])
@@ -163,7 +174,9 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
                wdt: Optional[Tensor] = None, out: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(y [M, K_out], sum |h| per row [M] fp32) from the per-row lists (of relu(g); ``act``
     forms h from them). ``wdt``: W_down^T contiguous, written by this call's earlier launches;
-    None: transposed here. ``out``: y's storage, [M, K_out] of x2's dtype (else allocated)."""
+    None: transposed here. ``out``: y's storage, [M, K_out] of x2's dtype (else allocated).
+    The first ``r.tick.numel()`` rows in order take the record's row_split programs each (their
+    parts' fp32 sums in a scratch buffer of as many rows)."""
     p = arch.launch_policy(x2.device)
     m, k = x2.shape
     n, k_out = r.g.shape[1], w_down.shape[0]
@@ -175,14 +188,20 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
     if m == 0:
         return y, hsum
     pdl = pdl_ok(x2.device)
-    launch(twell_rows_kernel, (m,),
+    heavy = min(r.tick.numel(), m) if p.row_split > 1 else 0
+    split = p.row_split if heavy else 1
+    # the split rows' fp32 sums: [H * split, K_out] for y's rows, then [H * split] for sum |h|
+    parts = torch.empty((heavy * split * (k_out + 1),), dtype=torch.float32, device=x2.device) if heavy else hsum
+    launch(twell_rows_kernel, (m + heavy * (split - 1),),
            (x2, x2.stride(0), x2.stride(1), r.g, r.g.stride(0), r.lst, r.cnt, r.order, r.ctr,
             wu, wu.stride(0), wu.stride(1), b_up if b_up is not None else x2,
             wdt, wdt.stride(0), wdt.stride(1), b_down if b_down is not None else x2,
-            y, y.stride(0), y.stride(1), hsum, m, k, n, k_out, r.lst.shape[1]),
+            y, y.stride(0), y.stride(1), hsum, parts, r.tick if heavy else r.cnt, heavy,
+            m, k, n, k_out, r.lst.shape[1]),
            dict(GATED=w_up is not None, HAS_BU=b_up is not None, HAS_BD=b_down is not None,
                 K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.row_pairs, CH=min(TAIL_CH, pow2(n)), PF=p.row_prefetch,
-                STAGES=p.row_stages, NB=r.ctr.numel(), ACT=ACTS.index(act), PDL=pdl),
+                STAGES=p.row_stages, NB=r.ctr.numel(), ACT=ACTS.index(act), PDL=pdl,
+                SPLIT=split, SEG=max(1, p.row_split_pairs) if heavy else 0),
            num_warps=warps_by_width(max(k, k_out), p.row_cols_per_warp), pdl=pdl)
     return y, hsum
 
