@@ -350,14 +350,10 @@ def twell_rows_kernel(
     pid = tl.program_id(0)
     p = pid
     if SPLIT > 1:
-        # the first H rows in order (the heaviest) take SPLIT programs each, the others one; a
-        # row among them is split only where its whole bucket lies in the first H: the rows
-        # split are then the same whatever order the compaction's atomics gave a bucket's rows,
-        # and so are y's bits
+        # the first H rows in order (the heaviest) take SPLIT programs each, the others one
         heavy = pid < H * SPLIT
         p = tl.where(heavy, pid // SPLIT, pid - H * (SPLIT - 1))
         part = tl.where(heavy, pid % SPLIT, 0)
-        heavy = heavy & (bucket_end(ctr_ptr, p, NB) <= H)
     m = row_at(order_ptr, ctr_ptr, p, M, NB)
     ks = tl.arange(0, K_P)
     k_ok = ks < K
@@ -370,9 +366,14 @@ def twell_rows_kernel(
     row0 = m * W
     lrow = row0
     if SPLIT > 1:
-        # this program's part of the row's list (the exact tail stays with part 0)
-        s, lo, nl = _split_range(nl, heavy, part, SEG, SPLIT)
-        lrow += lo
+        s = nl * 0 + 1
+        if heavy:
+            # this program's part of the row's list (the exact tail stays with part 0). A row is
+            # split only where its whole bucket lies in the first H: the rows split are then the
+            # same whatever order the compaction's atomics gave a bucket's rows, and so are y's
+            # bits. The other programs branch past this, as past the join below.
+            s, lo, nl = _split_range(nl, bucket_end(ctr_ptr, p, NB) <= H, part, SEG, SPLIT)
+            lrow += lo
     pa = tl.arange(0, PAIRS)
     acc = tl.zeros((KO_P,), dtype=tl.float32)
     hs = tl.zeros((PAIRS,), dtype=tl.float32)
@@ -449,8 +450,8 @@ def twell_rows_kernel(
     if SPLIT > 1:
         write = (s == 1) & (part == 0)
         if (s > 1) & (part < s):
-            # a split row's parts only: no other program waits on the join's barrier and
-            # GPU-scope fence
+            # a split row's parts only: the others skip the join's slot stores, CTA barrier,
+            # ticket and slot loads
             acc, hrow, write = _join_parts(acc, hrow, part_ptr, tick_ptr, p, part, s, ko, H, KO, SPLIT)
         ko_ok = ko < tl.where(write, KO, 0)
     if HAS_BD:
