@@ -306,30 +306,28 @@ def _split_range(nl, heavy, part, SEG: tl.constexpr, SPLIT: tl.constexpr):
 
 @triton.jit
 def _join_parts(acc, hrow, part_ptr, tick_ptr, p, part, s, ko, H, KO, SPLIT: tl.constexpr):
-    """A split row's parts meet here. Each part stores its fp32 sums in its slot of part_ptr (y's
-    row in [H * SPLIT, KO], rows 16-byte aligned where KO is a multiple of 4; sum |h| in the
-    [H * SPLIT] after them) and takes a ticket on the row's counter; the last to arrive adds the
-    s slots in part order (the same sum whichever program finishes last) and writes. Returns
-    (y's sums, sum |h|, whether this program writes the row). Masks of a vector and a scalar are
-    one comparison (ko < KO or 0): the interpreter's & of the two is int32."""
-    split = (s > 1) & (part < s)
+    """A split row's parts meet here (only they call it: part < s, s > 1). Each stores its fp32
+    sums in its slot of part_ptr (y's row in [H * SPLIT, KO], rows 16-byte aligned where KO is a
+    multiple of 4; sum |h| in the [H * SPLIT] after them) and takes a ticket on the row's counter;
+    the last to arrive adds the s slots in part order (the same sum whichever program finishes
+    last). Returns (y's sums, sum |h|, whether this program writes the row: the last). Masks of a
+    vector and a scalar are one comparison (ko < KO or 0): the interpreter's & of the two is int32."""
     first = p * SPLIT
     hs_ptr = part_ptr + (first * 0 + H * SPLIT).to(tl.int64) * KO      # (a tensor even where H is 1, a constexpr)
-    tl.store(part_ptr + (first + part).to(tl.int64) * KO + ko, acc, mask=ko < tl.where(split, KO, 0))
-    tl.store(hs_ptr + first + part, hrow, mask=split)
+    tl.store(part_ptr + (first + part).to(tl.int64) * KO + ko, acc, mask=ko < KO)
+    tl.store(hs_ptr + first + part, hrow)
     # split-K's serial fixup: the CTA barrier orders every thread's stores before the release;
     # the acquire (and loads past the L1) make the other parts' visible to the last
     tl.debug_barrier()
-    ticket = tl.atomic_add(tick_ptr + p, 1, mask=split, sem="acq_rel")
-    last = split & (ticket == s - 1)
-    acc = tl.where(split, 0.0, acc)          # a split row's sums restart from its slots
-    hrow = tl.where(split, 0.0, hrow)
+    last = tl.atomic_add(tick_ptr + p, 1, sem="acq_rel") == s - 1
+    acc = tl.zeros_like(acc)                 # the row's sums restart from its slots
+    hrow = tl.zeros_like(hrow)
     for j in tl.static_range(SPLIT):
         use = last & (j < s)
         acc += tl.load(part_ptr + (first + j).to(tl.int64) * KO + ko, mask=ko < tl.where(use, KO, 0), other=0.0,
                        cache_modifier=".cg")
         hrow += tl.load(hs_ptr + first + j, mask=use, other=0.0, cache_modifier=".cg")
-    return acc, hrow, ((s == 1) & (part == 0)) | last
+    return acc, hrow, last
 
 
 @triton.jit
