@@ -76,18 +76,19 @@ def _transpose_programs(transpose: Optional[tuple[Tensor, Tensor]], g: Tensor, n
 
 
 def gate_rows(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], width: int,
-              transpose: Optional[tuple[Tensor, Tensor]] = None) -> Rows:
+              transpose: Optional[tuple[Tensor, Tensor]] = None, split: bool = False) -> Rows:
     """g = x2 W_g^T + b_g and its per-row lists: by twell::gate_pack, which packs them in its
     epilogue, then merge_rows, where the record names a configuration (gate_cfg) for this many
     tokens (gate_min_m) and the call can run it (cuda_gate.runs); else by cuBLAS, then one
     compaction pass over g. ``transpose`` (w, out): out = w^T is written too, by the compaction's
     (or the merge's) launch where the record says so (compact_transpose), else by a launch of
-    its own."""
+    its own. ``split``: the row kernel may split the heaviest rows the record's row_split names
+    (select.splits_rows: the plan's choice)."""
     p = arch.launch_policy(x2.device)
     if transpose is not None and not p.compact_transpose:
         transposed(*transpose)
         transpose = None
-    split = p.split_rows(x2.shape[0])
+    split = p.split_rows(x2.shape[0]) if split else 0
     if p.gate_cfg >= 0 and x2.shape[0] >= p.gate_min_m and cuda_gate.runs(x2, w_gate, b_gate):
         g, packed, tcnt = cuda_gate.gate_pack(x2, w_gate, b_gate, p.gate_cfg, p.gate_slots, p.gate_raster,
                                               p.gate_swizzle, g="spills")
@@ -208,10 +209,11 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
 
 def twell_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                   b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], width: int,
-                  act: str = "relu", out: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                  act: str = "relu", out: Optional[Tensor] = None, split: bool = False
+                  ) -> tuple[Tensor, Tensor, Tensor]:
     """(y [M, K_out], non-zeros of relu(g) per row [M] int32, sum|h| per row [M] fp32). x2 is
     [M, K]; ``width``: the per-row list width W (select.list_width); ``out``: y's storage
-    (fused_rows)."""
+    (fused_rows); ``split``: gate_rows'."""
     n = w_gate.shape[0]
     if n > MAX_N:
         raise ValueError(f"per-row TwELL path packs columns in 16 bits: N={n} > {MAX_N}")
@@ -223,7 +225,7 @@ def twell_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
     if not wdt.is_contiguous():
         wdt = torch.empty(wdt.shape, dtype=w_down.dtype, device=w_down.device)
         pending = (w_down, wdt)
-    r = gate_rows(x2, w_gate, b_gate, width, transpose=pending)
+    r = gate_rows(x2, w_gate, b_gate, width, transpose=pending, split=split)
     y, hsum = fused_rows(x2, r, w_up, b_up, w_down, b_down, act, wdt, out)
     return y, r.cnt, hsum
 
@@ -259,14 +261,15 @@ def _linear(h: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Tensor]) ->
 
 def twell_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                   b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], width: int,
-                  buf: Optional[Tensor], probe: bool, act: str, policy: arch.GpuPolicy
+                  buf: Optional[Tensor], probe: bool, act: str, policy: arch.GpuPolicy, split: bool = False
                   ) -> tuple[Tensor, Optional[Tensor]]:
     """The per-row path replayed from the op's own CUDA graph, where the calls' host time
     exceeds their GPU time (select.rows_host_bound); statistics and result as ``_graphed``'s.
-    ``policy``: the record of x2's device (the plan's), whose launch sizes the key holds."""
+    ``policy``: the record of x2's device (the plan's), whose launch sizes the key holds;
+    ``split``: twell_forward's (a graph of its own)."""
     weights = (w_gate, b_gate, w_up, b_up, w_down, b_down)
-    return _graphed(("rows", width, act, policy.launch_key), x2, weights, buf, probe, width,
-                    lambda xs, ys, totals: twell_forward(xs, *weights, width, act, ys))
+    return _graphed(("rows", width, act, split, policy.launch_key), x2, weights, buf, probe, width,
+                    lambda xs, ys, totals: twell_forward(xs, *weights, width, act, ys, split))
 
 
 def dense_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
@@ -286,8 +289,9 @@ def _graphed(kind: tuple, x2: Tensor, weights: tuple, buf: Optional[Tensor], pro
     """``forward(x, y_or_None, totals)`` -> (y, per-row counts, per-row |h| sums), replayed from
     the op's own graph under a key of ``kind`` (what the launches bake in besides shapes and
     weights). Statistics go into ``buf`` (the layer's buffer), or, for a ``probe`` without one,
-    into a scratch buffer of the graph's; neither: none taken. Returns (y, non-zeros summed
-    over the call as a 0-d view the next replay overwrites, or None without statistics)."""
+    into a scratch buffer of the graph's; neither: none taken. Returns (y, the statistics
+    buffer's first two fields, non-zeros summed over the call and the most of one row, as a view
+    the next replay overwrites, or None without statistics)."""
     totals = buf is not None or probe
     key = ((kind, x2.shape, x2.dtype, x2.device, totals, decode_graphs.math_mode(),
             None if buf is None else buf.data_ptr()) + decode_graphs.weights_key(*weights))
@@ -297,7 +301,7 @@ def _graphed(kind: tuple, x2: Tensor, weights: tuple, buf: Optional[Tensor], pro
         if not totals:
             return (y,)
         out = buf if buf is not None else stats.scratch_buffer(xs.device)
-        return y, record_stats(None, cnt, hsum, weights[0].shape[0], width, buf=out)[0]
+        return y, record_stats(None, cnt, hsum, weights[0].shape[0], width, buf=out)[:2]
 
     # y allocated here: where the allocator hands back the previous call's block, the graph
     # writes y in place (decode_graphs.run's ``out``) and no clone of the graph's y follows
@@ -362,6 +366,16 @@ def record_stats(layer: Optional[str], cnt: Tensor, hsum: Tensor, n: int, width:
     return buf
 
 
+def _eager_stats(layer: str, keep_stats: bool, probe: bool, cnt: Optional[Tensor], hsum: Optional[Tensor],
+                 n: int, width: int = 0) -> Optional[Tensor]:
+    """An eager call's statistics, written into the layer's buffer where kept, else into a
+    scratch one for a probe (one launch either way): the buffer's (summed count, a row's peak)
+    fields, which the probe submits; None where neither is wanted."""
+    if not (keep_stats or probe):
+        return None
+    return record_stats(layer if keep_stats else None, cnt, hsum, n, width)[:2]
+
+
 def ffn_infer(plan: InferPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], layer: str,
               keep_stats: bool, act: str = "relu") -> Tensor:
@@ -381,14 +395,15 @@ def ffn_infer(plan: InferPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tenso
     elif plan.path == "twell" and plan.graphed and decode_graphs.usable(x2):
         sbuf = stats.device_buffer(layer, x.device, m, n) if keep_stats else None
         y, total = twell_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, plan.width, sbuf, plan.probe, act,
-                                 plan.policy)
+                                 plan.policy, plan.split)
         if plan.probe:
             density.submit(plan.key, total, m * n)
     elif plan.path == "twell":
-        y, per_token, hsum = twell_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, plan.width, act)
-        total = record_stats(layer, per_token, hsum, n, plan.width)[0] if keep_stats else None
+        y, per_token, hsum = twell_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, plan.width, act,
+                                           split=plan.split)
+        total = _eager_stats(layer, keep_stats, plan.probe, per_token, hsum, n, plan.width)
         if plan.probe:
-            density.submit(plan.key, per_token.sum() if total is None else total, m * n)
+            density.submit(plan.key, total, m * n)
     elif plan.graphed and decode_graphs.usable(x2):
         sbuf = stats.device_buffer(layer, x.device, m, n) if keep_stats else None
         y, total = dense_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, sbuf, plan.probe, act)
@@ -397,7 +412,7 @@ def ffn_infer(plan: InferPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tenso
     else:
         y, per_token, hsum = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down,
                                            counts=keep_stats or plan.probe, act=act)
-        total = record_stats(layer, per_token, hsum, n)[0] if keep_stats else None
+        total = _eager_stats(layer, keep_stats, plan.probe, per_token, hsum, n)
         if plan.probe:
-            density.submit(plan.key, per_token.sum() if total is None else total, m * n)
+            density.submit(plan.key, total, m * n)
     return y if flat else y.reshape(*x.shape[:-1], k_out)
