@@ -332,7 +332,10 @@ H200 = GpuPolicy(
     # From 2048 tokens gated i.i.d. d=0.005 ran 1.21x of Inductor, but the activity profile's
     # layer 0.92-0.93x (its op alone 0.98-0.99x) and layers kept dense 0.96x non-gated, 0.98x /
     # 0.90x gated at d=0.012 / 0.02, their dense call replayed from the op's graph by the code of
-    # 553cd03 (0.27x eager; results/h200/ffn_prefill.json, policy min_tokens=2048), so the bound stays
+    # 553cd03 (0.27x eager; results/h200/ffn_prefill.json, policy min_tokens=2048), so the bound stays.
+    # With dense calls graphed and heavy rows split, the compiled module at 2048 tokens still read
+    # 0.87x on the activity profile's layer (its op alone 1.14x), 0.92x gated at d=0.02 (op 1.00x)
+    # and 0.74x non-gated i.i.d. (op 0.99x): the module's host time (results/h200/ffn_2048.json).
     min_tokens=4096, min_width=2048,
     probe_every=64, refresh_every=16,
     # Per-row calls replay the op's own graph while their modeled GPU time (select.rows_us: the
@@ -359,11 +362,12 @@ H200 = GpuPolicy(
     # the op's dense path's host time per eager call at M=64: 99-154 us (bench_host.py)
     op_dense_host_us=100.0,
     # Past decode sizes a dense call replays the op's own graph while its GEMMs' modeled time is
-    # under 400 us: gated up to 4096 tokens at K=2048 N=5632 (197 us at 2048, 8192: 787). At 2048
-    # tokens and d=0.02 the eager dense call took 180-263 us of host time back to back and the
-    # compiled module's 499 against ~204 us of GPU time and Inductor's 178 / 202 (host / wall;
-    # profile_product.py --M 2048 --density 0.02 --policy min_tokens=2048).
-    op_dense_prefill_host_us=400.0,
+    # under 250 us: up to 2048 tokens at K=2048 N=5632 (gated 197 us, 4096: 394). At 2048 tokens
+    # and d=0.02 the eager dense call took 180-263 us of host time back to back, the compiled
+    # module 499 against ~204 us of GPU time (profile_product.py --M 2048 --density 0.02 --policy
+    # min_tokens=2048); graphed, the op ran 1.00x of Inductor (results/h200/ffn_2048.json). At
+    # 4096 tokens the graph gained nothing (results/h200/ffn_dense_graph_ab.json).
+    op_dense_prefill_host_us=250.0,
     decode_configs=_frozen(_DECODE_CONFIGS), wide_k=3072, wide_decode_configs=_frozen(_WIDE_DECODE_CONFIGS),
     # Training: sparse while the density is under the sparse/dense crossover (58-75 non-zeros per
     # row at M=16384 K=2048 N=5632; benchmarks/results/h200/ffn_training.json), with a margin.
