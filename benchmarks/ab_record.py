@@ -1,7 +1,9 @@
 """A/B of GPU-record variants on the per-row path's GPU time: ``twell_forward`` (list width W)
 captured in one CUDA graph per variant and replayed, variants timed in interleaved rounds
 (timing.interleaved_ms), so host time and launch gaps between calls do not count. Each variant's
-y is compared bit for bit with the first variant's.
+y is compared bit for bit with the first variant's. Whether a call splits its heaviest rows is
+the plan's rule (select.splits_rows) under the variant's record, from a first call's counts
+(the row's ``split``).
 
     python3 benchmarks/ab_record.py --M 2048 4096 8192 16384 --gated both \\
         --variants compact_transpose=0 compact_transpose=1 --out benchmarks/results/h100/ffn_compact_transpose_ab.json
@@ -30,7 +32,7 @@ if __package__ in (None, ""):                  # run as a file
 from benchmarks.rows import save_rows, stamp  # noqa: E402
 from benchmarks.timing import gpu_name, interleaved_ms, policy_changes  # noqa: E402
 
-from twell_compile.runtime import arch, cuda_infer  # noqa: E402
+from twell_compile.runtime import arch, cuda_infer, select  # noqa: E402
 from twell_compile.testing import make_ffn_for, parse_activity  # noqa: E402
 
 
@@ -58,15 +60,19 @@ def main(argv=None) -> int:
         for m in a.M:
             p = make_ffn_for(a.activity, m, a.K, a.N, a.density, gated=gated)
             args = tuple(p.get(f) for f in ("x", "w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down"))
-            fns, ys = {}, {}
+            fns, ys, splits = {}, {}, {}
             for name, patch in variants.items():
                 with arch.patched(**patch):
+                    cnt = cuda_infer.twell_forward(*args, a.width)[1].float()
+                    n = args[1].shape[0]
+                    split = splits[name] = select.splits_rows(arch.launch_policy(args[0].device), m,
+                                                              float(cnt.mean()) / n, float(cnt.max()), n)
                     for _ in range(2):                      # compile and warm up outside the capture
-                        cuda_infer.twell_forward(*args, a.width)
+                        cuda_infer.twell_forward(*args, a.width, split=split)
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph):
-                        ys[name] = cuda_infer.twell_forward(*args, a.width)[0]
+                        ys[name] = cuda_infer.twell_forward(*args, a.width, split=split)[0]
                 graph.replay()
                 fns[name] = graph.replay
             torch.cuda.synchronize()
@@ -74,7 +80,7 @@ def main(argv=None) -> int:
             ms = interleaved_ms(fns, reps=a.reps, rounds=a.rounds)
             ref = first.float().norm().clamp_min(1e-30)
             row = stamp(dict(M=m, K=a.K, N=a.N, density=a.density, tail=0.0, gated=gated, width=a.width,
-                             activity=a.activity, ms=ms,
+                             activity=a.activity, ms=ms, split=splits,
                              y_bit_equal={k: bool(torch.equal(y, first)) for k, y in ys.items()},
                              y_rel_diff={k: float((y.float() - first.float()).norm() / ref) for k, y in ys.items()},
                              method="twell_forward replayed from a CUDA graph per variant, interleaved rounds"))

@@ -47,8 +47,8 @@ def _rows() -> dict[str, Any]:
 
     return dict(fn=twell_rows_kernel, warps=2, stages=4,
                 consts=dict(GATED=True, HAS_BU=False, HAS_BD=False, K_P=2048, KO_P=2048, PAIRS=1, CH=256, PF=3,
-                            STAGES=4, NB=8, ACT=0, PDL=True, sx_k=1, swu_k=1, swd_k=1, sy_k=1),
-                bf16={"x_ptr", "g_ptr", "wu_ptr", "bu_ptr", "wdt_ptr", "bd_ptr", "y_ptr"}, f32={"hsum_ptr"},
+                            STAGES=4, NB=8, ACT=0, PDL=True, SPLIT=1, SEG=48, sx_k=1, swu_k=1, swd_k=1, sy_k=1),
+                bf16={"x_ptr", "g_ptr", "wu_ptr", "bu_ptr", "wdt_ptr", "bd_ptr", "y_ptr"}, f32={"hsum_ptr", "part_ptr"},
                 div16={"sx_m", "sg_m", "swu_n", "swd_n", "sy_m", "K", "N", "KO", "W"})
 
 

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent("""
     import torch, torch.nn.functional as F
-    from twell_compile.runtime.cuda_infer import gate_rows, twell_forward
+    from twell_compile.runtime.cuda_infer import fused_rows, gate_rows, twell_forward
     from twell_compile.reference import activate, ffn_dense
     from twell_compile.runtime import arch
     PATCH = arch.patched(**{launch})       # the row kernel's launch variant, for this process (held:
@@ -38,13 +38,41 @@ SCRIPT = textwrap.dedent("""
     hg = torch.relu(F.linear(x, wg, bg))
     # list width ``width``: rows over it take the exact tail over g
     torch.empty(4 * m * (n + ko)).to(dt).fill_(float("nan"))    # poison freed memory
-    y, counts, hsum = twell_forward(*args, width, act)
+    # the plan's choice to split (select.splits_rows), taken where the variant names a split
+    split = {launch}.get("row_split", 1) > 1
+    y, counts, hsum = twell_forward(*args, width, act, split=split)
     want_hsum = activate(hg.float(), F.linear(x, wu, bu).float() if gated else None, act).abs().sum(1)
     fin_rows = torch.isfinite(x).all(1) & torch.isfinite(want_hsum)
     assert torch.allclose(hsum[fin_rows], want_hsum[fin_rows], rtol=2e-2, atol=1e-2), (hsum, want_hsum)
     assert torch.equal(counts, (hg != 0).sum(1).int()), "counts"
-    r = gate_rows(x, wg, bg, width)
+    r = gate_rows(x, wg, bg, width, split=split)
+    pol = arch.launch_policy('cpu')
+    assert r.tick.numel() == (pol.split_rows(m) if split else 0), "split rows' counters"
+    assert not r.tick.any(), "split rows' counters start at zero"
     o = r.rows_in_order().long()      # the row kernels' order
+    if split:
+        # the case splits a row: among its first H rows in order, in buckets that end within
+        # them, one over the cut
+        h = pol.split_rows(m)
+        ends = r.ctr.long().cumsum(0)
+        whole = ends[torch.bucketize(torch.arange(h), ends, right=True)] <= h
+        nl = torch.where(torch.isfinite(x[o[:h]]).all(1), counts[o[:h]].clamp(max=width), 0).long()
+        seg = pol.row_split_pairs
+        parts = torch.where(whole & (nl > seg), (-(-nl // seg)).clamp(max=pol.row_split), 1)
+        parts = torch.where(parts > 1, -(-nl // (-(-nl // parts)).clamp(min=1)), 1)      # none empty
+        if h == m:
+            assert (parts > 1).any(), ("no row split", nl, whole)
+        # and y's bits do not depend on the order of the rows within a bucket (the compaction's
+        # atomics set it on a GPU): each bucket's rows reversed, counters zeroed
+        order = r.order.clone()
+        for b, c in enumerate(r.ctr.tolist()):
+            order[b * m: b * m + c] = r.order[b * m: b * m + c].flip(0)
+        y1 = fused_rows(x, r, wu, bu, wd, bd, act)[0]
+        # a split row's parts each took a ticket; no other row's counter moved
+        assert torch.equal(r.tick.long(), torch.where(parts > 1, parts, 0)), ("split rows", r.tick, parts, whole)
+        y2 = fused_rows(x, r._replace(order=order, tick=torch.zeros_like(r.tick)), wu, bu, wd, bd, act)[0]
+        assert torch.equal(torch.isnan(y1), torch.isnan(y2)) and torch.equal(y1.nan_to_num(), y2.nan_to_num()), \
+            "y depends on the order within a bucket"
     assert torch.equal(o.sort().values, torch.arange(m)), ("order: a permutation", o)
     nb, c = r.ctr.numel(), counts.long()
     want = torch.where(c > width, 0, 1 + ((nb - 2) - c * (nb - 1) // (width + 1)).clamp(min=0)) if nb > 1 else 0 * c
@@ -92,6 +120,21 @@ def test_pipelined_list_loop_under_interpreter(case, launch):
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[5]])
 def test_row_buckets_under_interpreter(case, launch):
     run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 2, case=case, launch=launch, act="relu"), timeout=60)
+
+
+# split rows: the first row_split_rows rows in order take row_split programs each, a row among
+# them over row_split_pairs listed pairs, in a bucket that ends within them, cut in even parts
+# whose fp32 sums the last part adds (3 rows in eight buckets: a bucket cut by the bound stays
+# whole; every row a candidate in one bucket or in eight, the pipelined list loop with two pairs
+# per step; rows over the width keep their exact tail in part 0; NaN/Inf rows). Checked: y, the
+# parts that met per row (the counters), y's bits with each bucket's rows in reverse order
+@pytest.mark.parametrize("launch", [dict(row_split=4, row_split_pairs=2, row_split_rows=3, row_buckets=8),
+                                    dict(row_split=3, row_split_pairs=1, row_split_rows=64, row_buckets=1),
+                                    dict(row_split=2, row_split_pairs=3, row_split_rows=64, row_buckets=8,
+                                         row_prefetch=3, row_stages=3, row_pairs=2)])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4], CASES[5]])
+def test_split_rows_under_interpreter(case, launch):
+    run_interpreted(SCRIPT.format(seed=sum(case[:4]) + 6, case=case, launch=launch, act="relu"), timeout=60)
 
 
 # W_down^T made by the compaction's launch (tiles after its programs): every case, one with the

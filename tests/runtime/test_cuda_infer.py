@@ -14,7 +14,7 @@ import twell_compile.ops  # noqa: F401
 from tests.helpers import ffn_args as _args, ffn_with_biases, poison as _poison, rel as _rel
 from twell_compile.testing import GatedMLP
 from twell_compile.reference import ffn_dense
-from twell_compile.runtime import arch, cuda_infer, density, select
+from twell_compile.runtime import arch, cuda_infer, density, execute, select
 
 pytestmark = pytest.mark.gpu
 DT = [torch.bfloat16, torch.float16]
@@ -35,11 +35,11 @@ def _ffn(m, k, n, k_out, density, tail, dtype, gated=True, bias=True, seed=None)
     return ffn_with_biases(m, k, n, k_out, density, tail, dtype=dtype, gated=gated, bias=bias, seed=seed)
 
 
-def _check_exact(p, width=32, act="relu"):
-    """Per-row path with list width ``width``, vs fp32 and eager."""
+def _check_exact(p, width=32, act="relu", split=False):
+    """Per-row path with list width ``width`` (heavy rows split where ``split``), vs fp32 and eager."""
     args = _args(p)
     _poison()
-    y, counts, hsum = cuda_infer.twell_forward(*args, width, act)
+    y, counts, hsum = cuda_infer.twell_forward(*args, width, act, split=split)
     ref = ffn_dense(*(None if a is None else a.float() for a in args), act)
     eager = ffn_dense(*args, act)
     assert torch.isfinite(y).all(), "unwritten or non-finite output"
@@ -232,6 +232,43 @@ def test_the_compaction_launch_transposes_w_down(m, k, n, k_out, density, tail, 
         assert torch.equal(cuda_infer.twell_forward(*stored, width)[0], want)
 
 
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("m, density, tail, width, launch", [
+    # the heaviest 256 rows in four parts where their buckets end within them, the rest whole
+    (4096, 0.005, 0.05, 64, dict(row_split=4, row_split_pairs=16, row_split_rows=256, row_buckets=8)),
+    # every row a candidate, heaviest first: the rows over the width (half of them) in parts too
+    (4096, 0.005, 0.5, 64, dict(row_split=4, row_split_pairs=16, row_split_rows=4096, row_buckets=8)),
+    # every row a candidate, in arbitrary order: thousands of rows meeting at once
+    (3000, 0.02, 0.2, 32, dict(row_split=2, row_split_pairs=4, row_split_rows=4096, row_buckets=1)),
+    (1, 0.2, 0.0, 32, dict(row_split=4, row_split_pairs=8, row_split_rows=256, row_buckets=8)),   # M = 1
+])
+def test_split_rows_are_exact_and_repeatable(m, density, tail, width, launch, gated):
+    """row_split: the heaviest rows' lists cut in parts that meet in an fp32 slot; y within the
+    2x rule, the same bits call after call (the rows split are whole buckets, the same whatever
+    order the atomics gave a bucket's rows; the parts added in part order whichever finishes
+    last), counts and |h| sums as the unsplit kernel's."""
+    p = _ffn(m, 512, 2048, 384, density, tail, torch.bfloat16, gated=gated)
+    args = _args(p)
+    whole = cuda_infer.twell_forward(*args, width)
+    with arch.patched(**launch):
+        r = cuda_infer.gate_rows(args[0], args[1], args[2], width, split=True)
+        cuda_infer.fused_rows(args[0], r, *args[3:])
+        h = r.tick.numel()
+        ends = r.ctr.long().cumsum(0)
+        in_whole = ends[torch.bucketize(torch.arange(h, device=ends.device), ends, right=True)] <= h
+        assert r.tick.gt(0).any(), "the point splits no row"
+        assert not r.tick[~in_whole].any() and r.tick.le(launch["row_split"]).all(), "rows split outside whole buckets"
+        counts = _check_exact(p, width=width, split=True)
+        _poison()
+        y, c2, hsum = cuda_infer.twell_forward(*args, width, split=True)
+        for _ in range(3):
+            _poison()
+            assert torch.equal(cuda_infer.twell_forward(*args, width, split=True)[0], y), "not repeatable"
+    assert torch.equal(counts, whole[1]) and torch.equal(c2, whole[1])
+    torch.testing.assert_close(hsum, whole[2], rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(y.float(), whole[0].float(), rtol=2e-2, atol=2e-2)
+
+
 def test_fresh_inputs_repeatable():
     """Same inputs twice give the same bits (no race); fresh inputs each give a right answer."""
     for _ in range(3):
@@ -270,20 +307,29 @@ def test_op_plan_starts_dense_then_twell_and_stays_dense_when_dense():
         assert abs(st.mean_nnz - float((hg != 0).sum()) / 4096) <= 0.01 * st.mean_nnz + 0.1
 
 
+@pytest.mark.parametrize("launch", [{}, dict(row_split=4, row_split_pairs=2, row_split_rows=512, row_buckets=8,
+                                         row_split_skew=0.0, row_split_max_m=0)],
+                         ids=["whole-rows", "split-rows"])
 @pytest.mark.parametrize("keep_stats", [True, False])
-def test_graphed_per_row_calls_are_exact_fresh_and_see_weight_updates(keep_stats):
+def test_graphed_per_row_calls_are_exact_fresh_and_see_weight_updates(keep_stats, launch):
     """op_rows_host_us: the per-row path replays the op's own CUDA graph (first call eager,
     second captured, then replays): fresh inputs each call, outputs never aliased, statistics
-    and the density probe written, in-place weight updates seen by replays."""
+    and the density probe written, in-place weight updates seen by replays; with rows split
+    (once the layer's measured peak row says so: select.splits_rows), their counters zeroed and
+    their parts met again at every replay."""
     from twell_compile.runtime import decode_graphs
 
     decode_graphs.clear()
     p = _ffn(2048, 256, 1024, 256, 0.005, 0.0, torch.bfloat16)
-    layer = f"graphed_rows{keep_stats}"
+    layer = f"graphed_rows{keep_stats}{sorted(launch.items())}"
     twell_compile.reset_stats()
-    with arch.patched(op_rows_host_us=1e6):
+    with arch.patched(op_rows_host_us=1e6, **launch):
         outs = []
-        for i in range(6):
+        for i in range(10):
+            if i == 5:          # the first probe has landed: the plan splits where the record lets it
+                torch.cuda.synchronize()
+                plan = execute.infer_plan(p["x"], 1024, 256, True, layer, 0, "twell")
+                assert plan.graphed and plan.split == bool(launch), plan
             p["x"] = _inputs(2048, 256) * (1 + 0.1 * i)
             args = _args(p)
             _poison()
@@ -321,23 +367,27 @@ def _stats_match(p, layer):
     assert st.tokens == m and abs(st.mean_nnz - float((hg != 0).sum()) / m) <= 0.01 * st.mean_nnz + 0.1
 
 
+@pytest.mark.parametrize("m, launch", [(32, dict(op_dense_host_us=1e6)),
+                                      (2048, dict(op_dense_prefill_host_us=1e6, min_tokens=2048))],
+                         ids=["decode", "prefill"])
 @pytest.mark.parametrize("keep_stats", [True, False])
-def test_a_layer_kept_dense_replays_its_graph_with_statistics_and_probe_inside(keep_stats):
-    """dense_host_bound: a layer the decode rule keeps dense replays the op's own CUDA graph
-    (first call eager, then captured), statistics or not: fresh inputs each call, outputs never
-    aliased, the statistics and the density probe's count taken inside the graph, in-place
-    weight updates seen by replays."""
+def test_a_layer_kept_dense_replays_its_graph_with_statistics_and_probe_inside(keep_stats, m, launch):
+    """dense_host_bound (decode sizes) and op_dense_prefill_host_us (past them): a layer the
+    rules keep dense replays the op's own CUDA graph (first call eager, then captured),
+    statistics or not: fresh inputs each call, outputs never aliased, the statistics and the
+    density probe's count (and its peak row) taken inside the graph, in-place weight updates
+    seen by replays."""
     from twell_compile.runtime import decode_graphs
 
     decode_graphs.clear()
-    p = _ffn(32, 2048, 5632, 2048, 1.0, 0.0, torch.bfloat16)
-    layer = f"graphed_dense{keep_stats}"
+    p = _ffn(m, 2048, 5632, 2048, 1.0, 0.0, torch.bfloat16)
+    layer = f"graphed_dense{keep_stats}{m}"
     key = (layer, p["x"].device, torch.bfloat16, 2048, 5632, 2048, True)
     twell_compile.reset_stats()
-    with arch.patched(op_dense_host_us=1e6, probe_every=2):
-        outs, dens = [], []
+    with arch.patched(probe_every=2, **launch):
+        outs, dens, peaks = [], [], []
         for i in range(8):
-            p["x"] = _inputs(32, 2048) * (1 + 0.1 * i)
+            p["x"] = _inputs(m, 2048) * (1 + 0.1 * i)
             args = _args(p)
             _poison()
             y = torch.ops.twell.ffn(*args, layer, keep_stats)
@@ -347,7 +397,9 @@ def test_a_layer_kept_dense_replays_its_graph_with_statistics_and_probe_inside(k
             derr = _rel(ffn_dense(*args), ref)
             assert _rel(y, ref) <= 2 * derr + 1e-6, i
             outs.append((y, ref, derr))
-            dens.append(float((F.linear(args[0], p["w_gate"], p["b_gate"]) > 0).float().mean()))
+            active = F.linear(args[0], p["w_gate"], p["b_gate"]) > 0
+            dens.append(float(active.float().mean()))
+            peaks.append(int(active.sum(1).max()))
         plan = select.plan_infer(p["x"], 5632, 2048, True, layer)
         assert plan.path == "dense" and plan.graphed
         assert decode_graphs.count() >= 1
@@ -355,6 +407,7 @@ def test_a_layer_kept_dense_replays_its_graph_with_statistics_and_probe_inside(k
         for y, ref, derr in outs:                 # earlier outputs untouched by later replays
             assert _rel(y, ref) <= 2 * derr + 1e-6
         assert min(dens) - 1e-3 <= density.poll(key) <= max(dens) + 1e-3   # a graphed probe's count
+        assert min(peaks) <= density.peak(key) <= max(peaks)
         _updated_weights_seen(p, lambda args: torch.ops.twell.ffn(*args, layer, keep_stats))
     if keep_stats:
         _stats_match(p, layer)

@@ -102,3 +102,29 @@ def test_dynamo_reset_and_a_new_compile_start_fresh():
         torch._dynamo.reset()
         assert density.layers() == 0
         assert _paths(torch.compile(net, backend="twell"), x, 1) == ["dense"]   # a probe first again
+
+
+def test_landed_measurements_carry_the_rows_peak():
+    """A measurement lands with its heaviest row's non-zeros where the probe carried it (None
+    where not), and a later one without a peak forgets the earlier peak."""
+    density.landed(KEY, 0.01, 169.0)
+    assert density.measured(KEY) == 0.01 and density.peak(KEY) == 169.0
+    density.landed(KEY, 0.02)
+    assert density.measured(KEY) == 0.02 and density.peak(KEY) is None
+
+
+def test_submit_takes_a_count_or_a_count_and_a_peak():
+    with pytest.raises(ValueError, match="1 or 2 elements"):
+        density.submit(KEY, torch.zeros(3), 10)
+
+
+@gpu
+@pytest.mark.parametrize("fields", [1, 2])
+def test_a_probe_reads_back_its_count_and_peak_without_a_sync(fields):
+    """submit's readback: the count over the elements lands as the density, the second field
+    as the peak; nothing is read before the event has landed (take_landed never waits)."""
+    buf = torch.tensor([300.0, 17.0], dtype=torch.float64, device="cuda")
+    density.submit(KEY, buf[:fields], 1000)
+    torch.cuda.synchronize()
+    assert density.poll(KEY) == pytest.approx(0.3)
+    assert density.peak(KEY) == (17.0 if fields == 2 else None)

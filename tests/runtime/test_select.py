@@ -271,6 +271,47 @@ def test_per_row_calls_are_graphed_while_their_gpu_time_is_under_the_eager_host_
     assert not select.rows_host_bound(arch.FALLBACK, 0.0, 1, 2048, 5632, 2048, gated)
 
 
+def test_heavy_rows_split_only_where_the_measured_peak_row_is_skewed():
+    """Rule 5 on the H200 record (2 parts over 64 non-zeros, peak over 3x the mean, up to 2048
+    tokens): the activity profile's layer (34 non-zeros per row, up to 169) splits; i.i.d. rows
+    at the same density (peak ~50) do not, nor denser i.i.d. rows (mean 62, peak 95: under the
+    skew), nor a layer with no measurement or no peak, nor 4096 tokens, nor a record without
+    the split (the H100's)."""
+    p, n = arch.H200, 5632
+    assert p.row_split == 2 and p.row_split_max_m == 2048
+    assert select.splits_rows(p, 2048, 34 / n, 169.0, n)
+    assert select.splits_rows(p, 1000, 34 / n, 169.0, n)
+    assert not select.splits_rows(p, 2048, 28 / n, 50.0, n)
+    assert not select.splits_rows(p, 2048, 62 / n, 95.0, n)
+    assert not select.splits_rows(p, 4096, 34 / n, 169.0, n)
+    assert not select.splits_rows(p, 2048, None, None, n)
+    assert not select.splits_rows(p, 2048, 34 / n, None, n)
+    assert not select.splits_rows(arch.H100, 2048, 34 / n, 169.0, n)
+    # the bounds are the record's: a peak at the pairs bound, or at the skew bound, stays whole
+    assert not select.splits_rows(p, 2048, 10 / n, 64.0, n)
+    assert not select.splits_rows(p, 2048, 30 / n, 90.0, n)
+    assert select.splits_rows(p, 2048, 30 / n, 91.0, n)
+    with arch.patched(row_split_max_m=0, row_split_skew=0.0):
+        q = arch.cuda_default()
+        assert select.splits_rows(q, 65536, 62 / n, 95.0, n)      # any size, any skew
+
+
+@pytest.mark.parametrize("gated, graphed_up_to", [(True, 2048), (False, 2048)])
+def test_dense_calls_past_decode_sizes_are_graphed_while_their_gemms_are_under_the_eager_host_time(
+        gated, graphed_up_to):
+    """op_dense_prefill_host_us on the H200 record (250 us; the module's eager dense call at
+    2048 tokens took 499 us of host time against ~204 of GPU time, and at 4096 the graph gained
+    nothing) at K=2048 N=5632: the GEMMs' modeled time grows with the tokens; the H100's record
+    graphs none."""
+    p = arch.H200
+    for m in (128, 2048, 4096, 8192, 16384):
+        got = select.dense_gemms_us(p, m, 2048, 5632, 2048, gated) < p.op_dense_prefill_host_us
+        assert got == (m <= graphed_up_to), (gated, m)
+    assert select.dense_gemms_us(p, 2048, 2048, 5632, 2048, True) == pytest.approx(
+        1.5 * select.dense_gemms_us(p, 2048, 2048, 5632, 2048, False))
+    assert not select.dense_gemms_us(arch.H100, 128, 2048, 5632, 2048, gated) < arch.H100.op_dense_prefill_host_us
+
+
 def test_list_width_grows_with_the_measured_density_within_bounds():
     p = arch.H200
     assert select.list_width(p, 5632) == p.list_min

@@ -30,6 +30,13 @@ global memory:
      (chunks of CH, non-zeros found with a prefix count); rows whose x holds NaN/Inf take
      every column (0 * Inf = NaN as in eager). Nothing is dropped, no capacity to exhaust.
 Also writes sum |h| per row (stats), in fp32.
+  3. split rows (SPLIT > 1): a program per row waits on its longest row's chain of pairs, and a
+     trained layer's rows are skewed (6-169 listed pairs at 34 on average). The H heaviest rows in
+     the order take SPLIT programs each: a row over SEG listed pairs whose whole bucket lies in
+     those H is cut in up to SPLIT even parts, each part sums its pairs into an fp32 slot, and
+     the last part to arrive adds the slots in part order and writes y (deterministic: which
+     rows split and how does not depend on the order within a bucket; the exact tail stays
+     with part 0).
 compact_rows_kernel and twell_rows_kernel take PDL: launched with programmatic dependent launch
 (kernels/pdl.py), each waits on the previous kernel before touching memory.
 """
@@ -72,6 +79,17 @@ def row_at(order_ptr, ctr_ptr, p, M, NB: tl.constexpr):
         rem = tl.where(found | take, rem, rem - c)
         found = found | take
     return tl.load(order_ptr + idx).to(tl.int64)
+
+
+@triton.jit
+def bucket_end(ctr_ptr, p, NB: tl.constexpr):
+    """The position just past the last row of the bucket that holds the p-th row in order."""
+    end = p * 0
+    found = p < 0
+    for b in tl.static_range(NB):
+        end = tl.where(found, end, end + tl.load(ctr_ptr + b))
+        found = found | (p < end)
+    return end
 
 
 @triton.jit
@@ -275,19 +293,66 @@ def _pair(acc, hs, xr, g, n, live, wu, wd, bu_ptr, k_ok,
 
 
 @triton.jit
+def _split_range(nl, heavy, part, SEG: tl.constexpr, SPLIT: tl.constexpr):
+    """A heavy row's nl listed pairs cut in s <= SPLIT even parts of about SEG or more, none
+    empty (4 pairs in 3: 2 + 2); s = 1 for a row at most SEG long or not heavy. Returns (s, the
+    part's first pair, its pair count: 0 for parts past s)."""
+    s = tl.where(heavy & (nl > SEG), tl.minimum(tl.cdiv(nl, SEG), SPLIT), 1)
+    seg = tl.cdiv(nl, s)
+    s = tl.where(s > 1, tl.cdiv(nl, tl.maximum(seg, 1)), 1)
+    lo = tl.minimum(part * seg, nl)
+    return s, lo, tl.minimum(nl - lo, seg)
+
+
+@triton.jit
+def _join_parts(acc, hrow, part_ptr, tick_ptr, p, part, s, ko, H, KO, SPLIT: tl.constexpr):
+    """A split row's parts meet here (only they call it: part < s, s > 1). Each stores its fp32
+    sums in its slot of part_ptr (y's row in [H * SPLIT, KO], rows 16-byte aligned where KO is a
+    multiple of 4; sum |h| in the [H * SPLIT] after them) and takes a ticket on the row's counter;
+    the last to arrive adds the s slots in part order (the same sum whichever program finishes
+    last). Returns (y's sums, sum |h|, whether this program writes the row: the last). Masks of a
+    vector and a scalar are one comparison (ko < KO or 0): the interpreter's & of the two is int32."""
+    first = p * SPLIT
+    hs_ptr = part_ptr + (first * 0 + H * SPLIT).to(tl.int64) * KO      # (a tensor even where H is 1, a constexpr)
+    tl.store(part_ptr + (first + part).to(tl.int64) * KO + ko, acc, mask=ko < KO)
+    tl.store(hs_ptr + first + part, hrow)
+    # split-K's serial fixup: the CTA barrier orders every thread's stores before the release;
+    # the acquire (and loads past the L1) make the other parts' visible to the last
+    tl.debug_barrier()
+    last = tl.atomic_add(tick_ptr + p, 1, sem="acq_rel") == s - 1
+    acc = tl.zeros_like(acc)                 # the row's sums restart from its slots
+    hrow = tl.zeros_like(hrow)
+    for j in tl.static_range(SPLIT):
+        use = last & (j < s)
+        acc += tl.load(part_ptr + (first + j).to(tl.int64) * KO + ko, mask=ko < tl.where(use, KO, 0), other=0.0,
+                       cache_modifier=".cg")
+        hrow += tl.load(hs_ptr + first + j, mask=use, other=0.0, cache_modifier=".cg")
+    return acc, hrow, last
+
+
+@triton.jit
 def twell_rows_kernel(
     x_ptr, sx_m, sx_k, g_ptr, sg_m,
     list_ptr, cnt_ptr, order_ptr, ctr_ptr,
     wu_ptr, swu_n, swu_k, bu_ptr,
     wdt_ptr, swd_n, swd_k, bd_ptr,
     y_ptr, sy_m, sy_k, hsum_ptr,
+    part_ptr, tick_ptr, H,
     M, K, N, KO, W,
     GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
     K_P: tl.constexpr, KO_P: tl.constexpr, PAIRS: tl.constexpr, CH: tl.constexpr,
     PF: tl.constexpr, STAGES: tl.constexpr, NB: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, SEG: tl.constexpr,
 ):
     pdl_enter(PDL)
-    m = row_at(order_ptr, ctr_ptr, tl.program_id(0), M, NB)
+    pid = tl.program_id(0)
+    p = pid
+    if SPLIT > 1:
+        # the first H rows in order (the heaviest) take SPLIT programs each, the others one
+        heavy = pid < H * SPLIT
+        p = tl.where(heavy, pid // SPLIT, pid - H * (SPLIT - 1))
+        part = tl.where(heavy, pid % SPLIT, 0)
+    m = row_at(order_ptr, ctr_ptr, p, M, NB)
     ks = tl.arange(0, K_P)
     k_ok = ks < K
     ko = tl.arange(0, KO_P)
@@ -296,7 +361,17 @@ def twell_rows_kernel(
     bad = tl.sum(((xr != xr) | (tl.abs(xr) == float("inf"))).to(tl.int32), axis=0) > 0
     cnt = tl.load(cnt_ptr + m)
     nl = tl.where(bad, 0, tl.minimum(cnt, W))
-    lrow = m * W
+    row0 = m * W
+    lrow = row0
+    if SPLIT > 1:
+        s = nl * 0 + 1
+        if heavy:
+            # this program's part of the row's list (the exact tail stays with part 0). A row is
+            # split only where its whole bucket lies in the first H: the rows split are then the
+            # same whatever order the compaction's atomics gave a bucket's rows, and so are y's
+            # bits. The other programs branch past this, as past the join below.
+            s, lo, nl = _split_range(nl, bucket_end(ctr_ptr, p, NB) <= H, part, SEG, SPLIT)
+            lrow += lo
     pa = tl.arange(0, PAIRS)
     acc = tl.zeros((KO_P,), dtype=tl.float32)
     hs = tl.zeros((PAIRS,), dtype=tl.float32)
@@ -349,8 +424,12 @@ def twell_rows_kernel(
 
     # 2. exact tail over g itself: after the W-th listed column (cnt > W), or every column (bad x).
     over = (cnt > W) & (~bad)
-    last = (tl.load(list_ptr + lrow + W - 1, mask=over, other=0) >> 16) & 0xFFFF
+    if SPLIT > 1:
+        over = over & (part == 0)
+    last = (tl.load(list_ptr + row0 + W - 1, mask=over, other=0) >> 16) & 0xFFFF
     start = tl.where(bad, 0, tl.where(over, last + 1, N))
+    if SPLIT > 1:
+        start = tl.where(part == 0, start, N)
     cc = tl.arange(0, CH)
     for c0 in range(start, N, CH):
         cn = c0 + cc
@@ -365,7 +444,18 @@ def twell_rows_kernel(
             twu = _wrows(wu_ptr, tn, swu_n, ks, swu_k, tl_live, wu_m, tg, GATED)
             twd = _wrows(wdt_ptr, tn, swd_n, ko, swd_k, tl_live, wd_m, tg, True)
             acc, hs = _pair(acc, hs, xr, tg, tn, tl_live, twu, twd, bu_ptr, k_ok, GATED, HAS_BU, ACT)
+    hrow = tl.sum(hs, axis=0)
+    if SPLIT > 1:
+        write = (s == 1) & (part == 0)
+        if (s > 1) & (part < s):
+            # a split row's parts only: the others skip the join's slot stores, CTA barrier,
+            # ticket and slot loads
+            acc, hrow, write = _join_parts(acc, hrow, part_ptr, tick_ptr, p, part, s, ko, H, KO, SPLIT)
+        ko_ok = ko < tl.where(write, KO, 0)
     if HAS_BD:
         acc += tl.load(bd_ptr + ko, mask=ko_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * sy_m + ko * sy_k, acc.to(y_ptr.dtype.element_ty), mask=ko_ok)
-    tl.store(hsum_ptr + m, tl.sum(hs, axis=0))
+    if SPLIT > 1:
+        tl.store(hsum_ptr + m, hrow, mask=write)
+    else:
+        tl.store(hsum_ptr + m, hrow)

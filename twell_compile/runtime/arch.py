@@ -176,6 +176,17 @@ class GpuPolicy:
     row_cols_per_warp: int = 1024    # warps = pow2(max(K, K_out)) / this
     row_buckets: int = 2             # the row kernel's order: rows over W, then the rest in
                                      # row_buckets - 1 bins by count, heaviest first
+    row_split: int = 1               # > 1: the first row_split_rows rows in that order (the
+                                     # heaviest where row_buckets > 2) take this many programs
+                                     # each; a row among them over row_split_pairs listed pairs,
+                                     # in a bucket that ends within them, is cut in even parts
+    row_split_pairs: int = 48        # (at least 1)
+    row_split_rows: int = 256
+    row_split_skew: float = 0.0      # the plan splits (select.splits_rows) only calls of at most
+    row_split_max_m: int = 0         # row_split_max_m tokens (0: any) of a layer whose latest
+                                     # probe's heaviest row held over row_split_pairs non-zeros and
+                                     # over row_split_skew times the mean: the split kernel costs
+                                     # rows it does not split
     compact_transpose: bool = False  # W_down^T's per-call copy made by the compaction's launch
                                      # (tiles after its programs), not a launch of its own
     graphs_min_tokens: int = 0       # the per-row path's token bound where the call runs inside a
@@ -195,6 +206,9 @@ class GpuPolicy:
     list_max: int = 1024
     eager_elementwise_max_m: int = 1024   # dense path without counts: eager's relu/mul up to here
     gemm_tflops: float = 720.0       # a dense bf16 GEMM's rate at prefill sizes (select.rows_us)
+    op_dense_prefill_host_us: float = 0.0   # host time of a compiled module's eager dense call past
+                                     # decode sizes: dense calls whose GEMMs' modeled GPU time
+                                     # (select.dense_gemms_us) is under it replay the op's own graph
     op_rows_host_us: float = 0.0     # host time of a compiled module's eager per-row call: the per-row
                                      # path replays the op's own CUDA graph while its modeled GPU
                                      # time is under this (select.rows_host_bound; 0: never)
@@ -230,6 +244,11 @@ class GpuPolicy:
         captured with (a record made by ``patched`` is freed when its block closes, so its id()
         can come back as another record's)."""
         return tuple(getattr(self, f) for f in _LAUNCH_FIELDS)
+
+    def split_rows(self, m: int) -> int:
+        """How many of M rows (the first in the row kernel's order) a call the plan splits may
+        split: row_split_rows, at most M; 0 where row_split is off."""
+        return min(m, self.row_split_rows) if self.row_split > 1 else 0
 
     def compact_rows_per_program(self, m: int) -> int:
         """Rows per compaction program for M rows: compact_bm, fewer (down to 4) where M / 16
@@ -296,7 +315,8 @@ _WIDE_DECODE_CONFIGS = {
 }
 
 _LAUNCH_FIELDS = ("compact_bm", "compact_programs", "compact_ch", "compact_warps", "compact_stages", "row_pairs",
-                  "row_prefetch", "row_stages", "row_cols_per_warp", "row_buckets", "compact_transpose", "gate_cfg",
+                  "row_prefetch", "row_stages", "row_cols_per_warp", "row_buckets", "row_split", "row_split_pairs",
+                  "row_split_rows", "compact_transpose", "gate_cfg",
                   "gate_min_m", "gate_slots", "gate_raster", "gate_swizzle", "merge_bm", "eager_elementwise_max_m",
                   "dense_block", "dense_warps", "dense_programs")
 
@@ -312,7 +332,10 @@ H200 = GpuPolicy(
     # From 2048 tokens gated i.i.d. d=0.005 ran 1.21x of Inductor, but the activity profile's
     # layer 0.92-0.93x (its op alone 0.98-0.99x) and layers kept dense 0.96x non-gated, 0.98x /
     # 0.90x gated at d=0.012 / 0.02, their dense call replayed from the op's graph by the code of
-    # 553cd03 (0.27x eager; results/h200/ffn_prefill.json, policy min_tokens=2048), so the bound stays
+    # 553cd03 (0.27x eager; results/h200/ffn_prefill.json, policy min_tokens=2048), so the bound stays.
+    # With dense calls graphed and heavy rows split, the compiled module at 2048 tokens still read
+    # 0.87x on the activity profile's layer (its op alone 1.14x), 0.92x gated at d=0.02 (op 1.00x)
+    # and 0.74x non-gated i.i.d. (op 0.99x): the module's host time (results/h200/ffn_2048.json).
     min_tokens=4096, min_width=2048,
     probe_every=64, refresh_every=16,
     # Per-row calls replay the op's own graph while their modeled GPU time (select.rows_us: the
@@ -338,6 +361,13 @@ H200 = GpuPolicy(
     dense_fixed_us=16.27, dense_gbps=3807.0, decode_margin=0.9,
     # the op's dense path's host time per eager call at M=64: 99-154 us (bench_host.py)
     op_dense_host_us=100.0,
+    # Past decode sizes a dense call replays the op's own graph while its GEMMs' modeled time is
+    # under 250 us: up to 2048 tokens at K=2048 N=5632 (gated 197 us, 4096: 394). At 2048 tokens
+    # and d=0.02 the eager dense call took 180-263 us of host time back to back, the compiled
+    # module 499 against ~204 us of GPU time (profile_product.py --M 2048 --density 0.02 --policy
+    # min_tokens=2048); graphed, the op ran 1.00x of Inductor (results/h200/ffn_2048.json). At
+    # 4096 tokens the graph gained nothing (results/h200/ffn_dense_graph_ab.json).
+    op_dense_prefill_host_us=250.0,
     decode_configs=_frozen(_DECODE_CONFIGS), wide_k=3072, wide_decode_configs=_frozen(_WIDE_DECODE_CONFIGS),
     # Training: sparse while the density is under the sparse/dense crossover (58-75 non-zeros per
     # row at M=16384 K=2048 N=5632; benchmarks/results/h200/ffn_training.json), with a margin.
@@ -370,6 +400,12 @@ H200 = GpuPolicy(
     # rows over W first (4 buckets: 314.3); i.i.d. gated 2048-16384 tokens within 1%, non-gated
     # within 1% to 8192 and 817.8 against 800.7 at 16384 (results/h200/row_buckets_ab.json).
     row_buckets=8,
+    # Heavy rows split in 2 parts (the heaviest 256 in order, over 64 non-zeros) where a layer's
+    # measured peak row is over 3x its mean, up to 2048 tokens: the activity profile's layer
+    # (34 non-zeros per row, up to 169) at 2048 tokens 174.4 us against 210.6 whole, at 4096
+    # 298.9 against 299.7; on i.i.d. rows the split kernel, splitting none, cost 0.2-5.8%
+    # (gated 2048: 173.0 against 163.5 us; results/h200/row_split_ab.json), hence the plan's test.
+    row_split=2, row_split_pairs=64, row_split_skew=3.0, row_split_max_m=2048,
     # Inside CUDA graphs (host time does not count) the per-row path from 2048 tokens: under
     # reduce-overhead 1.17-1.19x / 1.29-1.37x / 1.37-1.40x of Inductor at 2048 / 4096 / 8192
     # tokens over two runs (i.i.d. d=0.005; results/h200/ffn_prefill_reduce_overhead.json), the
@@ -424,6 +460,8 @@ H100 = dataclasses.replace(
     # Inductor. Gated at 8192 eager 1.31-1.32x, graphed 1.27-1.28x while graphs cloned y (the clone
     # cost more than the host time saved; rows with policy op_rows_host_us=500 / 700, same file).
     op_rows_host_us=500.0,
+    # The split of heavy rows, and dense calls past decode sizes graphed: not measured on the H100.
+    row_split=1, op_dense_prefill_host_us=0.0,
     # Row kernel's list loop pipelined by Triton (cp.async, 3 pairs' weight rows in flight, 24 KB
     # of shared memory per program): K=2048 N=5632 d=0.005, M=16384 0.573 ms against 0.593, M=65536
     # 2.212 / 2.370, M=4096 0.169 / 0.169-0.181 (tune_ffn.py --fused 1,1,1024 1,3,1024,4).

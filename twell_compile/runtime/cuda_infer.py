@@ -46,6 +46,8 @@ class Rows(NamedTuple):
     cnt: Tensor      # [M] int32 non-zeros per row (may exceed W); slots >= cnt unwritten
     order: Tensor    # [NB * M] int32: the rows by bucket, heaviest first (cnt > W in bucket 0)
     ctr: Tensor      # [NB] int32 rows per bucket
+    tick: Tensor     # [H] int32 zeroed: the row kernel's counters for the first H rows in order,
+                     # which it splits (the record's row_split; empty: no split)
 
     def rows_in_order(self) -> Tensor:
         """The row kernels' order as one permutation [M] (tests; syncs)."""
@@ -74,27 +76,31 @@ def _transpose_programs(transpose: Optional[tuple[Tensor, Tensor]], g: Tensor, n
 
 
 def gate_rows(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], width: int,
-              transpose: Optional[tuple[Tensor, Tensor]] = None) -> Rows:
+              transpose: Optional[tuple[Tensor, Tensor]] = None, split: bool = False) -> Rows:
     """g = x2 W_g^T + b_g and its per-row lists: by twell::gate_pack, which packs them in its
     epilogue, then merge_rows, where the record names a configuration (gate_cfg) for this many
     tokens (gate_min_m) and the call can run it (cuda_gate.runs); else by cuBLAS, then one
     compaction pass over g. ``transpose`` (w, out): out = w^T is written too, by the compaction's
     (or the merge's) launch where the record says so (compact_transpose), else by a launch of
-    its own."""
+    its own. ``split``: the row kernel may split the heaviest rows the record's row_split names
+    (select.splits_rows: the plan's choice)."""
     p = arch.launch_policy(x2.device)
     if transpose is not None and not p.compact_transpose:
         transposed(*transpose)
         transpose = None
+    split = p.split_rows(x2.shape[0]) if split else 0
     if p.gate_cfg >= 0 and x2.shape[0] >= p.gate_min_m and cuda_gate.runs(x2, w_gate, b_gate):
         g, packed, tcnt = cuda_gate.gate_pack(x2, w_gate, b_gate, p.gate_cfg, p.gate_slots, p.gate_raster,
                                               p.gate_swizzle, g="spills")
         return merge_rows(g, packed, tcnt, width, p.row_buckets, tile_n=cuda_gate.CONFIGS[p.gate_cfg].tile_n,
-                          transpose=transpose)
-    return compact_rows(F.linear(x2, w_gate, b_gate), width, buckets=p.row_buckets, transpose=transpose)
+                          transpose=transpose, split_rows=split)
+    return compact_rows(F.linear(x2, w_gate, b_gate), width, buckets=p.row_buckets, transpose=transpose,
+                        split_rows=split)
 
 
 def merge_rows(g: Tensor, packed: Tensor, tcnt: Tensor, width: int, buckets: int = 2,
-               tile_n: Optional[int] = None, transpose: Optional[tuple[Tensor, Tensor]] = None) -> Rows:
+               tile_n: Optional[int] = None, transpose: Optional[tuple[Tensor, Tensor]] = None,
+               split_rows: int = 0) -> Rows:
     """The Rows compact_rows would make from g, from twell::gate_pack's packed tiles
     (merge_tiles_kernel): the same lists, counts and bucket order, g read only by a block
     holding a tile over its slots. ``tile_n``: g was written only where the packing spilled
@@ -102,11 +108,11 @@ def merge_rows(g: Tensor, packed: Tensor, tcnt: Tensor, width: int, buckets: int
     with a tile over its slots, rows over ``width``: the row kernel's exact tail) get their
     other tiles rebuilt from the slots first (relu-exact: zeros where no slot), so Rows.g
     serves every reader as a whole g would. ``transpose`` (w, out): out = w^T written by the
-    same launch, as compact_rows does."""
+    same launch, as compact_rows does; ``split_rows``: as compact_rows'."""
     p = arch.launch_policy(g.device)
     m, n = g.shape
     t, s = packed.shape[1], packed.shape[2]
-    r = _empty_rows(g, width, buckets)
+    r = _empty_rows(g, width, buckets, split_rows=split_rows)
     lst, cnt, order, ctr = r.lst, r.cnt, r.order, r.ctr
     if transpose is not None and not m:
         transposed(transpose[0], transpose[1])
@@ -123,26 +129,32 @@ def merge_rows(g: Tensor, packed: Tensor, tcnt: Tensor, width: int, buckets: int
     return r
 
 
-def _empty_rows(g: Tensor, width: int, buckets: int, ctr: Optional[Tensor] = None) -> Rows:
-    """Rows' outputs for g [M, N], unwritten; the order's ``buckets`` counters zeroed (``ctr``
-    when given)."""
+def _empty_rows(g: Tensor, width: int, buckets: int, ctr: Optional[Tensor] = None, split_rows: int = 0) -> Rows:
+    """Rows' outputs for g [M, N], unwritten; the order's ``buckets`` counters and the row
+    kernel's ``split_rows`` ones zeroed, by one memset (``ctr`` when given: no split)."""
     m = g.shape[0]
     i32 = dict(dtype=torch.int32, device=g.device)
+    if ctr is None:
+        zeros = torch.zeros((buckets + split_rows,), **i32)
+        ctr, tick = zeros[:buckets], zeros[buckets:]
+    else:
+        tick = ctr[:0]
     return Rows(g, torch.empty((m, width), **i32), torch.empty((m,), **i32), torch.empty((buckets * m,), **i32),
-                torch.zeros((buckets,), **i32) if ctr is None else ctr)
+                ctr, tick)
 
 
 def compact_rows(g: Tensor, width: int, ctr: Optional[Tensor] = None, buckets: int = 2,
-                 transpose: Optional[tuple[Tensor, Tensor]] = None) -> Rows:
+                 transpose: Optional[tuple[Tensor, Tensor]] = None, split_rows: int = 0) -> Rows:
     """The per-row lists of relu(g) for g [M, N] (unit column stride; any row stride), and the
     rows' order in ``buckets`` buckets by cost. ``ctr``: the order's counters, ``buckets``
     zeroed int32 (a caller that zeroes other counters with them saves a memset); allocated
     here when None. Inference and training both compact through this. ``transpose`` (w [R, C],
     out [C, R] contiguous): the same launch also writes out = w^T, 64 x 64 tiles in programs
-    after the compaction's (the rows' pass and the copy overlap)."""
+    after the compaction's (the rows' pass and the copy overlap). ``split_rows``: the first this
+    many rows in order are the row kernel's to split (GpuPolicy.split_rows; Rows.tick)."""
     p = arch.launch_policy(g.device)
     m, n = g.shape
-    r = _empty_rows(g, width, buckets, ctr)
+    r = _empty_rows(g, width, buckets, ctr, split_rows)
     lst, cnt, order, ctr = r.lst, r.cnt, r.order, r.ctr
     if transpose is not None and not m:
         transposed(transpose[0], transpose[1])
@@ -163,7 +175,9 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
                wdt: Optional[Tensor] = None, out: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(y [M, K_out], sum |h| per row [M] fp32) from the per-row lists (of relu(g); ``act``
     forms h from them). ``wdt``: W_down^T contiguous, written by this call's earlier launches;
-    None: transposed here. ``out``: y's storage, [M, K_out] of x2's dtype (else allocated)."""
+    None: transposed here. ``out``: y's storage, [M, K_out] of x2's dtype (else allocated).
+    The first ``r.tick.numel()`` rows in order take the record's row_split programs each (their
+    parts' fp32 sums in a scratch buffer of as many rows)."""
     p = arch.launch_policy(x2.device)
     m, k = x2.shape
     n, k_out = r.g.shape[1], w_down.shape[0]
@@ -175,24 +189,31 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
     if m == 0:
         return y, hsum
     pdl = pdl_ok(x2.device)
-    launch(twell_rows_kernel, (m,),
+    heavy = min(r.tick.numel(), m) if p.row_split > 1 else 0
+    split = p.row_split if heavy else 1
+    # the split rows' fp32 sums: [H * split, K_out] for y's rows, then [H * split] for sum |h|
+    parts = torch.empty((heavy * split * (k_out + 1),), dtype=torch.float32, device=x2.device) if heavy else hsum
+    launch(twell_rows_kernel, (m + heavy * (split - 1),),
            (x2, x2.stride(0), x2.stride(1), r.g, r.g.stride(0), r.lst, r.cnt, r.order, r.ctr,
             wu, wu.stride(0), wu.stride(1), b_up if b_up is not None else x2,
             wdt, wdt.stride(0), wdt.stride(1), b_down if b_down is not None else x2,
-            y, y.stride(0), y.stride(1), hsum, m, k, n, k_out, r.lst.shape[1]),
+            y, y.stride(0), y.stride(1), hsum, parts, r.tick if heavy else r.cnt, heavy,
+            m, k, n, k_out, r.lst.shape[1]),
            dict(GATED=w_up is not None, HAS_BU=b_up is not None, HAS_BD=b_down is not None,
                 K_P=pow2(k), KO_P=pow2(k_out), PAIRS=p.row_pairs, CH=min(TAIL_CH, pow2(n)), PF=p.row_prefetch,
-                STAGES=p.row_stages, NB=r.ctr.numel(), ACT=ACTS.index(act), PDL=pdl),
+                STAGES=p.row_stages, NB=r.ctr.numel(), ACT=ACTS.index(act), PDL=pdl,
+                SPLIT=split, SEG=max(1, p.row_split_pairs) if heavy else 0),
            num_warps=warps_by_width(max(k, k_out), p.row_cols_per_warp), pdl=pdl)
     return y, hsum
 
 
 def twell_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                   b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], width: int,
-                  act: str = "relu", out: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                  act: str = "relu", out: Optional[Tensor] = None, split: bool = False
+                  ) -> tuple[Tensor, Tensor, Tensor]:
     """(y [M, K_out], non-zeros of relu(g) per row [M] int32, sum|h| per row [M] fp32). x2 is
     [M, K]; ``width``: the per-row list width W (select.list_width); ``out``: y's storage
-    (fused_rows)."""
+    (fused_rows); ``split``: gate_rows'."""
     n = w_gate.shape[0]
     if n > MAX_N:
         raise ValueError(f"per-row TwELL path packs columns in 16 bits: N={n} > {MAX_N}")
@@ -204,7 +225,7 @@ def twell_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Op
     if not wdt.is_contiguous():
         wdt = torch.empty(wdt.shape, dtype=w_down.dtype, device=w_down.device)
         pending = (w_down, wdt)
-    r = gate_rows(x2, w_gate, b_gate, width, transpose=pending)
+    r = gate_rows(x2, w_gate, b_gate, width, transpose=pending, split=split)
     y, hsum = fused_rows(x2, r, w_up, b_up, w_down, b_down, act, wdt, out)
     return y, r.cnt, hsum
 
@@ -240,14 +261,15 @@ def _linear(h: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Tensor]) ->
 
 def twell_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                   b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], width: int,
-                  buf: Optional[Tensor], probe: bool, act: str, policy: arch.GpuPolicy
+                  buf: Optional[Tensor], probe: bool, act: str, policy: arch.GpuPolicy, split: bool = False
                   ) -> tuple[Tensor, Optional[Tensor]]:
     """The per-row path replayed from the op's own CUDA graph, where the calls' host time
     exceeds their GPU time (select.rows_host_bound); statistics and result as ``_graphed``'s.
-    ``policy``: the record of x2's device (the plan's), whose launch sizes the key holds."""
+    ``policy``: the record of x2's device (the plan's), whose launch sizes the key holds;
+    ``split``: twell_forward's (a graph of its own)."""
     weights = (w_gate, b_gate, w_up, b_up, w_down, b_down)
-    return _graphed(("rows", width, act, policy.launch_key), x2, weights, buf, probe, width,
-                    lambda xs, ys, totals: twell_forward(xs, *weights, width, act, ys))
+    return _graphed(("rows", width, act, split, policy.launch_key), x2, weights, buf, probe, width,
+                    lambda xs, ys, totals: twell_forward(xs, *weights, width, act, ys, split))
 
 
 def dense_graphed(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
@@ -267,8 +289,9 @@ def _graphed(kind: tuple, x2: Tensor, weights: tuple, buf: Optional[Tensor], pro
     """``forward(x, y_or_None, totals)`` -> (y, per-row counts, per-row |h| sums), replayed from
     the op's own graph under a key of ``kind`` (what the launches bake in besides shapes and
     weights). Statistics go into ``buf`` (the layer's buffer), or, for a ``probe`` without one,
-    into a scratch buffer of the graph's; neither: none taken. Returns (y, non-zeros summed
-    over the call as a 0-d view the next replay overwrites, or None without statistics)."""
+    into a scratch buffer of the graph's; neither: none taken. Returns (y, the statistics
+    buffer's first two fields, non-zeros summed over the call and the most of one row, as a view
+    the next replay overwrites, or None without statistics)."""
     totals = buf is not None or probe
     key = ((kind, x2.shape, x2.dtype, x2.device, totals, decode_graphs.math_mode(),
             None if buf is None else buf.data_ptr()) + decode_graphs.weights_key(*weights))
@@ -278,7 +301,7 @@ def _graphed(kind: tuple, x2: Tensor, weights: tuple, buf: Optional[Tensor], pro
         if not totals:
             return (y,)
         out = buf if buf is not None else stats.scratch_buffer(xs.device)
-        return y, record_stats(None, cnt, hsum, weights[0].shape[0], width, buf=out)[0]
+        return y, record_stats(None, cnt, hsum, weights[0].shape[0], width, buf=out)[:2]
 
     # y allocated here: where the allocator hands back the previous call's block, the graph
     # writes y in place (decode_graphs.run's ``out``) and no clone of the graph's y follows
@@ -343,6 +366,16 @@ def record_stats(layer: Optional[str], cnt: Tensor, hsum: Tensor, n: int, width:
     return buf
 
 
+def _eager_stats(layer: str, keep_stats: bool, probe: bool, cnt: Optional[Tensor], hsum: Optional[Tensor],
+                 n: int, width: int = 0) -> Optional[Tensor]:
+    """An eager call's statistics, written into the layer's buffer where kept, else into a
+    scratch one for a probe (one launch either way): the buffer's (summed count, a row's peak)
+    fields, which the probe submits; None where neither is wanted."""
+    if not (keep_stats or probe):
+        return None
+    return record_stats(layer if keep_stats else None, cnt, hsum, n, width)[:2]
+
+
 def ffn_infer(plan: InferPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
               b_up: Optional[Tensor], w_down: Tensor, b_down: Optional[Tensor], layer: str,
               keep_stats: bool, act: str = "relu") -> Tensor:
@@ -362,14 +395,15 @@ def ffn_infer(plan: InferPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tenso
     elif plan.path == "twell" and plan.graphed and decode_graphs.usable(x2):
         sbuf = stats.device_buffer(layer, x.device, m, n) if keep_stats else None
         y, total = twell_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, plan.width, sbuf, plan.probe, act,
-                                 plan.policy)
+                                 plan.policy, plan.split)
         if plan.probe:
             density.submit(plan.key, total, m * n)
     elif plan.path == "twell":
-        y, per_token, hsum = twell_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, plan.width, act)
-        total = record_stats(layer, per_token, hsum, n, plan.width)[0] if keep_stats else None
+        y, per_token, hsum = twell_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, plan.width, act,
+                                           split=plan.split)
+        total = _eager_stats(layer, keep_stats, plan.probe, per_token, hsum, n, plan.width)
         if plan.probe:
-            density.submit(plan.key, per_token.sum() if total is None else total, m * n)
+            density.submit(plan.key, total, m * n)
     elif plan.graphed and decode_graphs.usable(x2):
         sbuf = stats.device_buffer(layer, x.device, m, n) if keep_stats else None
         y, total = dense_graphed(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, sbuf, plan.probe, act)
@@ -378,7 +412,7 @@ def ffn_infer(plan: InferPlan, x: Tensor, w_gate: Tensor, b_gate: Optional[Tenso
     else:
         y, per_token, hsum = dense_forward(x2, w_gate, b_gate, w_up, b_up, w_down, b_down,
                                            counts=keep_stats or plan.probe, act=act)
-        total = record_stats(layer, per_token, hsum, n)[0] if keep_stats else None
+        total = _eager_stats(layer, keep_stats, plan.probe, per_token, hsum, n)
         if plan.probe:
-            density.submit(plan.key, per_token.sum() if total is None else total, m * n)
+            density.submit(plan.key, total, m * n)
     return y if flat else y.reshape(*x.shape[:-1], k_out)

@@ -30,8 +30,10 @@ from torch import Tensor
 @dataclass
 class _Layer:
     density: Optional[float] = None        # latest landed measurement
+    peak: Optional[float] = None           # the same probe's most non-zeros of one row (token),
+                                           # None where the probe did not carry it
     calls: int = 0
-    pending: Optional[tuple[torch.cuda.Event, Tensor, int]] = None  # (event, pinned, elements)
+    pending: Optional[tuple[torch.cuda.Event, Tensor, int, int]] = None  # (event, pinned, elements, fields)
     host: Optional[Tensor] = field(default=None, repr=False)
     path: str = ""                         # the path of the layer's last call (for reports)
     version: int = 0                       # bumped whenever a measurement lands (plans made from
@@ -113,9 +115,10 @@ def state(key: tuple) -> _Layer:
 def take_landed(st: _Layer) -> None:
     """Take the state's pending measurement if it has landed (never waits); not under capture."""
     if st.pending is not None and not capturing():
-        event, pinned, elements = st.pending
+        event, pinned, elements, fields = st.pending
         if event.query():
             st.density = float(pinned[0]) / max(elements, 1)
+            st.peak = float(pinned[1]) if fields > 1 else None
             st.pending = None
             st.version += 1
             _first.pop(id(st), None)
@@ -132,6 +135,12 @@ def poll(key: tuple) -> Optional[float]:
     st = _state(key)
     take_landed(st)
     return st.density
+
+
+def peak(key: tuple) -> Optional[float]:
+    """The most non-zeros of one row in the layer's latest landed probe (None before one lands,
+    or where that probe's path did not take it), without polling."""
+    return _state(key).peak
 
 
 def measured(key: tuple) -> Optional[float]:
@@ -163,15 +172,20 @@ def last_path(key: tuple) -> str:
 
 
 def submit(key: tuple, nnz: Tensor, elements: int) -> None:
-    """Start the async readback of a 0-d non-zero count covering ``elements`` entries."""
+    """Start the async readback of a non-zero count covering ``elements`` entries: a 0-d or
+    1-element tensor, or 2 elements (the count, then the most non-zeros of one row: the
+    statistics buffer's first two fields), whose second lands as the state's ``peak``."""
+    fields = nnz.numel()
+    if fields not in (1, 2):
+        raise ValueError(f"submit takes a count, or a count and a row's peak: 1 or 2 elements, got {fields}")
     st = _state(key)
     if st.host is None:
         with torch.inference_mode(False):    # kept across calls: never an inference tensor
-            st.host = torch.empty(1, dtype=torch.float64, device="cpu", pin_memory=True)
-    st.host.copy_(nnz.reshape(1).to(torch.float64), non_blocking=True)
+            st.host = torch.empty(2, dtype=torch.float64, device="cpu", pin_memory=True)
+    st.host[:fields].copy_(nnz.reshape(fields).to(torch.float64), non_blocking=True)
     event = torch.cuda.Event()
     event.record()
-    st.pending = (event, st.host, elements)
+    st.pending = (event, st.host, elements, fields)
     if st.density is None:
         _first[id(st)] = st
 
@@ -199,10 +213,12 @@ def settle() -> int:
     return taken
 
 
-def landed(key: tuple, value: float) -> None:
-    """Store a measurement as if its readback had landed (tools and tests without a GPU)."""
+def landed(key: tuple, value: float, peak: Optional[float] = None) -> None:
+    """Store a measurement (and its row peak) as if its readback had landed (tools and tests
+    without a GPU)."""
     st = _state(key)
     st.density = value
+    st.peak = peak
     st.version += 1
 
 

@@ -37,10 +37,15 @@ tf32, about 3e-4 relative error, over twice eager fp32's):
      Before the first measurement lands the rule is evaluated at density 0, the best case (a
      CUDA graph recorded on the second call would otherwise keep dense forever).
   4. A dense call at decode sizes replays the op's own CUDA graph where eager's calls take more
-     host time (op_dense_host_us) than their GPU time (``dense_host_bound``); a per-row call
+     host time (op_dense_host_us) than their GPU time (``dense_host_bound``), past them where its
+     GEMMs' modeled time (``dense_gemms_us``) is under op_dense_prefill_host_us; a per-row call
      likewise where its modeled GPU time (rule 2's units times one GEMM at gemm_tflops,
      ``rows_us``) is under op_rows_host_us (``rows_host_bound``). Statistics and the probe's
      count are taken inside the graph.
+  5. A per-row call splits its heaviest rows (the record's row_split, ``splits_rows``) where the
+     layer's latest probe saw a row over row_split_pairs non-zeros and over row_split_skew times
+     the mean, in calls of at most row_split_max_m tokens: the split kernel costs the rows it
+     does not split, so skew must be measured, not assumed.
 Inference, CPU: the C++ kernel (cpu_ffn.py) for fp32/bf16 from min_tokens tokens at K >=
 min_width (it picks sparse or dense up/down inside, from the non-zeros it counts); plain PyTorch
 (eager's calls) otherwise.
@@ -112,6 +117,15 @@ def rows_us(p: GpuPolicy, d: float, m: int, k: int, n: int, k_out: int, gated: b
     return twell_units(p, d, gated, k, n, k_out, itemsize) * 2e-6 * m * k * n / p.gemm_tflops
 
 
+def splits_rows(p: GpuPolicy, m: int, d: Optional[float], peak: Optional[float], n: int) -> bool:
+    """Rule 5: whether a per-row call on ``m`` tokens splits its heaviest rows, from the layer's
+    latest probe (density ``d``, its heaviest row's non-zeros ``peak``; None: not measured, no
+    split)."""
+    if p.row_split < 2 or d is None or peak is None or (p.row_split_max_m and m > p.row_split_max_m):
+        return False
+    return peak > p.row_split_pairs and peak > p.row_split_skew * d * n
+
+
 def rows_host_bound(p: GpuPolicy, d: float, m: int, k: int, n: int, k_out: int, gated: bool,
                     itemsize: int = 2) -> bool:
     """Whether a per-row call's GPU time is under the host time its eager launches take in a
@@ -181,6 +195,12 @@ def dense_us(p: GpuPolicy, k: int, n: int, k_out: int, gated: bool, elem: int = 
     return p.dense_fixed_us + 1e-3 * elem * n * (k * (2 if gated else 1) + k_out) / p.dense_gbps
 
 
+def dense_gemms_us(p: GpuPolicy, m: int, k: int, n: int, k_out: int, gated: bool) -> float:
+    """Modeled GPU time of eager's dense FFN on m tokens: its GEMMs (2 or 3, m x k x n and
+    m x n x k_out) at the record's gemm_tflops."""
+    return 2e-6 * m * n * (k * (2 if gated else 1) + k_out) / p.gemm_tflops
+
+
 def dense_host_bound(p: GpuPolicy, k: int, n: int, k_out: int, gated: bool, elem: int = 2) -> bool:
     """Whether the op's dense path at decode sizes takes less GPU time than its eager calls take
     host time: then replaying it from the op's own CUDA graph saves time (K=4096, N=11008,
@@ -221,7 +241,7 @@ class InferPlan(NamedTuple):
     form: the decode form. width: the per-row list width. probe: measure the layer's density
     this call. graphed: the dense or per-row call replayed from the op's own CUDA graph.
     tick: count the call in the layer's state. every: the probe interval in calls (plans with
-    a key).
+    a key). split: the per-row call splits its heaviest rows (rule 5).
     """
     path: str
     policy: Union[GpuPolicy, CpuPolicy, None] = None
@@ -232,6 +252,7 @@ class InferPlan(NamedTuple):
     graphed: bool = False
     tick: bool = False
     every: int = 0
+    split: bool = False
 
 
 def _can_run(c: paths.Caps, x: Tensor) -> bool:
@@ -258,10 +279,13 @@ def _graphs_usable(x: Tensor) -> bool:
 
 
 def _graph_dense(p: GpuPolicy, x: Tensor, m: int, k: int, n: int, k_out: int, gated: bool) -> bool:
-    """Whether a dense call replays the op's own graph: decode sizes where eager's calls are
-    host-bound."""
-    return (m <= paths.token_range(_DECODE, p)[1] and _graphs_usable(x)
-            and dense_host_bound(p, k, n, k_out, gated, x.element_size()))
+    """Whether a dense call replays the op's own graph: where eager's calls are host-bound, at
+    decode sizes (dense_host_bound) and past them (dense_gemms_us under op_dense_prefill_host_us)."""
+    if m <= paths.token_range(_DECODE, p)[1]:
+        bound = dense_host_bound(p, k, n, k_out, gated, x.element_size())
+    else:
+        bound = dense_gemms_us(p, m, k, n, k_out, gated) < p.op_dense_prefill_host_us
+    return bound and _graphs_usable(x)
 
 
 def _graph_rows(p: GpuPolicy, x: Tensor, m: int, d: Optional[float], n: int, k_out: int, gated: bool) -> bool:
@@ -341,7 +365,8 @@ def _rows_plan(p: GpuPolicy, x: Tensor, key: tuple, m: int, n: int, k_out: int, 
                probe: bool, every: int) -> InferPlan:
     """A per-row TwELL plan: its list width from the layer's density ``d`` (None: none measured)."""
     return InferPlan("twell", p, key, width=list_width(p, n, None if d is None else d * n), probe=probe, tick=True,
-                     graphed=_graph_rows(p, x, m, d, n, k_out, gated), every=every)
+                     graphed=_graph_rows(p, x, m, d, n, k_out, gated), every=every,
+                     split=splits_rows(p, m, d, density.peak(key), n))
 
 
 class TrainPlan(NamedTuple):
