@@ -363,8 +363,8 @@ H200 = GpuPolicy(
     op_dense_host_us=100.0,
     # Past decode sizes a dense call replays the op's own graph while its GEMMs' modeled time is
     # under 250 us: up to 2048 tokens at K=2048 N=5632 (gated 197 us, 4096: 394). At 2048 tokens
-    # and d=0.02 the eager dense call took 180-263 us of host time back to back, the compiled
-    # module 499 against ~204 us of GPU time (profile_product.py --M 2048 --density 0.02 --policy
+    # and d=0.02 the eager dense call took 240-263 us of host time back to back, the compiled
+    # module 499 against 204 us of GPU time (profile_product.py --M 2048 --density 0.02 --policy
     # min_tokens=2048); graphed, the op ran 1.00x of Inductor (results/h200/ffn_2048.json). At
     # 4096 tokens the graph gained nothing (results/h200/ffn_dense_graph_ab.json).
     op_dense_prefill_host_us=250.0,

@@ -189,7 +189,7 @@ def fused_rows(x2: Tensor, r: Rows, w_up: Optional[Tensor], b_up: Optional[Tenso
     if m == 0:
         return y, hsum
     pdl = pdl_ok(x2.device)
-    heavy = min(r.tick.numel(), m) if p.row_split > 1 else 0
+    heavy = min(r.tick.numel(), m)          # rows the plan lets it split (gate_rows: none unless row_split > 1)
     split = p.row_split if heavy else 1
     # the split rows' fp32 sums: [H * split, K_out] for y's rows, then [H * split] for sum |h|
     parts = torch.empty((heavy * split * (k_out + 1),), dtype=torch.float32, device=x2.device) if heavy else hsum
