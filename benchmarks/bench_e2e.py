@@ -67,7 +67,6 @@ import torch.nn.functional as F
 
 if __package__ in (None, ""):                  # run as a file: python3 benchmarks/bench_e2e.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import host  # noqa: E402
 from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
 from benchmarks.timing import gpu_name, policy_changes  # noqa: E402
 
@@ -126,7 +125,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "[N, K_out] rows by twell_compile.prepare(down_layout='transposed') before compiling "
                          "(the Inductor and eager models keep nn.Linear's storage)")
     ap.add_argument("--seed", type=int, default=0)
-    host.add_argument(ap)
     ap.add_argument("--out", default=None, help="write the results as JSON here (default runs/<gpu>/e2e_<mode>.json)")
     a = ap.parse_args(argv)
     a.mode = a.mode or "forward"
@@ -952,13 +950,12 @@ def summary(mode: str, device: str, rows: list[dict[str, Any]]) -> None:
 
 def main(argv=None) -> list[dict[str, Any]]:
     a = parse_args(argv)
-    host_fields = host.pin(a.host_cpus)     # before CUDA starts: its threads keep their CPUs
     a.out = str(out_path(a.out, gpu_name() if a.device.startswith("cuda") else "cpu", f"e2e_{a.mode}.json"))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
     config = {k: v for k, v in vars(a).items() if k not in ("twell_opt",)}
     # every row carries the run's flags and environment: a row read alone says how it was made
-    shared = dict(config=config, env={**env_info(a), **host_fields})
+    shared = dict(config=config, env=env_info(a))
     rows: list[dict[str, Any]] = []
     print(f"bench_e2e --{a.mode}: {a.layers} layers, hidden {a.hidden}, ffn {a.ffn}, vocab {a.vocab}, "
           f"batch {a.batch} x seq {a.seq}, {a.dtype if a.mode != 'train' else 'bfloat16' if a.pure_bf16 else 'float32+autocast'} on "

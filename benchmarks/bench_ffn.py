@@ -59,7 +59,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):                  # run as a file: python3 benchmarks/bench_ffn.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_dynamic import OpCalls  # noqa: E402
-from benchmarks import host, reference  # noqa: E402
+from benchmarks import reference  # noqa: E402
 from benchmarks.rows import out_path, stamp, write_json  # noqa: E402
 from benchmarks.timing import gpu_name, interleaved_ms, policy_changes, rel  # noqa: E402
 
@@ -122,9 +122,7 @@ def main(argv=None) -> int:
                     help="the activation (rows: act): relu2 = relu(.)**2 in place of relu, drelu = relu(gate) * relu(up)")
     ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="run with these fields of the GPU record replaced (arch.patched); rows record them")
-    host.add_argument(ap)
     args = ap.parse_args(argv)
-    host_fields = host.pin(args.host_cpus)   # before CUDA starts: its threads keep their CPUs
     if args.reference:
         print(f"reference {args.reference}: {reference.build(args.reference)}", flush=True)
     if args.quick:
@@ -158,7 +156,7 @@ def main(argv=None) -> int:
     print(hdr, flush=True)
     torch.set_grad_enabled(False)       # inference: the backend rewrites to the inference op
     with OpCalls(cpu_rule=False) as op_calls, arch.patched(**policy_changes(args.policy)):
-        _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_calls, act["bias"], host_fields)
+        _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_calls, act["bias"])
     for row in rows:
         row["policy"] = " ".join(args.policy)
     write_json(out, rows)
@@ -239,8 +237,7 @@ def op_path(x, n: int, k_out: int, layer: str, gated: bool = True) -> str:
     return f"decode:{plan.form}" if plan.path == "decode" else plan.path
 
 
-def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_calls, bias=False,
-          host_fields=None) -> None:
+def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_calls, bias=False) -> None:
     policy = arch.policy_for(dev)
     for shape in shapes:
         k, n = (int(v) for v in shape.split("x"))
@@ -326,7 +323,7 @@ def _grid(args, shapes, ms, ds, ts, profile, layer_name, dev, rows, out, op_call
                                      list_width=width, overflow_row_pct=ovf, path=path,
                                      profile=f"{args.nnz_profile}:{layer_name}" if profile is not None else None,
                                      activity=args.activity,
-                                     **paper, **(host_fields or {})),
+                                     **paper),
                                 dev)
                     rows.append(row)
                     write_json(out, rows)     # every row: a timeout keeps the done ones

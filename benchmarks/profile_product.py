@@ -28,7 +28,6 @@ import torch
 
 if __package__ in (None, ""):                  # run as a file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import host  # noqa: E402
 from benchmarks.timing import policy_changes  # noqa: E402
 
 import twell_compile  # noqa: E402,F401  (backend="twell")
@@ -87,10 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--down-layout", choices=("linear", "transposed"), default="linear",
                     help="W_down's storage: nn.Linear's [K_out, N] rows, or [N, K_out] rows behind the same "
                          "shape (the per-row kernels then read it without a per-call transpose); both modules")
-    host.add_argument(ap)
     a = ap.parse_args(argv)
-    picked = host.pin(a.host_cpus)
-    print(f"host CPUs: {a.host_cpus} {picked['host_cpus_kept']}", flush=True)
     try:
         parse_activity(a.activity)
     except ValueError as e:
