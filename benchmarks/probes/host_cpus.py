@@ -7,7 +7,7 @@ Per pass and CPU: ns per iteration of a fixed pure-Python loop, the thread pinne
 (best of ``--rounds``), then its affinity given back. A host-bound comparison (a compiled
 module whose host time per call is near its GPU time) reads whatever its CPU's column says at
 the time; a CPU that is fast in every pass would be worth pinning to, one that is not, not.
-On the H200 VM (16 vCPUs, one NUMA node) one pass read 55-59 ns on 10 vCPUs and 65-93 on 6;
+On the H200 VM (16 vCPUs, one NUMA node) one pass read 55-59 ns on 9 vCPUs and 65-93 on 7;
 a minute later the fast set was another, so a process pinned at start to the fastest did not
 keep a fast host (results/h200/e2e_prefill_2048_default.json: rows with env.host_cpus).
 """
