@@ -19,6 +19,13 @@ measured on the timed batch (eager, hooks on gate_proj) and printed; twell's own
   and twell on deep copies of one model (same weights, same inputs). Per backend: median ms
   (CUDA events, warm-up calls first), tokens/s, max |logit - eager|, peak memory, energy per
   token from NVML's total-energy counter (null with the reason where unavailable).
+  ``--rounds R``: the backends' timed calls in R interleaved rounds instead of one backend's
+  reps after the other's, each round's order rotated; each backend's calls pooled, and the run
+  carries each round's medians (``rounds_ms``) and twell / Inductor per round
+  (``speedup_twell_over_inductor_by_round``). Where the model is near host-bound (1 x 2048
+  tokens in the default mode), the host's speed drifts within a run
+  (benchmarks/probes/host_cpus.py), and timed one after the other the backends see different
+  hosts (results/h200/e2e_prefill_2048_default.json); no energy is read then.
 --generate: bf16, HF ``generate()`` with ``cache_implementation="static"`` and greedy
   decoding; the decode step is compiled the way transformers does it for a static cache
   (``compile_config=CompileConfig(backend=..., mode="reduce-overhead")``: prefill runs eager,
@@ -124,6 +131,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="--forward: the twell model's down weights as nn.Linear stores them, or re-stored in "
                          "[N, K_out] rows by twell_compile.prepare(down_layout='transposed') before compiling "
                          "(the Inductor and eager models keep nn.Linear's storage)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="--forward: time the backends in this many interleaved rounds of reps/rounds calls each "
+                         "(the order rotated per round; rows: each backend's calls pooled, and the per-round "
+                         "ratio), so a drift of the host's speed during the run reaches every backend alike; "
+                         "1 (default): each backend's reps one after the other")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the results as JSON here (default runs/<gpu>/e2e_<mode>.json)")
     a = ap.parse_args(argv)
@@ -149,6 +161,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                          f"{STEP_LOOP_WARM + 1}, got {a.new_tokens}")
     if a.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {a.warmup}")
+    if a.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {a.rounds}")
+    if a.rounds > 1 and a.mode != "forward":
+        raise ValueError(f"--rounds interleaves the --forward timings only; --{a.mode} times its backends one "
+                         f"after the other (leave --rounds at 1)")
     if a.lr_warmup < 0:
         raise ValueError(f"--lr-warmup must be >= 0, got {a.lr_warmup}")
     for d in a.density:
@@ -554,6 +571,44 @@ def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, reps: i
                 energy_j=None if e0 is None or e1 is None else (e1 - e0) / 1e3)
 
 
+def interleaved_calls(fns: dict[str, Callable[[], Any]], device: torch.device, reps: int,
+                      rounds: int) -> tuple[dict[str, dict[str, Any]], list[dict[str, float]]]:
+    """Each backend's calls timed in ``rounds`` rounds of ceil(reps / rounds) back-to-back calls
+    (CUDA events on CUDA, else the wall clock), every round visiting every backend, the order
+    rotated by one per round. Returns (per backend: median_ms, min_ms, max_ms, reps over its
+    pooled calls; per round: each backend's median ms). Warm the backends up first."""
+    names = list(fns)
+    per = max(1, -(-reps // rounds))
+    pooled: dict[str, list[float]] = {name: [] for name in names}
+    by_round: list[dict[str, float]] = []
+    for r in range(rounds):
+        got = {}
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[name]
+            sync(device)
+            if device.type == "cuda":
+                events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                          for _ in range(per)]
+                for start, end in events:
+                    start.record()
+                    fn()
+                    end.record()
+                sync(device)
+                ms = [s.elapsed_time(e) for s, e in events]
+            else:
+                ms = []
+                for _ in range(per):
+                    t = time.perf_counter()
+                    fn()
+                    ms.append((time.perf_counter() - t) * 1e3)
+            pooled[name] += ms
+            got[name] = statistics.median(ms)
+        by_round.append({name: got[name] for name in names})
+    timing = {name: dict(median_ms=statistics.median(v), min_ms=min(v), max_ms=max(v), reps=len(v))
+              for name, v in pooled.items()}
+    return timing, by_round
+
+
 def energy_fields(timing: dict[str, Any], tokens: int, energy: Optional[Energy], reason_off: str) -> dict[str, Any]:
     if timing["energy_j"] is not None:
         return dict(energy_j_per_token=timing["energy_j"] / tokens, energy_reason=None)
@@ -648,24 +703,18 @@ def run_forward(a: argparse.Namespace, rows: list[dict[str, Any]], shared: dict[
             ref = model(input_ids=ids, use_cache=False).logits
             fns = {"eager": lambda: model(input_ids=ids, use_cache=False).logits}
             fns.update({b: (lambda c=compiled[b]: c(input_ids=ids, use_cache=False).logits) for b in a.backends})
-            for name, fn in fns.items():
-                if name == "twell":
-                    reset_twell_policy()
-                t0 = time.perf_counter()
-                fn()
-                sync(dev)
-                first_s = time.perf_counter() - t0  # compile included
-                reset_peak(dev)
-                base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
-                timing = time_calls(fn, dev, a.warmup, a.reps, energy)
-                peak = peak_memory(dev)
+
+            def finish(name, first_s, base, peak, timing):
+                fn = fns[name]
                 # After the warm-up: twell's first calls probe the density on the dense path.
                 mx, rel = logit_diff(fn(), ref)
                 row = dict(median_ms=timing["median_ms"], min_ms=timing["min_ms"], max_ms=timing["max_ms"],
                            reps=timing["reps"], tokens_per_s=tokens / (timing["median_ms"] / 1e3),
                            first_call_s=first_s, max_abs_logit_diff_vs_eager=mx, rel_l2_logit_diff_vs_eager=rel,
                            peak_mem_bytes=peak, peak_above_resident_bytes=None if peak is None else peak - base,
-                           **energy_fields(timing, tokens * timing["reps"], energy, "--no-energy"))
+                           **(energy_fields(timing, tokens * timing["reps"], energy, "--no-energy") if a.rounds == 1
+                              else dict(energy_j_per_token=None,
+                                        energy_reason="--rounds: backends interleaved, energy not split by backend")))
                 if name == "twell":
                     row["twell_layer_density"] = twell_stats_density()
                     row["twell_sparse_layers_by_policy"] = twell_sparse_layers(row["twell_layer_density"], a.hidden, a.ffn,
@@ -675,11 +724,40 @@ def run_forward(a: argparse.Namespace, rows: list[dict[str, Any]], shared: dict[
                       f"max|dlogit| {mx:.3g}  rel {rel:.2e}  first call {first_s:.1f} s  "
                       f"energy/token {row['energy_j_per_token']}", flush=True)
                 write(a.out, rows)
+
+            warmed = {}
+            for name, fn in fns.items():
+                if name == "twell":
+                    reset_twell_policy()
+                t0 = time.perf_counter()
+                fn()
+                sync(dev)
+                first_s = time.perf_counter() - t0  # compile included
+                reset_peak(dev)
+                base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
+                if a.rounds == 1:
+                    timing = time_calls(fn, dev, a.warmup, a.reps, energy)
+                    finish(name, first_s, base, peak_memory(dev), timing)
+                else:       # warmed up here (its peak over these calls), timed below with the others
+                    for _ in range(a.warmup):
+                        fn()
+                    sync(dev)
+                    warmed[name] = (first_s, base, peak_memory(dev))
+            if warmed:
+                timings, by_round = interleaved_calls({n: fns[n] for n in warmed}, dev, a.reps, a.rounds)
+                run["rounds_ms"] = by_round
+                for name, (first_s, base, peak) in warmed.items():
+                    finish(name, first_s, base, peak, dict(timings[name], energy_j=None))
             del ref
         b = run["backends"]
         if "inductor" in b and "twell" in b:
             run["speedup_twell_over_inductor"] = b["inductor"]["median_ms"] / b["twell"]["median_ms"]
             print(f"  twell / inductor: {run['speedup_twell_over_inductor']:.3f}x tokens/s", flush=True)
+            if "rounds_ms" in run:
+                per = sorted(r["inductor"] / r["twell"] for r in run["rounds_ms"])
+                run["speedup_twell_over_inductor_by_round"] = per
+                print(f"  per round: {' '.join(f'{v:.3f}' for v in per)}x (median {statistics.median(per):.3f})",
+                      flush=True)
         write(a.out, rows)
 
 

@@ -42,6 +42,11 @@ def forward(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def forward_rounds(tmp_path_factory):
+    return run(tmp_path_factory, "--forward", "--rounds", "2", "--reps", "3", *REWRITE)
+
+
+@pytest.fixture(scope="module")
 def generate(tmp_path_factory):
     return run(tmp_path_factory, "--generate", "--backends", "twell", "--step-loop", *REWRITE)
 
@@ -103,6 +108,26 @@ def test_forward_matches_eager_and_reports_everything(forward):
     for got, want in zip(b["twell"]["twell_layer_density"].values(), run_["density_measured"]):
         assert got == pytest.approx(want, abs=0.01)
     assert run_["speedup_twell_over_inductor"] == pytest.approx(b["inductor"]["median_ms"] / b["twell"]["median_ms"])
+    assert "rounds_ms" not in run_ and "speedup_twell_over_inductor_by_round" not in run_
+
+
+def test_forward_rounds_interleave_every_backend_and_report_each_round(forward_rounds):
+    run_ = forward_rounds
+    b = run_["backends"]
+    assert set(b) == {"eager", "inductor", "twell"}
+    # --reps 3 over 2 rounds: ceil(3 / 2) = 2 calls per backend per round, pooled
+    assert all(row["reps"] == 4 for row in b.values()), {n: row["reps"] for n, row in b.items()}
+    assert [sorted(r) for r in run_["rounds_ms"]] == [["eager", "inductor", "twell"]] * 2
+    for name, row in b.items():
+        per_round = [r[name] for r in run_["rounds_ms"]]
+        assert all(v > 0 for v in per_round)
+        assert row["min_ms"] <= min(per_round) and max(per_round) <= row["max_ms"]
+        assert row["energy_j_per_token"] is None and "--rounds" in row["energy_reason"]
+    want = sorted(r["inductor"] / r["twell"] for r in run_["rounds_ms"])
+    assert run_["speedup_twell_over_inductor_by_round"] == pytest.approx(want)
+    for name in ("inductor", "twell"):
+        assert b[name]["rel_l2_logit_diff_vs_eager"] < 1e-5, (name, b[name])
+    check_twell_ran(b["twell"], run_["config"]["layers"])
 
 
 def test_generate_gives_eager_greedy_tokens(generate):
@@ -202,6 +227,8 @@ def test_pure_bf16_training_has_no_autocast_and_takes_policy_changes(train_bf16)
     (["--generate", "--step-loop", "--new-tokens", "4"], "--new-tokens"),
     (["--layers", "0"], "--layers"),
     (["--lr-warmup", "-1"], "--lr-warmup"),
+    (["--rounds", "0"], "--rounds"),
+    (["--train", "--rounds", "2"], "--rounds"),
 ])
 def test_bad_arguments_are_named(argv, match):
     with pytest.raises(ValueError, match=match):
