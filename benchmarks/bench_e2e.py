@@ -549,9 +549,18 @@ def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, reps: i
     est = time.perf_counter() - t0
     if energy is not None and energy.read_mj() is not None:
         reps = max(reps, min(500, math.ceil(MIN_ENERGY_S / max(est, 1e-6))))
-    ms: list[float] = []
     e0 = energy.read_mj() if energy is not None else None
     w0 = time.perf_counter()
+    ms = each_call_ms(fn, device, reps)
+    wall = time.perf_counter() - w0
+    e1 = energy.read_mj() if energy is not None else None
+    return dict(median_ms=statistics.median(ms), min_ms=min(ms), max_ms=max(ms), reps=reps, wall_s=wall,
+                energy_j=None if e0 is None or e1 is None else (e1 - e0) / 1e3)
+
+
+def each_call_ms(fn: Callable[[], Any], device: torch.device, reps: int) -> list[float]:
+    """ms of each of ``reps`` back-to-back calls: CUDA events around each on CUDA (one sync at
+    the end), else the wall clock."""
     if device.type == "cuda":
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         for start, end in events:
@@ -559,16 +568,13 @@ def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, reps: i
             fn()
             end.record()
         sync(device)
-        ms = [s.elapsed_time(e) for s, e in events]
-    else:
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            ms.append((time.perf_counter() - t) * 1e3)
-    wall = time.perf_counter() - w0
-    e1 = energy.read_mj() if energy is not None else None
-    return dict(median_ms=statistics.median(ms), min_ms=min(ms), max_ms=max(ms), reps=reps, wall_s=wall,
-                energy_j=None if e0 is None or e1 is None else (e1 - e0) / 1e3)
+        return [s.elapsed_time(e) for s, e in events]
+    ms = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ms.append((time.perf_counter() - t) * 1e3)
+    return ms
 
 
 def interleaved_calls(fns: dict[str, Callable[[], Any]], device: torch.device, reps: int,
@@ -584,23 +590,8 @@ def interleaved_calls(fns: dict[str, Callable[[], Any]], device: torch.device, r
     for r in range(rounds):
         got = {}
         for name in names[r % len(names):] + names[:r % len(names)]:
-            fn = fns[name]
             sync(device)
-            if device.type == "cuda":
-                events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                          for _ in range(per)]
-                for start, end in events:
-                    start.record()
-                    fn()
-                    end.record()
-                sync(device)
-                ms = [s.elapsed_time(e) for s, e in events]
-            else:
-                ms = []
-                for _ in range(per):
-                    t = time.perf_counter()
-                    fn()
-                    ms.append((time.perf_counter() - t) * 1e3)
+            ms = each_call_ms(fns[name], device, per)
             pooled[name] += ms
             got[name] = statistics.median(ms)
         by_round.append({name: got[name] for name in names})
