@@ -111,10 +111,14 @@ def twell_wins(p: GpuPolicy, d: float, gated: bool, k: int, n: int, k_out: int, 
     return twell_units(p, d, gated, k, n, k_out, itemsize) < margin * (3 if gated else 2)
 
 
+def gemm_us(p: GpuPolicy, m: int, k: int, n: int) -> float:
+    """Modeled GPU time (us) of one dense m x k x n GEMM at the record's gemm_tflops."""
+    return 2e-6 * m * k * n / p.gemm_tflops
+
+
 def rows_us(p: GpuPolicy, d: float, m: int, k: int, n: int, k_out: int, gated: bool, itemsize: int = 2) -> float:
-    """Modeled GPU time of a per-row call on m tokens: its units times one dense m x k x n GEMM at
-    the record's gemm_tflops."""
-    return twell_units(p, d, gated, k, n, k_out, itemsize) * 2e-6 * m * k * n / p.gemm_tflops
+    """Modeled GPU time of a per-row call on m tokens: its units times one dense m x k x n GEMM."""
+    return twell_units(p, d, gated, k, n, k_out, itemsize) * gemm_us(p, m, k, n)
 
 
 def splits_rows(p: GpuPolicy, m: int, d: Optional[float], peak: Optional[float], n: int) -> bool:
@@ -196,9 +200,9 @@ def dense_us(p: GpuPolicy, k: int, n: int, k_out: int, gated: bool, elem: int = 
 
 
 def dense_gemms_us(p: GpuPolicy, m: int, k: int, n: int, k_out: int, gated: bool) -> float:
-    """Modeled GPU time of eager's dense FFN on m tokens: its GEMMs (2 or 3, m x k x n and
-    m x n x k_out) at the record's gemm_tflops."""
-    return 2e-6 * m * n * (k * (2 if gated else 1) + k_out) / p.gemm_tflops
+    """Modeled GPU time of eager's dense FFN on m tokens: its GEMMs (1 or 2 of m x k x n, and
+    m x n x k_out; ``gemm_us``)."""
+    return (2 if gated else 1) * gemm_us(p, m, k, n) + gemm_us(p, m, n, k_out)
 
 
 def dense_host_bound(p: GpuPolicy, k: int, n: int, k_out: int, gated: bool, elem: int = 2) -> bool:
