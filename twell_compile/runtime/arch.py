@@ -404,8 +404,8 @@ H200 = GpuPolicy(
     row_buckets=8,
     # Heavy rows split in 2 parts (the heaviest 256 in order, over 64 non-zeros) where a layer's
     # measured peak row is over 3x its mean, up to 2048 tokens: the activity profile's layer
-    # (34 non-zeros per row, up to 169) at 2048 tokens 174.4 us against 210.6 whole, at 4096
-    # 298.9 against 299.7; on i.i.d. rows the split kernel, splitting none, cost 0.2-5.8%
+    # (34 non-zeros per row, up to 149 at 2048 tokens: probes/row_skew.py) at 2048 tokens 174.4 us
+    # against 210.6 whole, at 4096 298.9 against 299.7; on i.i.d. rows the split kernel, splitting none, cost 0.2-5.8%
     # (gated 2048: 173.0 against 163.5 us; results/h200/row_split_ab.json), hence the plan's test.
     row_split=2, row_split_pairs=64, row_split_skew=3.0, row_split_max_m=2048,
     # Inside CUDA graphs (host time does not count) the per-row path from 2048 tokens: under
