@@ -179,6 +179,11 @@ UNION2_CASES = [
     (16, 64, 96, 40, False, False, 0.0, False, dict(u2_s=1), "union2", True),  # density 0: y is 0
     (64, 96, 177, 65, True, True, 0.005, True, dict(u2_mr=32, u2_s=2, u2_dense_up=True), "union2", True),  # dense up
     (128, 48, 100, 40, True, True, 0.3, False, dict(u2_mt=16, u2_c=16, u2_bo=16, u2_cd=16), "union2", False),  # 8 tiles
+    # K split in the up launch: partials summed by each chunk's last program (tickets zeroed by the list launch)
+    (64, 96, 177, 65, True, True, 0.3, True, dict(u2_sk=3, u2_bk=16, u2_mr=32, u2_c=16), "union2", True),  # 2 groups
+    (17, 72, 130, 33, True, False, 0.005, False, dict(u2_sk=4, u2_bk=32, u2_c=16, u2_s=1), "union2", False),  # K=72
+    (33, 64, 150, 24, True, True, 1.0, True, dict(u2_sk=8, u2_bk=16, u2_c=16, u2_mt=16), "union2", True),  # 8 x 16
+    (16, 64, 96, 40, False, True, 0.3, False, dict(u2_sk=4, u2_bk=16), "union2", True),   # non-gated: no split
 ]
 
 
@@ -252,7 +257,8 @@ def test_union_form_launch_shapes():
     ("union", "union_c", 24), ("union", "union_bo", 8), ("union", "union_bn", 0), ("union", "union_bk", 48),
     ("union", "union_mb", 8), ("union", "union_s", 0),
     ("union2", "u2_c", 24), ("union2", "u2_bo", 8), ("union2", "u2_bl", 0), ("union2", "u2_bk", 48),
-    ("union2", "u2_cd", 8), ("union2", "u2_mt", 12), ("union2", "u2_mr", 8), ("union2", "u2_s", 0)])
+    ("union2", "u2_cd", 8), ("union2", "u2_mt", 12), ("union2", "u2_mr", 8), ("union2", "u2_s", 0),
+    ("union2", "u2_sk", 0)])
 def test_union_forms_reject_bad_config_fields(form, field, value):
     from twell_compile.runtime.cuda_decode import decode_forward
     x = torch.zeros(16, 16, dtype=torch.float16)
@@ -281,9 +287,17 @@ def test_union2_form_launch_shapes():
         nb = -(-5632 // c.u2_bl)
         assert k1 is decode_union2_list_kernel and g1 == (nb,) and s1 == (m, 5632) and c1["BL"] == c.u2_bl
         k2, g2, s2, c2, w2, st2 = p.launch2
-        assert k2 is decode_union2_up_kernel and g2 == (1, -(-5632 // c.u2_c)) and s2 == (m, 2048, 5632, nb)
-        assert (c2["C"], c2["MT"], c2["NT"], c2["BK"], w2, st2) == (c.u2_c, mt, mp // mt, c.u2_bk, c.u2_warps,
-                                                                   c.u2_stages)
+        nr = mp // (mt * c2["NT"])
+        sk = c.u2_sk
+        ks = -(-2048 // (sk * c.u2_bk)) * c.u2_bk
+        assert k2 is decode_union2_up_kernel and g2 == (nr, -(-5632 // c.u2_c), sk)
+        assert s2 == (m, 2048, 5632, nb, ks) and (sk - 1) * ks < 2048 <= sk * ks       # every split holds some K
+        assert (c2["C"], c2["MT"], c2["BK"], c2["SK"], w2, st2) == (c.u2_c, mt, c.u2_bk, sk, c.u2_warps, c.u2_stages)
+        assert nr * c2["NT"] * mt == mp                                 # the row groups cover the padded rows
+        assert c1["TK"] == (sk > 1) and (p.split is not None) == (sk > 1)
+        if sk > 1:                                                      # a ticket per chunk and row group
+            assert p.split.tickets == nb * c.u2_bl >= nr * g2[1]
+            assert p.split.partials == nr * g2[1] * sk * c2["NT"] * mt * c.u2_c
         assert c2["UP_DOT"] and not c2["DENSE_UP"] and c2["NBP"] >= nb
         k3, g3, s3, c3, w3, st3 = p.launch3
         assert k3 is decode_union2_down_kernel and g3 == (2048 // c.u2_bo, c.u2_s) and s3 == (m, 5632, 2048, nb)
@@ -302,7 +316,11 @@ def test_union2_form_launch_shapes():
     p = cuda_decode.prepare(256, 2048, 5632, 2048, "union2", c, True, False, False, False, True, False)
     assert p.launch2[1][0] == 4 and p.launch2[3]["NT"] == 2                # 4 row groups of 2 tiles
     assert p.launch2[3]["DENSE_UP"] and not p.launch2[3]["UP_DOT"]
+    assert p.launch2[3]["SK"] == 1 and p.split is None                     # no dot: no K split
     assert p.launch3[3]["NT"] == 8 and not p.launch4[3]["CLEAN"]
+    p = cuda_decode.prepare(64, 2048, 5632, 2048, "union2", c._replace(u2_dense_up=False, u2_sk=64, u2_bk=128),
+                            True, False, False, False, True, False)
+    assert p.launch2[1][2] == 16 and p.launch2[2][-1] == 128               # at most K / BK splits
     p = cuda_decode.prepare(64, 2048, 5632, 2048, "union2", c, False, False, False, False, True, False)
     assert not p.launch2[3]["DENSE_UP"] and not p.launch2[3]["UP_DOT"]    # non-gated: no up projection
 

@@ -13,8 +13,8 @@ Hopper's wgmma, see arch.MAX_MB) sharing each weight tile.
 The gate, g = x W_g^T + b_g [M, N] in x's dtype, is the host's cuBLAS call (cuda_decode; eager's
 own call, so g and the active set are eager's bits). Then:
 
-``decode_union2_list_kernel`` (grid: N / BL neuron blocks): reads the block's g for all rows in
-  row tiles, a neuron is in the union when some row has relu(g) != 0 or a non-finite g (a row
+``decode_union2_list_kernel`` (grid: N / BL neuron blocks): zeroes the up launch's tickets
+  (TK), reads the block's g for all rows in row tiles, a neuron is in the union when some row has relu(g) != 0 or a non-finite g (a row
   of x holding NaN/Inf makes its g non-finite, so the result propagates as dense's 0 * Inf
   does); writes the block's count (lc, written, not added: nothing to zero) and its union
   neurons in neuron order to the block's fixed slots [b BL, b BL + count) (ln). Adds the
@@ -28,7 +28,12 @@ own call, so g and the active set are eager's bits). Then:
   dtype as eager rounds h; written compactly h[m, e] ([M, N] scratch, row-major: entry e of
   the union in column e) with the compact neuron list ci[e]. DENSE_UP: u is read from a dense
   cuBLAS up projection [M, N] instead of the dot (the whole W_up read; for large unions).
-  Adds sum |h| into the call's counter.
+  Adds sum |h| into the call's counter. SK > 1 (a third grid axis): program (r, j, s) takes the
+  s-th of SK shares of K (KS each, a multiple of BK) and stores its fp32 partials; the chunk's
+  last program to take its ticket (tk, zeroed by the list launch) sums the SK partials in
+  split order (deterministic) and forms h. More programs, each with a shorter K loop: the
+  loop's steps wait on HBM one after another, and at the union's sizes the chunks alone leave
+  most SMs idle.
 ``decode_union2_down_kernel`` (grid: K_out / BO tiles x S splits of the union): program (o, s)
   takes the s-th of S equal shares of the union, CD entries at a time: W_d^T rows [CD, BO]
   gathered by ci (contiguous rows when W_down is stored transposed) once, h tiles [MT, CD] per
@@ -48,12 +53,14 @@ from twell_compile.kernels.twell_decode import finish_counts
 
 
 @triton.jit
-def decode_union2_list_kernel(g_ptr, ln_ptr, lc_ptr, cnt_ptr, M, N,
-                              BL: tl.constexpr, RT: tl.constexpr, PDL: tl.constexpr):
+def decode_union2_list_kernel(g_ptr, ln_ptr, lc_ptr, cnt_ptr, tk_ptr, M, N,
+                              BL: tl.constexpr, RT: tl.constexpr, TK: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     pid = tl.program_id(0)
     rn = pid * BL + tl.arange(0, BL)
     n_ok = rn < N
+    if TK:                                                    # the up launch's tickets, zeroed per call
+        tl.store(tk_ptr + rn, tl.zeros((BL,), dtype=tl.int32))
     ci = tl.zeros((BL,), dtype=tl.int32)
     for r0 in range(0, M, RT):
         rm = r0 + tl.arange(0, RT)
@@ -111,16 +118,17 @@ def _h_tile(acc, r0, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N,
 @triton.jit
 def decode_union2_up_kernel(
     x_ptr, sx_m, sx_k, wu_ptr, swu_n, swu_k, bu_ptr, g_ptr, u_ptr,
-    ln_ptr, lc_ptr, ci_ptr, h_ptr, hsa_ptr,
-    M, K, N, NB,
+    ln_ptr, lc_ptr, ci_ptr, h_ptr, hsa_ptr, part_ptr, tk_ptr,
+    M, K, N, NB, KS,
     GATED: tl.constexpr, HAS_BU: tl.constexpr, DENSE_UP: tl.constexpr, UP_DOT: tl.constexpr,
     BL: tl.constexpr, NBP: tl.constexpr,
-    C: tl.constexpr, BK: tl.constexpr, MT: tl.constexpr, NT: tl.constexpr, PDL: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, MT: tl.constexpr, NT: tl.constexpr, SK: tl.constexpr, PDL: tl.constexpr,
     ACT: tl.constexpr,
 ):
     pdl_enter(PDL)
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
+    pid_s = tl.program_id(2)
     rb = tl.arange(0, NBP)
     cnt = tl.load(lc_ptr + rb, mask=rb < NB, other=0)
     incl = tl.cumsum(cnt, axis=0)
@@ -131,7 +139,7 @@ def decode_union2_up_kernel(
         b = tl.sum((incl[None, :] <= e[:, None]).to(tl.int32), axis=1)              # entry's block
         off = e - tl.sum(tl.where(rb[None, :] == b[:, None], (incl - cnt)[None, :], 0), axis=1)
         n = tl.load(ln_ptr + b * BL + off, mask=e_ok, other=0)
-        if pid_r == 0:
+        if (pid_r == 0) & (pid_s == 0):
             tl.store(ci_ptr + e, n, mask=e_ok)                # the compact list for the down launch
         r0 = pid_r * (NT * MT)
         a0 = tl.zeros((MT, C), dtype=tl.float32)
@@ -145,7 +153,8 @@ def decode_union2_up_kernel(
         if UP_DOT:
             rk = tl.arange(0, BK)
             w_base = wu_ptr + n.to(tl.int64)[:, None] * swu_n
-            for k0 in range(0, K, BK):
+            k_lo = pid_s * KS                                 # this program's share of K (KS: BK multiple)
+            for k0 in range(k_lo, tl.minimum(K, k_lo + KS), BK):
                 kk = k0 + rk
                 k_ok = kk < K
                 # one W_up tile for every row tile of the program
@@ -161,26 +170,85 @@ def decode_union2_up_kernel(
                     a5 = _xdot(x_ptr, sx_m, sx_k, r0 + 5 * MT, kk, k_ok, wt, a5, M, MT)
                     a6 = _xdot(x_ptr, sx_m, sx_k, r0 + 6 * MT, kk, k_ok, wt, a6, M, MT)
                     a7 = _xdot(x_ptr, sx_m, sx_k, r0 + 7 * MT, kk, k_ok, wt, a7, M, MT)
-        hsum = _h_tile(a0, r0, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU, DENSE_UP, ACT, MT)
-        if NT > 1:
-            hsum += _h_tile(a1, r0 + MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU, DENSE_UP,
-                            ACT, MT)
-        if NT > 2:
-            hsum += _h_tile(a2, r0 + 2 * MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU,
-                            DENSE_UP, ACT, MT)
-            hsum += _h_tile(a3, r0 + 3 * MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU,
-                            DENSE_UP, ACT, MT)
-        if NT > 4:
-            hsum += _h_tile(a4, r0 + 4 * MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU,
-                            DENSE_UP, ACT, MT)
-            hsum += _h_tile(a5, r0 + 5 * MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU,
-                            DENSE_UP, ACT, MT)
-            hsum += _h_tile(a6, r0 + 6 * MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU,
-                            DENSE_UP, ACT, MT)
-            hsum += _h_tile(a7, r0 + 7 * MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU,
-                            DENSE_UP, ACT, MT)
-        if hsum != 0.0:       # NaN too
-            tl.atomic_add(hsa_ptr, hsum, sem="relaxed")
+        if SK > 1:
+            # split K: the chunk's last program (ticket) sums the SK partials in split order (the
+            # same bits whatever order the programs ran in), then forms h; the CTA barrier orders
+            # every thread's partial stores before the release, the acquire makes the others' visible
+            pbase = part_ptr + ((pid_r * tl.num_programs(1) + pid_c) * SK).to(tl.int64) * (NT * MT * C)
+            _part_put(pbase + pid_s * (NT * MT * C), a0, a1, a2, a3, a4, a5, a6, a7, MT, C, NT)
+            tl.debug_barrier()
+            ticket = tl.atomic_add(tk_ptr + pid_r * tl.num_programs(1) + pid_c, 1, sem="acq_rel")
+            if ticket == SK - 1:
+                a0 = _part_sum(pbase, 0, MT, C, NT, SK)
+                if NT > 1:
+                    a1 = _part_sum(pbase, 1, MT, C, NT, SK)
+                if NT > 2:
+                    a2 = _part_sum(pbase, 2, MT, C, NT, SK)
+                    a3 = _part_sum(pbase, 3, MT, C, NT, SK)
+                if NT > 4:
+                    a4 = _part_sum(pbase, 4, MT, C, NT, SK)
+                    a5 = _part_sum(pbase, 5, MT, C, NT, SK)
+                    a6 = _part_sum(pbase, 6, MT, C, NT, SK)
+                    a7 = _part_sum(pbase, 7, MT, C, NT, SK)
+                _h_tiles(a0, a1, a2, a3, a4, a5, a6, a7, r0, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, hsa_ptr, M, N,
+                         GATED, HAS_BU, DENSE_UP, ACT, MT, NT)
+        else:
+            _h_tiles(a0, a1, a2, a3, a4, a5, a6, a7, r0, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, hsa_ptr, M, N,
+                     GATED, HAS_BU, DENSE_UP, ACT, MT, NT)
+
+
+@triton.jit
+def _part_put(base, a0, a1, a2, a3, a4, a5, a6, a7, MT: tl.constexpr, C: tl.constexpr, NT: tl.constexpr):
+    """Store a split's NT accumulators [MT, C] (fp32) at base, row tile after row tile."""
+    off = tl.arange(0, MT)[:, None] * C + tl.arange(0, C)[None, :]
+    tl.store(base + off, a0)
+    if NT > 1:
+        tl.store(base + MT * C + off, a1)
+    if NT > 2:
+        tl.store(base + 2 * MT * C + off, a2)
+        tl.store(base + 3 * MT * C + off, a3)
+    if NT > 4:
+        tl.store(base + 4 * MT * C + off, a4)
+        tl.store(base + 5 * MT * C + off, a5)
+        tl.store(base + 6 * MT * C + off, a6)
+        tl.store(base + 7 * MT * C + off, a7)
+
+
+@triton.jit
+def _part_sum(pbase, t, MT: tl.constexpr, C: tl.constexpr, NT: tl.constexpr, SK: tl.constexpr):
+    """Row tile t's accumulator: the SK splits' partials summed in split order (L2 reads)."""
+    off = t * MT * C + tl.arange(0, MT)[:, None] * C + tl.arange(0, C)[None, :]
+    acc = tl.load(pbase + off, cache_modifier=".cg")
+    for s in tl.static_range(1, SK):
+        acc += tl.load(pbase + s * (NT * MT * C) + off, cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
+def _h_tiles(a0, a1, a2, a3, a4, a5, a6, a7, r0, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, hsa_ptr, M, N,
+             GATED: tl.constexpr, HAS_BU: tl.constexpr, DENSE_UP: tl.constexpr, ACT: tl.constexpr,
+             MT: tl.constexpr, NT: tl.constexpr):
+    """h for the program's NT row tiles (``_h_tile`` each), their sum |h| into the counter."""
+    hsum = _h_tile(a0, r0, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU, DENSE_UP, ACT, MT)
+    if NT > 1:
+        hsum += _h_tile(a1, r0 + MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU, DENSE_UP,
+                        ACT, MT)
+    if NT > 2:
+        hsum += _h_tile(a2, r0 + 2 * MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU,
+                        DENSE_UP, ACT, MT)
+        hsum += _h_tile(a3, r0 + 3 * MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU,
+                        DENSE_UP, ACT, MT)
+    if NT > 4:
+        hsum += _h_tile(a4, r0 + 4 * MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU,
+                        DENSE_UP, ACT, MT)
+        hsum += _h_tile(a5, r0 + 5 * MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU,
+                        DENSE_UP, ACT, MT)
+        hsum += _h_tile(a6, r0 + 6 * MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU,
+                        DENSE_UP, ACT, MT)
+        hsum += _h_tile(a7, r0 + 7 * MT, n, e, e_ok, g_ptr, u_ptr, bu_ptr, h_ptr, M, N, GATED, HAS_BU,
+                        DENSE_UP, ACT, MT)
+    if hsum != 0.0:       # NaN too
+        tl.atomic_add(hsa_ptr, hsum, sem="relaxed")
 
 
 @triton.jit

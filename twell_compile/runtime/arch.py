@@ -72,6 +72,7 @@ class DecodeConfig(NamedTuple):
     u2_bl: int = 64         # neurons per program of the union-list launch
     u2_c: int = 32          # union entries per up program (its gathered W_up rows)
     u2_bk: int = 128        # K step of the up loop
+    u2_sk: int = 1          # splits of K in the up launch (> 1: partials summed by each chunk's last program)
     u2_mt: int = 32         # rows per tl.dot tile, up and down (its M side: <= 32 stays off wgmma)
     u2_mr: int = 0          # rows per up program, a multiple of u2_mt (0: all M rows padded)
     u2_warps: int = 4       # warps of the up launch

@@ -104,6 +104,13 @@ def decode_forward(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
     return execute(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, form, stats_buf, c, graphed, act)
 
 
+class U2Split(NamedTuple):
+    """The union2 up launch's K splits: per-call int32 tickets (one per chunk and row group) and
+    fp32 partials (elements)."""
+    tickets: int
+    partials: int
+
+
 class Prepared(NamedTuple):
     """The host arithmetic of a decode call, fixed by its shapes, form and flags (``prepare``):
     per-call buffer sizes, and per launch the kernel, grid, static int arguments, constexprs,
@@ -117,6 +124,7 @@ class Prepared(NamedTuple):
     launch3: Optional[tuple] = None   # union: its finishing launch (None: its down launch writes y); union2: its down launch
     launch4: Optional[tuple] = None   # union2: its finishing launch (None: its down launch writes y)
     uses_acc: bool = True    # the launches add into the fp32 accumulator (else a fresh state is its tail alone)
+    split: Optional[U2Split] = None   # union2 with cfg.u2_sk > 1: its tickets and partials
 
 
 def prepare(m: int, k: int, n: int, k_out: int, form: str, c: DecodeConfig, gated: bool, has_bg: bool,
@@ -231,6 +239,8 @@ def _union2_tiles(m: int, c: DecodeConfig) -> tuple[int, int, int]:
     """(rows per tl.dot tile, row tiles per up program, row tiles per down program) of the union2
     form for M rows; ValueError for union2 fields of ``c`` the kernels cannot take."""
     _check_fields(c, ("u2_bl", "u2_c", "u2_bk", "u2_mt", "u2_bo", "u2_cd"), "u2_mr", "u2_s")
+    if c.u2_sk < 1:
+        raise ValueError(f"cfg.u2_sk must be >= 1, got {c.u2_sk}")
     mp = max(16, pow2(m))
     mr = min(mp, c.u2_mr) if c.u2_mr else mp
     mt = min(c.u2_mt, mr)
@@ -255,20 +265,32 @@ def _prepare_union2(m: int, k: int, n: int, k_out: int, c: DecodeConfig, gated: 
     bo = min(c.u2_bo, max(16, pow2(k_out)))
     direct = c.u2_s == 1
     dense_up = bool(c.u2_dense_up) and gated
+    up_dot = gated and not dense_up
+    bk = min(c.u2_bk, max(16, pow2(k)))
+    sk = min(c.u2_sk, -(-k // bk)) if up_dot else 1          # K splits (only where the up launch dots)
+    ks = -(-k // (sk * bk)) * bk                              # K per split, a multiple of BK
+    nr, nc = mp // (mt * nt_up), -(-n // c.u2_c)
     # int32: per-block union slots [NB * BL], counts per block [NB], the compact union [N], tok
-    # [M + 1]; fp32 words: the compact h [M, N] in x's dtype (2 bytes: half a word each), -, total
+    # [M + 1]; fp32 words: the compact h [M, N] in x's dtype (2 bytes: half a word each), -, total.
+    # With K splits (U2Split): a ticket per up chunk (NB * BL >= nr * nc words, zeroed by the list
+    # launch) and the fp32 partials [nr, nc, SK, NT * MT, C]
     int_sizes = (nb * bl, nb, n, m + 1)
     float_sizes = ((m * n + 1) // 2, 0, 1)
-    launch1 = (decode_union2_list_kernel, (nb,), (m, n), dict(BL=bl, RT=min(mp, 32), PDL=pdl), 4, None)
-    launch2 = (decode_union2_up_kernel, (mp // (mt * nt_up), -(-n // c.u2_c)), (m, k, n, nb), dict(
-        GATED=gated, HAS_BU=has_bu, DENSE_UP=dense_up, UP_DOT=gated and not dense_up, BL=bl, NBP=nbp, C=c.u2_c,
-        BK=min(c.u2_bk, max(16, pow2(k))), MT=mt, NT=nt_up, PDL=pdl, ACT=ACTS.index(act)), c.u2_warps, c.u2_stages)
+    split = U2Split(nb * bl, nr * nc * sk * mt * nt_up * c.u2_c) if sk > 1 else None
+    if split is not None and nr * nc > split.tickets:
+        raise ValueError(f"union2: {nr} row groups x {nc} chunks of cfg.u2_c = {c.u2_c} need more tickets than "
+                         f"the list launch's {split.tickets} slots; raise cfg.u2_c or cfg.u2_mr")
+    launch1 = (decode_union2_list_kernel, (nb,), (m, n), dict(BL=bl, RT=min(mp, 32), TK=split is not None,
+                                                              PDL=pdl), 4, None)
+    launch2 = (decode_union2_up_kernel, (nr, nc, sk), (m, k, n, nb, ks), dict(
+        GATED=gated, HAS_BU=has_bu, DENSE_UP=dense_up, UP_DOT=up_dot, BL=bl, NBP=nbp, C=c.u2_c,
+        BK=bk, MT=mt, NT=nt_up, SK=sk, PDL=pdl, ACT=ACTS.index(act)), c.u2_warps, c.u2_stages)
     launch3 = (decode_union2_down_kernel, (-(-k_out // bo), c.u2_s), (m, n, k_out, nb), dict(
         DIRECT=direct, HAS_BD=has_bd, HAS_ST=has_stats, NBP=nbp, BO=bo, CD=c.u2_cd, MT=mp // nt_down, NT=nt_down,
         CB=pow2(m), PDL=pdl), c.u2_dwarps, c.u2_dstages)
     launch4 = None if direct else _finish(m, k_out, has_bd, clean, has_stats, pdl)
     return Prepared(int_sizes, sum(int_sizes), float_sizes, sum(float_sizes), launch1, launch2, launch3, launch4,
-                    uses_acc=not direct)
+                    uses_acc=not direct, split=split)
 
 
 _prepared: dict[tuple, Prepared] = {}
@@ -380,9 +402,14 @@ def _launch_union2(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: O
     u = F.linear(x2, w_up, b_up) if p.launch2[3]["DENSE_UP"] else g
     h = lh.view(x2.dtype)                # the compact h [M, N], in x's dtype
     wu = w_up if w_up is not None else w_gate
-    _go(p.launch1, (g, ln, lc, cnt))
+    if p.split is not None:              # K splits: tickets (zeroed by the list launch) and partials
+        tk = torch.empty(p.split.tickets, dtype=torch.int32, device=x2.device)
+        part = torch.empty(p.split.partials, dtype=torch.float32, device=x2.device)
+    else:
+        tk, part = ci, lh                # not read (TK and SK off)
+    _go(p.launch1, (g, ln, lc, cnt, tk))
     _go(p.launch2, (x2, x2.stride(0), x2.stride(1), wu, wu.stride(0), wu.stride(1),
-                    b_up if b_up is not None else wu, g, u, ln, lc, ci, h, hsa))
+                    b_up if b_up is not None else wu, g, u, ln, lc, ci, h, hsa, part, tk))
     _go(p.launch3, (lc, ci, h) + wd + out)
     if p.launch4 is not None:
         _go(p.launch4, out)
