@@ -679,13 +679,15 @@ def test_decode_union_form_configs_and_shapes(fields, m, k, n, k_out, layout):
 @pytest.mark.parametrize("fields", [dict(), dict(u2_s=1), dict(u2_mr=32, u2_s=16, u2_cd=64),
                                     dict(u2_c=16, u2_bo=64, u2_cd=16, u2_bk=64, u2_stages=4),
                                     dict(u2_c=64, u2_bo=256, u2_warps=8, u2_dwarps=8, u2_dstages=3),
-                                    dict(u2_mt=16, u2_bl=128, u2_dense_up=True)])
+                                    dict(u2_mt=16, u2_bl=128, u2_dense_up=True),
+                                    dict(u2_sk=8, u2_c=16, u2_mr=32), dict(u2_sk=3, u2_bk=64, u2_cd=128)])
 @pytest.mark.parametrize("m", [16, 64, 129, 256])
 @pytest.mark.parametrize("k,n,k_out", [(2048, 5632, 2048), (4096, 11008, 4096), (100, 3000, 4100)])
 @pytest.mark.parametrize("layout", ["linear", "transposed"])
 def test_decode_union2_form_configs_and_shapes(fields, m, k, n, k_out, layout):
     """Union2-form configs (one split: y written directly; row groups; other tile sizes; 16-row
-    tiles; the dense up projection) at the measured shapes and an odd one."""
+    tiles; the dense up projection; K split in the up launch, with row groups, and uneven: 3
+    splits of K) at the measured shapes and an odd one."""
     from twell_compile.runtime.cuda_decode import config_for
     c = config_for(m, k, torch.device("cuda"))._replace(**fields)
     if max(16, arch.next_pow2(m)) // min(c.u2_mt, max(16, arch.next_pow2(m))) > 8:

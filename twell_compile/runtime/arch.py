@@ -291,18 +291,19 @@ class CpuPolicy:
 # neurons per first-launch program (176 programs at N=5632), down tiles of 32 K_out columns in 4
 # splits (64 x 4 = 256 programs at K_out=2048, ~2 per SM of 132); from 128 rows 8 warps and 32
 # entries per down step (the [32, M_P] fp32 tiles of g, u and the down accumulator in registers).
-# The union2 form's fields are not measured either (docs/design-notes/decode.md "The union2
-# form"): up chunks of 16 union entries up to 32 rows (~27 / ~51 programs for unions of ~420 /
-# ~820 at N=5632), 32 at 64-128 rows, 64 at 256 (all rows' accumulators, 8 tiles of [32, 64],
-# in registers over 8 warps); down tiles of 128 K_out columns x 8 splits (128 programs), at 256
-# rows 64 columns x 4 splits (8 row tiles of [32, 64] accumulators).
+# The union2 form (docs/design-notes/decode.md "The union2 form"), measured at 16, 64 and 128
+# rows (W_down stored transposed, results/h200/ffn_decode_union2_fields.json): the up launch's K
+# in 4 splits, 128 union entries per down step from 64 rows, up chunks of 16 entries at 16 and
+# 128 rows, 32 at 64 (graphed, PDL: 27.4 / 45.0 / 69.8 us against 29.4 / 56.4 / 88.3 with the
+# first guesses); 32 and 256 rows keep those guesses (up chunks of 16 and 64 entries; at 256
+# rows down tiles of 64 K_out columns x 4 splits, 8 row tiles of [32, 64] accumulators).
 _DECODE_CONFIGS = {
     16: DecodeConfig(32, 256, 256, 256, 4, 0, 4, 3, lbk=128, lstages=5, gemv_bn=4, pbn=16, ppb=2, pwarps=2,
-                     union_bk=128, u2_c=16),
+                     union_bk=128, u2_c=16, u2_sk=4),
     32: DecodeConfig(64, 128, 256, 256, 0, 0, 4, 3, lbk=128, lstages=5, union_bk=128, u2_c=16),
-    64: DecodeConfig(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5),
+    64: DecodeConfig(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5, u2_sk=4, u2_cd=128),
     128: DecodeConfig(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5, union_warps=8, union_c=32,
-                      u2_dwarps=8),
+                      u2_c=16, u2_sk=4, u2_cd=128, u2_dwarps=8),
     256: DecodeConfig(64, 128, 256, 256, 0, 8192, 4, 3, lbk=128, lstages=5, union_warps=8, union_c=32,
                       union_dwarps=8, u2_c=64, u2_warps=8, u2_bo=64, u2_s=4, u2_dwarps=8),
 }
