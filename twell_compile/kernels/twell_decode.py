@@ -167,11 +167,12 @@ def _gate_rows(x_ptr, sx_m, sx_k, wg_ptr, swg_n, swg_k, bg_ptr, rn, n_ok, rm, m_
     """``gate_block`` for M <= MS rows as a plain GEMV: the block's BN whole W_gate rows in
     one request ([BN, KP]: one memory round trip), g by FMA in fp32, no rows padded to 16.
     Small BN then gives many programs (H200, M=1, K=2048, N=5632: 12.5 us at BN=4 against 14.9
-    for the tl.dot gate at BN=32; benchmarks/results/h200/ffn_decode.json)."""
+    for the tl.dot gate at BN=32; benchmarks/results/h200/ffn_decode.json). W_gate is read once
+    per call, so its lines are marked first to leave L2 (evict_first)."""
     rk = tl.arange(0, KP)
     k_ok = rk < K
     w = tl.load(wg_ptr + rn.to(tl.int64)[:, None] * swg_n + rk[None, :] * swg_k,
-                mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first").to(tl.float32)
     g = tl.zeros((MB, BN), dtype=tl.float32)
     for m in tl.static_range(MS):
         x_ok = k_ok & (tl.full((KP,), m, tl.int32) < M)
