@@ -321,6 +321,12 @@ def test_union2_form_launch_shapes():
     p = cuda_decode.prepare(64, 2048, 5632, 2048, "union2", c._replace(u2_dense_up=False, u2_sk=64, u2_bk=128),
                             True, False, False, False, True, False)
     assert p.launch2[1][2] == 16 and p.launch2[2][-1] == 128               # at most K / BK splits
+    # the most row groups (16 of 16 rows at 256) and the smallest chunks: every ticket zeroed
+    p = cuda_decode.prepare(256, 2048, 5632, 2048, "union2", c._replace(u2_dense_up=False, u2_sk=2, u2_mr=16,
+                                                                          u2_mt=32, u2_c=16),
+                            True, False, False, False, True, False)
+    nr, nc, _ = p.launch2[1]
+    assert nr == 16 and nr * nc <= p.split.tickets == -(-5632 // c.u2_bl) * c.u2_bl
     p = cuda_decode.prepare(64, 2048, 5632, 2048, "union2", c, False, False, False, False, True, False)
     assert not p.launch2[3]["DENSE_UP"] and not p.launch2[3]["UP_DOT"]    # non-gated: no up projection
 

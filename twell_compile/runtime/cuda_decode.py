@@ -272,14 +272,12 @@ def _prepare_union2(m: int, k: int, n: int, k_out: int, c: DecodeConfig, gated: 
     nr, nc = mp // (mt * nt_up), -(-n // c.u2_c)
     # int32: per-block union slots [NB * BL], counts per block [NB], the compact union [N], tok
     # [M + 1]; fp32 words: the compact h [M, N] in x's dtype (2 bytes: half a word each), -, total.
-    # With K splits (U2Split): a ticket per up chunk (NB * BL >= nr * nc words, zeroed by the list
-    # launch) and the fp32 partials [nr, nc, SK, NT * MT, C]
+    # With K splits (U2Split): a ticket per up chunk and row group, NB * BL of them zeroed by the
+    # list launch (nr = M_P / u2_mr <= MAX_M / 16 = 16 <= C, so nr * nc <= N <= NB * BL), and the fp32
+    # partials [nr, nc, SK, NT * MT, C]
     int_sizes = (nb * bl, nb, n, m + 1)
     float_sizes = ((m * n + 1) // 2, 0, 1)
     split = U2Split(nb * bl, nr * nc * sk * mt * nt_up * c.u2_c) if sk > 1 else None
-    if split is not None and nr * nc > split.tickets:
-        raise ValueError(f"union2: {nr} row groups x {nc} chunks of cfg.u2_c = {c.u2_c} need more tickets than "
-                         f"the list launch's {split.tickets} slots; raise cfg.u2_c or cfg.u2_mr")
     launch1 = (decode_union2_list_kernel, (nb,), (m, n), dict(BL=bl, RT=min(mp, 32), TK=split is not None,
                                                               PDL=pdl), 4, None)
     launch2 = (decode_union2_up_kernel, (nr, nc, sk), (m, k, n, nb, ks), dict(
