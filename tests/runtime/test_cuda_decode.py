@@ -703,6 +703,22 @@ def test_decode_union2_form_configs_and_shapes(fields, m, k, n, k_out, layout):
 
 
 @gpu
+@pytest.mark.parametrize("m", [16, 64, 128])
+@pytest.mark.parametrize("sk", [1, 4])
+def test_decode_union2_with_one_union_share_gives_the_same_bits_each_call(m, sk):
+    """With one share of the union (u2_s=1: y written by the down launch, no atomics) y sums in a
+    fixed order, the up launch's K splits included (each chunk's last program adds the partials
+    in split order, whichever program arrives last): repeated calls give identical bits."""
+    from twell_compile.runtime.cuda_decode import config_for, decode_forward
+    p = _down_layout(_ffn(m, 2048, 5632, 2048, 0.02, torch.bfloat16, tail=0.2), "transposed")
+    c = config_for(m, 2048, p["x"].device)._replace(u2_s=1, u2_sk=sk)
+    y = decode_forward(*_args(p), cfg=c, form="union2").y
+    for _ in range(3):
+        assert torch.equal(decode_forward(*_args(p), cfg=c, form="union2").y, y)
+    _check(p, c, form="union2")
+
+
+@gpu
 @pytest.mark.parametrize("m", [16, 64, 256])
 @pytest.mark.parametrize("layout", ["linear", "transposed"])
 @pytest.mark.parametrize("path", ["decode-union", "decode-union2"])
