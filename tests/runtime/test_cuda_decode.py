@@ -298,6 +298,8 @@ def test_union2_form_launch_shapes():
         if sk > 1:                                                      # a ticket per chunk and row group
             assert p.split.tickets == nb * c.u2_bl >= nr * g2[1]
             assert p.split.partials == nr * g2[1] * sk * c2["NT"] * mt * c.u2_c
+        # in the call's fp32 scratch, after h: the partials and tickets (none without splits)
+        assert p.float_sizes[1] == (0 if sk == 1 else p.split.partials + p.split.tickets)
         assert c2["UP_DOT"] and not c2["DENSE_UP"] and c2["NBP"] >= nb
         k3, g3, s3, c3, w3, st3 = p.launch3
         assert k3 is decode_union2_down_kernel and g3 == (2048 // c.u2_bo, c.u2_s) and s3 == (m, 5632, 2048, nb)

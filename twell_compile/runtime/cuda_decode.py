@@ -271,13 +271,13 @@ def _prepare_union2(m: int, k: int, n: int, k_out: int, c: DecodeConfig, gated: 
     ks = -(-k // (sk * bk)) * bk                              # K per split, a multiple of BK
     nr, nc = mp // (mt * nt_up), -(-n // c.u2_c)
     # int32: per-block union slots [NB * BL], counts per block [NB], the compact union [N], tok
-    # [M + 1]; fp32 words: the compact h [M, N] in x's dtype (2 bytes: half a word each), -, total.
-    # With K splits (U2Split): a ticket per up chunk and row group, NB * BL of them zeroed by the
-    # list launch (nr = M_P / u2_mr <= MAX_M / 16 = 16 <= C, so nr * nc <= N <= NB * BL), and the fp32
-    # partials [nr, nc, SK, NT * MT, C]
-    int_sizes = (nb * bl, nb, n, m + 1)
-    float_sizes = ((m * n + 1) // 2, 0, 1)
+    # [M + 1]; fp32 words: the compact h [M, N] in x's dtype (2 bytes: half a word each), the K
+    # splits' words (U2Split: the fp32 partials [nr, nc, SK, NT * MT, C], then a ticket per up chunk
+    # and row group as int32, NB * BL of them zeroed by the list launch: nr = M_P / u2_mr <= MAX_M /
+    # 16 = 16 <= C, so nr * nc <= N <= NB * BL; none without splits), total
     split = U2Split(nb * bl, nr * nc * sk * mt * nt_up * c.u2_c) if sk > 1 else None
+    int_sizes = (nb * bl, nb, n, m + 1)
+    float_sizes = ((m * n + 1) // 2, 0 if split is None else split.partials + split.tickets, 1)
     launch1 = (decode_union2_list_kernel, (nb,), (m, n), dict(BL=bl, RT=min(mp, 32), TK=split is not None,
                                                               PDL=pdl), 4, None)
     launch2 = (decode_union2_up_kernel, (nr, nc, sk), (m, k, n, nb, ks), dict(
@@ -374,7 +374,7 @@ def _launch_all(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Opti
         if p.launch3 is not None:
             _go(p.launch3, out)
     elif form == "union2":
-        _launch_union2(x2, w_gate, b_gate, w_up, b_up, wd, out, ln, lc, rc, lh, cnt, hsa, p)
+        _launch_union2(x2, w_gate, b_gate, w_up, b_up, wd, out, ln, lc, rc, lh, hs, cnt, hsa, p)
     else:
         _go(p.launch1, w + wd + (bd, acc, tk, cnt, hsa, y, k_out, 1, tok, hsum, st))
         if p.launch2 is not None:
@@ -391,18 +391,18 @@ def _go(spec: tuple, args: tuple) -> None:
 
 def _launch_union2(x2: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Optional[Tensor],
                    b_up: Optional[Tensor], wd: tuple, out: tuple, ln: Tensor, lc: Tensor, ci: Tensor, lh: Tensor,
-                   cnt: Tensor, hsa: Tensor, p: Prepared) -> None:
+                   ks: Tensor, cnt: Tensor, hsa: Tensor, p: Prepared) -> None:
     """The union2 form's calls: the gate as eager's own GEMM (cuBLAS: g [M, N] in x's dtype,
     so the active set is eager's), with u2_dense_up the up projection likewise, then the list,
     up and down launches and the finish (``_prepare_union2``). ``out``: what the down and
-    finishing launches read and write."""
+    finishing launches read and write; ``ks``: the K splits' fp32 scratch (empty without)."""
     g = F.linear(x2, w_gate, b_gate)
     u = F.linear(x2, w_up, b_up) if p.launch2[3]["DENSE_UP"] else g
     h = lh.view(x2.dtype)                # the compact h [M, N], in x's dtype
     wu = w_up if w_up is not None else w_gate
-    if p.split is not None:              # K splits: tickets (zeroed by the list launch) and partials
-        tk = torch.empty(p.split.tickets, dtype=torch.int32, device=x2.device)
-        part = torch.empty(p.split.partials, dtype=torch.float32, device=x2.device)
+    if p.split is not None:              # K splits: partials, then tickets (zeroed by the list launch)
+        part, tk = ks.split_with_sizes((p.split.partials, p.split.tickets))
+        tk = tk.view(torch.int32)
     else:
         tk, part = ci, lh                # not read (TK and SK off)
     _go(p.launch1, (g, ln, lc, cnt, tk))
