@@ -60,9 +60,27 @@ def _dx() -> dict[str, Any]:
                 div16={"W", "swg_n", "swu_n", "sdx_m", "K"})
 
 
+def _union2(up: bool) -> dict[str, Any]:
+    """The union2 decode form's up or down launch at 64 rows (the H200 record's fields there)."""
+    from twell_compile.kernels.twell_decode_union2 import decode_union2_down_kernel, decode_union2_up_kernel
+
+    if up:
+        return dict(fn=decode_union2_up_kernel, warps=4, stages=3,
+                    consts=dict(GATED=True, HAS_BU=False, DENSE_UP=False, UP_DOT=True, BL=64, NBP=128, C=32, BK=128,
+                                MT=32, NT=2, SK=4, PDL=True, ACT=0, sx_k=1, swu_k=1),
+                    bf16={"x_ptr", "wu_ptr", "bu_ptr", "g_ptr", "u_ptr", "h_ptr"}, f32={"hsa_ptr", "part_ptr"},
+                    div16={"sx_m", "swu_n", "K", "N", "KS"})
+    return dict(fn=decode_union2_down_kernel, warps=4, stages=2,
+                consts=dict(DIRECT=False, HAS_BD=False, HAS_ST=True, NBP=128, BO=128, CD=128, MT=32, NT=2, CB=64,
+                            PDL=True, swd_k=1, sy_k=1),
+                bf16={"h_ptr", "wdt_ptr", "bd_ptr", "y_ptr"}, f32={"acc_ptr", "hsa_ptr", "hsum_ptr", "st_ptr"},
+                div16={"swd_n", "sy_m", "N", "KO"})
+
+
 # each the record's launch at K = K_out = 2048 (runtime/arch.py H200)
 PRESETS: dict[str, Callable[[], dict[str, Any]]] = {
     "wgrad_dy": lambda: _wgrad(True), "wgrad_x": lambda: _wgrad(False), "rows": _rows, "dx_rows": _dx,
+    "union2_up": lambda: _union2(True), "union2_down": lambda: _union2(False),
 }
 
 

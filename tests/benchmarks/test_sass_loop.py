@@ -68,3 +68,18 @@ def test_the_register_cap_is_ptxas_s_and_spills_are_counted(capsys):
     assert free_spill == capped_spill == 0 and tight_spill > 0
     sass_loop.main(["wgrad_x", "--maxnreg", "96"])
     assert "wgrad_x (wgrad_kernel, 4 warps): 96 registers, " in capsys.readouterr().out
+
+
+def test_the_union2_presets_compile_with_their_gathers_in_the_loop(capsys):
+    """union2_up's K loop copies its gathered W_up tile and x tiles asynchronously (LDGSTS);
+    union2_down's loop gathers its W_d^T rows with plain loads (LDG); nothing spills."""
+    triton = pytest.importorskip("triton")
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7) or not (sass_loop.tools() / "cuobjdump").exists():
+        pytest.skip("needs Triton >= 3.7 with its cuobjdump")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1: the kernels are interpreted here, nothing compiles")
+    up_sass, _, up_spill = sass_loop.compile_sass(sass_loop.PRESETS["union2_up"]())
+    down_sass, _, down_spill = sass_loop.compile_sass(sass_loop.PRESETS["union2_down"]())
+    assert up_spill == 0 and down_spill == 0
+    assert sass_loop.first_loop(up_sass)["loop"].get("LDGSTS", 0) > 0
+    assert sass_loop.first_loop(down_sass)["loop"].get("LDG", 0) > 0
