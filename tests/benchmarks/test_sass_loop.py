@@ -53,14 +53,19 @@ def test_a_preset_compiles_for_sm90a_here(capsys):
     assert "'LDG'" in out and "CALL" not in out                 # its gathers, and no division routine
 
 
-def test_the_register_cap_is_ptxas_s_and_spills_are_counted(capsys):
-    """--maxnreg compiles as the launcher's maxnreg does: the DY pass at 128 registers (164
-    uncapped) with nothing spilled, at 96 with stack or local memory."""
+def _needs_the_compiler() -> None:
+    """Skip unless Triton >= 3.7 with its cuobjdump compiles kernels here (not interpreted)."""
     triton = pytest.importorskip("triton")
     if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7) or not (sass_loop.tools() / "cuobjdump").exists():
         pytest.skip("needs Triton >= 3.7 with its cuobjdump")
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1: the kernels are interpreted here, nothing compiles")
+
+
+def test_the_register_cap_is_ptxas_s_and_spills_are_counted(capsys):
+    """--maxnreg compiles as the launcher's maxnreg does: the DY pass at 128 registers (164
+    uncapped) with nothing spilled, at 96 with stack or local memory."""
+    _needs_the_compiler()
     _, free, free_spill = sass_loop.compile_sass(sass_loop.PRESETS["wgrad_dy"]())
     _, capped, capped_spill = sass_loop.compile_sass({**sass_loop.PRESETS["wgrad_dy"](), "maxnreg": 128})
     _, tight, tight_spill = sass_loop.compile_sass({**sass_loop.PRESETS["wgrad_dy"](), "maxnreg": 96})
@@ -73,11 +78,7 @@ def test_the_register_cap_is_ptxas_s_and_spills_are_counted(capsys):
 def test_the_union2_presets_compile_with_their_gathers_in_the_loop(capsys):
     """union2_up's K loop copies its gathered W_up tile and x tiles asynchronously (LDGSTS);
     union2_down's loop gathers its W_d^T rows with plain loads (LDG); nothing spills."""
-    triton = pytest.importorskip("triton")
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7) or not (sass_loop.tools() / "cuobjdump").exists():
-        pytest.skip("needs Triton >= 3.7 with its cuobjdump")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1: the kernels are interpreted here, nothing compiles")
+    _needs_the_compiler()
     up_sass, _, up_spill = sass_loop.compile_sass(sass_loop.PRESETS["union2_up"]())
     down_sass, _, down_spill = sass_loop.compile_sass(sass_loop.PRESETS["union2_down"]())
     assert up_spill == 0 and down_spill == 0
